@@ -1,0 +1,93 @@
+"""Static description of one grouped-GEMM call: the compile key of every backend.
+
+A `GroupedGemmProblem` is built once per call by the public ops (after validation) and carried through the
+primitive as a parameter. It is frozen and hashable; it holds shapes and dtypes that are static under `jax.jit`
+and the epilogue recipe. Runtime data (group sizes, `valid_m`) never appears here: one compiled kernel serves
+every routing draw of the same shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+# Op names (the public op each problem comes from).
+FORWARD_OPS = ("quant", "srelu", "glu", "glu_hadamard_quant")
+BACKWARD_OPS = ("dglu", "dsrelu", "wgrad")
+OPS = FORWARD_OPS + BACKWARD_OPS
+
+BLOCK_SCALED_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """What happens to the fp32 accumulator tile before it is stored.
+
+    act: None (quant: plain alpha*acc), "srelu", "swiglu", "geglu" (forward) or "dswiglu", "dgeglu", "dsrelu"
+    (backward: the GEMM is the FC2 dgrad, C is the saved forward pre-activation read as an input).
+    """
+
+    act: Optional[str] = None
+    has_bias: bool = False
+    bias_dtype: Optional[str] = None
+    has_prob: bool = True
+    glu_limit: Optional[float] = None
+    glu_alpha: Optional[float] = None
+    tanh_clamp_scale: Optional[float] = None
+    c_dtype: Optional[str] = None          # dtype of the C output (forward) or C input (backward); None: no C
+    d_dtype: str = "bfloat16"              # dtype of D (forward) / D_row (backward)
+    compute_amax: bool = False
+    generate_sfd: bool = False             # FP8 D with SFD_row, D_col, SFD_col (norm_const input)
+    discrete_col_sfd: bool = False
+    dbias_dtype: Optional[str] = None      # backward: dbias output dtype (None: no dbias)
+    # glu_hadamard_quant only
+    rht: Optional[str] = None              # None | "rowwise" | "colwise"
+    rht_dtype: Optional[str] = None
+    has_hadamard: bool = False
+
+    @property
+    def is_glu(self) -> bool:
+        return self.act in ("swiglu", "geglu", "dswiglu", "dgeglu")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmProblem:
+    """One grouped GEMM `acc[m, n] = sum_k A[m, k] * B[g(m), n, k]` plus its epilogue.
+
+    m: rows of A (multiple of 256); n: columns of the GEMM output (rows of each expert weight); k: logical
+    reduction length; num_groups: L. For wgrad, m/n are the weight-gradient rows/cols and k the token count.
+    """
+
+    op: str
+    m: int
+    n: int
+    k: int
+    num_groups: int
+    ab_dtype: str
+    sf_dtype: Optional[str] = None          # None for bf16/fp16 inputs
+    sf_vec_size: Optional[int] = None
+    discrete_weights: bool = False
+    epilogue: Epilogue = Epilogue()
+    # wgrad only
+    wgrad_dtype: Optional[str] = None
+    has_global_scales: bool = False
+    accumulate: bool = False
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"unknown op {self.op!r}")
+
+    @property
+    def block_scaled(self) -> bool:
+        return self.sf_dtype is not None
+
+    @property
+    def n_out(self) -> int:
+        """Width of D: half of N for the forward GLU ops, N otherwise (backward D_row is dC, as wide as C)."""
+        if self.op in ("glu", "glu_hadamard_quant") and self.epilogue.act in ("swiglu", "geglu"):
+            return self.n // 2
+        if self.op == "dglu":
+            return 2 * self.n
+        return self.n
