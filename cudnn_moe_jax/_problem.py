@@ -91,3 +91,79 @@ class GroupedGemmProblem:
         if self.op == "dglu":
             return 2 * self.n
         return self.n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output names (cuDNN key order) and static output shapes: the abstract evaluation of the primitive.
+
+OUTPUT_KEYS = {
+    "quant": ("d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tensor", "sfd_col_tensor"),
+    "srelu": ("c_tensor", "d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tensor", "sfd_col_tensor"),
+    "glu": ("c_tensor", "d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tensor", "sfd_col_tensor"),
+    "glu_hadamard_quant": ("c_tensor", "d_tensor", "sfd_tensor", "amax_tensor", "rht_tensor", "sfrht_tensor"),
+    "dglu": ("d_row_tensor", "d_col_tensor", "dprob_tensor", "dbias_tensor", "amax_tensor", "sfd_row_tensor",
+             "sfd_col_tensor"),
+    "dsrelu": ("d_row_tensor", "d_col_tensor", "dprob_tensor", "dbias_tensor", "amax_tensor", "sfd_row_tensor",
+               "sfd_col_tensor"),
+    "wgrad": ("wgrad_tensor",),
+}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sf_shape(rows: int, cols: int, vec: int) -> tuple:
+    """Physical MMA-tiled scale-factor shape of one (rows, cols) operand, L = 1 (SEMANTICS §2.2)."""
+    return (1, cdiv(rows, 128), cdiv(cdiv(cols, vec), 4), 32, 4, 4)
+
+
+def sf_segment_bytes(rows: int, tokens: int, vec: int) -> int:
+    """Bytes of a per-expert segmented SF buffer (SEMANTICS §2.6): equal to the contiguous buffer's size."""
+    return cdiv(rows, 128) * 128 * cdiv(cdiv(tokens, vec), 4) * 4
+
+
+def output_specs(p: GroupedGemmProblem) -> dict:
+    """name -> (shape, dtype name) for every output the problem produces, in cuDNN key order (absent: None)."""
+    e = p.epilogue
+    m, n_out = p.m, p.n_out
+    out = dict.fromkeys(OUTPUT_KEYS[p.op])
+    if p.op == "wgrad":
+        out["wgrad_tensor"] = ((p.num_groups, p.m, p.n), p.wgrad_dtype)
+        return out
+    amax_cols = 2 if p.op == "dglu" else 1
+    if e.compute_amax:
+        out["amax_tensor"] = ((p.num_groups, amax_cols), "float32")
+    if p.op == "glu_hadamard_quant":
+        out["c_tensor"] = ((m, p.n), e.c_dtype)
+        if e.d_dtype == "float4_e2m1fn":
+            out["d_tensor"] = ((m, n_out // 2), "uint8")
+            out["sfd_tensor"] = (sf_shape(m, n_out, 16), "uint8")
+        else:
+            out["d_tensor"] = ((m, n_out), e.d_dtype)
+        if e.rht == "rowwise":
+            if e.rht_dtype == "float4_e2m1fn":
+                out["rht_tensor"] = ((m, n_out // 2), "uint8")
+                out["sfrht_tensor"] = (sf_shape(m, n_out, 16), "uint8")
+            else:
+                out["rht_tensor"] = ((m, n_out), e.rht_dtype)
+        elif e.rht == "colwise":
+            out["rht_tensor"] = ((m * n_out // 2,), "uint8")
+            out["sfrht_tensor"] = ((sf_segment_bytes(n_out, m, 16),), "uint8")
+        return out
+    main = "d_tensor" if p.op in FORWARD_OPS else "d_row_tensor"
+    out[main] = ((m, n_out), e.d_dtype)
+    if p.op in ("srelu", "glu"):
+        out["c_tensor"] = ((m, p.n), e.c_dtype)
+    if p.op in ("dglu", "dsrelu"):
+        out["dprob_tensor"] = ((m,), "float32")
+        if e.dbias_dtype is not None:
+            out["dbias_tensor"] = ((p.num_groups, n_out), e.dbias_dtype)
+    if e.generate_sfd:
+        out["d_col_tensor"] = ((m, n_out), e.d_dtype)
+        out["sfd_row_tensor"] = (sf_shape(m, n_out, 32), "uint8")
+        if e.discrete_col_sfd:
+            out["sfd_col_tensor"] = ((sf_segment_bytes(n_out, m, 32),), "uint8")
+        else:
+            out["sfd_col_tensor"] = (sf_shape(n_out, m, 32), "uint8")
+    return out

@@ -1,0 +1,150 @@
+"""The one primitive behind every op: abstract eval from the problem, lowering per platform.
+
+`grouped_gemm_p` takes the op's canonical arrays (flat, in the order given by `input_names`) and the static
+`GroupedGemmProblem`; it returns the present outputs in cuDNN key order. Lowering:
+  cuda  -> the CuTe DSL kernel when one covers the problem (cudnn_moe_jax._runtime), else the reference (XLA on
+           the GPU) with a one-time warning naming the reason;
+  other -> the pure-jnp reference (cudnn_moe_jax.reference) through `mlir.lower_fun`.
+There is deliberately no JVP/transpose/batching rule: gradients come from the explicit backward ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _problem
+from ._problem import GroupedGemmProblem
+
+log = logging.getLogger("cudnn_moe_jax")
+
+grouped_gemm_p = Primitive("cudnn_moe_grouped_gemm")
+grouped_gemm_p.multiple_results = True
+
+
+def _present_specs(problem):
+    return [(k, v) for k, v in _problem.output_specs(problem).items() if v is not None]
+
+
+def bind(problem: GroupedGemmProblem, inputs: dict, config=None) -> dict:
+    """Bind the primitive; `inputs` maps canonical input names to arrays (None entries are dropped).
+
+    Discrete weights arrive as a tuple under "b" (and "sfb") and are flattened to "b:0", "b:1", ...
+    Returns a dict with every output key of the op (absent outputs None).
+    """
+    names, arrays = [], []
+    for name, value in inputs.items():
+        if value is None:
+            continue
+        if isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                names.append(f"{name}:{i}")
+                arrays.append(v)
+        else:
+            names.append(name)
+            arrays.append(value)
+    results = grouped_gemm_p.bind(*arrays, problem=problem, input_names=tuple(names), config=config)
+    out = dict.fromkeys(_problem.OUTPUT_KEYS[problem.op])
+    for (key, _), value in zip(_present_specs(problem), results):
+        out[key] = value
+    return out
+
+
+def _abstract_eval(*avals, problem, input_names, config):
+    del avals, input_names, config
+    return [jax.core.ShapedArray(shape, jnp.dtype(dtype)) for _, (shape, dtype) in _present_specs(problem)]
+
+
+def _regroup(input_names, arrays) -> dict:
+    """Inverse of the flattening in `bind`: {"a": x, "b": (b0, b1, ...), ...}."""
+    named = {}
+    for name, value in zip(input_names, arrays):
+        if ":" in name:
+            base, _ = name.split(":")
+            named.setdefault(base, []).append(value)
+        else:
+            named[name] = value
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in named.items()}
+
+
+def reference_outputs(problem, input_names, *arrays):
+    """Run the problem on the pure-jnp reference; returns the present outputs in key order."""
+    from . import _reference_adapter
+
+    result = _reference_adapter.run(problem, _regroup(input_names, arrays))
+    outs = []
+    for key, (shape, dtype) in _present_specs(problem):
+        value = result[key]
+        if value is None:
+            raise AssertionError(f"reference did not produce {key} for {problem}")
+        value = jnp.asarray(value)
+        if value.dtype != jnp.dtype(dtype):
+            # SF outputs travel as uint8 bit patterns; everything else must already have the declared dtype.
+            value = jax.lax.bitcast_convert_type(value, jnp.dtype(dtype)) if value.dtype.itemsize == 1 else value
+        outs.append(jnp.reshape(value, shape))
+    return outs
+
+
+def _impl(*arrays, problem, input_names, config):
+    return jax.jit(functools.partial(grouped_gemm_p.bind, problem=problem, input_names=input_names,
+                                     config=config))(*arrays)
+
+
+def _reference_lowering(ctx, *args, problem, input_names, config):
+    del config
+    return mlir.lower_fun(functools.partial(reference_outputs, problem, input_names),
+                          multiple_results=True)(ctx, *args)
+
+
+_warned = set()
+
+
+def _warn_once(problem, reason):
+    key = (problem.op, reason)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"cudnn_moe_jax: no GPU kernel for this {problem.op} problem ({reason}); running the "
+                      "reference implementation through XLA instead.", RuntimeWarning, stacklevel=2)
+
+
+def _cuda_lowering(ctx, *args, problem, input_names, config):
+    reason = None
+    try:
+        from . import _runtime
+
+        lowering = _runtime.kernel_lowering(problem, input_names, config)
+    except Exception as exc:  # noqa: BLE001 - any failure to find/compile a kernel falls back, loudly once
+        lowering, reason = None, f"{type(exc).__name__}: {exc}"
+    if lowering is None:
+        _warn_once(problem, reason or "not covered by a kernel yet")
+        return _reference_lowering(ctx, *args, problem=problem, input_names=input_names, config=config)
+    return lowering(ctx, *args)
+
+
+def _no_autodiff(*args, **params):
+    raise TypeError(
+        "cudnn_moe_jax ops have no automatic derivative: use the explicit fused backward ops "
+        "(grouped_gemm_dglu / grouped_gemm_dswiglu, grouped_gemm_dsrelu, grouped_gemm_quant as dgrad, "
+        "grouped_gemm_wgrad) or cudnn_moe_jax.nn.moe_mlp, whose custom_vjp wires them.")
+
+
+def _no_vmap(*args, **params):
+    raise TypeError(
+        "cudnn_moe_jax ops do not support jax.vmap: experts are already the batch dimension (stack them in B and "
+        "padded_offsets), and the backward is explicit (grouped_gemm_dglu / grouped_gemm_dsrelu / "
+        "grouped_gemm_wgrad).")
+
+
+grouped_gemm_p.def_impl(_impl)
+grouped_gemm_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(grouped_gemm_p, _reference_lowering)
+mlir.register_lowering(grouped_gemm_p, _cuda_lowering, platform="cuda")
+ad.primitive_jvps[grouped_gemm_p] = _no_autodiff
+ad.primitive_transposes[grouped_gemm_p] = _no_autodiff
+batching.primitive_batchers[grouped_gemm_p] = _no_vmap

@@ -1,0 +1,94 @@
+"""MoE feed-forward built only from the fused forward and explicit backward ops, wired with `jax.custom_vjp`.
+
+Per expert e (rows of its group in the permuted layout), with W1 (L, 2I, H) gate/up interleaved in 32-row blocks
+(or (L, I, H) for srelu) and W2 (L, H, I):
+    C = x W1[e]^T (+ b1[e]);  h = prob * act(C);  y = h W2[e]^T
+Forward: grouped_gemm_glu / grouped_gemm_srelu (FC1), grouped_gemm_quant (FC2).
+Backward: grouped_gemm_dglu / grouped_gemm_dsrelu (FC2 dgrad + activation derivative, dprob, db1),
+grouped_gemm_quant (FC1 dgrad), grouped_gemm_wgrad x2.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .. import ops
+from . import routing as _routing
+
+
+def _swap_last(w):
+    """(L, N, K) -> (L, K, N): the other operand orientation of an expert weight (one XLA transpose)."""
+    return jnp.swapaxes(w, 1, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def moe_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act: str = "swiglu", glu_limit: Optional[float] = None):
+    """Expert MLP on permuted rows. x_perm (m, H) bf16/fp16; w1 (L, 2I or I, H); w2 (L, H, I); prob (m,) f32;
+    b1 (L, 2I or I) or None; padded_offsets (L,) int32 (static-shaped, device values). Returns y_perm (m, H)."""
+    y, _ = _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit)
+    return y
+
+
+def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
+    dtype = x_perm.dtype
+    if act == "srelu":
+        fc1 = ops.grouped_gemm_srelu(x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
+                                     c_dtype=dtype, d_dtype=dtype, compute_amax=False)
+    else:
+        fc1 = ops.grouped_gemm_glu(x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
+                                   act_func=act, glu_limit=glu_limit, c_dtype=dtype, d_dtype=dtype,
+                                   compute_amax=False)
+    fc2 = ops.grouped_gemm_quant(fc1.d_tensor, w2, padded_offsets=padded_offsets, d_dtype=dtype,
+                                 compute_amax=False)
+    return fc2.d_tensor, (fc1.c_tensor, fc1.d_tensor)
+
+
+def _moe_mlp_fwd(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
+    y, (c, h) = _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit)
+    return y, (x_perm, w1, w2, prob, b1, padded_offsets, c, h)
+
+
+def _moe_mlp_bwd(act, glu_limit, residuals, dy):
+    x_perm, w1, w2, prob, b1, padded_offsets, c, h = residuals
+    dtype = x_perm.dtype
+    dy = dy.astype(dtype)
+    # FC2 dgrad fused with the activation derivative: dC, dprob, db1.
+    common = dict(padded_offsets=padded_offsets, prob_tensor=prob, d_dtype=dtype, compute_amax=False,
+                  generate_dbias=b1 is not None, dbias_dtype="float32" if b1 is not None else None)
+    if act == "srelu":
+        bwd = ops.grouped_gemm_dsrelu(dy, _swap_last(w2), c, **common)
+    else:
+        bwd = ops.grouped_gemm_dglu(dy, _swap_last(w2), c, act_func="d" + act, glu_limit=glu_limit, **common)
+    dc = bwd.d_row_tensor
+    # FC1 dgrad: dx = dC W1[e] (quant op with B = W1 seen as (L, H, 2I)).
+    dx = ops.grouped_gemm_quant(dc, _swap_last(w1), padded_offsets=padded_offsets, d_dtype=dtype,
+                                compute_amax=False).d_tensor
+    # Weight gradients: tokens are the rows of the permuted layout; the group ends are the token offsets.
+    dw2 = ops.grouped_gemm_wgrad(dy.T, h.T, padded_offsets, wgrad_dtype=w2.dtype).wgrad_tensor
+    dw1 = ops.grouped_gemm_wgrad(dc.T, x_perm.T, padded_offsets, wgrad_dtype=w1.dtype).wgrad_tensor
+    db1 = None if b1 is None else bwd.dbias_tensor.astype(b1.dtype)
+    # padded_offsets is integer routing data: no cotangent.
+    return dx, dw1, dw2, bwd.dprob_tensor, db1, None
+
+
+moe_mlp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)
+
+
+def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: int = 2, act: str = "swiglu",
+              glu_limit: Optional[float] = None):
+    """A full MoE FFN on tokens x (T, H): softmax top-k router (router_weight (H, L)), permutation into
+    256-padded expert groups, the fused expert MLP, and the weighted sum back to tokens. Returns (y (T, H), aux)
+    with aux = {"padded_offsets", "expert_load"} for logging."""
+    num_experts = router_weight.shape[1]
+    logits = jnp.dot(x.astype(jnp.float32), router_weight.astype(jnp.float32))
+    experts, weights = _routing.top_k_gating(logits, top_k)
+    plan = _routing.route(experts, num_experts)
+    x_perm, prob = _routing.permute(x, weights, plan)
+    y_perm = moe_mlp(x_perm, w1, w2, prob, b1, plan.padded_offsets, act, glu_limit)
+    y = _routing.unpermute(y_perm, plan, x.shape[0])
+    load = jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+    return y, {"padded_offsets": plan.padded_offsets, "expert_load": load}

@@ -1,0 +1,72 @@
+"""Token routing for the MoE layer: top-k gating and permutation into 256-padded contiguous expert groups.
+
+Everything here is plain jnp (differentiable by JAX): gradients reach the router through `prob`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+GROUP_ALIGN = 256
+
+
+class Routing(NamedTuple):
+    """Where each (token, choice) went. Shapes use m = `permuted_rows(T, k, L)` (static under jit)."""
+
+    padded_offsets: jax.Array  # (L,) int32 exclusive group ends, multiples of 256
+    row_token: jax.Array       # (m,) int32 source token of each permuted row; T for padding rows
+    dest_row: jax.Array        # (T, k) int32 permuted row of each (token, choice)
+
+
+def permuted_rows(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Static row count that holds any routing: every expert padded up to 256 rows (worst case)."""
+    assignments = num_tokens * top_k
+    return -(-(assignments + num_experts * (GROUP_ALIGN - 1)) // GROUP_ALIGN) * GROUP_ALIGN
+
+
+def top_k_gating(logits: jax.Array, top_k: int, normalize: bool = True):
+    """Softmax router: returns (expert index (T, k) int32, gate weight (T, k) float32)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), weights
+
+
+def route(experts: jax.Array, num_experts: int) -> Routing:
+    """Assign every (token, choice) a row in the expert-sorted, 256-padded layout."""
+    num_tokens, top_k = experts.shape
+    m = permuted_rows(num_tokens, top_k, num_experts)
+    flat_expert = experts.reshape(-1)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat_expert].add(1)
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    padded_offsets = jnp.cumsum(padded).astype(jnp.int32)
+    group_start = padded_offsets - padded
+    # Rank of each assignment among those of its expert (stable: token order is kept inside a group).
+    order = jnp.argsort(flat_expert, stable=True)
+    sorted_expert = flat_expert[order]
+    first_of_expert = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(flat_expert.shape[0], dtype=jnp.int32) - first_of_expert[sorted_expert]
+    dest_sorted = group_start[sorted_expert] + rank_sorted
+    dest = jnp.zeros_like(flat_expert).at[order].set(dest_sorted)
+    token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), top_k)
+    row_token = jnp.full((m,), num_tokens, jnp.int32).at[dest].set(token)
+    return Routing(padded_offsets, row_token, dest.reshape(num_tokens, top_k))
+
+
+def permute(x: jax.Array, weights: jax.Array, routing: Routing):
+    """Tokens (T, H) and gate weights (T, k) -> permuted rows (m, H) and per-row prob (m,); padding rows are 0."""
+    m = routing.row_token.shape[0]
+    x_padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)], axis=0)
+    x_perm = x_padded[routing.row_token]
+    prob = jnp.zeros((m,), jnp.float32).at[routing.dest_row.reshape(-1)].set(weights.reshape(-1))
+    return x_perm, prob
+
+
+def unpermute(y_perm: jax.Array, routing: Routing, num_tokens: int) -> jax.Array:
+    """Permuted rows (m, H) -> tokens (T, H), summing the k expert outputs of each token."""
+    return jnp.zeros((num_tokens, y_perm.shape[1]), y_perm.dtype).at[routing.row_token].add(
+        y_perm, mode="drop")

@@ -1,0 +1,308 @@
+"""Validation and canonicalisation shared by the public ops (SEMANTICS A2, A3, A12).
+
+Every static rule is checked here, once, before anything is bound or lowered; errors name the argument and the
+rule. What leaves this module is canonical: A `(m, K)`, B `(L, N, K)`, SF as uint8 physical 6-D arrays, prob
+`(m,)` f32, alpha `(L,)` f32, dtype names as strings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .._problem import BLOCK_SCALED_DTYPES, FP8_DTYPES, HALF_DTYPES, cdiv, sf_segment_bytes, sf_shape
+
+MAX_GROUPS = 1024
+M_ALIGN = 256
+SF_DTYPES = ("float8_e8m0fnu", "float8_e4m3fn")
+FLOAT_OUT_DTYPES = ("bfloat16", "float16", "float32")
+FP4 = "float4_e2m1fn"
+
+
+def dtype_name(dtype, arg: str) -> str:
+    """Normalise a dtype-like (jnp dtype, numpy dtype, string) to its name."""
+    if dtype is None:
+        raise TypeError(f"{arg}: a dtype is required")
+    if isinstance(dtype, str):
+        aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "e4m3": "float8_e4m3fn",
+                   "e5m2": "float8_e5m2", "e8m0": "float8_e8m0fnu", "fp4": FP4, "nvfp4": FP4, "e2m1": FP4}
+        dtype = aliases.get(dtype, dtype)
+    try:
+        return jnp.dtype(dtype).name
+    except TypeError as exc:
+        raise TypeError(f"{arg}: {dtype!r} is not a dtype") from exc
+
+
+def check_choice(value, allowed, arg: str, why: str = ""):
+    if value not in allowed:
+        raise ValueError(f"{arg}={value!r} is not supported: allowed {tuple(allowed)}{'; ' + why if why else ''}")
+
+
+def array(x, arg: str):
+    if x is None:
+        raise TypeError(f"{arg} is required")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    return x
+
+
+def squeeze_unit(x, ndim: int, arg: str, shape_hint: str):
+    """Accept cuDNN's trailing unit modes, e.g. A `(m, K, 1)` -> `(m, K)`."""
+    while x.ndim > ndim and x.shape[-1] == 1:
+        x = jnp.reshape(x, x.shape[:-1])
+    if x.ndim != ndim:
+        raise ValueError(f"{arg} must have shape {shape_hint}, got {tuple(x.shape)}")
+    return x
+
+
+def operand_dtype(x, arg: str) -> str:
+    """Storage dtype of an A/B operand; uint8 means packed FP4 (two values a byte, low nibble first)."""
+    name = x.dtype.name
+    if name == "uint8":
+        return FP4
+    if name == FP4:
+        raise TypeError(f"{arg}: pass FP4 data packed two values per byte as uint8 (low nibble = even element), "
+                        "e.g. cudnn_moe_jax.formats.pack_fp4(codes)")
+    if name not in HALF_DTYPES + FP8_DTYPES:
+        raise TypeError(f"{arg}: dtype {name} is not supported; use bfloat16, float16, float8_e4m3fn, "
+                        "float8_e5m2 or uint8 (packed FP4)")
+    return name
+
+
+def logical_k(x, ab_dtype: str) -> int:
+    return x.shape[-1] * 2 if ab_dtype == FP4 else x.shape[-1]
+
+
+def check_k_alignment(k: int, ab_dtype: str, arg: str):
+    # The contiguous extent of A and B must be a multiple of 16 bytes (TMA), SEMANTICS §1.1.
+    need = {FP4: 32, "float8_e4m3fn": 16, "float8_e5m2": 16}.get(ab_dtype, 8)
+    if k % need:
+        raise ValueError(f"{arg}: K={k} must be a multiple of {need} for {ab_dtype} (16-byte rows)")
+
+
+def check_m(m: int, arg: str = "a_tensor"):
+    if m <= 0 or m % M_ALIGN:
+        raise ValueError(f"{arg}: rows m={m} must be a positive multiple of {M_ALIGN} (expert groups are "
+                         f"padded to {M_ALIGN} rows)")
+
+
+def int_vector(x, length: int, arg: str):
+    x = array(x, arg)
+    x = jnp.reshape(x, (-1,)) if x.ndim > 1 and math.prod(x.shape) == x.shape[0] else x
+    if x.ndim != 1 or x.shape[0] != length:
+        raise ValueError(f"{arg} must have shape ({length},), got {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{arg} must be an integer array (int32), got {x.dtype}")
+    return x.astype(jnp.int32)
+
+
+def float_vector(x, length: int, arg: str, default: Optional[float] = None):
+    """`(length,)` float32 (also accepts `(length, 1, 1)`); None -> `default` filled, or None if no default."""
+    if x is None:
+        return None if default is None else jnp.full((length,), default, jnp.float32)
+    x = array(x, arg)
+    if math.prod(x.shape) != length or (x.ndim and x.shape[0] != length):
+        raise ValueError(f"{arg} must have shape ({length},) (or ({length}, 1, 1)), got {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{arg} must be float32 (or bfloat16), got {x.dtype}")
+    return jnp.reshape(x, (length,)).astype(jnp.float32)
+
+
+def scalar_f32(x, arg: str):
+    x = array(x, arg)
+    if math.prod(x.shape) != 1:
+        raise ValueError(f"{arg} must hold one value (shape (1,)), got {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{arg} must be float32, got {x.dtype}")
+    return jnp.reshape(x, (1,)).astype(jnp.float32)
+
+
+def sf_bytes(x, expected_shape: tuple, arg: str, flat_ok_shape: Optional[tuple] = None):
+    """A scale-factor buffer -> uint8 with `expected_shape` (accepts the physical array or its flat bytes)."""
+    x = array(x, arg)
+    name = x.dtype.name
+    if name not in SF_DTYPES + ("uint8",):
+        raise TypeError(f"{arg}: dtype {name} is not a scale-factor dtype (float8_e8m0fnu, float8_e4m3fn or "
+                        "uint8 bit patterns)")
+    size = math.prod(expected_shape)
+    if math.prod(x.shape) != size or (x.ndim > 1 and tuple(x.shape) != tuple(expected_shape)):
+        raise ValueError(f"{arg}: expected the packed MMA-tiled buffer of shape {tuple(expected_shape)} (or its "
+                         f"{size} flat bytes), got shape {tuple(x.shape)}; pack row-major scales with "
+                         "cudnn_moe_jax.formats.pack_sf")
+    if name != "uint8":
+        x = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return jnp.reshape(x, expected_shape)
+
+
+def sf_dtype_of(*tensors) -> Optional[str]:
+    names = {t.dtype.name for t in tensors if t is not None and t.dtype.name != "uint8"}
+    if len(names) > 1:
+        raise TypeError(f"sfa_tensor and sfb_tensor must share one scale-factor dtype, got {sorted(names)}")
+    return names.pop() if names else None
+
+
+def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sf_dtype_hint=None):
+    """Checks A3 (which data dtype goes with which SF dtype and vec size); returns (sf_dtype, vec) or (None, None)."""
+    if ab_dtype in HALF_DTYPES:
+        for t, arg in ((sfa, "sfa_tensor"), (sfb, "sfb_tensor")):
+            if t is not None:
+                raise TypeError(f"{arg} must be None for {ab_dtype} inputs (they carry no scale factors)")
+        return None, None
+    if sfa is None or sfb is None:
+        raise TypeError(f"sfa_tensor and sfb_tensor are required for block-scaled {ab_dtype} inputs")
+    sf_dtype = sf_dtype_of(sfa, sfb) or sf_dtype_hint
+    if sf_dtype is None:
+        # uint8 bit patterns carry no dtype: e8m0 unless vec 16 with an e4m3 hint.
+        sf_dtype = "float8_e8m0fnu"
+    if ab_dtype in FP8_DTYPES:
+        vec = 32 if sf_vec_size is None else sf_vec_size
+        if vec != 32 or sf_dtype != "float8_e8m0fnu":
+            raise ValueError(f"sf_vec_size/sf dtype: {ab_dtype} inputs are MXFP8 (float8_e8m0fnu scales, "
+                             f"sf_vec_size=32); got sf_vec_size={vec}, {sf_dtype}")
+    else:
+        if sf_vec_size is None:
+            if sf_dtype != "float8_e4m3fn":
+                raise ValueError("sf_vec_size is required for FP4 inputs with e8m0 scales (16 = NVFP4-e8m0, "
+                                 "32 = MXFP4)")
+            sf_vec_size = 16
+        check_choice(sf_vec_size, (16, 32), "sf_vec_size")
+        vec = sf_vec_size
+        if sf_dtype == "float8_e4m3fn" and vec != 16:
+            raise ValueError("sf_vec_size: float8_e4m3fn scale factors require sf_vec_size=16 (NVFP4)")
+    return sf_dtype, vec
+
+
+def out_dtype(dtype, arg: str, allowed) -> str:
+    name = dtype_name(dtype, arg)
+    if name == FP4 and FP4 not in allowed:
+        raise NotImplementedError(f"{arg}=float4_e2m1fn: NVFP4 outputs are only produced by "
+                                  "grouped_gemm_glu_hadamard_quant")
+    check_choice(name, allowed, arg)
+    return name
+
+
+def check_static_kwargs(acc_dtype=None, m_aligned=None, cd_major=None, vector_f32=None, stream=None,
+                        mma_tiler_mn=None, cluster_shape_mn=None):
+    """cuDNN wrapper keywords we accept for drop-in compatibility; anything but the supported value is an error."""
+    if acc_dtype is not None and dtype_name(acc_dtype, "acc_dtype") != "float32":
+        raise ValueError("acc_dtype: only float32 accumulation is supported")
+    if m_aligned is not None and m_aligned != M_ALIGN:
+        raise ValueError(f"m_aligned: groups are padded to {M_ALIGN} rows; other alignments are not supported")
+    if cd_major is not None and cd_major != "n":
+        raise ValueError("cd_major: outputs are row-major (cd_major='n') in JAX")
+    if vector_f32:
+        raise ValueError("vector_f32=True is not supported")
+    if stream is not None:
+        raise ValueError("stream: XLA owns streams in JAX; do not pass one")
+    config = None
+    for value, arg in ((mma_tiler_mn, "mma_tiler_mn"), (cluster_shape_mn, "cluster_shape_mn")):
+        if value is not None and (len(tuple(value)) != 2 or not all(isinstance(v, int) and v > 0 for v in value)):
+            raise ValueError(f"{arg} must be a pair of positive ints, got {value!r}")
+    if mma_tiler_mn is not None or cluster_shape_mn is not None:
+        config = (tuple(mma_tiler_mn) if mma_tiler_mn else None,
+                  tuple(cluster_shape_mn) if cluster_shape_mn else None)
+    return config
+
+
+def positive_float(value, arg: str) -> Optional[float]:
+    if value is None:
+        return None
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{arg} must be a positive finite number, got {value}")
+    return value
+
+
+def finite_float(value, arg: str) -> Optional[float]:
+    if value is None:
+        return None
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{arg} must be finite, got {value}")
+    return value
+
+
+
+def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors, padded_offsets,
+                  sf_vec_size, b_arg="b_tensor"):
+    """Validate and canonicalise the grouped-GEMM operands shared by every forward and dgrad op.
+
+    Returns (inputs dict, dims dict) with dims = m, n, k, num_groups, ab_dtype, sf_dtype, vec, discrete.
+    """
+    a = squeeze_unit(array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, K) (or (m, K, 1))")
+    ab_dtype = operand_dtype(a, "a_tensor")
+    m, k = a.shape[0], logical_k(a, ab_dtype)
+    check_m(m)
+    discrete = b_tensors is not None
+    if discrete == (b_tensor is not None):
+        raise ValueError(f"pass exactly one of {b_arg} (dense (L, N, K)) and b_tensors (list of per-expert "
+                         "(N, K) arrays)")
+    if discrete:
+        experts = [squeeze_unit(array(b, "b_tensors[i]"), 2, f"b_tensors[{i}]", "(N, K)")
+                   for i, b in enumerate(b_tensors)]
+        if not experts:
+            raise ValueError("b_tensors must hold at least one expert")
+        shapes = {tuple(b.shape) for b in experts}
+        dtypes = {b.dtype.name for b in experts}
+        if len(shapes) != 1 or len(dtypes) != 1:
+            raise ValueError(f"b_tensors: all experts must share shape and dtype, got {shapes} {dtypes}")
+        b_shape, b_dtype_name, num_groups = experts[0].shape, experts[0].dtype, len(experts)
+        b = tuple(experts)
+        n = b_shape[0]
+        b_dtype = operand_dtype(experts[0], "b_tensors")
+        b_k = logical_k(experts[0], b_dtype)
+        if sfb_tensor is not None:
+            raise ValueError("with b_tensors pass the per-expert scales as sfb_tensors, not sfb_tensor")
+    else:
+        b = array(b_tensor, b_arg)
+        if b.ndim != 3:
+            raise ValueError(f"{b_arg} must have shape (L, N, K) (expert-major, K contiguous), got "
+                             f"{tuple(b.shape)}")
+        b_dtype = operand_dtype(b, b_arg)
+        num_groups, n, b_k = b.shape[0], b.shape[1], logical_k(b, b_dtype)
+        if sfb_tensors is not None:
+            raise ValueError("sfb_tensors goes with b_tensors; with a dense b_tensor pass sfb_tensor")
+    if b_dtype != ab_dtype:
+        raise TypeError(f"a_tensor ({ab_dtype}) and {b_arg} ({b_dtype}) must have the same dtype")
+    if b_k != k:
+        raise ValueError(f"{b_arg}: K={b_k} does not match a_tensor's K={k}")
+    check_k_alignment(k, ab_dtype, "a_tensor")
+    if not 1 <= num_groups <= MAX_GROUPS:
+        raise ValueError(f"{b_arg}: number of experts L={num_groups} must be in [1, {MAX_GROUPS}]")
+    if n <= 0 or n % 8:
+        raise ValueError(f"{b_arg}: N={n} must be a positive multiple of 8")
+    offsets = int_vector(padded_offsets, num_groups, "padded_offsets")
+
+    sfb_given = sfb_tensors if discrete else sfb_tensor
+    if discrete and sfb_tensors is not None and len(sfb_tensors) != num_groups:
+        raise ValueError(f"sfb_tensors must hold one buffer per expert ({num_groups}), got {len(sfb_tensors)}")
+    sfb_first = (sfb_tensors[0] if sfb_tensors else None) if discrete else sfb_tensor
+    sf_dtype, vec = resolve_block_format(ab_dtype, sfa_tensor, sfb_first if sfb_given is not None else None,
+                                         sf_vec_size)
+    sfa = sfb = None
+    if sf_dtype is not None:
+        sfa = sf_bytes(sfa_tensor, sf_shape(m, k, vec), "sfa_tensor")
+        if discrete:
+            sfb = tuple(sf_bytes(s, sf_shape(n, k, vec), f"sfb_tensors[{i}]") for i, s in enumerate(sfb_tensors))
+        else:
+            shape = (num_groups,) + sf_shape(n, k, vec)[1:]
+            sfb = sf_bytes(sfb_tensor, shape, "sfb_tensor")
+    inputs = {"a": a, "b": b, "sfa": sfa, "sfb": sfb, "padded_offsets": offsets}
+    dims = dict(m=m, n=n, k=k, num_groups=num_groups, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=vec,
+                discrete=discrete)
+    return inputs, dims
+
+
+def bias_array(bias_tensor, num_groups: int, n: int, arg: str = "bias_tensor"):
+    """Per-expert bias `(L, N)` (cuDNN's `(N, L)` view of the same memory is not expressible in JAX)."""
+    if bias_tensor is None:
+        return None, None
+    bias = squeeze_unit(array(bias_tensor, arg), 2, arg, f"({num_groups}, {n})")
+    if tuple(bias.shape) != (num_groups, n):
+        raise ValueError(f"{arg} must have shape (L, N) = ({num_groups}, {n}), got {tuple(bias.shape)}")
+    name = bias.dtype.name
+    check_choice(name, FLOAT_OUT_DTYPES, f"{arg} dtype")
+    return bias, name

@@ -1,0 +1,181 @@
+"""Explicit fused backward ops (SEMANTICS A10): exact gradients of the forward ops.
+
+dglu / dsrelu: the FC2 dgrad GEMM (A = dY (m, H), B = FC2 weight transposed to (L, I, H)) fused with the
+activation derivative evaluated on the saved forward pre-activation C. wgrad: per-expert A[:, T_e] B[:, T_e]^T.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .. import _primitive
+from .._problem import FP8_DTYPES, Epilogue, GroupedGemmProblem
+from .._results import OpResult
+from . import _checks as ck
+from .forward import finish, output_quantization
+
+_D_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+_C_IN_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_tensor, sfb_tensors,
+          padded_offsets, alpha_tensor, beta_tensor, prob_tensor, norm_const_tensor, d_dtype, sf_vec_size,
+          discrete_col_sfd, compute_amax, generate_dbias, dbias_dtype, glu_limit=None, glu_alpha=None,
+          tanh_clamp_scale=None, static_kwargs=None, drop_keys=()):
+    config = ck.check_static_kwargs(**(static_kwargs or {}))
+    inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
+                                    padded_offsets, sf_vec_size)
+    m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
+    glu = op == "dglu"
+    if glu and n % 32:
+        raise ValueError(f"b_tensor: N={n} (= I, the GLU output width) must be a multiple of 32")
+    c_width = 2 * n if glu else n
+    c = ck.squeeze_unit(ck.array(c_tensor, "c_tensor"), 2, "c_tensor", f"({m}, {c_width})")
+    if tuple(c.shape) != (m, c_width):
+        raise ValueError(f"c_tensor (the saved forward pre-activation) must have shape ({m}, {c_width}), got "
+                         f"{tuple(c.shape)}")
+    c_dtype = ck.out_dtype(c.dtype.name, "c_tensor dtype", _C_IN_DTYPES)
+    d_dtype = ck.out_dtype(d_dtype, "d_dtype", _D_DTYPES)
+    if d_dtype in FP8_DTYPES and c_width % 16:
+        raise ValueError(f"d_dtype {d_dtype}: output width {c_width} must be a multiple of 16")
+    generate_sfd, norm_const, compute_amax = output_quantization(d_dtype, norm_const_tensor, discrete_col_sfd,
+                                                                 compute_amax)
+    if generate_dbias:
+        dbias_dtype = ck.out_dtype(dbias_dtype or "bfloat16", "dbias_dtype", ("bfloat16", "float32"))
+    elif dbias_dtype is not None:
+        raise ValueError("dbias_dtype needs generate_dbias=True")
+    epilogue = Epilogue(act=act, has_prob=prob_tensor is not None,
+                        glu_limit=ck.positive_float(glu_limit, "glu_limit"),
+                        glu_alpha=ck.finite_float(glu_alpha, "glu_alpha"),
+                        tanh_clamp_scale=ck.positive_float(tanh_clamp_scale, "tanh_clamp_scale"),
+                        c_dtype=c_dtype, d_dtype=d_dtype, compute_amax=compute_amax, generate_sfd=generate_sfd,
+                        discrete_col_sfd=bool(discrete_col_sfd), dbias_dtype=dbias_dtype if generate_dbias else None)
+    problem = GroupedGemmProblem(op=op, m=m, n=n, k=dims["k"], num_groups=num_groups, ab_dtype=dims["ab_dtype"],
+                                 sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
+                                 discrete_weights=dims["discrete"], epilogue=epilogue)
+    inputs.update(c=c, alpha=ck.float_vector(alpha_tensor, num_groups, "alpha_tensor", default=1.0),
+                  beta=ck.float_vector(beta_tensor, num_groups, "beta_tensor", default=1.0),
+                  prob=ck.float_vector(prob_tensor, m, "prob_tensor"), norm_const=norm_const)
+    result = finish(problem, _primitive.bind(problem, inputs, config), "float8_e8m0fnu")
+    if drop_keys:
+        result = type(result)(*zip(*[(k, v) for k, v in result.items() if k not in drop_keys]))
+    return result
+
+
+def grouped_gemm_dglu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None, sfb_tensor=None,
+                      padded_offsets=None, alpha_tensor=None, beta_tensor=None, prob_tensor=None,
+                      norm_const_tensor=None, *, b_tensors=None, sfb_tensors=None, act_func: str = "dswiglu",
+                      d_dtype="bfloat16", sf_vec_size=None, discrete_col_sfd=False, compute_amax=None,
+                      generate_dbias: bool = False, dbias_dtype=None, glu_limit: Optional[float] = None,
+                      glu_alpha: Optional[float] = None, **cudnn_static) -> OpResult:
+    """FC2 dgrad fused with the GLU derivative.
+
+    a_tensor = dY (m, H); b_tensor = FC2 weight as (L, I, H); c_tensor = forward C (m, 2I) (gate/up interleaved
+    in 32-column blocks), dequantized per group by beta (default ones). dD = alpha * acc;
+    D_row = dC (m, 2I); dprob (m,) = sum_n dD * glu_alpha * act(gate, up); dbias (L, 2I) = per-group sums of dC;
+    amax (L, 2) = max |d_gate|, max |d_up|. Use the same act/glu_limit/glu_alpha as the forward op.
+    Returns d_row_tensor, d_col_tensor, dprob_tensor, dbias_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
+    """
+    ck.check_choice(act_func, ("dswiglu", "dgeglu"), "act_func")
+    return _dact("dglu", act_func, a_tensor=a_tensor, b_tensor=b_tensor, b_tensors=b_tensors, c_tensor=c_tensor,
+                 sfa_tensor=sfa_tensor, sfb_tensor=sfb_tensor, sfb_tensors=sfb_tensors,
+                 padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, beta_tensor=beta_tensor,
+                 prob_tensor=prob_tensor, norm_const_tensor=norm_const_tensor, d_dtype=d_dtype,
+                 sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd, compute_amax=compute_amax,
+                 generate_dbias=generate_dbias, dbias_dtype=dbias_dtype, glu_limit=glu_limit, glu_alpha=glu_alpha,
+                 static_kwargs=cudnn_static)
+
+
+def grouped_gemm_dswiglu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None, sfb_tensor=None,
+                         padded_offsets=None, alpha_tensor=None, beta_tensor=None, prob_tensor=None,
+                         norm_const_tensor=None, *, d_dtype="bfloat16", sf_vec_size=None, discrete_col_sfd=False,
+                         compute_amax=None, **cudnn_static) -> OpResult:
+    """Legacy dSwiGLU (= grouped_gemm_dglu with act_func="dswiglu", no dbias).
+
+    Returns d_row_tensor, d_col_tensor, dprob_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
+    """
+    return _dact("dglu", "dswiglu", a_tensor=a_tensor, b_tensor=b_tensor, b_tensors=None, c_tensor=c_tensor,
+                 sfa_tensor=sfa_tensor, sfb_tensor=sfb_tensor, sfb_tensors=None, padded_offsets=padded_offsets,
+                 alpha_tensor=alpha_tensor, beta_tensor=beta_tensor, prob_tensor=prob_tensor,
+                 norm_const_tensor=norm_const_tensor, d_dtype=d_dtype, sf_vec_size=sf_vec_size,
+                 discrete_col_sfd=discrete_col_sfd, compute_amax=compute_amax, generate_dbias=False,
+                 dbias_dtype=None, static_kwargs=cudnn_static, drop_keys=("dbias_tensor",))
+
+
+def grouped_gemm_dsrelu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None, sfb_tensor=None,
+                        padded_offsets=None, alpha_tensor=None, beta_tensor=None, prob_tensor=None,
+                        norm_const_tensor=None, *, b_tensors=None, sfb_tensors=None, d_dtype="bfloat16",
+                        sf_vec_size=None, discrete_col_sfd=False, compute_amax=None, generate_dbias: bool = False,
+                        dbias_dtype=None, tanh_clamp_scale: Optional[float] = None, **cudnn_static) -> OpResult:
+    """FC2 dgrad fused with the squared-ReLU derivative (mirrors dglu, SEMANTICS A10).
+
+    a_tensor = dY (m, H); b_tensor = FC2 weight as (L, I, H); c_tensor = forward pre-activation (m, I) (x = beta*C).
+    dC = alpha*acc * prob * d/dx relu(x)^2 (or its tanh-clamped form); dprob = sum_n dD * relu(x)^2.
+    Returns d_row_tensor, d_col_tensor, dprob_tensor, dbias_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
+    """
+    return _dact("dsrelu", "dsrelu", a_tensor=a_tensor, b_tensor=b_tensor, b_tensors=b_tensors,
+                 c_tensor=c_tensor, sfa_tensor=sfa_tensor, sfb_tensor=sfb_tensor, sfb_tensors=sfb_tensors,
+                 padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, beta_tensor=beta_tensor,
+                 prob_tensor=prob_tensor, norm_const_tensor=norm_const_tensor, d_dtype=d_dtype,
+                 sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd, compute_amax=compute_amax,
+                 generate_dbias=generate_dbias, dbias_dtype=dbias_dtype, tanh_clamp_scale=tanh_clamp_scale,
+                 static_kwargs=cudnn_static)
+
+
+def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_tensor=None,
+                       global_scale_a=None, global_scale_b=None, wgrad_tensor=None, *,
+                       accumulate_on_output: bool = False, wgrad_dtype="bfloat16", sf_vec_size=None,
+                       **cudnn_static) -> OpResult:
+    """Per-expert weight gradient: W[e] = gsa[e] * gsb[e] * A[:, T_e] @ B[:, T_e]^T.
+
+    a_tensor (m, T) and b_tensor (n, T), tokens contiguous; offsets_tensor (L,) cumulative token ends (no 256
+    rule; empty experts legal); sfa/sfb: per-expert segment SF buffers (flat, SEMANTICS §2.6), their segments
+    tile exactly when every |T_e| is a multiple of 4 * sf_vec_size. With accumulate_on_output the result is
+    wgrad_tensor + W (added in fp32, rounded once). Returns wgrad_tensor (L, m, n).
+    """
+    config = ck.check_static_kwargs(**cudnn_static)
+    a = ck.squeeze_unit(ck.array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, T)")
+    b = ck.squeeze_unit(ck.array(b_tensor, "b_tensor"), 2, "b_tensor", "(n, T)")
+    ab_dtype = ck.operand_dtype(a, "a_tensor")
+    if ck.operand_dtype(b, "b_tensor") != ab_dtype:
+        raise TypeError(f"a_tensor ({ab_dtype}) and b_tensor ({b.dtype.name}) must have the same dtype")
+    tokens = ck.logical_k(a, ab_dtype)
+    if ck.logical_k(b, ab_dtype) != tokens:
+        raise ValueError(f"b_tensor: token count {ck.logical_k(b, ab_dtype)} does not match a_tensor's {tokens}")
+    ck.check_k_alignment(tokens, ab_dtype, "a_tensor")
+    m, n = a.shape[0], b.shape[0]
+    offsets = ck.array(offsets_tensor, "offsets_tensor")
+    num_groups = offsets.shape[0] if offsets.ndim else 0
+    if not 1 <= num_groups <= ck.MAX_GROUPS:
+        raise ValueError(f"offsets_tensor must have shape (L,) with 1 <= L <= {ck.MAX_GROUPS}")
+    offsets = ck.int_vector(offsets, num_groups, "offsets_tensor")
+    sf_dtype, vec = ck.resolve_block_format(ab_dtype, sfa_tensor, sfb_tensor, sf_vec_size)
+    sfa = sfb = None
+    if sf_dtype is not None:
+        sfa = ck.sf_bytes(sfa_tensor, (ck.sf_segment_bytes(m, tokens, vec),), "sfa_tensor")
+        sfb = ck.sf_bytes(sfb_tensor, (ck.sf_segment_bytes(n, tokens, vec),), "sfb_tensor")
+    nvfp4 = sf_dtype == "float8_e4m3fn"
+    if nvfp4 and (global_scale_a is None or global_scale_b is None):
+        raise ValueError("global_scale_a and global_scale_b are required for NVFP4 (e4m3-scaled) wgrad")
+    if (global_scale_a is None) != (global_scale_b is None):
+        raise ValueError("pass both global_scale_a and global_scale_b, or neither")
+    if accumulate_on_output:
+        if wgrad_tensor is None:
+            raise ValueError("accumulate_on_output=True needs wgrad_tensor (the gradient to add to)")
+        existing = ck.array(wgrad_tensor, "wgrad_tensor")
+        if tuple(existing.shape) != (num_groups, m, n):
+            raise ValueError(f"wgrad_tensor must have shape ({num_groups}, {m}, {n}), got {tuple(existing.shape)}")
+        wgrad_dtype = existing.dtype.name
+    elif wgrad_tensor is not None:
+        raise ValueError("wgrad_tensor is only read with accumulate_on_output=True")
+    wgrad_dtype = ck.out_dtype(wgrad_dtype, "wgrad_dtype", ("bfloat16", "float16", "float32"))
+    problem = GroupedGemmProblem(op="wgrad", m=m, n=n, k=tokens, num_groups=num_groups, ab_dtype=ab_dtype,
+                                 sf_dtype=sf_dtype, sf_vec_size=vec, wgrad_dtype=wgrad_dtype,
+                                 has_global_scales=global_scale_a is not None, accumulate=bool(accumulate_on_output))
+    inputs = {"a": a, "b": b, "offsets": offsets, "sfa": sfa, "sfb": sfb,
+              "global_scale_a": ck.float_vector(global_scale_a, num_groups, "global_scale_a"),
+              "global_scale_b": ck.float_vector(global_scale_b, num_groups, "global_scale_b"),
+              "wgrad": wgrad_tensor if accumulate_on_output else None}
+    out = _primitive.bind(problem, inputs, config)
+    return OpResult(tuple(out), tuple(out.values()))
+

@@ -1,0 +1,149 @@
+"""Forward ops: grouped GEMM fused with the MoE epilogues (SEMANTICS §4, Part A).
+
+Keyword names follow cuDNN's JAX contract. Every op validates its arguments here (nothing below re-validates),
+builds a `GroupedGemmProblem`, binds the primitive and returns an `OpResult` in cuDNN key order.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .. import _primitive
+from .._problem import FP8_DTYPES, Epilogue, GroupedGemmProblem
+from .._results import OpResult
+from . import _checks as ck
+
+_C_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+_D_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+_SF_OUT_KEYS = ("sfd_row_tensor", "sfd_col_tensor", "sfd_tensor", "sfrht_tensor")
+
+
+def finish(problem: GroupedGemmProblem, outputs: dict, sf_out_dtype: str) -> OpResult:
+    """Give SF outputs their scale-factor dtype (they travel as uint8 bit patterns) and wrap the result."""
+    for key in _SF_OUT_KEYS:
+        if outputs.get(key) is not None:
+            outputs[key] = jax.lax.bitcast_convert_type(outputs[key], jnp.dtype(sf_out_dtype))
+    return OpResult(tuple(outputs), tuple(outputs.values()))
+
+
+def output_quantization(d_dtype: str, norm_const_tensor, discrete_col_sfd: bool, compute_amax):
+    """Decide SFD generation (FP8 D), amax (default: bf16/fp16 D, as cuDNN's wrappers) and check norm_const."""
+    generate_sfd = d_dtype in FP8_DTYPES
+    norm_const = None
+    if generate_sfd:
+        if norm_const_tensor is None:
+            raise ValueError(f"norm_const_tensor is required for an FP8 d_dtype ({d_dtype}): it is the global "
+                             "encode scale of the SFD quantization (pass jnp.ones((1,), jnp.float32) for none)")
+        norm_const = ck.scalar_f32(norm_const_tensor, "norm_const_tensor")
+    elif discrete_col_sfd:
+        raise ValueError("discrete_col_sfd=True only applies to FP8 outputs (it lays out SFD_col per expert)")
+    if compute_amax is None:
+        compute_amax = d_dtype in ("bfloat16", "float16")
+    return generate_sfd, norm_const, bool(compute_amax)
+
+
+def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor,
+             sfb_tensors, padded_offsets, alpha_tensor, prob_tensor, bias_tensor, norm_const_tensor, c_dtype,
+             d_dtype, sf_vec_size, discrete_col_sfd, compute_amax, glu_limit=None, glu_alpha=None,
+             tanh_clamp_scale=None, static_kwargs=None):
+    config = ck.check_static_kwargs(**(static_kwargs or {}))
+    inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
+                                    padded_offsets, sf_vec_size)
+    m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
+    d_dtype = ck.out_dtype(d_dtype, "d_dtype", _D_DTYPES)
+    if c_dtype is not None:
+        c_dtype = ck.out_dtype(c_dtype, "c_dtype", _C_DTYPES)
+    if act in ("swiglu", "geglu"):
+        if n % 64:
+            raise ValueError(f"b_tensor: N={n} must be a multiple of 64 for GLU (32-column gate/up blocks)")
+    n_out = n // 2 if act in ("swiglu", "geglu") else n
+    if d_dtype in FP8_DTYPES and n_out % 16:
+        raise ValueError(f"d_dtype {d_dtype}: N_out={n_out} must be a multiple of 16 (16-byte rows)")
+    generate_sfd, norm_const, compute_amax = output_quantization(d_dtype, norm_const_tensor, discrete_col_sfd,
+                                                                 compute_amax)
+    bias, bias_dtype = ck.bias_array(bias_tensor, num_groups, n)
+    epilogue = Epilogue(
+        act=act, has_bias=bias is not None, bias_dtype=bias_dtype, has_prob=prob_tensor is not None,
+        glu_limit=ck.positive_float(glu_limit, "glu_limit"), glu_alpha=ck.finite_float(glu_alpha, "glu_alpha"),
+        tanh_clamp_scale=ck.positive_float(tanh_clamp_scale, "tanh_clamp_scale"), c_dtype=c_dtype,
+        d_dtype=d_dtype, compute_amax=compute_amax, generate_sfd=generate_sfd,
+        discrete_col_sfd=bool(discrete_col_sfd))
+    problem = GroupedGemmProblem(op=op, m=m, n=n, k=dims["k"], num_groups=num_groups, ab_dtype=dims["ab_dtype"],
+                                 sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
+                                 discrete_weights=dims["discrete"], epilogue=epilogue)
+    inputs.update(alpha=ck.float_vector(alpha_tensor, num_groups, "alpha_tensor", default=1.0),
+                  prob=ck.float_vector(prob_tensor, m, "prob_tensor"), bias=bias, norm_const=norm_const)
+    return finish(problem, _primitive.bind(problem, inputs, config), "float8_e8m0fnu")
+
+
+def grouped_gemm_quant(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, padded_offsets=None,
+                       alpha_tensor=None, prob_tensor=None, bias_tensor=None, norm_const_tensor=None, *,
+                       b_tensors: Optional[Sequence] = None, sfb_tensors: Optional[Sequence] = None,
+                       d_dtype="bfloat16", sf_vec_size: Optional[int] = None, discrete_col_sfd: bool = False,
+                       compute_amax: Optional[bool] = None, **cudnn_static) -> OpResult:
+    """Grouped GEMM + per-row gating + optional bias + output quantization (FC2 fprop / FC1 dgrad).
+
+    a_tensor (m, K); b_tensor (L, N, K) or b_tensors [L x (N, K)]; padded_offsets (L,) int32 group ends;
+    alpha (L,) f32 (default ones); prob (m,) (default ones); bias (L, N).
+    D = prob * alpha * acc, or alpha * acc + prob * bias with a bias (SEMANTICS A7).
+    Returns d_tensor, d_col_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
+    """
+    return _forward("quant", None, a_tensor=a_tensor, b_tensor=b_tensor, b_tensors=b_tensors,
+                    sfa_tensor=sfa_tensor, sfb_tensor=sfb_tensor, sfb_tensors=sfb_tensors,
+                    padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, prob_tensor=prob_tensor,
+                    bias_tensor=bias_tensor, norm_const_tensor=norm_const_tensor, c_dtype=None, d_dtype=d_dtype,
+                    sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd, compute_amax=compute_amax,
+                    static_kwargs=cudnn_static)
+
+
+def grouped_gemm_srelu(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, padded_offsets=None,
+                       alpha_tensor=None, prob_tensor=None, bias_tensor=None, norm_const_tensor=None, *,
+                       b_tensors=None, sfb_tensors=None, c_dtype="bfloat16", d_dtype="bfloat16",
+                       sf_vec_size=None, discrete_col_sfd=False, compute_amax=None,
+                       tanh_clamp_scale: Optional[float] = None, **cudnn_static) -> OpResult:
+    """Grouped GEMM + squared ReLU (FC1 fprop): C = alpha*acc (+ bias), D = prob * relu(C)^2.
+
+    With tanh_clamp_scale s: D = prob * (s * min(tanh(relu(C) / s), 1))^2.
+    Returns c_tensor, d_tensor, d_col_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
+    """
+    return _forward("srelu", "srelu", a_tensor=a_tensor, b_tensor=b_tensor, b_tensors=b_tensors,
+                    sfa_tensor=sfa_tensor, sfb_tensor=sfb_tensor, sfb_tensors=sfb_tensors,
+                    padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, prob_tensor=prob_tensor,
+                    bias_tensor=bias_tensor, norm_const_tensor=norm_const_tensor, c_dtype=c_dtype,
+                    d_dtype=d_dtype, sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd,
+                    compute_amax=compute_amax, tanh_clamp_scale=tanh_clamp_scale, static_kwargs=cudnn_static)
+
+
+def grouped_gemm_glu(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, padded_offsets=None,
+                     alpha_tensor=None, prob_tensor=None, bias_tensor=None, norm_const_tensor=None, *,
+                     b_tensors=None, sfb_tensors=None, act_func: str = "swiglu", c_dtype="bfloat16",
+                     d_dtype="bfloat16", sf_vec_size=None, discrete_col_sfd=False, compute_amax=None,
+                     glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
+                     **cudnn_static) -> OpResult:
+    """Grouped GEMM + SwiGLU/GeGLU (FC1 fprop). Even 32-column blocks of C are the gate, odd blocks the up half.
+
+    C = alpha*acc (+ bias) (m, N); D = glu_alpha * prob * act(gate, up) (m, N/2).
+    Returns c_tensor, d_tensor, d_col_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
+    """
+    ck.check_choice(act_func, ("swiglu", "geglu"), "act_func")
+    return _forward("glu", act_func, a_tensor=a_tensor, b_tensor=b_tensor, b_tensors=b_tensors,
+                    sfa_tensor=sfa_tensor, sfb_tensor=sfb_tensor, sfb_tensors=sfb_tensors,
+                    padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, prob_tensor=prob_tensor,
+                    bias_tensor=bias_tensor, norm_const_tensor=norm_const_tensor, c_dtype=c_dtype,
+                    d_dtype=d_dtype, sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd,
+                    compute_amax=compute_amax, glu_limit=glu_limit, glu_alpha=glu_alpha,
+                    static_kwargs=cudnn_static)
+
+
+def grouped_gemm_swiglu(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, padded_offsets=None,
+                        alpha_tensor=None, prob_tensor=None, norm_const_tensor=None, *, c_dtype="bfloat16",
+                        d_dtype="bfloat16", sf_vec_size=None, discrete_col_sfd=False, compute_amax=None,
+                        **cudnn_static) -> OpResult:
+    """Legacy contiguous SwiGLU (= grouped_gemm_glu with act_func="swiglu", dense weights, no bias)."""
+    return grouped_gemm_glu(a_tensor, b_tensor, sfa_tensor, sfb_tensor, padded_offsets, alpha_tensor,
+                            prob_tensor, None, norm_const_tensor, act_func="swiglu", c_dtype=c_dtype,
+                            d_dtype=d_dtype, sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd,
+                            compute_amax=compute_amax, **cudnn_static)
