@@ -1,0 +1,580 @@
+"""Pure-jnp reference of every op: the CPU backend and the twin of the test oracle (tests/np_ops.py).
+
+Every function takes the op's *canonical* arrays (NOTES.md "Layer contracts") plus static keyword options and
+returns a dict keyed by cuDNN's output names in cuDNN's order (absent outputs `None`). All math is fp32: operands
+are dequantized exactly (decode * scale, SEMANTICS §3.3), every matmul runs at `Precision.HIGHEST` (XLA would use
+TF32 on a GPU otherwise) with fp32 accumulation, and outputs are rounded once (RNE; e8m0 scales RCEIL, §3.6).
+The scale-factor layout and all quantization rules live in `formats`; this module never re-derives them.
+
+Device offsets are sanitized (NOTES.md): `end_g = running_max(floor256(clip(padded_offsets[g], 0, m)))`. Rows
+outside every group produce zeros everywhere (SF bytes 0, dprob 0) and add nothing to amax/dbias; an empty
+group's amax and dbias are 0 (A4).
+
+Backward ops follow A10 (exact gradients of our forward ops). Forward/backward activations share one
+definition each (`_glu`, `_srelu`) that returns the value and, on request, its derivatives.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import formats as F
+
+HIGHEST = jax.lax.Precision.HIGHEST
+F32 = jnp.float32
+GROUP_ALIGN = 256     # m_aligned (SEMANTICS §1.2): group ends are multiples of this
+GLU_BLOCK = 32        # GLU pairing block width (A5): even 32-col blocks gate, odd blocks up
+COL_VEC = 32          # D_col quantization block (32 rows, §3.5)
+NVFP4_VEC = 16        # Hadamard op: NVFP4 outputs, vec 16, e4m3 scales (A9)
+FP8_OUT = (F.E4M3, F.E5M2)
+HALF_OR_F32 = ("bfloat16", "float16", "float32")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Groups
+
+
+def sanitize_offsets(padded_offsets, m: int, align: int = GROUP_ALIGN):
+    """(L,) int32 group ends: clip to [0, m], round down to a multiple of `align`, running max (NOTES.md)."""
+    ends = jnp.clip(jnp.asarray(padded_offsets).astype(jnp.int32), 0, m)
+    if align > 1:
+        ends = (ends // align) * align
+    return jax.lax.cummax(ends, axis=0)
+
+
+def sanitize_token_offsets(offsets, total_tokens: int):
+    """wgrad token ends: running_max(clip(offsets, 0, T)), no alignment (A10)."""
+    return sanitize_offsets(offsets, total_tokens, align=1)
+
+
+def group_starts(ends):
+    return jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+
+
+def row_groups(ends, m: int):
+    """(m,) int32 group id of each row, `min{g : end_g > row}`; L for rows outside every group."""
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right").astype(jnp.int32)
+
+
+def _per_row(values, gid):
+    """Gather a per-group array (L, ...) to rows; rows outside every group read group L-1 (masked later)."""
+    return values[jnp.minimum(gid, values.shape[0] - 1)]
+
+
+def _group_max(x, gid, num_groups: int):
+    """(L,) max over in-group rows of x (m,) >= 0; empty groups 0.0 (A4); NaN propagates."""
+    mx = jax.ops.segment_max(x, gid, num_segments=num_groups + 1)[:num_groups]
+    return jnp.where(jnp.isnan(mx), mx, jnp.maximum(mx, 0.0))
+
+
+def _group_sum(x, gid, num_groups: int):
+    """(L, ...) fp32 sum over in-group rows of x (m, ...); rows outside every group are dropped."""
+    return jax.ops.segment_sum(x, gid, num_segments=num_groups + 1)[:num_groups]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Operands
+
+
+def _is_block_scaled(dtype: str) -> bool:
+    return dtype in (F.E4M3, F.E5M2, F.E2M1)
+
+
+def _decode_scales(s, sf_dtype: str):
+    return F.e8m0_decode(s) if sf_dtype == F.E8M0 else F.decode(s, sf_dtype)
+
+
+def _dequant_rows(x, s_logical, *, ab_dtype: str, sf_dtype: str, vec: int):
+    """Exact dequantization of a K-major operand: decode(x)[r, k] * val(s_logical[r, k // vec])."""
+    vals = F.decode(x, ab_dtype)
+    k = vals.shape[-1]
+    scale = jnp.repeat(_decode_scales(s_logical, sf_dtype), vec, axis=-1)[..., :k]
+    return vals * scale
+
+
+def dequantize_a(a, sfa, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size: Optional[int]):
+    """A (m, K) [FP4: uint8 (m, K//2)] + sfa (1, Rb, Kb, 32, 4, 4) -> (m, K) f32."""
+    if not _is_block_scaled(ab_dtype):
+        return jnp.asarray(a).astype(F32)
+    m = a.shape[0]
+    k = a.shape[1] * (2 if ab_dtype == F.E2M1 else 1)
+    s = F.unpack_sf(sfa, m, _cdiv(k, sf_vec_size))[0]
+    return _dequant_rows(a, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
+
+
+def dequantize_b(b, sfb, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size: Optional[int]):
+    """B (L, N, K) or a tuple of L (N, K) arrays (A11) [+ sfb (L, ...) or tuple of (1, ...)] -> (L, N, K) f32."""
+    if isinstance(b, (tuple, list)):
+        sfbs = sfb if isinstance(sfb, (tuple, list)) else (None,) * len(b)
+        return jnp.concatenate([dequantize_b(bi[None], si, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
+                                             sf_vec_size=sf_vec_size) for bi, si in zip(b, sfbs)], axis=0)
+    if not _is_block_scaled(ab_dtype):
+        return jnp.asarray(b).astype(F32)
+    num_groups, n = b.shape[0], b.shape[1]
+    k = b.shape[2] * (2 if ab_dtype == F.E2M1 else 1)
+    s = F.unpack_sf(sfb, n, _cdiv(k, sf_vec_size), num_groups)
+    return _dequant_rows(b, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
+
+
+def grouped_matmul(a_f32, b_f32, ends):
+    """acc[r, n] = sum_k a[r, k] * b[g(r), n, k] (fp32, HIGHEST); rows outside every group are 0."""
+    sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+    return jax.lax.ragged_dot(a_f32, jnp.swapaxes(b_f32, 1, 2), sizes, precision=HIGHEST,
+                              preferred_element_type=F32)
+
+
+def _gemm(a, b, sfa, sfb, ends, *, ab_dtype, sf_dtype, sf_vec_size):
+    kw = dict(ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
+    return grouped_matmul(dequantize_a(a, sfa, **kw), dequantize_b(b, sfb, **kw), ends)
+
+
+def _prep(padded_offsets, m: int):
+    ends = sanitize_offsets(padded_offsets, m)
+    gid = row_groups(ends, m)
+    return ends, gid, gid < ends.shape[0]
+
+
+def _f32(x):
+    return None if x is None else jnp.asarray(x).astype(F32)
+
+
+def _prob_rows(prob, m: int):
+    """(m, 1) f32 router weights; None (legacy SwiGLU's optional prob) means 1."""
+    return jnp.ones((m, 1), F32) if prob is None else _f32(prob).reshape(m)[:, None]
+
+
+def _norm_const(norm_const, what: str = "norm_const"):
+    if norm_const is None:
+        raise ValueError(f"{what} is required for quantized (FP8/NVFP4) outputs")
+    return jnp.asarray(norm_const).astype(F32).reshape(-1)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output stage
+
+
+def cast(x, dtype: str):
+    """fp32 -> storage dtype, RNE; FP8 saturating (satfinite, §3.6). FP8 results are jnp float8 arrays."""
+    if dtype in HALF_OR_F32:
+        return x.astype(dtype)
+    if dtype == F.E4M3:
+        return F.e4m3_encode(x)
+    if dtype == F.E5M2:
+        return F.e5m2_encode(x)
+    raise ValueError(f"unsupported output dtype {dtype!r}")
+
+
+def store_d(dfp, ends, *, d_dtype: str, norm_const=None, discrete_col_sfd: bool = False):
+    """D (and for FP8 D: D_col, SFD_row, SFD_col) from the fp32 D (m, N_out), already zero outside groups.
+
+    SFD_row: §3.4 rows, e8m0 vec 32, physical (1, Rb, Kb, 32, 4, 4). D_col/SFD_col: §3.5, 32-row blocks;
+    SFD_col is the §2 layout of D^T or, with `discrete_col_sfd`, the per-group segments (§2.6) of the sanitized
+    group ends. Zero data quantizes to code 0 with SF byte 0, so rows outside every group stay zero.
+    """
+    out = dict(d=None, d_col=None, sfd_row=None, sfd_col=None)
+    if d_dtype not in FP8_OUT:
+        out["d"] = cast(dfp, d_dtype)
+        return out
+    nc = _norm_const(norm_const)
+    codes, s_row = F.quantize_rows(dfp, d_dtype, F.E8M0, COL_VEC, nc)
+    codes_col, s_col = F.quantize_cols(dfp, d_dtype, nc)
+    out["d"], out["d_col"] = codes, codes_col
+    out["sfd_row"] = F.pack_sf(s_row[None])
+    out["sfd_col"] = (F.pack_sf_segments(s_col, ends, COL_VEC) if discrete_col_sfd else F.pack_sf(s_col[None]))
+    return out
+
+
+def _fwd_outputs(c, dfp, ends, gid, *, c_dtype, d_dtype, norm_const, compute_amax, discrete_col_sfd):
+    """Shared tail of quant/srelu/glu: mask rows outside groups, amax of fp32 D, C/D/SFD outputs."""
+    num_groups = ends.shape[0]
+    valid = (gid < num_groups)[:, None]
+    dfp = jnp.where(valid, dfp, 0.0)
+    d = store_d(dfp, ends, d_dtype=d_dtype, norm_const=norm_const, discrete_col_sfd=discrete_col_sfd)
+    out = {}
+    if c_dtype is not None:
+        out["c_tensor"] = cast(jnp.where(valid, c, 0.0), c_dtype)
+    out["d_tensor"] = d["d"]
+    out["d_col_tensor"] = d["d_col"]
+    out["amax_tensor"] = (_group_max(jnp.max(jnp.abs(dfp), axis=1), gid, num_groups)[:, None]
+                          if compute_amax else None)
+    out["sfd_row_tensor"] = d["sfd_row"]
+    out["sfd_col_tensor"] = d["sfd_col"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activations (value and derivatives from one definition)
+
+
+def glu_split(x):
+    """(m, N) interleaved in 32-col blocks -> gate (m, N/2) from even blocks, up (m, N/2) from odd blocks (A5)."""
+    m, n = x.shape
+    x = x.reshape(m, n // (2 * GLU_BLOCK), 2, GLU_BLOCK)
+    return x[:, :, 0, :].reshape(m, n // 2), x[:, :, 1, :].reshape(m, n // 2)
+
+
+def glu_interleave(gate, up):
+    """Inverse of `glu_split`."""
+    m, h = gate.shape
+    g = gate.reshape(m, h // GLU_BLOCK, 1, GLU_BLOCK)
+    u = up.reshape(m, h // GLU_BLOCK, 1, GLU_BLOCK)
+    return jnp.concatenate([g, u], axis=2).reshape(m, 2 * h)
+
+
+def _glu_clamps(act: str, glu_limit):
+    """(gate_lo, gate_hi, up_lo, up_hi); None = unbounded. glu_limit replaces the GeGLU defaults (A5)."""
+    if glu_limit is not None:
+        lim = float(glu_limit)
+        return -lim, lim, -lim, lim
+    if act == "geglu":
+        return None, 7.0, -7.0, 7.0
+    return None, None, None, None
+
+
+def _clamp(x, lo, hi):
+    """Clamped value and the pass-through mask (inclusive bounds: gradient flows at the bound)."""
+    y, ok = x, jnp.ones(x.shape, bool)
+    if lo is not None:
+        ok = ok & (x >= lo)
+        y = jnp.maximum(y, lo)
+    if hi is not None:
+        ok = ok & (x <= hi)
+        y = jnp.minimum(y, hi)
+    return y, ok
+
+
+def _glu(gate, up, act: str, glu_limit=None, grad: bool = False):
+    """act(gate, up) = swiglu: u' g' sigmoid(g'); geglu: (u' + 1) g' sigmoid(1.702 g') with clamped g', u'.
+
+    grad=True also returns d act / d gate and d act / d up (zero where the clamp is active).
+    """
+    glo, ghi, ulo, uhi = _glu_clamps(act, glu_limit)
+    g, g_ok = _clamp(gate, glo, ghi)
+    u, u_ok = _clamp(up, ulo, uhi)
+    if act == "swiglu":
+        sig = jax.nn.sigmoid(g)
+        lin, k = u, 1.0
+    elif act == "geglu":
+        sig = jax.nn.sigmoid(1.702 * g)
+        lin, k = u + 1.0, 1.702
+    else:
+        raise ValueError(f"act_func {act!r}")
+    gact = g * sig
+    value = lin * gact
+    if not grad:
+        return value
+    d_gate = jnp.where(g_ok, lin * sig * (1.0 + k * g * (1.0 - sig)), 0.0)
+    d_up = jnp.where(u_ok, gact, 0.0)
+    return value, d_gate, d_up
+
+
+def _srelu(x, tanh_clamp_scale=None, grad: bool = False):
+    """relu(x)^2, or (s * min(tanh(relu(x)/s), 1))^2 with s = tanh_clamp_scale (A6); grad: also d/dx."""
+    pos = x > 0
+    r = jnp.where(pos, x, 0.0)
+    if tanh_clamp_scale is None:
+        value = r * r
+        return (value, 2.0 * r) if grad else value
+    s = float(tanh_clamp_scale)
+    t = jnp.minimum(jnp.tanh(r / s), 1.0)
+    st = s * t
+    value = st * st
+    return (value, jnp.where(pos, 2.0 * st * (1.0 - t * t), 0.0)) if grad else value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward ops
+
+
+def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *,
+                       ab_dtype: str, sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
+                       d_dtype: str, compute_amax: bool = False, discrete_col_sfd: bool = False):
+    """D = prob*alpha*acc, or with bias D = alpha*acc + prob*bias (A7). D (m, N); FP8 D adds D_col and SFD."""
+    m = a.shape[0]
+    ends, gid, _ = _prep(padded_offsets, m)
+    acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
+    alpha_r = _per_row(_f32(alpha), gid)[:, None]
+    prob_r = _prob_rows(prob, m)
+    if bias is None:
+        dfp = prob_r * (alpha_r * acc)
+    else:
+        dfp = alpha_r * acc + prob_r * _per_row(_f32(bias), gid)
+    return _fwd_outputs(None, dfp, ends, gid, c_dtype=None, d_dtype=d_dtype, norm_const=norm_const,
+                        compute_amax=compute_amax, discrete_col_sfd=discrete_col_sfd)
+
+
+def _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, *, ab_dtype, sf_dtype, sf_vec_size):
+    """C = alpha*acc (+ bias): the pre-activation of srelu/glu/hadamard (A5, A6)."""
+    m = a.shape[0]
+    ends, gid, _ = _prep(padded_offsets, m)
+    acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
+    c = _per_row(_f32(alpha), gid)[:, None] * acc
+    if bias is not None:
+        c = c + _per_row(_f32(bias), gid)
+    return c, ends, gid
+
+
+def _activation(c, prob, *, act, glu_limit=None, glu_alpha=None, tanh_clamp_scale=None):
+    prob_r = _prob_rows(prob, c.shape[0])
+    if act == "srelu":
+        return prob_r * _srelu(c, tanh_clamp_scale)
+    gate, up = glu_split(c)
+    dfp = prob_r * _glu(gate, up, act, glu_limit)
+    if glu_alpha is not None:
+        dfp = dfp * jnp.float32(glu_alpha)
+    return dfp
+
+
+def grouped_gemm_srelu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *,
+                       ab_dtype: str, sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
+                       c_dtype: str = "bfloat16", d_dtype: str, tanh_clamp_scale: Optional[float] = None,
+                       compute_amax: bool = False, discrete_col_sfd: bool = False):
+    """C = alpha*acc (+ bias), D = prob * relu(C)^2 (or the tanh-clamped form) (A6). C, D (m, N)."""
+    c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
+                           sf_vec_size=sf_vec_size)
+    dfp = _activation(c, prob, act="srelu", tanh_clamp_scale=tanh_clamp_scale)
+    return _fwd_outputs(c, dfp, ends, gid, c_dtype=c_dtype, d_dtype=d_dtype, norm_const=norm_const,
+                        compute_amax=compute_amax, discrete_col_sfd=discrete_col_sfd)
+
+
+def grouped_gemm_glu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *,
+                     ab_dtype: str, sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
+                     act_func: str = "swiglu", c_dtype: str = "bfloat16", d_dtype: str,
+                     glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
+                     compute_amax: bool = False, discrete_col_sfd: bool = False):
+    """C = alpha*acc (+ bias) (m, N) stored pre-clamp; D = glu_alpha * prob * act(gate, up) (m, N/2) (§4.5, A5)."""
+    c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
+                           sf_vec_size=sf_vec_size)
+    dfp = _activation(c, prob, act=act_func, glu_limit=glu_limit, glu_alpha=glu_alpha)
+    return _fwd_outputs(c, dfp, ends, gid, c_dtype=c_dtype, d_dtype=d_dtype, norm_const=norm_const,
+                        compute_amax=compute_amax, discrete_col_sfd=discrete_col_sfd)
+
+
+def grouped_gemm_swiglu(*args, **kwargs):
+    """Legacy alias: grouped_gemm_glu with act_func='swiglu'."""
+    return grouped_gemm_glu(*args, act_func="swiglu", **kwargs)
+
+
+def hadamard16(dtype=F32):
+    """Orthonormal Sylvester Hadamard H16/4, H[i][o] = (-1)^popcount(i & o) / 4 (A9)."""
+    i = jnp.arange(16, dtype=jnp.int32)
+    x = i[:, None] & i[None, :]
+    parity = jnp.zeros_like(x)
+    for bit in range(4):
+        parity = parity ^ ((x >> bit) & 1)
+    return (1.0 - 2.0 * parity.astype(F32)).astype(dtype) * 0.25
+
+
+def _rht_rows(x, p):
+    """Per 16-column block of x (R, C): out_block = x_block @ P^T (fp32, HIGHEST)."""
+    r, c = x.shape
+    y = jnp.einsum("rbi,oi->rbo", x.reshape(r, c // 16, 16), p, precision=HIGHEST, preferred_element_type=F32)
+    return y.reshape(r, c)
+
+
+def _nvfp4(x, norm_const):
+    """NVFP4 quantization (A9): codes uint8 (R, C/2) packed, e4m3 SF logical (R, C/16)."""
+    codes, s = F.quantize_rows(x, F.E2M1, F.E4M3, NVFP4_VEC, norm_const)
+    return codes, s
+
+
+def pack_token_segments(packed, ends):
+    """(R, T/2) packed FP4 rows -> flat R*T/2 bytes, per-group transposed segments (A9, §4.6.2).
+
+    Segment g is `packed[:, start_g/2 : end_g/2]` flattened row-major (tokens contiguous), starting at byte
+    R*start_g/2. Bytes past the last group are 0. Group bounds are even (multiples of 256).
+    """
+    rows, half_t = packed.shape
+    num_groups = ends.shape[0]
+    starts = group_starts(ends)
+    p = jnp.arange(rows * half_t, dtype=jnp.int32)
+    seg_end = ends * rows // 2
+    g = jnp.searchsorted(seg_end, p, side="right").astype(jnp.int32)
+    gc = jnp.minimum(g, num_groups - 1)
+    local = p - starts[gc] * rows // 2
+    width = jnp.maximum((ends[gc] - starts[gc]) // 2, 1)
+    n = jnp.clip(local // width, 0, rows - 1)
+    col = jnp.clip(starts[gc] // 2 + local % width, 0, half_t - 1)
+    return jnp.where(g < num_groups, packed[n, col], jnp.uint8(0))
+
+
+def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None,
+                                    rht_norm_const=None, hadamard=None, *, ab_dtype: str,
+                                    sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
+                                    act_func: str = "swiglu", c_dtype: str = "bfloat16", d_dtype: str = "bfloat16",
+                                    rht: Optional[str] = None, rht_dtype: Optional[str] = None,
+                                    glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
+                                    tanh_clamp_scale: Optional[float] = None, compute_amax: bool = False):
+    """A9 / §4.6.2. D = activation output: bf16 (m, N_out), or NVFP4 uint8 (m, N_out/2) + e4m3 `sfd_tensor`.
+
+    RHT = 16-wide transform (P = `hadamard` or H16/4, out = blk @ P^T) of bf16(D):
+      rowwise: per 16-column block -> bf16 (m, N_out) or NVFP4 (m, N_out/2) + sfrht (1, Rb, Kb, 32, 4, 4);
+      colwise: per 16-token block of each column -> NVFP4 in per-group transposed segments (flat m*N_out/2
+               bytes) + sfrht flat per-group segments (§2.6, vec 16).
+    amax: per-group max |D| of the fp32 activation output.
+    """
+    c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
+                           sf_vec_size=sf_vec_size)
+    num_groups = ends.shape[0]
+    valid = (gid < num_groups)[:, None]
+    dfp = jnp.where(valid, _activation(c, prob, act=act_func, glu_limit=glu_limit, glu_alpha=glu_alpha,
+                                       tanh_clamp_scale=tanh_clamp_scale), 0.0)
+    out = dict(c_tensor=cast(jnp.where(valid, c, 0.0), c_dtype), d_tensor=None, sfd_tensor=None,
+               amax_tensor=None, rht_tensor=None, sfrht_tensor=None)
+    if d_dtype == F.E2M1:
+        codes, s = _nvfp4(dfp, _norm_const(norm_const))
+        out["d_tensor"], out["sfd_tensor"] = codes, F.pack_sf(s[None])
+    else:
+        out["d_tensor"] = cast(dfp, d_dtype)
+    if compute_amax:
+        out["amax_tensor"] = _group_max(jnp.max(jnp.abs(dfp), axis=1), gid, num_groups)[:, None]
+    if rht is None:
+        return out
+    p = hadamard16() if hadamard is None else _f32(hadamard)
+    d_bf16 = dfp.astype(jnp.bfloat16).astype(F32)
+    if rht == "rowwise":
+        y = _rht_rows(d_bf16, p)
+        if rht_dtype == F.E2M1:
+            codes, s = _nvfp4(y, _norm_const(rht_norm_const, "rht_norm_const"))
+            out["rht_tensor"], out["sfrht_tensor"] = codes, F.pack_sf(s[None])
+        else:
+            out["rht_tensor"] = cast(y, rht_dtype or "bfloat16")
+    elif rht == "colwise":
+        y = _rht_rows(d_bf16.T, p)                         # (N_out, m): 16-token blocks never straddle groups
+        codes, s = _nvfp4(y, _norm_const(rht_norm_const, "rht_norm_const"))
+        out["rht_tensor"] = pack_token_segments(codes, ends)
+        out["sfrht_tensor"] = F.pack_sf_segments(s, ends, NVFP4_VEC)
+    else:
+        raise ValueError(f"rht {rht!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward ops (A10: exact gradients of the forward ops above)
+
+
+def _load_c(c, c_dtype):
+    """Saved C in its storage dtype (bf16/fp16/f32/fp8, or fp8 bit patterns as uint8 with c_dtype) -> f32."""
+    c = jnp.asarray(c)
+    if c.dtype == jnp.uint8 and c_dtype is not None:
+        return F.decode(c, c_dtype)
+    return c.astype(F32)
+
+
+def _bwd_prologue(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, *, ab_dtype, sf_dtype, sf_vec_size,
+                  c_dtype):
+    """dD = alpha*acc (acc = dY @ W2^T per group), x = beta*C (the forward pre-activation), prob per row."""
+    m = a.shape[0]
+    ends, gid, valid = _prep(padded_offsets, m)
+    acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
+    dd = _per_row(_f32(alpha), gid)[:, None] * acc
+    x = _per_row(_f32(beta), gid)[:, None] * _load_c(c, c_dtype)
+    return dd, x, _prob_rows(prob, m), ends, gid, valid
+
+
+def _bwd_outputs(dc, dprob, amax_cols, ends, gid, valid, *, d_dtype, norm_const, dbias_dtype, compute_amax,
+                 discrete_col_sfd):
+    num_groups = ends.shape[0]
+    dc = jnp.where(valid[:, None], dc, 0.0)
+    d = store_d(dc, ends, d_dtype=d_dtype, norm_const=norm_const, discrete_col_sfd=discrete_col_sfd)
+    amax = None
+    if compute_amax:
+        amax = jnp.stack([_group_max(jnp.max(jnp.abs(v), axis=1), gid, num_groups) for v in amax_cols], axis=1)
+    return dict(d_row_tensor=d["d"], d_col_tensor=d["d_col"],
+                dprob_tensor=jnp.where(valid, dprob, 0.0),
+                dbias_tensor=None if dbias_dtype is None else _group_sum(dc, gid, num_groups).astype(dbias_dtype),
+                amax_tensor=amax, sfd_row_tensor=d["sfd_row"], sfd_col_tensor=d["sfd_col"])
+
+
+def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm_const=None, *, ab_dtype: str,
+                      sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
+                      c_dtype: Optional[str] = None, act_func: str = "dswiglu", glu_limit: Optional[float] = None,
+                      glu_alpha: Optional[float] = None, d_dtype: str, dbias_dtype: Optional[str] = None,
+                      compute_amax: bool = False, discrete_col_sfd: bool = False):
+    """GLU backward (A10). a = dY (m, H), b = W2^T (L, I, H), c = saved C (m, 2I) with dequant scale beta.
+
+    dD = alpha*acc (m, I); gate/up = beta*C; dC (m, 2I) interleaved like C = dD*prob*glu_alpha*d act (zero
+    where clamped); dprob = sum_n dD*glu_alpha*act; dbias = per-group column sums of dC; amax (L, 2) =
+    (max|d_gate|, max|d_up|).
+    """
+    act = act_func[1:] if act_func.startswith("d") else act_func
+    dd, x, prob_r, ends, gid, valid = _bwd_prologue(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob,
+                                                    ab_dtype=ab_dtype, sf_dtype=sf_dtype,
+                                                    sf_vec_size=sf_vec_size, c_dtype=c_dtype)
+    gate, up = glu_split(x)
+    value, d_gate, d_up = _glu(gate, up, act, glu_limit, grad=True)
+    if glu_alpha is not None:
+        dd = dd * jnp.float32(glu_alpha)
+    g_scale = dd * prob_r
+    d_gate, d_up = g_scale * d_gate, g_scale * d_up
+    dprob = jnp.sum(dd * value, axis=1)
+    return _bwd_outputs(glu_interleave(d_gate, d_up), dprob, (d_gate, d_up), ends, gid, valid, d_dtype=d_dtype,
+                        norm_const=norm_const, dbias_dtype=dbias_dtype, compute_amax=compute_amax,
+                        discrete_col_sfd=discrete_col_sfd)
+
+
+def grouped_gemm_dswiglu(*args, **kwargs):
+    """Legacy alias: grouped_gemm_dglu with act_func='dswiglu'."""
+    return grouped_gemm_dglu(*args, act_func="dswiglu", **kwargs)
+
+
+def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm_const=None, *, ab_dtype: str,
+                        sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
+                        c_dtype: Optional[str] = None, tanh_clamp_scale: Optional[float] = None, d_dtype: str,
+                        dbias_dtype: Optional[str] = None, compute_amax: bool = False,
+                        discrete_col_sfd: bool = False):
+    """sReLU backward (A10, mirrors dglu). a = dY (m, H), b = W2^T (L, I, H), c = saved pre-activation (m, I).
+
+    x = beta*C; dC = dD*prob*d/dx srelu(x); dprob = sum_n dD*srelu(x); dbias = per-group column sums of dC.
+    """
+    dd, x, prob_r, ends, gid, valid = _bwd_prologue(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob,
+                                                    ab_dtype=ab_dtype, sf_dtype=sf_dtype,
+                                                    sf_vec_size=sf_vec_size, c_dtype=c_dtype)
+    value, dvalue = _srelu(x, tanh_clamp_scale, grad=True)
+    dc = dd * prob_r * dvalue
+    dprob = jnp.sum(dd * value, axis=1)
+    return _bwd_outputs(dc, dprob, (dc,), ends, gid, valid, d_dtype=d_dtype, norm_const=norm_const,
+                        dbias_dtype=dbias_dtype, compute_amax=compute_amax, discrete_col_sfd=discrete_col_sfd)
+
+
+def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, global_scale_b=None,
+                       wgrad_tensor=None, *, ab_dtype: str, sf_dtype: Optional[str] = None,
+                       sf_vec_size: Optional[int] = None, wgrad_dtype: str = "bfloat16"):
+    """W[e] = gsa[e]*gsb[e] * A[:, T_e] @ B[:, T_e]^T (L, m_w, n_w) (§5.3, A10).
+
+    a (m_w, T), b (n_w, T) token-contiguous (FP4: uint8 (., T/2)); sfa/sfb flat per-expert SF segments (§2.6);
+    token ends sanitized as running_max(clip(offsets, 0, T)); `wgrad_tensor` given: out = cast(W_in + W) (fp32 add).
+    """
+    fp4 = ab_dtype == F.E2M1
+    tokens = a.shape[1] * (2 if fp4 else 1)
+    ends = sanitize_token_offsets(offsets, tokens)
+    num_groups = ends.shape[0]
+
+    def deq(x, sf):
+        if not _is_block_scaled(ab_dtype):
+            return jnp.asarray(x).astype(F32)
+        s = F.unpack_sf_segments(sf, x.shape[0], ends, tokens, sf_vec_size)
+        return _dequant_rows(x, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
+
+    a32, b32 = deq(a, sfa), deq(b, sfb)
+    tid = row_groups(ends, tokens)
+    onehot = (tid[None, :] == jnp.arange(num_groups, dtype=jnp.int32)[:, None]).astype(F32)
+    w = jnp.einsum("lit,jt->lij", a32[None] * onehot[:, None, :], b32, precision=HIGHEST,
+                   preferred_element_type=F32)
+    if global_scale_a is not None or global_scale_b is not None:
+        gs = jnp.ones((num_groups,), F32)
+        if global_scale_a is not None:
+            gs = gs * _f32(global_scale_a).reshape(num_groups)
+        if global_scale_b is not None:
+            gs = gs * _f32(global_scale_b).reshape(num_groups)
+        w = gs[:, None, None] * w
+    if wgrad_tensor is not None:
+        w = _f32(wgrad_tensor) + w
+    return dict(wgrad_tensor=w.astype(wgrad_dtype))
