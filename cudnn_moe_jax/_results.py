@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 import jax
+import jax.export
 
 
 class OpResult:
@@ -70,4 +71,12 @@ jax.tree_util.register_pytree_node(
     OpResult,
     lambda r: (r._values, r._keys),
     lambda keys, values: OpResult(keys, tuple(values)),
+)
+
+# Results can be the output of a `jax.export`-ed function: teach export to (de)serialize the key tuple.
+jax.export.register_pytree_node_serialization(
+    OpResult,
+    serialized_name="cudnn_moe_jax.OpResult",
+    serialize_auxdata=lambda keys: ",".join(keys).encode(),
+    deserialize_auxdata=lambda data: tuple(data.decode().split(",")),
 )

@@ -137,8 +137,15 @@ def sf_bytes(x, expected_shape: tuple, arg: str, flat_ok_shape: Optional[tuple] 
     return jnp.reshape(x, expected_shape)
 
 
-def sf_dtype_of(*tensors) -> Optional[str]:
-    names = {t.dtype.name for t in tensors if t is not None and t.dtype.name != "uint8"}
+def sf_dtype_of(sfa, sfb) -> Optional[str]:
+    names = set()
+    for t, arg in ((sfa, "sfa_tensor"), (sfb, "sfb_tensor")):
+        name = array(t, arg).dtype.name
+        if name not in SF_DTYPES + ("uint8",):
+            raise TypeError(f"{arg}: dtype {name} is not a scale-factor dtype (float8_e8m0fnu, float8_e4m3fn or "
+                            "uint8 bit patterns)")
+        if name != "uint8":
+            names.add(name)
     if len(names) > 1:
         raise TypeError(f"sfa_tensor and sfb_tensor must share one scale-factor dtype, got {sorted(names)}")
     return names.pop() if names else None

@@ -1,0 +1,229 @@
+"""Public API: result object, canonical/3-D forms, validation errors, jit/eager/export, autodiff/vmap errors,
+and the defined behaviour of bad device offsets."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cudnn_moe_jax as cmj
+from cudnn_moe_jax import formats
+
+M, K, N, L = 512, 64, 128, 3
+OFFSETS = np.array([256, 256, 512], np.int32)  # expert 1 empty
+
+
+def _bf16(key, shape, scale=1.0):
+    return (scale * jax.random.normal(jax.random.PRNGKey(key), shape)).astype(jnp.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return dict(a=_bf16(1, (M, K)), b=_bf16(2, (L, N, K)), prob=jax.random.uniform(jax.random.PRNGKey(3), (M,)),
+                alpha=jnp.array([1.0, 2.0, 0.5], jnp.float32), offsets=jnp.asarray(OFFSETS))
+
+
+@pytest.fixture(scope="module")
+def mx():
+    x = jax.random.normal(jax.random.PRNGKey(4), (M, K)) * 3
+    w = jax.random.normal(jax.random.PRNGKey(5), (L, N, K))
+    a, sfa = formats.to_block_scaled(x, "float8_e4m3fn")
+    b, sfb = formats.to_block_scaled(w, "float8_e4m3fn")
+    return dict(a=a, b=b, sfa=sfa, sfb=sfb)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Result object
+
+def test_result_unpacks_indexes_and_crosses_jit(data):
+    out = cmj.grouped_gemm_glu(data["a"], data["b"], padded_offsets=data["offsets"], prob_tensor=data["prob"])
+    c, d, d_col, amax, sfd_row, sfd_col = out
+    assert out.keys() == ("c_tensor", "d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tensor",
+                          "sfd_col_tensor")
+    assert out["d_tensor"] is d and out.d_tensor is d and out[1] is d
+    assert d_col is None and sfd_row is None and sfd_col is None
+    assert c.shape == (M, N) and d.shape == (M, N // 2) and amax.shape == (L, 1)
+    with pytest.raises(KeyError):
+        out["nope"]
+    jitted = jax.jit(lambda a, b, o, p: cmj.grouped_gemm_glu(a, b, padded_offsets=o, prob_tensor=p))(
+        data["a"], data["b"], data["offsets"], data["prob"])
+    assert isinstance(jitted, cmj.OpResult) and jitted.keys() == out.keys()
+    for x, y in zip(out, jitted):
+        if x is not None:
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_cudnn_3d_shapes_flat_sf_and_uint8_sf_are_accepted(data, mx):
+    ref = cmj.grouped_gemm_quant(mx["a"], mx["b"], mx["sfa"], mx["sfb"], data["offsets"], data["alpha"],
+                                 data["prob"])
+    alt = cmj.grouped_gemm_quant(mx["a"][:, :, None], mx["b"], jnp.ravel(mx["sfa"]),
+                                 jax.lax.bitcast_convert_type(mx["sfb"], jnp.uint8),
+                                 data["offsets"], data["alpha"].reshape(L, 1, 1), data["prob"].reshape(M, 1, 1))
+    np.testing.assert_array_equal(np.asarray(ref.d_tensor, np.float32), np.asarray(alt.d_tensor, np.float32))
+
+
+def test_sf_outputs_have_sf_dtype_and_physical_shape(data, mx):
+    out = cmj.grouped_gemm_quant(mx["a"], mx["b"], mx["sfa"], mx["sfb"], data["offsets"], data["alpha"],
+                                 data["prob"], norm_const_tensor=jnp.ones((1,)), d_dtype="float8_e4m3fn")
+    assert out.d_tensor.dtype == jnp.float8_e4m3fn and out.d_col_tensor.shape == (M, N)
+    assert out.sfd_row_tensor.dtype == jnp.float8_e8m0fnu
+    assert out.sfd_row_tensor.shape == (1, M // 128, 1, 32, 4, 4)
+    assert out.sfd_col_tensor.shape == (1, N // 128, M // 32 // 4, 32, 4, 4)
+    assert out.amax_tensor is None
+    flat = cmj.grouped_gemm_quant(mx["a"], mx["b"], mx["sfa"], mx["sfb"], data["offsets"], data["alpha"],
+                                  data["prob"], norm_const_tensor=jnp.ones((1,)), d_dtype="float8_e4m3fn",
+                                  discrete_col_sfd=True)
+    assert flat.sfd_col_tensor.shape == (N * M // 32,)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation: every static rule raises before lowering, naming the argument
+
+def _quant(data, **kw):
+    args = dict(a_tensor=data["a"], b_tensor=data["b"], padded_offsets=data["offsets"])
+    args.update(kw)
+    return cmj.grouped_gemm_quant(**args)
+
+
+BAD_INPUTS = [
+    # (description, kwargs override, exception, message fragment)
+    ("m not multiple of 256", lambda d, mx: dict(a_tensor=d["a"][:300]), ValueError, "multiple of 256"),
+    ("A/B dtype mismatch", lambda d, mx: dict(b_tensor=d["b"].astype(jnp.float16)), TypeError, "same dtype"),
+    ("K mismatch", lambda d, mx: dict(b_tensor=d["b"][:, :, :32]), ValueError, "does not match"),
+    ("B not 3-D", lambda d, mx: dict(b_tensor=d["b"][0]), ValueError, "(L, N, K)"),
+    ("offsets wrong length", lambda d, mx: dict(padded_offsets=d["offsets"][:2]), ValueError, "padded_offsets"),
+    ("offsets float", lambda d, mx: dict(padded_offsets=d["offsets"].astype(jnp.float32)), TypeError,
+     "padded_offsets"),
+    ("alpha wrong length", lambda d, mx: dict(alpha_tensor=jnp.ones(5)), ValueError, "alpha_tensor"),
+    ("prob wrong length", lambda d, mx: dict(prob_tensor=jnp.ones(7)), ValueError, "prob_tensor"),
+    ("bias wrong shape", lambda d, mx: dict(bias_tensor=jnp.ones((N, L), jnp.bfloat16)), ValueError,
+     "bias_tensor"),
+    ("bias int dtype", lambda d, mx: dict(bias_tensor=jnp.ones((L, N), jnp.int32)), ValueError, "bias_tensor"),
+    ("scales for bf16", lambda d, mx: dict(sfa_tensor=mx["sfa"]), TypeError, "sfa_tensor"),
+    ("fp8 without scales", lambda d, mx: dict(a_tensor=mx["a"], b_tensor=mx["b"]), TypeError, "sfa_tensor"),
+    ("fp8 vec 16", lambda d, mx: dict(a_tensor=mx["a"], b_tensor=mx["b"], sfa_tensor=mx["sfa"],
+                                      sfb_tensor=mx["sfb"], sf_vec_size=16), ValueError, "sf_vec_size"),
+    ("sfa wrong size", lambda d, mx: dict(a_tensor=mx["a"], b_tensor=mx["b"], sfa_tensor=mx["sfa"][:, :1],
+                                          sfb_tensor=mx["sfb"]), ValueError, "sfa_tensor"),
+    ("sfb float32", lambda d, mx: dict(a_tensor=mx["a"], b_tensor=mx["b"], sfa_tensor=mx["sfa"],
+                                       sfb_tensor=mx["sfb"].astype(jnp.float32)), TypeError, "sfb_tensor"),
+    ("fp8 D without norm_const", lambda d, mx: dict(d_dtype="float8_e4m3fn"), ValueError, "norm_const_tensor"),
+    ("bad d_dtype", lambda d, mx: dict(d_dtype=jnp.int8), ValueError, "d_dtype"),
+    ("fp4 D in quant", lambda d, mx: dict(d_dtype="float4_e2m1fn"), NotImplementedError, "d_dtype"),
+    ("discrete_col_sfd without FP8 D", lambda d, mx: dict(discrete_col_sfd=True), ValueError,
+     "discrete_col_sfd"),
+    ("acc_dtype", lambda d, mx: dict(acc_dtype=jnp.float16), ValueError, "acc_dtype"),
+    ("m_aligned", lambda d, mx: dict(m_aligned=128), ValueError, "m_aligned"),
+    ("stream", lambda d, mx: dict(stream=1), ValueError, "stream"),
+    ("too many experts", lambda d, mx: dict(b_tensor=jnp.zeros((1025, 8, K), jnp.bfloat16),
+                                            padded_offsets=jnp.zeros(1025, jnp.int32)), ValueError, "1024"),
+    ("b and b_tensors", lambda d, mx: dict(b_tensors=[d["b"][0]] * L), ValueError, "exactly one"),
+    ("b_tensors mixed shapes", lambda d, mx: dict(b_tensor=None, b_tensors=[d["b"][0], d["b"][1, :64]]),
+     ValueError, "b_tensors"),
+    ("fp4 as float4 dtype", lambda d, mx: dict(a_tensor=jnp.zeros((M, K), jnp.float4_e2m1fn)), TypeError,
+     "uint8"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_raises_clear_error(data, mx, case):
+    _, override, exc, fragment = case
+    with pytest.raises(exc, match=None) as info:
+        _quant(data, **override(data, mx))
+    assert fragment in str(info.value), str(info.value)
+
+
+def test_bad_inputs_of_other_ops(data):
+    a, b, o = data["a"], data["b"], data["offsets"]
+    with pytest.raises(ValueError, match="act_func"):
+        cmj.grouped_gemm_glu(a, b, padded_offsets=o, act_func="relu")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cmj.grouped_gemm_glu(a, b[:, :96], padded_offsets=o)
+    with pytest.raises(ValueError, match="glu_limit"):
+        cmj.grouped_gemm_glu(a, b, padded_offsets=o, glu_limit=-1.0)
+    with pytest.raises(ValueError, match="tanh_clamp_scale"):
+        cmj.grouped_gemm_srelu(a, b, padded_offsets=o, tanh_clamp_scale=0.0)
+    with pytest.raises(ValueError, match="c_tensor"):
+        cmj.grouped_gemm_dglu(a, b[:, :32], c_tensor=jnp.ones((M, 10), jnp.bfloat16),
+                              padded_offsets=o)
+    with pytest.raises(ValueError, match="dbias_dtype"):
+        cmj.grouped_gemm_dsrelu(a, b, c_tensor=jnp.ones((M, N), jnp.bfloat16), padded_offsets=o,
+                                dbias_dtype="float32")
+    with pytest.raises(ValueError, match="N_out % 128"):
+        cmj.grouped_gemm_glu_hadamard_quant(a, b, padded_offsets=o, d_dtype="float4_e2m1fn",
+                                            norm_const_tensor=jnp.ones(1))
+    with pytest.raises(ValueError, match="colwise"):
+        cmj.grouped_gemm_glu_hadamard_quant(a, b, padded_offsets=o, rht_mode="colwise", rht_dtype="bfloat16")
+    with pytest.raises(ValueError, match="wgrad_tensor"):
+        cmj.grouped_gemm_wgrad(a.T, a.T, o, accumulate_on_output=True)
+    with pytest.raises(ValueError, match="global_scale"):
+        cmj.grouped_gemm_wgrad(a.T, a.T, o, global_scale_a=jnp.ones(L))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Execution modes
+
+def test_eager_jit_and_export_agree(data):
+    def f(a, b, o, p, al):
+        return cmj.grouped_gemm_srelu(a, b, padded_offsets=o, prob_tensor=p, alpha_tensor=al)
+
+    args = (data["a"], data["b"], data["offsets"], data["prob"], data["alpha"])
+    eager = f(*args)
+    jitted = jax.jit(f)(*args)
+    exported = jax.export.export(jax.jit(f))(*args)
+    restored = jax.export.deserialize(exported.serialize())
+    via_export = restored.call(*args)
+    for key in ("c_tensor", "d_tensor", "amax_tensor"):
+        e = np.asarray(eager[key], np.float32)
+        np.testing.assert_array_equal(e, np.asarray(jitted[key], np.float32))
+        np.testing.assert_array_equal(e, np.asarray(via_export[key], np.float32))
+
+
+def test_export_for_cuda_platform_lowers_without_a_gpu(data):
+    def f(a, b, o):
+        return cmj.grouped_gemm_quant(a, b, padded_offsets=o).d_tensor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        exported = jax.export.export(jax.jit(f), platforms=["cuda"])(data["a"], data["b"], data["offsets"])
+    assert exported.platforms == ("cuda",)
+    assert exported.out_avals[0].shape == (M, N)
+
+
+def test_grad_and_vmap_name_the_explicit_backward_ops(data):
+    def loss(a):
+        return jnp.sum(cmj.grouped_gemm_quant(a, data["b"], padded_offsets=data["offsets"]).d_tensor
+                       .astype(jnp.float32))
+
+    with pytest.raises(TypeError, match="grouped_gemm_dglu"):
+        jax.grad(loss)(data["a"])
+    with pytest.raises(TypeError, match="vmap"):
+        jax.vmap(lambda a: cmj.grouped_gemm_quant(a, data["b"], padded_offsets=data["offsets"]).d_tensor)(
+            data["a"][None])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad device offsets: defined output (sanitized ends), never out of bounds
+
+@pytest.mark.parametrize("bad, sanitized", [
+    ([512, 256, 512], [512, 512, 512]),        # decreasing -> running max
+    ([256, 9999, -5], [256, 512, 512]),        # beyond m -> clipped to m; negative after -> running max
+    ([300, 300, 700], [256, 256, 512]),        # not multiples of 256 -> rounded down, clipped
+    ([-256, -1, 0], [0, 0, 0]),                # all empty -> every output zero
+])
+def test_bad_offsets_have_the_sanitized_semantics(data, bad, sanitized):
+    def run(offsets):
+        return cmj.grouped_gemm_glu(data["a"], data["b"], padded_offsets=jnp.asarray(offsets, jnp.int32),
+                                    prob_tensor=data["prob"], alpha_tensor=data["alpha"])
+
+    got, want = jax.jit(run)(bad), run(sanitized)
+    for key in ("c_tensor", "d_tensor", "amax_tensor"):
+        g = np.asarray(got[key], np.float32)
+        assert np.all(np.isfinite(g))
+        np.testing.assert_array_equal(g, np.asarray(want[key], np.float32))
+    valid = sanitized[-1]
+    assert not np.any(np.asarray(got.c_tensor, np.float32)[valid:])
