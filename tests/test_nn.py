@@ -1,0 +1,131 @@
+"""nn: routing into 256-padded groups, and the custom_vjp MoE MLP's gradients against jax.grad of plain jnp."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cudnn_moe_jax import nn
+from cudnn_moe_jax.nn import moe as moe_module
+
+
+def test_route_builds_padded_contiguous_groups():
+    experts = jnp.array([[0, 2], [2, 1], [0, 2], [3, 0]], jnp.int32)  # expert 3: one token; all experts used
+    plan = nn.route(experts, num_experts=5)                             # expert 4 empty
+    offsets = np.asarray(plan.padded_offsets)
+    np.testing.assert_array_equal(offsets, [256, 512, 768, 1024, 1024])
+    m = nn.permuted_rows(4, 2, 5)
+    assert plan.row_token.shape == (m,) and m % 256 == 0 and m >= offsets[-1]
+    dest, row_token = np.asarray(plan.dest_row), np.asarray(plan.row_token)
+    starts = np.concatenate([[0], offsets[:-1]])
+    for t in range(4):
+        for j in range(2):
+            e = int(experts[t, j])
+            assert starts[e] <= dest[t, j] < offsets[e] and row_token[dest[t, j]] == t
+    assert np.sum(row_token < 4) == 8  # every assignment placed exactly once, the rest are padding
+
+
+def test_permute_unpermute_roundtrip():
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (40, 16))
+    experts, weights = nn.top_k_gating(jax.random.normal(jax.random.PRNGKey(1), (40, 6)), 2)
+    plan = nn.route(experts, 6)
+    x_perm, prob = nn.permute(x, weights, plan)
+    np.testing.assert_allclose(np.sum(np.asarray(prob)), 40.0, rtol=1e-5)  # normalized top-k weights
+    back = nn.unpermute(x_perm * prob[:, None], plan, 40)
+    np.testing.assert_allclose(np.asarray(back), np.asarray(x), rtol=1e-5, atol=1e-5)
+
+
+def _plain_mlp(x_perm, w1, w2, prob, b1, offsets, act, glu_limit=None):
+    """The same expert MLP in plain jnp f32 (differentiated by jax.grad)."""
+    x = x_perm.astype(jnp.float32)
+    rows = jnp.arange(x.shape[0])
+    group = jnp.searchsorted(offsets, rows, side="right")
+    in_group = group < w1.shape[0]
+    g = jnp.minimum(group, w1.shape[0] - 1)
+    c = jnp.einsum("mk,mnk->mn", x, w1.astype(jnp.float32)[g], precision="highest")
+    if b1 is not None:
+        c = c + b1.astype(jnp.float32)[g]
+    if act == "srelu":
+        h = jnp.maximum(c, 0.0) ** 2
+    else:
+        blocks = c.reshape(c.shape[0], -1, 2, 32)
+        gate, up = blocks[:, :, 0], blocks[:, :, 1]
+        if act == "swiglu":
+            if glu_limit is not None:
+                gate, up = jnp.clip(gate, -glu_limit, glu_limit), jnp.clip(up, -glu_limit, glu_limit)
+            h = (up * gate * jax.nn.sigmoid(gate)).reshape(c.shape[0], -1)
+        else:
+            gate, up = jnp.minimum(gate, 7.0), jnp.clip(up, -7.0, 7.0)
+            h = ((up + 1.0) * gate * jax.nn.sigmoid(1.702 * gate)).reshape(c.shape[0], -1)
+    h = h * prob[:, None] * in_group[:, None]
+    return jnp.einsum("mi,mhi->mh", h, w2.astype(jnp.float32)[g], precision="highest")
+
+
+def _rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("act, bias, glu_limit", [("swiglu", False, None), ("geglu", True, None),
+                                                  ("srelu", True, None), ("swiglu", True, 2.5)])
+def test_moe_mlp_gradients_match_plain_jnp(act, bias, glu_limit):
+    num_experts, hidden, inter = 4, 64, 64
+    offsets = jnp.array([256, 256, 768, 1024], jnp.int32)  # an empty expert; rows 1024.. outside every group
+    m = 1280
+    keys = jax.random.split(jax.random.PRNGKey(7), 6)
+    fc1_out = inter if act == "srelu" else 2 * inter
+    x = jax.random.normal(keys[0], (m, hidden)).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(keys[1], (num_experts, fc1_out, hidden)) / 8).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[2], (num_experts, hidden, inter)) / 8).astype(jnp.bfloat16)
+    prob = jax.random.uniform(keys[3], (m,), minval=0.1, maxval=1.0)
+    b1 = (0.1 * jax.random.normal(keys[4], (num_experts, fc1_out))).astype(jnp.bfloat16) if bias else None
+    cot = jax.random.normal(keys[5], (m, hidden))
+
+    def ours(x, w1, w2, prob, b1):
+        y = nn.moe_mlp(x, w1, w2, prob, b1, offsets, act, glu_limit)
+        return jnp.sum(y.astype(jnp.float32) * cot)
+
+    def plain(x, w1, w2, prob, b1):
+        return jnp.sum(_plain_mlp(x, w1, w2, prob, b1, offsets, act, glu_limit) * cot)
+
+    argnums = (0, 1, 2, 3, 4) if bias else (0, 1, 2, 3)
+    got = jax.jit(jax.grad(ours, argnums=argnums))(x, w1, w2, prob, b1)
+    want = jax.grad(plain, argnums=argnums)(x, w1, w2, prob, b1)
+    for name, g, w in zip(("dx", "dw1", "dw2", "dprob", "db1"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        err = _rel_err(g, w)
+        # bf16 storage of C, h, dC and the outputs bounds the error at a few bf16 ulps (2^-8) in norm.
+        assert err < 2e-2, f"{name}: relative error {err:.3e}"
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32)[1024:], 0.0)  # rows outside every group
+
+
+def test_moe_layer_router_gradient_matches_plain_jnp():
+    tokens, hidden, inter, num_experts = 96, 64, 64, 4
+    keys = jax.random.split(jax.random.PRNGKey(3), 5)
+    x = jax.random.normal(keys[0], (tokens, hidden)).astype(jnp.bfloat16)
+    router = jax.random.normal(keys[1], (hidden, num_experts)) / 8
+    w1 = (jax.random.normal(keys[2], (num_experts, 2 * inter, hidden)) / 8).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[3], (num_experts, hidden, inter)) / 8).astype(jnp.bfloat16)
+    cot = jax.random.normal(keys[4], (tokens, hidden))
+
+    def ours(router, w1):
+        y, _ = nn.moe_layer(x, router, w1, w2, top_k=2)
+        return jnp.sum(y.astype(jnp.float32) * cot)
+
+    def plain(router, w1):
+        with_plain = lambda xp, a, b, p, bias, off, act, lim: _plain_mlp(xp, a, b, p, bias, off, act, lim)
+        original = moe_module.moe_mlp
+        moe_module.moe_mlp = with_plain
+        try:
+            y, _ = nn.moe_layer(x, router, w1, w2, top_k=2)
+        finally:
+            moe_module.moe_mlp = original
+        return jnp.sum(y.astype(jnp.float32) * cot)
+
+    got = jax.jit(jax.grad(ours, argnums=(0, 1)))(router, w1)
+    want = jax.grad(plain, argnums=(0, 1))(router, w1)
+    for g, w in zip(got, want):
+        assert _rel_err(g, w) < 2e-2
