@@ -129,3 +129,25 @@ def test_moe_layer_router_gradient_matches_plain_jnp():
     want = jax.grad(plain, argnums=(0, 1))(router, w1)
     for g, w in zip(got, want):
         assert _rel_err(g, w) < 2e-2
+
+
+@pytest.mark.parametrize("framework", ["flax", "equinox"])
+def test_framework_modules_train_step(framework):
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, 64)).astype(jnp.bfloat16)
+    if framework == "flax":
+        nnx = pytest.importorskip("flax.nnx")
+        model = nn.FlaxMoE(64, 64, 4, rngs=nnx.Rngs(0), bias=True)
+        loss = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)
+        value, grads = nnx.value_and_grad(loss)(model)
+        leaves = jax.tree_util.tree_leaves(nnx.state(grads))
+        direct = moe_module.moe_layer(x, model.router[...], model.w1[...], model.w2[...], model.b1[...])[0]
+    else:
+        eqx = pytest.importorskip("equinox")
+        model = nn.EquinoxMoE(64, 64, 4, key=jax.random.PRNGKey(0), act="srelu")
+        loss = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)
+        value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model)
+        leaves = jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array))
+        direct = moe_module.moe_layer(x, model.router, model.w1, model.w2, act="srelu")[0]
+    np.testing.assert_allclose(float(value), float(jnp.mean(direct.astype(jnp.float32) ** 2)), rtol=1e-5)
+    assert len(leaves) >= 3 and all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in leaves)
+    assert any(float(jnp.linalg.norm(g.astype(jnp.float32))) > 0 for g in leaves)

@@ -1,6 +1,21 @@
-"""Neural-network building blocks on top of the fused ops: routing, the custom_vjp MoE MLP, layer wrappers."""
+"""Neural-network building blocks on top of the fused ops: routing, the custom_vjp MoE MLP, layer wrappers.
+
+`FlaxMoE` (flax.nnx) and `EquinoxMoE` are created on first access, so neither framework is a dependency.
+"""
 
 from .moe import moe_layer, moe_mlp
 from .routing import Routing, permute, permuted_rows, route, top_k_gating, unpermute
 
-__all__ = ["moe_mlp", "moe_layer", "Routing", "route", "permute", "unpermute", "permuted_rows", "top_k_gating"]
+__all__ = ["moe_mlp", "moe_layer", "Routing", "route", "permute", "unpermute", "permuted_rows", "top_k_gating",
+           "FlaxMoE", "EquinoxMoE"]
+
+
+def __getattr__(name):
+    import importlib
+
+    modules = importlib.import_module(".modules", __name__)
+    if name == "FlaxMoE":
+        return modules._flax_module()
+    if name == "EquinoxMoE":
+        return modules._equinox_module()
+    raise AttributeError(name)
