@@ -1,0 +1,466 @@
+"""Block-scaled number formats, quantization rules and the MMA-tiled scale-factor layout.
+
+This module is the only home of (spec = ``shared/spec/SEMANTICS.md``):
+  * the element codecs of Part B §3.1 / §3.6 (e8m0 RCEIL, e4m3 / e5m2 / e2m1 RNE-satfinite),
+  * the block quantization rules of §3.4 (rows), §3.5 (columns) and A9 (NVFP4, e4m3 scale factors),
+  * the scale-factor byte layout of §2 (the 512-byte 128x4 atoms) and the per-expert segment layout of §2.6.
+
+Everything is pure jnp and jit-able on any backend; dtype names and block sizes are static Python values.
+Scale factors are handled as **uint8 bit patterns** (e8m0 code = biased exponent, e4m3 code = fp8 bits); inputs
+typed ``float8_e8m0fnu`` / ``float8_e4m3fn`` are bit-cast, never value-converted.
+
+Facts that shaped the implementation (measured with jax/jaxlib 0.10.2 on CPU):
+  * XLA's f32 -> float8_e4m3fn / float8_e5m2 ``convert`` is single-rounding RNE (agrees with ml_dtypes on every f32
+    pattern we tried, ties and subnormal results included) but it does NOT saturate: |x| beyond the largest finite
+    value after rounding gives NaN (e4m3) or inf (e5m2). It is also a backend detail we cannot see from here, so the
+    encoders below round bitwise themselves and only use ``convert`` on values already on the fp8 grid (exact on
+    every backend, even one that converts through f16).
+  * XLA's f32 -> float8_e8m0fnu ``convert`` rounds to nearest and maps 0 and inf to 0xFF (NaN); the spec needs
+    RCEIL with 0 -> 0x00 and inf -> 0xFE, hence the bit rule of ``e8m0_encode``.
+  * XLA:CPU flushes fp32 subnormals (FTZ and DAZ: ``x * 2`` of 1e-40 is 0, ``1e-40 > 0`` is False); XLA:GPU does not
+    by default. So that every backend quantizes alike, the quantizers flush explicitly, by bits, at fixed points
+    (input data, pv after each multiply, the scale): values below 2^-126 count as 0 there. This only touches the
+    regime the spec says to ignore: amax below ~1e-35, and blocks containing +-inf (s = 0xFE, scale
+    norm_const * 2^-127 is subnormal for norm_const < 2 and flushes to 0 -- as the kernel's flushing reciprocal
+    does -- so the inf element encodes NaN and the rest 0). The element codecs themselves are exact (integer bit
+    rules, immune to FTZ).
+  * XLA's elementwise ``max``/``min``/``clamp`` propagate NaN, but XLA:CPU's vectorised reduce-max does NOT
+    reliably (a (200, 7, 32) -> (200, 7) max returned 7.0 for a block [7, 0, 0, NaN, ...]); amax propagates NaN
+    explicitly.
+
+Decisions where the spec leaves room (documented in NOTES.md too):
+  * NaN -> e4m3 / e5m2 code 0x7F (positive canonical NaN, sign dropped).
+  * e2m1 has no NaN: NaN -> code 0x7 (+6). A NaN block always has a NaN scale factor (e8m0 0xFF, e4m3 0x7F), so
+    the dequantized block is NaN whatever the code. -0 and negative values that round to 0 keep the sign (0x8).
+  * e8m0 code 0x00 decodes to 2^-127 exactly; its reciprocal is 2^127 (correctly rounded, finite). The Blackwell
+    kernel's approximate reciprocal flushes it to 0 (scale FLT_MAX); that only differs for non-zero blocks with
+    pv <= 2^-127, which the spec says to ignore.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
+BF16, F16, F32 = "bfloat16", "float16", "float32"
+
+# Spec A8: e5m2 outputs use the documented q_max 57344 (cuDNN's code uses 128).
+Q_MAX = {E4M3: 448.0, E5M2: 57344.0, E2M1: 6.0}
+FLT_MAX = float(np.finfo(np.float32).max)
+
+# (mantissa bits, exponent of the smallest normal, largest finite) of each data format: enough to round to its grid.
+_GRID = {E4M3: (3, -6, 448.0), E5M2: (2, -14, 57344.0), E2M1: (1, 0, 6.0)}
+_JNP_DTYPE = {E4M3: jnp.float8_e4m3fn, E5M2: jnp.float8_e5m2, E8M0: jnp.float8_e8m0fnu,
+              BF16: jnp.bfloat16, F16: jnp.float16, F32: jnp.float32}
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# Correctly rounded fp32 reciprocals of the 256 e4m3 codes (IEEE fp32 division done once here, so that no backend's
+# division mode can change a scale); 1/0 = inf so that min(norm_const * inf, FLT_MAX) gives the spec's FLT_MAX.
+with np.errstate(divide="ignore"):
+    _E4M3_RECIP = np.float32(1.0) / np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def rcp_limit(d_dtype) -> float:
+    """float32(1 / q_max) for the low-precision data formats, 1.0 for bf16/fp16/fp32 (spec §3.4 table + A8)."""
+    if d_dtype in Q_MAX:
+        return float(np.float32(1.0) / np.float32(Q_MAX[d_dtype]))
+    return 1.0
+
+
+def _check(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {sorted(allowed)}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bit helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+def _f32_bits(x):
+    return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+
+
+def _bits_f32(b):
+    return lax.bitcast_convert_type(jnp.asarray(b).astype(jnp.uint32), jnp.float32)
+
+
+def _flush(x):
+    """fp32 subnormals -> signed zero, decided on the bits (same result with or without hardware FTZ/DAZ)."""
+    b = _f32_bits(x)
+    return _bits_f32(jnp.where((b & 0x7F800000) == 0, b & jnp.uint32(0x80000000), b))
+
+
+def _pow2(k):
+    """2.0**k as fp32 for int32 k in [-126, 127], built from the exponent field (exact, no transcendental)."""
+    return _bits_f32((k + 127).astype(jnp.uint32) << 23)
+
+
+def as_u8(x):
+    """View 1-byte scale factors / fp8 data (any float8 dtype or uint8) as uint8 bit patterns."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint8:
+        return x
+    if x.dtype.itemsize != 1:
+        raise TypeError(f"expected a 1-byte dtype (uint8 or float8), got {x.dtype}")
+    return lax.bitcast_convert_type(x, jnp.uint8)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Element codecs (§3.1, §3.6)
+# --------------------------------------------------------------------------------------------------------------------
+
+def e8m0_encode(x_f32):
+    """fp32 -> e8m0 code (uint8), round toward +inf ("RCEIL"), the closed form of §3.6.
+
+    x <= 2^-127 (incl. +-0 and every negative value) -> 0x00; NaN -> 0xFF; otherwise min(E + (M != 0), 254),
+    E/M = exponent/mantissa fields (subnormals in (2^-127, 2^-126) -> 0x01, +inf and huge values -> 0xFE).
+    Integer compares on the bits: immune to any flush-to-zero of fp32 subnormals.
+    """
+    b = _f32_bits(x_f32)
+    e, m = (b >> 23) & 0xFF, b & 0x7FFFFF
+    code = jnp.minimum(e + (m != 0).astype(jnp.uint32), 254)
+    tiny = ((b >> 31) == 1) | (b <= 0x00400000)          # negative, or 0 <= x <= 2^-127 (bits of 2^-127: 0x00400000)
+    nan = (e == 255) & (m != 0)
+    return jnp.where(nan, 255, jnp.where(tiny, 0, code)).astype(jnp.uint8)
+
+
+def e8m0_decode(u8):
+    """e8m0 code -> fp32 2^(e-127); 0x00 -> 2^-127 (an exact fp32 subnormal), 0xFF -> NaN."""
+    e = as_u8(u8).astype(jnp.uint32)
+    b = jnp.where(e == 0, 0x00400000, jnp.where(e == 255, 0x7FC00000, e << 23))
+    return _bits_f32(b)
+
+
+def _mul_exp2(v, k):
+    """v * 2^k for int32 k in [-127, 127], exact whenever the result is a normal fp32 number; subnormal results
+    flush to signed zero. 2^-127 itself is an fp32 subnormal (a flushing backend reads it as 0), so k = -127 is
+    applied as 2^-126 then 0.5."""
+    hi = _pow2(jnp.maximum(k, -126))
+    lo = jnp.where(k < -126, jnp.float32(0.5), jnp.float32(1.0))
+    return _flush((v * hi) * lo)
+
+
+def _round_to_grid(x_f32, fmt):
+    """RNE-satfinite rounding of fp32 to the value grid of `fmt`, returned as fp32 (on the grid; NaN kept).
+
+    Clamp first: rounding is monotone and +-q_max is on the grid, so clamp-then-round == round-then-saturate.
+    Then with e = max(floor(log2|x|), emin) the grid spacing around x is 2^(e - mbits); scaling by its inverse,
+    rounding half-to-even to an integer and scaling back are all exact (powers of two, no over/underflow), so the
+    only rounding is the single RNE that the spec asks for -- the same for normal and subnormal results.
+    """
+    mbits, emin, qmax = _GRID[fmt]
+    x = jnp.clip(jnp.asarray(x_f32, jnp.float32), -qmax, qmax)
+    e = ((_f32_bits(x) >> 23) & 0xFF).astype(jnp.int32) - 127       # -127 for 0 / f32 subnormals, 128 for NaN
+    e = jnp.clip(e, emin, 64)
+    return jnp.round(x * _pow2(mbits - e)) * _pow2(e - mbits)        # jnp.round = round-half-to-even
+
+
+def _fp8_encode(x_f32, fmt):
+    y = _round_to_grid(x_f32, fmt)
+    # y is exactly representable, so convert cannot round (whatever path a backend takes); canonicalise NaN.
+    bits = as_u8(y.astype(_JNP_DTYPE[fmt]))
+    bits = jnp.where(jnp.isnan(y), jnp.uint8(0x7F), bits)
+    return lax.bitcast_convert_type(bits, _JNP_DTYPE[fmt])
+
+
+def e4m3_encode(x_f32):
+    """fp32 -> float8_e4m3fn, RNE, saturating to +-448; NaN -> 0x7F."""
+    return _fp8_encode(x_f32, E4M3)
+
+
+def e5m2_encode(x_f32):
+    """fp32 -> float8_e5m2, RNE, saturating to +-57344 (inf too); NaN -> 0x7F."""
+    return _fp8_encode(x_f32, E5M2)
+
+
+def e2m1_encode(x_f32):
+    """fp32 -> e2m1 nibble codes (uint8 0..15): RNE to {0,.5,1,1.5,2,3,4,6}, saturate at 6, sign bit 0x8.
+
+    -0 and negatives rounding to zero -> 0x8 (sign kept, as a bit-level converter does); NaN -> 0x7 (+6).
+    """
+    x = jnp.asarray(x_f32, jnp.float32)
+    y = jnp.abs(_round_to_grid(x, E2M1))
+    mag = sum((y >= v).astype(jnp.uint8) for v in _E2M1_VALUES[1:])   # index of y in the value table
+    sign = ((_f32_bits(x) >> 31).astype(jnp.uint8)) << 3
+    return jnp.where(jnp.isnan(x), jnp.uint8(0x7), sign | mag).astype(jnp.uint8)
+
+
+def e2m1_decode(codes_u8):
+    table = jnp.asarray(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), jnp.float32)
+    return table[jnp.asarray(codes_u8).astype(jnp.int32) & 0xF]
+
+
+def pack_fp4(codes):
+    """(..., K) nibble codes -> (..., K//2) uint8: element 2j in the low nibble, 2j+1 in the high nibble (§3.1)."""
+    codes = jnp.asarray(codes).astype(jnp.uint8)
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dimension {codes.shape[-1]} must be even")
+    return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+
+
+def unpack_fp4(packed):
+    """(..., K//2) uint8 -> (..., K) nibble codes (inverse of pack_fp4)."""
+    packed = as_u8(packed)
+    lo, hi = packed & 0xF, packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def decode(data, data_dtype):
+    """Storage array -> fp32 values. fp8 data may be typed or uint8 bits; fp4 is packed uint8 (..., K//2) -> (..., K)."""
+    _check("data_dtype", data_dtype, {E4M3, E5M2, E2M1, E8M0, BF16, F16, F32})
+    if data_dtype == E2M1:
+        return e2m1_decode(unpack_fp4(data))
+    if data_dtype == E8M0:
+        return e8m0_decode(data)
+    if data_dtype in (E4M3, E5M2):
+        data = lax.bitcast_convert_type(as_u8(data), _JNP_DTYPE[data_dtype])
+    return jnp.asarray(data).astype(jnp.float32)        # widening to fp32 is exact
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Scale-factor layout (§2)
+# --------------------------------------------------------------------------------------------------------------------
+
+def sf_physical_shape(rows, k, vec, num_groups=1) -> tuple:
+    """C-contiguous physical shape (L, Rb, Kb, 32, 4, 4) of the scale factors of a (rows, k) operand."""
+    return (num_groups, cdiv(rows, 128), cdiv(cdiv(k, vec), 4), 32, 4, 4)
+
+
+def sf_offset(r, kb, l, rows, n_kblocks):
+    """§2.3 normative byte offset of logical S[l, r, kb] (Python ints, numpy or jnp integer arrays)."""
+    rb_n, kb_n = cdiv(rows, 128), cdiv(n_kblocks, 4)
+    return (l * (rb_n * kb_n * 512) + (r // 128) * (kb_n * 512) + (kb // 4) * 512
+            + (r % 32) * 16 + ((r // 32) % 4) * 4 + (kb % 4))
+
+
+# Axis order that turns (L, Rb, r1=4, r0=32, Kb, kb0=4) into memory order (L, Rb, Kb, r0, r1, kb0); it is its own
+# inverse (swaps axes 2 and 4). r = rb*128 + r1*32 + r0: r1 is the slow half of the row index but the fast one in
+# memory -- the 32x4 interleave that lets one 16-byte load per row feed the MMA.
+_SF_PERM = (0, 1, 4, 3, 2, 5)
+
+
+def pack_sf(s):
+    """Logical scales (L, R, nkb) or (R, nkb) [-> L = 1] -> physical uint8 (L, Rb, Kb, 32, 4, 4), padding 0x00."""
+    s = as_u8(s)
+    if s.ndim == 2:
+        s = s[None]
+    num_groups, rows, nkb = s.shape
+    rb_n, kb_n = cdiv(rows, 128), cdiv(nkb, 4)
+    s = jnp.pad(s, ((0, 0), (0, rb_n * 128 - rows), (0, kb_n * 4 - nkb)))
+    return s.reshape(num_groups, rb_n, 4, 32, kb_n, 4).transpose(_SF_PERM)
+
+
+def unpack_sf(buf, rows, n_kblocks, num_groups=1):
+    """Physical scales (6-D or flat 1-D, uint8 or a float8 dtype) -> logical uint8 (L, rows, n_kblocks)."""
+    rb_n, kb_n = cdiv(rows, 128), cdiv(n_kblocks, 4)
+    buf = as_u8(buf)
+    if buf.size != num_groups * rb_n * kb_n * 512:
+        raise ValueError(f"unpack_sf: buffer has {buf.size} bytes, expected {num_groups * rb_n * kb_n * 512}"
+                         f" for rows={rows}, n_kblocks={n_kblocks}, num_groups={num_groups}")
+    s = buf.reshape(num_groups, rb_n, kb_n, 32, 4, 4).transpose(_SF_PERM)
+    return s.reshape(num_groups, rb_n * 128, kb_n * 4)[:, :rows, :n_kblocks]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Per-expert segment layout (§2.6: discrete_col_sfd, wgrad operands, colwise SFRHT)
+# --------------------------------------------------------------------------------------------------------------------
+
+def _segments(ends, max_token, rows, vec):
+    """Sanitize token ends (device data) and derive per-segment geometry, all int32 (L,).
+
+    Returns starts, ends, nkb (k-blocks of the segment), kb_n (4-block atoms), base (first byte).
+    """
+    ends = lax.cummax(jnp.clip(jnp.asarray(ends).astype(jnp.int32), 0, max_token), axis=0)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    nkb = cdiv(ends - starts, vec)
+    kb_n = cdiv(nkb, 4)
+    # base = rup(rows,128) * start // vec, split so that no int32 intermediate exceeds the buffer size.
+    rows_pad = cdiv(rows, 128) * 128
+    base = (rows_pad // vec) * starts + ((rows_pad % vec) * starts) // vec
+    return starts, ends, nkb, kb_n, base
+
+
+def pack_sf_segments(s, ends, vec):
+    """Logical scales (R, cdiv(T, vec)) over all T tokens -> flat uint8 per-expert segment layout (§2.6).
+
+    Segment g (tokens [start_g, end_g)) is the §2 layout of SF(R, T_g) (L = 1) starting at byte
+    rup(R,128) * start_g // vec; its local k-block j holds s[:, start_g // vec + j]. Total bytes
+    rup(R,128) * rup(cdiv(T,vec), 4). `ends` is device data: it is sanitized (clip to [0, T'], running max; the
+    identity for valid ends) and the buffer is built by a gather, so no value can index out of bounds.
+    Valid layouts (every start a multiple of vec, every non-last T_g a multiple of 4*vec -- always true for
+    multiples of 256) have disjoint segments. Otherwise segments overlap; then, deterministically, byte p belongs to
+    the last non-empty segment whose base is <= p (zero where that segment has padding). Bytes past the last
+    segment are 0.
+    """
+    s = as_u8(s)
+    rows, n_tok_blocks = s.shape
+    rb_n = cdiv(rows, 128)
+    total = rb_n * 128 * cdiv(n_tok_blocks, 4) * 4
+    starts, _, nkb, kb_n, base = _segments(ends, n_tok_blocks * vec, rows, vec)
+    n_groups = base.shape[0]
+
+    p = jnp.arange(total, dtype=jnp.int32)
+    g_last = jnp.searchsorted(base, p, side="right").astype(jnp.int32) - 1     # base[0] == 0, so >= 0
+    last_nonempty = lax.cummax(jnp.where(nkb > 0, jnp.arange(n_groups, dtype=jnp.int32), -1), axis=0)
+    owner = last_nonempty[g_last]
+    g = jnp.maximum(owner, 0)
+    q = p - base[g]                                      # byte offset inside the owner's SF(R, T_g) block
+    atom_row = jnp.maximum(kb_n[g], 1) * 512             # bytes per 128-row block of the segment
+    rb, ka, w = q // atom_row, (q % atom_row) // 512, q % 512
+    r = rb * 128 + ((w // 4) % 4) * 32 + w // 16        # inverse of §2.3 inside one atom
+    j = ka * 4 + w % 4
+    valid = (owner >= 0) & (rb < rb_n) & (r < rows) & (j < nkb[g])
+    col = starts[g] // vec + j
+    val = s[jnp.clip(r, 0, rows - 1), jnp.clip(col, 0, n_tok_blocks - 1)]
+    return jnp.where(valid, val, jnp.uint8(0))
+
+
+def unpack_sf_segments(flat, rows, ends, total_tokens, vec):
+    """Inverse of pack_sf_segments: flat bytes -> logical uint8 (rows, cdiv(T, vec)); blocks in no segment -> 0.
+
+    Global k-block t belongs to the segment containing its first token t*vec and is its local block
+    t - start_g // vec.
+    """
+    flat = as_u8(flat).reshape(-1)
+    n_tok_blocks = cdiv(total_tokens, vec)
+    starts, ends, nkb, kb_n, base = _segments(ends, total_tokens, rows, vec)
+    n_groups = ends.shape[0]
+    t = jnp.arange(n_tok_blocks, dtype=jnp.int32)
+    g_raw = jnp.searchsorted(ends, t * vec, side="right").astype(jnp.int32)   # first g with end_g > token
+    g = jnp.minimum(g_raw, n_groups - 1)
+    j = t - starts[g] // vec
+    valid = (g_raw < n_groups) & (j >= 0) & (j < nkb[g])
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    off = (base[g] + (r // 128) * (kb_n[g] * 512) + (j // 4) * 512
+           + (r % 32) * 16 + ((r // 32) % 4) * 4 + j % 4)
+    val = flat[jnp.clip(off, 0, flat.shape[0] - 1)]
+    return jnp.where(valid[None, :], val, jnp.uint8(0))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Block quantization (§3.4 rows, §3.5 columns, A9 NVFP4)
+# --------------------------------------------------------------------------------------------------------------------
+
+def _encode(y, d_dtype):
+    """fp32 (already scaled) -> storage: fp8 arrays, or packed uint8 (..., C//2) for e2m1."""
+    if d_dtype == E4M3:
+        return e4m3_encode(y)
+    if d_dtype == E5M2:
+        return e5m2_encode(y)
+    return pack_fp4(e2m1_encode(y))
+
+
+def _scaled_rows(x, d_dtype, sf_dtype, vec, norm_const):
+    """Shared core of the row and column rules: returns (x * scale (..., R, C) fp32, s codes (..., R, nkb) uint8).
+
+    pv = (amax * rcp_limit) * norm_const in this fp32 order (the kernel's, §3.4); scale = min(norm_const * 1/val(s),
+    FLT_MAX) with the correctly rounded reciprocal (1/0 = inf: scale FLT_MAX); NaN propagates through max,
+    multiply and min. Subnormal intermediates flush to zero (module docstring).
+    """
+    _check("d_dtype", d_dtype, {E4M3, E5M2, E2M1})
+    _check("sf_dtype", sf_dtype, {E8M0, E4M3})
+    x = _flush(jnp.asarray(x, jnp.float32))
+    cols = x.shape[-1]
+    nkb = cdiv(cols, vec)
+    # Zero padding leaves amax unchanged (|x| >= 0), so a partial last block is the max over its existing columns.
+    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nkb * vec - cols)])
+    blocks = jnp.abs(xp.reshape(*x.shape[:-1], nkb, vec))
+    # NaN must win (§3.4). XLA:CPU's vectorised reduce-max drops NaN depending on its position (measured), so
+    # propagate it explicitly instead of trusting the reduction.
+    amax = jnp.where(jnp.isnan(blocks).any(axis=-1), jnp.float32(jnp.nan), jnp.max(blocks, axis=-1))
+    pv = _flush(amax * jnp.float32(rcp_limit(d_dtype)))
+    nc = None if norm_const is None else jnp.asarray(norm_const, jnp.float32).reshape(())
+    if nc is not None:
+        pv = _flush(pv * nc)
+    if sf_dtype == E8M0:
+        # nc * (1/val(s)) = nc * 2^(127-e): applied as an exact power-of-two product (no division, no subnormal
+        # operand), so it is the correctly rounded spec value on every backend.
+        s = e8m0_encode(pv)
+        e = s.astype(jnp.int32)
+        scale = _mul_exp2(jnp.float32(1.0) if nc is None else nc, 127 - e)
+        scale = jnp.where(e == 255, jnp.float32(jnp.nan), scale)
+    else:
+        s = as_u8(e4m3_encode(pv))
+        recip = jnp.asarray(_E4M3_RECIP)[s.astype(jnp.int32)]   # normal fp32 numbers, or inf for a zero scale
+        scale = recip if nc is None else _flush(nc * recip)
+    scale = jnp.minimum(scale, jnp.float32(FLT_MAX))
+    y = x * jnp.repeat(scale, vec, axis=-1)[..., :cols]
+    return y, s
+
+
+def quantize_rows(x_f32, d_dtype, sf_dtype=E8M0, vec=32, norm_const=None):
+    """§3.4 / A9 row quantization of x (R, C) (leading batch dims allowed) in blocks of `vec` columns.
+
+    Returns (codes, s): codes float8 (R, C) or packed uint8 (R, C//2) for e2m1; s uint8 codes (R, cdiv(C, vec)).
+    norm_const None means 1.0 (standard MX / NVFP4 input quantization). Dequantize: val(codes)*val(s)/norm_const.
+    """
+    if d_dtype == E2M1 and jnp.shape(x_f32)[-1] % 2:
+        raise ValueError("quantize_rows: e2m1 data needs an even number of columns (two values per byte)")
+    y, s = _scaled_rows(x_f32, d_dtype, sf_dtype, vec, norm_const)
+    return _encode(y, d_dtype), s
+
+
+def quantize_cols(x_f32, d_dtype, norm_const=None):
+    """§3.5 column quantization of x (R, C): blocks of 32 consecutive rows per column, always e8m0.
+
+    Returns (codes (R, C) [e2m1: packed along C, (R, C//2)], s uint8 (C, cdiv(R, 32))). The spec's
+    scale = (val(s) == 0) ? 0 : min(norm_const / val(s), FLT_MAX) equals the row rule's norm_const * (1/val(s)) here:
+    val(s) is a power of two (never 0 for e8m0), so both are the correctly rounded norm_const * 2^(127-e).
+    """
+    x = jnp.asarray(x_f32, jnp.float32)
+    if d_dtype == E2M1 and x.shape[-1] % 2:
+        raise ValueError("quantize_cols: e2m1 data needs an even number of columns (two values per byte)")
+    y_t, s = _scaled_rows(jnp.swapaxes(x, -1, -2), d_dtype, E8M0, 32, norm_const)
+    return _encode(jnp.swapaxes(y_t, -1, -2), d_dtype), s
+
+
+def dequantize(codes, s_logical, data_dtype, sf_dtype, vec):
+    """val(codes) * val(s) in fp32: codes (R, C) (e2m1 packed (R, C//2)), s (R, cdiv(C, vec)) -> (R, C).
+
+    Does not divide by norm_const. Exact whenever the result is a normal fp32 number (e8m0 0x00 = 2^-127 is applied
+    as an exact power-of-two product, never as a subnormal operand); results below 2^-126 flush to 0.
+    """
+    vals = decode(codes, data_dtype)
+    rep = lambda a: jnp.repeat(a, vec, axis=-1)[..., :vals.shape[-1]]
+    if sf_dtype == E4M3:
+        return _flush(vals * rep(decode(s_logical, E4M3)))      # e4m3 scale values are normal fp32 numbers
+    e = as_u8(s_logical).astype(jnp.int32)
+    sv_exp = rep(e)
+    return jnp.where(sv_exp == 255, jnp.float32(jnp.nan), _mul_exp2(vals, sv_exp - 127))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Convenience for users: operands in the physical form the ops take
+# --------------------------------------------------------------------------------------------------------------------
+
+def to_block_scaled(x, data_dtype, sf_dtype=E8M0, vec=32):
+    """x (R, K) -> (codes, sf (1, Rb, Kb, 32, 4, 4)); x (L, N, K) -> (codes, sf (L, Rb, Kb, 32, 4, 4)).
+
+    Standard MXFP8 / MXFP4 / NVFP4 input quantization (norm_const 1); sf is uint8 bit patterns.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"to_block_scaled: x must be (R, K) or (L, N, K), got shape {x.shape}")
+    codes, s = quantize_rows(x, data_dtype, sf_dtype, vec)
+    return codes, pack_sf(s)
+
+
+def from_block_scaled(codes, sf_physical, data_dtype, sf_dtype, vec):
+    """Inverse of to_block_scaled: fp32 with the leading shape of codes and the logical K."""
+    codes = jnp.asarray(codes)
+    k = codes.shape[-1] * (2 if data_dtype == E2M1 else 1)
+    rows = codes.shape[-2]
+    num_groups = codes.shape[0] if codes.ndim == 3 else 1
+    s = unpack_sf(sf_physical, rows, cdiv(k, vec), num_groups)
+    if codes.ndim == 2:
+        s = s[0]
+    return dequantize(codes, s, data_dtype, sf_dtype, vec)
