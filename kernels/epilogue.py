@@ -1,0 +1,127 @@
+"""Epilogue device functions, composed per problem (one recipe object per compiled variant).
+
+Semantics (SEMANTICS.md Part A + §4.1-4.5, §4.7; fp32 math on the fp32 accumulator, RNE output conversion):
+
+=========  ===================================  ==========================================================
+op         C (pre-activation, stored if c)      D
+=========  ===================================  ==========================================================
+quant      (none)                               prob*alpha*acc;  with bias: alpha*acc + prob*bias
+srelu      alpha*acc (+ bias)                   prob * relu(C)^2;  tanh_clamp_scale s: prob*(s*tanh(relu(C)/s))^2
+glu        alpha*acc (+ bias), interleaved      prob * glu_alpha * act(gate, up); gate = even 32-col block of C,
+                                                up = the following odd block; swiglu: up*gate*sigmoid(gate);
+                                                geglu: (u'+1)*g'*sigmoid(1.702 g'), g' = min(gate, 7),
+                                                u' = clamp(up, -7, 7); glu_limit L replaces both clamps by +-L
+=========  ===================================  ==========================================================
+
+amax (per group, §4.7): max |D| in fp32 before conversion, merged as a max over the *bit patterns* of |D|
+(non-negative floats order like their bits, and a NaN (0x7fc00000 after abs) beats +inf, so NaN wins as the
+spec asks). The kernel reduces per thread -> per warp, then one `atomicMax` per warp and tile; the result does
+not depend on the order of the atomics (max is exact), so it is deterministic.
+
+sigmoid uses ex2.approx + rcp.approx (relative error ~1e-7, far below bf16/fp16 rounding); tanh (sReLU clamp
+only) uses the accurate libdevice-style expansion because tanh.approx.f32 has ~5e-4 relative error.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+LOG2_E = 1.4426950408889634
+GEGLU_SCALE = 1.702
+GEGLU_DEFAULT_LIMIT = 7.0
+
+
+@cute.jit
+def sigmoid(x: Float32) -> Float32:
+    return cute.arch.rcp_approx(Float32(1.0) + cute.math.exp2(x * Float32(-LOG2_E), fastmath=True))
+
+
+@cute.jit
+def relu(x: Float32) -> Float32:
+    # fmax is NaN-quiet: relu(NaN) = 0, as the spec's where(x > 0, x, 0)
+    return cute.arch.fmax(x, Float32(0.0))
+
+
+class EpilogueRecipe:
+    """Static recipe of one problem's epilogue + the scalar device functions it composes.
+
+    The kernel calls `c_value` / `d_value` / `d_glu` per accumulator element (unrolled); everything that is not
+    used by this problem is never traced.
+    """
+
+    def __init__(self, problem):
+        epi = problem.epilogue
+        self.op = problem.op
+        self.act = epi.act
+        self.is_glu = problem.op == "glu"
+        self.has_bias = epi.has_bias
+        self.has_prob = epi.has_prob
+        self.has_c = epi.c_dtype is not None and problem.op != "quant"
+        self.compute_amax = epi.compute_amax
+        self.glu_limit = epi.glu_limit
+        self.glu_alpha = epi.glu_alpha
+        self.tanh_clamp_scale = epi.tanh_clamp_scale
+
+    # C (pre-activation) ------------------------------------------------------------------------
+    @cute.jit
+    def c_value(self, acc: Float32, alpha: Float32, bias: Float32) -> Float32:
+        c = alpha * acc
+        if const_expr(self.has_bias):
+            c = c + bias
+        return c
+
+    # D for quant / srelu ----------------------------------------------------------------------
+    @cute.jit
+    def d_value(self, acc: Float32, c: Float32, alpha: Float32, prob: Float32, bias: Float32) -> Float32:
+        d = Float32(0.0)
+        if const_expr(self.op == "quant"):
+            if const_expr(self.has_bias):
+                d = alpha * acc + prob * bias
+            else:
+                d = prob * (alpha * acc)
+        else:  # srelu: c already holds alpha*acc (+bias)
+            r = relu(c)
+            if const_expr(self.tanh_clamp_scale is not None):
+                s = Float32(self.tanh_clamp_scale)
+                r = s * cute.math.tanh(r * Float32(1.0 / self.tanh_clamp_scale))
+            d = prob * (r * r)
+        return d
+
+    # D for GLU ------------------------------------------------------------------------------
+    @cute.jit
+    def d_glu(self, gate: Float32, up: Float32, prob: Float32) -> Float32:
+        d = Float32(0.0)
+        if const_expr(self.act == "swiglu"):
+            if const_expr(self.glu_limit is not None):
+                lim = Float32(self.glu_limit)
+                gate = cute.arch.fmax(cute.arch.fmin(gate, lim), -lim)
+                up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
+            d = up * (gate * sigmoid(gate))
+        else:  # geglu
+            if const_expr(self.glu_limit is not None):
+                lim = Float32(self.glu_limit)
+                gate = cute.arch.fmax(cute.arch.fmin(gate, lim), -lim)
+                up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
+            else:
+                lim = Float32(GEGLU_DEFAULT_LIMIT)
+                gate = cute.arch.fmin(gate, lim)
+                up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
+            d = (up + Float32(1.0)) * (gate * sigmoid(gate * Float32(GEGLU_SCALE)))
+        if const_expr(self.glu_alpha is not None):
+            d = d * Float32(self.glu_alpha)
+        return prob * d
+
+
+@cute.jit
+def abs_bits(x: Float32) -> Int32:
+    """Bit pattern of |x| as Int32: monotone in |x| for non-NaN, NaN above +inf."""
+    return x.bitcast(Int32) & Int32(0x7FFFFFFF)
+
+
+@cute.jit
+def warp_max_i32(v: Int32) -> Int32:
+    for i in cutlass.range_constexpr(5):
+        v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=1 << (4 - i)))
+    return v

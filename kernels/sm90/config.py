@@ -1,0 +1,101 @@
+"""Kernel configuration (tile, cluster, stages) and the support predicate of the sm90 grouped GEMM.
+
+Pure Python (no cutlass import): the JAX layer may call `supports` / `default_config` on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+SUPPORTED_OPS = ("quant", "srelu", "glu")
+AB_DTYPES = ("bfloat16", "float16")
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+BIAS_DTYPES = ("bfloat16", "float16", "float32")
+MAX_GROUPS = 1024
+SMEM_CAPACITY = 232448  # sm_90 opt-in dynamic shared memory per CTA (227 KiB)
+H200_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static schedule of one compiled kernel.
+
+    tile_n: 128 or 256 (tile_m is 128: two consumer warpgroups of 64 rows, "cooperative");
+    cluster_m: CTAs per cluster along M sharing (multicasting) the B tile, 1 or 2;
+    ab_stages: A/B shared-memory pipeline depth (None: as many as fit);
+    epi_stages: epilogue shared-memory buffers per output (TMA-store overlap);
+    group_m: M blocks per raster swizzle group (L2 reuse);
+    num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 2
+    ab_stages: Optional[int] = None
+    epi_stages: int = 2
+    group_m: int = 8
+    num_sms: int = H200_SMS
+
+    def __post_init__(self):
+        if self.tile_m != 128:
+            raise ValueError("tile_m must be 128")
+        if self.tile_n not in (128, 256):
+            raise ValueError("tile_n must be 128 or 256")
+        if self.cluster_m not in (1, 2):
+            raise ValueError("cluster_m must be 1 or 2")
+        if self.epi_stages not in (1, 2):
+            raise ValueError("epi_stages must be 1 or 2")
+        if self.group_m < 1:
+            raise ValueError("group_m must be >= 1")
+
+
+def supports(problem) -> Optional[str]:
+    """None if `GroupedGemmSm90` implements `problem`, else the reason it does not."""
+    epi = problem.epilogue
+    if problem.op not in SUPPORTED_OPS:
+        return f"op {problem.op!r} is not implemented by the sm90 kernel (only {SUPPORTED_OPS})"
+    if problem.ab_dtype not in AB_DTYPES or problem.block_scaled:
+        return f"A/B dtype {problem.ab_dtype!r} (block-scaled inputs are not implemented on sm90 yet)"
+    if problem.discrete_weights:
+        return "discrete weights are not implemented on sm90 yet"
+    if epi.generate_sfd or epi.discrete_col_sfd or epi.rht or epi.has_hadamard:
+        return "quantized D outputs (SFD), RHT and Hadamard are not implemented on sm90 yet"
+    if epi.d_dtype not in OUT_DTYPES:
+        return f"d_dtype {epi.d_dtype!r} not in {OUT_DTYPES}"
+    if problem.op == "quant":
+        if epi.act is not None:
+            return "quant takes no activation"
+        if epi.c_dtype is not None:
+            return "quant has no C output"
+    elif problem.op == "srelu":
+        if epi.act not in (None, "srelu"):
+            return f"srelu op with act {epi.act!r}"
+    else:
+        if epi.act not in ("swiglu", "geglu"):
+            return f"glu act must be swiglu or geglu, got {epi.act!r}"
+        if problem.n % 64:
+            return "GLU needs N % 64 == 0"
+    if epi.c_dtype is not None and epi.c_dtype not in OUT_DTYPES:
+        return f"c_dtype {epi.c_dtype!r} not in {OUT_DTYPES}"
+    if epi.has_bias and epi.bias_dtype not in BIAS_DTYPES:
+        return f"bias_dtype {epi.bias_dtype!r} not in {BIAS_DTYPES}"
+    if not 1 <= problem.num_groups <= MAX_GROUPS:
+        return f"num_groups must be in [1, {MAX_GROUPS}]"
+    if problem.m % 256:
+        return "m must be a multiple of 256"
+    if problem.k % 8 or problem.n % 8 or problem.n_out % 8:
+        return "N, N_out and K must be multiples of 8 (16-byte TMA rows)"
+    return None
+
+
+def default_config(problem) -> Config:
+    """Measured choice (benchmarks/RESULTS.md): 128x256 tiles, B multicast over a 2x1 cluster.
+
+    128-wide tiles keep more CTAs busy when there are few N tiles and short K (the `small` shape).
+    """
+    n_tiles_256 = -(-problem.n // 256)
+    tile_n = 256
+    if problem.n % 256 and problem.n % 128 == 0 and n_tiles_256 < 4:
+        tile_n = 128
+    return Config(tile_n=tile_n)

@@ -1,0 +1,130 @@
+"""bf16/fp16 wgmma mainloop of the sm90 grouped GEMM: shared-memory layouts, the TMA producer k-loop and the
+wgmma consumer k-loop for one output tile.
+
+A (valid rows of one expert) and B[g] are both K-major (A `(m, K)`, B `(L, N, K)` row-major), so both operands use
+128-byte-swizzled K-major shared-memory atoms and SS wgmma (m64nNk16, N = tile_n). Two consumer warpgroups split
+the 128-row tile into 64-row halves ("cooperative"); both read the whole B tile.
+
+A later MXFP8 path adds a mainloop class with the same two methods (FP8 wgmma per 32-wide K block + promotion);
+the kernel class does not change.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+TILE_K = 64  # 4 x k16 wgmma per stage; 128 B of bf16 per row = one SW128 atom
+
+
+def make_tiled_mma(ab_dtype, tile_n: int, num_consumer_wgs: int = 2) -> cute.TiledMma:
+    return sm90_utils.make_trivial_tiled_mma(
+        ab_dtype,
+        ab_dtype,
+        cute.nvgpu.OperandMajorMode.K,
+        cute.nvgpu.OperandMajorMode.K,
+        Float32,
+        (num_consumer_wgs, 1, 1),
+        tiler_mn=(64, tile_n),
+    )
+
+
+def ab_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
+    return (tile_m + tile_n) * TILE_K * ab_dtype.width // 8
+
+
+def make_ab_smem_layouts(ab_dtype, tile_m: int, tile_n: int, stages: int):
+    """Staged (rows, TILE_K, stages) swizzled K-major layouts of A and B."""
+    layouts = []
+    for rows in (tile_m, tile_n):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, ab_dtype, TILE_K), ab_dtype
+        )
+        layouts.append(cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2)))
+    return tuple(layouts)
+
+
+class WgmmaMainloop:
+    """Producer and consumer k-loops over one tile. Pipeline states are returned (loop-carried by the caller)."""
+
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int):
+        self.ab_dtype = ab_dtype
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.stages = stages
+
+    @cute.jit
+    def load_tile(
+        self,
+        ab_pipeline,
+        prod_state,
+        tma_atom_a: cute.CopyAtom,
+        tAgA: cute.Tensor,  # (TMA, k_tiles) of this tile
+        tAsA: cute.Tensor,  # (TMA, stages)
+        tma_atom_b: cute.CopyAtom,
+        tBgB: cute.Tensor,
+        tBsB: cute.Tensor,
+        b_mcast_mask,
+        k_count: Int32,
+    ):
+        prod_state.reset_count()
+        for _k in cutlass.range(k_count, unroll=1):
+            ab_pipeline.producer_acquire(prod_state)
+            bar = ab_pipeline.producer_get_barrier(prod_state)
+            cute.copy(tma_atom_a, tAgA[(None, prod_state.count)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+            cute.copy(
+                tma_atom_b,
+                tBgB[(None, prod_state.count)],
+                tBsB[(None, prod_state.index)],
+                tma_bar_ptr=bar,
+                mcast_mask=b_mcast_mask,
+            )
+            ab_pipeline.producer_commit(prod_state)
+            prod_state.advance()
+        return prod_state
+
+    @cute.jit
+    def mma_tile(
+        self,
+        ab_pipeline,
+        read_state,
+        release_state,
+        tiled_mma: cute.TiledMma,
+        acc: cute.Tensor,
+        tCrA: cute.Tensor,
+        tCrB: cute.Tensor,
+        k_count: Int32,
+    ):
+        """acc = sum over k_count k-tiles (acc is zeroed first; k_count == 0 leaves zeros)."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.fence()
+        # keep one wgmma batch in flight: release stage k-1 once stage k has been issued
+        prologue = cutlass.min(k_count, Int32(1))
+        for _k in cutlass.range(prologue, unroll=1):
+            ab_pipeline.consumer_wait(read_state)
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                crd = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+            warpgroup.commit_group()
+            read_state.advance()
+        for _k in cutlass.range(prologue, k_count, 1, unroll=1):
+            ab_pipeline.consumer_wait(read_state)
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                crd = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+        warpgroup.wait_group(0)
+        for _k in cutlass.range(prologue, unroll=1):
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+        return read_state, release_state
