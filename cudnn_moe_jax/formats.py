@@ -28,7 +28,7 @@ Facts that shaped the implementation (measured with jax/jaxlib 0.10.2 on CPU):
     reliably (a (200, 7, 32) -> (200, 7) max returned 7.0 for a block [7, 0, 0, NaN, ...]); amax propagates NaN
     explicitly.
 
-Decisions where the spec leaves room (documented in NOTES.md too):
+Decisions where the spec leaves room:
   * NaN -> e4m3 / e5m2 code 0x7F (positive canonical NaN, sign dropped).
   * e2m1 has no NaN: NaN -> code 0x7 (+6). A NaN block always has a NaN scale factor (e8m0 0xFF, e4m3 0x7F), so
     the dequantized block is NaN whatever the code. -0 and negative values that round to 0 keep the sign (0x8).
@@ -42,7 +42,6 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

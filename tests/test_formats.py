@@ -309,6 +309,26 @@ def test_quantize_rows_bitexact(d, sf, vec, norm_const):
     assert u8(s)[2, 0] == 0 and u8(s)[4].max() == 0                    # zero blocks -> 0x00
 
 
+def test_flush_and_nonfinite_semantics():
+    """The documented flush points make every backend agree (XLA:CPU flushes fp32 subnormals, XLA:GPU does not)."""
+    x = np.zeros((2, 64), np.float32)
+    x[0, :32] = np.float32(1e-40)                        # fp32 subnormal data: a zero block
+    x[0, 32:] = np.float32(2.0 ** -120)                  # pv = 2^-120/448 < 2^-126 flushes: code 0x00, scale 2^127
+    x[1, :32] = 1.0
+    x[1, 0] = np.inf                                     # s = 0xFE; scale 2^-127 flushes to 0: inf*0 -> NaN
+    x[1, 32:] = -2.0
+    x[1, 33] = np.nan
+    codes, s = F.quantize_rows(x, F.E4M3)
+    assert u8(s).tolist() == [[0, 0], [254, 255]]
+    c = u8(codes)
+    assert c[0, :32].max() == 0 and np.all(c[0, 32:] == u8(F.e4m3_encode(np.float32(2.0 ** -120 * 2.0 ** 127))))
+    assert c[1, 0] == 0x7F and c[1, 1] == 0
+    codes4, _ = F.quantize_rows(x, F.E4M3, norm_const=4.0)     # scale 4 * 2^-127 is normal: inf saturates
+    assert u8(codes4)[1, 0] == 0x7E
+    deq = np.asarray(F.dequantize(codes, s, F.E4M3, F.E8M0, 32))
+    assert np.isnan(deq[1, 32:]).all() and deq[0, 32] == np.float32(2.0 ** -120)   # 0x00 applied exactly
+
+
 @pytest.mark.parametrize("norm_const", [None, 0.01])
 @pytest.mark.parametrize("d", [F.E4M3, F.E5M2, F.E2M1])
 def test_quantize_cols_bitexact(d, norm_const):
