@@ -1,0 +1,248 @@
+"""Grouped-GEMM benchmark on an H200: our fused sm90 kernel vs peers, one run, same process.
+
+    python benchmarks/bench_grouped_gemm.py --out DIR        # GPU machine (artifacts from tests/gpu/build_artifacts.py)
+
+Shapes (bf16 in): fc1 = 8 experts x 2048 rows, K 7168, N 4096, SwiGLU fused (C and D written);
+fc2 = 8 x 2048, K 2048, N 7168, plain quant epilogue (D = prob*alpha*acc); small = 64 x 256, K 2048, N 1536,
+SwiGLU; skewed = the fc1 module on a skewed routing draw (half the rows in expert 0, two empty experts).
+Every op gets prob, alpha and per-group amax (the library's defaults for bf16 D).
+
+Peers: jax.lax.ragged_dot + the same epilogue in jnp (jitted), torch._grouped_mm (GEMM only, if importable),
+tokamax ragged_dot (if importable). Timing (METHOD.md): warm-up, then 5 repetitions of 20 back-to-back calls
+rotating 3 input sets, median of the per-call means. TFLOP/s = 2 * valid_m * N * K / t.
+Writes results.json, table.md and plot.png to --out; RESULTS.md is appended on the CPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+import harness  # noqa: E402
+
+SHAPES = {  # name -> (artifact shape, group sizes)
+    "fc1": ("fc1", [2048] * 8),
+    "fc2": ("fc2", [2048] * 8),
+    "small": ("small", [256] * 64),
+    "skewed": ("fc1", [8192, 2048, 2048, 0, 1024, 1024, 0, 2048]),
+}
+REPS, ITERS, SETS = 5, 20, 3
+
+
+def time_jax(f, arg_sets):
+    import jax
+
+    for s in arg_sets:
+        jax.block_until_ready(f(*s))
+    means = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(ITERS):
+            out = f(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        means.append((time.perf_counter() - t0) / ITERS)
+    return statistics.median(means)
+
+
+def time_torch(fn, arg_sets):
+    import torch
+
+    for s in arg_sets:
+        fn(*s)
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(ITERS):
+            fn(*arg_sets[i % len(arg_sets)])
+        end.record()
+        torch.cuda.synchronize()
+        means.append(start.elapsed_time(end) / 1e3 / ITERS)
+    return statistics.median(means)
+
+
+def jnp_epilogue(problem, acc, offsets, alpha, prob):
+    """The fused epilogue in jnp on the fp32 ragged_dot result (rows past the groups are zero already)."""
+    import jax.numpy as jnp
+
+    m = acc.shape[0]
+    gid = jnp.searchsorted(offsets, jnp.arange(m), side="right")
+    al = jnp.take(alpha, jnp.minimum(gid, alpha.shape[0] - 1))[:, None]
+    c = al * acc
+    if problem["op"] == "quant":
+        return (prob[:, None] * c).astype(jnp.bfloat16), None
+    blocks = c.reshape(m, -1, 2, 32)
+    gate, up = blocks[:, :, 0].reshape(m, -1), blocks[:, :, 1].reshape(m, -1)
+    d = prob[:, None] * up * gate * (1.0 / (1.0 + jnp.exp(-gate)))
+    return d.astype(jnp.bfloat16), c.astype(jnp.bfloat16)
+
+
+def run(args):
+    import jax
+    import jax.numpy as jnp
+
+    how = harness.register()
+    man = harness.manifest()
+    dev = jax.devices("gpu")[0]
+    print(f"device: {dev.device_kind}; runtime: {how}", flush=True)
+    results = []
+    for shape_name, (art_shape, sizes) in SHAPES.items():
+        cfg_names = sorted(k.split("_", 2)[2] for k in man["bench"] if k.startswith(f"bench_{art_shape}_"))
+        info = man["bench"][f"bench_{art_shape}_{cfg_names[0]}"]
+        p = info["problem"]
+        m, n, k, L = p["m"], p["n"], p["k"], p["num_groups"]
+        assert sum(sizes) <= m and len(sizes) == L
+        offsets_np = np.cumsum(sizes).astype(np.int32)
+        valid_m = int(offsets_np[-1])
+        flops = 2.0 * valid_m * n * k
+        keys = jax.random.split(jax.random.PRNGKey(0), 4 * SETS)
+        sets = []
+        for s in range(SETS):
+            a = jax.random.normal(keys[4 * s], (m, k), jnp.float32).astype(jnp.bfloat16)
+            b = (jax.random.normal(keys[4 * s + 1], (L, n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+            prob = jax.random.uniform(keys[4 * s + 2], (m,), jnp.float32)
+            alpha = jnp.ones((L,), jnp.float32)
+            sets.append((a, b, jnp.asarray(offsets_np), alpha, prob))
+        jax.block_until_ready(sets)
+        row = {"shape": shape_name, "valid_m": valid_m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {},
+               "check": {}}
+
+        # ours, every compiled config
+        ours_out = None
+        for cfg in cfg_names:
+            name = f"bench_{art_shape}_{cfg}"
+            f = jax.jit(harness.load(name).call)
+            t = time_jax(f, sets)
+            row["ms"][f"ours[{cfg}]"] = t * 1e3
+            row["tflops"][f"ours[{cfg}]"] = flops / t / 1e12
+            print(f"{shape_name:7s} ours[{cfg}] {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s", flush=True)
+            if ours_out is None:
+                ours_out = f(*sets[0])
+
+        # ragged_dot + jnp epilogue
+        def ragged(a, b, offsets, alpha, prob, _p=p):
+            bt = jnp.swapaxes(b, 1, 2)  # (L, K, N); layout change counted, as a user would have to do it
+            gs = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offsets]))
+            acc = jax.lax.ragged_dot(a, bt, gs, preferred_element_type=jnp.float32)
+            return jnp_epilogue(_p, acc, offsets, alpha, prob)
+
+        rf = jax.jit(ragged)
+        t = time_jax(rf, sets)
+        row["ms"]["ragged_dot+jnp"] = t * 1e3
+        row["tflops"]["ragged_dot+jnp"] = flops / t / 1e12
+        print(f"{shape_name:7s} ragged_dot+jnp {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f}", flush=True)
+
+        # correctness spot check of ours against ragged_dot's fp32 result
+        ref_d, ref_c = rf(*sets[0])
+        got_d = ours_out[1] if p["op"] == "glu" else ours_out[0]
+        rel = float(jnp.linalg.norm((got_d[:valid_m].astype(jnp.float32) - ref_d[:valid_m].astype(jnp.float32)))
+                    / jnp.linalg.norm(ref_d[:valid_m].astype(jnp.float32)))
+        tail_zero = bool(jnp.all(got_d[valid_m:] == 0))
+        row["check"] = {"d_rel_err_vs_ragged": rel, "rows_past_valid_m_zero": tail_zero}
+        if p["op"] == "glu":
+            relc = float(jnp.linalg.norm(ours_out[0][:valid_m].astype(jnp.float32) - ref_c[:valid_m].astype(
+                jnp.float32)) / jnp.linalg.norm(ref_c[:valid_m].astype(jnp.float32)))
+            row["check"]["c_rel_err_vs_ragged"] = relc
+        print(f"{shape_name:7s} check {row['check']}", flush=True)
+        del ours_out, ref_d, ref_c
+
+        # torch._grouped_mm (GEMM only)
+        try:
+            import torch
+
+            if hasattr(torch, "_grouped_mm"):
+                tsets = []
+                for s in range(SETS):
+                    g = torch.Generator(device="cuda").manual_seed(s)
+                    ta = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+                    tb = (torch.randn(L, n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5)
+                    tsets.append((ta[:valid_m], tb.transpose(-2, -1), torch.tensor(offsets_np, device="cuda")))
+                t = time_torch(lambda a, b, o: torch._grouped_mm(a, b, offs=o), tsets)
+                row["ms"]["torch._grouped_mm"] = t * 1e3
+                row["tflops"]["torch._grouped_mm"] = flops / t / 1e12
+                print(f"{shape_name:7s} torch._grouped_mm {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f}", flush=True)
+                del tsets
+                torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            row["torch_error"] = f"{type(e).__name__}: {e}"
+            print(f"torch failed: {e}", flush=True)
+
+        try:
+            import tokamax  # noqa: F401
+
+            def tk(a, b, offsets, alpha, prob, _p=p):
+                gs = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offsets]))
+                acc = tokamax.ragged_dot(a, jnp.swapaxes(b, 1, 2), gs, preferred_element_type=jnp.float32)
+                return jnp_epilogue(_p, acc, offsets, alpha, prob)
+
+            t = time_jax(jax.jit(tk), sets)
+            row["ms"]["tokamax+jnp"] = t * 1e3
+            row["tflops"]["tokamax+jnp"] = flops / t / 1e12
+        except ImportError:
+            row["tokamax"] = "not installed"
+        results.append(row)
+        del sets
+    return results, str(dev.device_kind)
+
+
+def write(results, device, out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+    impls = []
+    for r in results:
+        for k in r["tflops"]:
+            if k not in impls:
+                impls.append(k)
+    lines = ["| shape | valid_m x N x K (groups) | " + " | ".join(impls) + " | best ours / torch |",
+             "|---|---|" + "---|" * len(impls) + "---|"]
+    for r in results:
+        cells = [f"{r['tflops'][k]:.0f}" if k in r["tflops"] else "-" for k in impls]
+        best = max(v for k, v in r["tflops"].items() if k.startswith("ours"))
+        ratio = f"{best / r['tflops']['torch._grouped_mm']:.2f}" if "torch._grouped_mm" in r["tflops"] else "-"
+        lines.append(f"| {r['shape']} | {r['valid_m']}x{r['n']}x{r['k']} ({r['groups']}) | " + " | ".join(cells)
+                     + f" | {ratio} |")
+    lines.append("")
+    lines.append("TFLOP/s (2*valid_m*N*K / median time). Checks: " + "; ".join(
+        f"{r['shape']}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in r["check"].items()) for r in results))
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4))
+        w = 0.8 / len(impls)
+        for i, k in enumerate(impls):
+            ax.bar([j + i * w for j in range(len(results))], [r["tflops"].get(k, 0) for r in results], w, label=k)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(results))], [r["shape"] for r in results])
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"grouped GEMM, bf16, {device}")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out / "plot.png", dpi=120)
+    except Exception as e:  # noqa: BLE001
+        print(f"no plot: {e}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args(argv)
+    results, device = run(args)
+    write(results, device, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

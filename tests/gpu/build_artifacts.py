@@ -1,0 +1,139 @@
+"""CPU side of the GPU tests/benchmarks: compile every case for sm_90a and `jax.export` it to .out/kgpu/.
+
+    python tests/gpu/build_artifacts.py [--only tests|bench] [--out DIR]
+
+Test cases are exported with a symbolic `m` (one module per variant, run at several m); benchmark cases with
+their concrete shapes and each candidate Config. Writes `<name>.jaxexp` + `manifest.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
+from cudnn_moe_jax.kernels.sm90 import Config, default_config, variants  # noqa: E402
+
+TEST_SHAPE = (2048, 512, 256, 4)  # m (symbolic when exported), N, K, L
+
+BENCH_SHAPES = {  # name -> (m, N, K, L, op, act)
+    "fc1": (16384, 4096, 7168, 8, "glu", "swiglu"),
+    "fc2": (16384, 7168, 2048, 8, "quant", None),
+    "small": (16384, 1536, 2048, 64, "glu", "swiglu"),
+}
+BENCH_CONFIGS = {
+    "t256c2": Config(tile_n=256, cluster_m=2),
+    "t256c1": Config(tile_n=256, cluster_m=1),
+    "t128c2": Config(tile_n=128, cluster_m=2),
+    "t256c2e1": Config(tile_n=256, cluster_m=2, epi_stages=1),
+}
+
+
+def edge_cases():
+    """(name, problem, config) beyond the default variants: odd K/N, one/many groups, other configs."""
+    bf = "bfloat16"
+    sw = Epilogue(act="swiglu", c_dtype=bf, d_dtype=bf, has_bias=True, bias_dtype=bf, compute_amax=True)
+    qt = Epilogue(d_dtype=bf, compute_amax=True, has_bias=True, bias_dtype=bf)
+    return [
+        ("edge_k200_n384_quant", GroupedGemmProblem(op="quant", m=2048, n=384, k=200, num_groups=4, ab_dtype=bf,
+                                                   epilogue=qt), None),
+        ("edge_n320_swiglu_t256", GroupedGemmProblem(op="glu", m=2048, n=320, k=256, num_groups=4, ab_dtype=bf,
+                                                    epilogue=sw), Config(tile_n=256)),
+        ("edge_l1_swiglu", GroupedGemmProblem(op="glu", m=2048, n=512, k=256, num_groups=1, ab_dtype=bf,
+                                             epilogue=sw), None),
+        ("edge_l64_quant", GroupedGemmProblem(op="quant", m=2048, n=256, k=128, num_groups=64, ab_dtype=bf,
+                                             epilogue=qt), None),
+        ("edge_noprob_srelu", GroupedGemmProblem(op="srelu", m=2048, n=512, k=256, num_groups=4, ab_dtype=bf,
+                                                epilogue=Epilogue(act="srelu", has_prob=False, c_dtype=bf,
+                                                                  d_dtype=bf, compute_amax=True)), None),
+        ("cfg_t128c1e1_swiglu", GroupedGemmProblem(op="glu", m=2048, n=512, k=256, num_groups=4, ab_dtype=bf,
+                                                  epilogue=sw), Config(tile_n=128, cluster_m=1, epi_stages=1)),
+        ("cfg_t256c1_geglu", GroupedGemmProblem(op="glu", m=2048, n=512, k=256, num_groups=4, ab_dtype=bf,
+                                               epilogue=dataclasses.replace(sw, act="geglu")),
+         Config(tile_n=256, cluster_m=1)),
+        ("cfg_t128c2_quant", GroupedGemmProblem(op="quant", m=2048, n=512, k=256, num_groups=4, ab_dtype=bf,
+                                               epilogue=qt), Config(tile_n=128, cluster_m=2)),
+    ]
+
+
+SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", None: "none"}
+
+
+def _name(p: GroupedGemmProblem) -> str:
+    e = p.epilogue
+    return "_".join([SHORT[p.ab_dtype], e.act or p.op, "bias" if e.has_bias else "nobias",
+                     f"c{SHORT[e.c_dtype]}", f"d{SHORT[e.d_dtype]}",
+                     "lim" if e.glu_limit else "", "tanh" if e.tanh_clamp_scale else ""]).rstrip("_")
+
+
+def export(problem, config, symbolic_m: bool):
+    import cutlass
+
+    from cudnn_moe_jax.kernels.sm90.jax_bridge import make_call
+
+    call = make_call(problem, config)
+    named = variants.input_avals(problem)
+    if symbolic_m:
+        (m,) = jax.export.symbolic_shape("m")
+        named = {k: jax.ShapeDtypeStruct((m,) + a.shape[1:], a.dtype) if k in ("a", "prob") else a
+                 for k, a in named.items()}
+    avals = list(named.values())
+    return jax.export.export(jax.jit(call), platforms=["cuda"],
+                             disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*avals)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=("tests", "bench"), default=None)
+    ap.add_argument("--out", default=str(REPO / ".out" / "kgpu"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    man_path = out / "manifest.json"
+    man = json.loads(man_path.read_text()) if man_path.is_file() else {"tests": {}, "bench": {}}
+    todo = []
+    if args.only in (None, "tests"):
+        for p in variants.problems(TEST_SHAPE):
+            todo.append(("tests", "var_" + _name(p), p, None, True))
+        for name, p, cfg in edge_cases():
+            todo.append(("tests", name, p, cfg, True))
+    if args.only in (None, "bench"):
+        for shape_name, (m, n, k, L, op, act) in BENCH_SHAPES.items():
+            epi = Epilogue(act=act, c_dtype="bfloat16" if op == "glu" else None, d_dtype="bfloat16",
+                           compute_amax=True)
+            p = GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=L, ab_dtype="bfloat16", epilogue=epi)
+            for cfg_name, cfg in BENCH_CONFIGS.items():
+                todo.append(("bench", f"bench_{shape_name}_{cfg_name}", p, cfg, False))
+    failed = 0
+    for kind, name, p, cfg, sym in todo:
+        t0 = time.perf_counter()
+        try:
+            exp = export(p, cfg, sym)
+        except Exception as e:  # noqa: BLE001
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            failed += 1
+            continue
+        (out / f"{name}.jaxexp").write_bytes(exp.serialize())
+        man[kind][name] = {"problem": dataclasses.asdict(p),
+                           "config": dataclasses.asdict(cfg if cfg is not None else default_config(p)),
+                           "symbolic_m": sym}
+        print(f"ok   {name:<44} {time.perf_counter() - t0:5.1f} s", flush=True)
+    man_path.write_text(json.dumps(man, indent=1, sort_keys=True))
+    print(f"{len(todo) - failed}/{len(todo)} artifacts in {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Shared pieces of the GPU tests and benchmarks of the sm90 kernels.
+
+The GPU machine has no CuTe DSL compiler, so kernels travel as `jax.export` artifacts built on a CPU machine:
+
+    python tests/gpu/build_artifacts.py            # CPU machine with nvidia-cutlass-dsl: writes .out/kgpu/
+    python tools/fetch_runtime.py                  # .runtime/libcute_dsl_runtime.so.xz (never committed)
+
+On the GPU machine `load(name)` deserializes an artifact and `register()` registers the runtime's FFI handlers
+(`cudnn_moe_jax._runtime.register_runtime`, else the same ~30 lines inline). Cases are described in
+`.out/kgpu/manifest.json` (problem fields, config, group patterns, shapes) so the GPU side needs no cutlass.
+
+Also here: the independent float64 numpy oracle of the forward fusions (SEMANTICS §4.1-4.5, §4.7, NOTES.md
+sanitized offsets) and the sanitize rule itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import lzma
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+ART_DIR = Path(os.environ.get("CUDNN_MOE_KGPU_DIR", REPO / ".out" / "kgpu"))
+M_ALIGN = 256
+
+# ------------------------------------------------------------------------------------------- artifacts / runtime
+
+
+def manifest():
+    path = ART_DIR / "manifest.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def gpu_available() -> bool:
+    try:
+        import jax
+
+        return bool(jax.devices("gpu"))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+_REGISTERED = []
+
+
+def register() -> str:
+    """Register the CuTe DSL runtime FFI handlers once; returns how."""
+    if _REGISTERED:
+        return _REGISTERED[0]
+    try:
+        from cudnn_moe_jax import _runtime
+
+        if _runtime.register_runtime():
+            _REGISTERED.append(f"cudnn_moe_jax._runtime ({_runtime.runtime_library_path()})")
+            return _REGISTERED[0]
+    except Exception as e:  # noqa: BLE001 - fall back to the inline registration
+        print(f"[harness] cudnn_moe_jax._runtime unusable ({type(e).__name__}: {e}); registering inline")
+    import jax
+
+    src = REPO / ".runtime" / "libcute_dsl_runtime.so.xz"
+    lib_path = Path("/tmp/kgpu_runtime/libcute_dsl_runtime.so")
+    if not lib_path.is_file():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        with lzma.open(src) as z, open(lib_path, "wb") as out:
+            shutil.copyfileobj(z, out, 1 << 22)
+    lib = ctypes.CDLL(str(lib_path))
+
+    def sym(name):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_void_p
+        return fn
+
+    jax.ffi.register_ffi_type(
+        "CuteDSLRT_NvJaxCutlassCallTypes_v2",
+        {"type_id": jax.ffi.pycapsule(sym("CuteDSLRT_NvJaxCutlassCallStateTypeId_v2")()),
+         "type_info": jax.ffi.pycapsule(sym("CuteDSLRT_NvJaxCutlassCallStateTypeInfo_v2")())},
+        platform="CUDA")
+    for target, execute in (("CuteDSLRT_NvJaxCutlassCall_v2", "CuteDSLRT_NvJaxCutlassCallExecute_v2"),
+                            ("CuteDSLRT_NvJaxCutlassCallNoCudaGraph_v2",
+                             "CuteDSLRT_NvJaxCutlassCallExecuteNoCudaGraph_v2")):
+        jax.ffi.register_ffi_target(target, {
+            "prepare": jax.ffi.pycapsule(sym("CuteDSLRT_NvJaxCutlassCallPrepare_v2")),
+            "instantiate": jax.ffi.pycapsule(sym("CuteDSLRT_NvJaxCutlassCallInstantiate_v2")),
+            "execute": jax.ffi.pycapsule(sym(execute))}, platform="CUDA")
+    _REGISTERED.append(f"inline ctypes ({lib_path})")
+    _REGISTERED.append(lib)  # keep the library alive
+    return _REGISTERED[0]
+
+
+def load(name: str):
+    """The deserialized `jax.export.Exported` of artifact `name`."""
+    import jax
+
+    return jax.export.deserialize(bytearray((ART_DIR / f"{name}.jaxexp").read_bytes()))
+
+
+# ------------------------------------------------------------------------------------------- offsets
+
+
+def sanitize(offsets, m: int) -> np.ndarray:
+    """NOTES.md device rule: clip to [0, m], round down to 256, running max."""
+    s = np.clip(np.asarray(offsets, np.int64), 0, m) // M_ALIGN * M_ALIGN
+    return np.maximum.accumulate(s)
+
+
+def group_of_rows(offsets, m: int) -> np.ndarray:
+    """(m,) group index per row, L for rows past the last sanitized end."""
+    ends = sanitize(offsets, m)
+    return np.searchsorted(ends, np.arange(m), side="right")
+
+
+PATTERNS = {
+    # name -> function(m, L) -> offsets (int list)
+    "uniform": lambda m, L: [(g + 1) * (m // L) // M_ALIGN * M_ALIGN for g in range(L - 1)] + [m],
+    "empty_experts": lambda m, L: [0] + [m // 2 // M_ALIGN * M_ALIGN] * (L - 2) + [m],
+    "one_expert": lambda m, L: [0] * (L - 1) + [m],
+    "first_only": lambda m, L: [m] * L,
+    "skewed": lambda m, L: list(np.cumsum(_skew_sizes(m, L))),
+    "m_gt_valid": lambda m, L: [(g + 1) * (m // 2 // L) // M_ALIGN * M_ALIGN for g in range(L)],
+    "unsanitized": lambda m, L: ([300, 100, 10 * m, m - 200] + [m] * L)[:L],
+}
+
+
+def offsets_for(pattern: str, m: int, L: int) -> list:
+    """The pattern's offsets, cut or padded (with m) to exactly L entries."""
+    return [int(x) for x in (list(PATTERNS[pattern](m, L)) + [m] * L)[:L]]
+
+
+def _skew_sizes(m: int, L: int):
+    blocks = m // M_ALIGN
+    w = np.array([2.0 ** -g for g in range(L)])
+    sizes = np.floor(w / w.sum() * blocks).astype(int)
+    sizes[0] += blocks - sizes.sum()
+    return (sizes * M_ALIGN).tolist()
+
+
+# ------------------------------------------------------------------------------------------- oracle (float64)
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def oracle(p: dict, a, b, offsets, alpha, prob, bias):
+    """float64 outputs {"c", "d", "amax"} of one forward problem (p: the problem dict of the manifest)."""
+    epi = p["epilogue"]
+    m = a.shape[0]
+    L, n, _ = b.shape
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    g_of = group_of_rows(offsets, m)
+    acc = np.zeros((m, n))
+    for g in range(L):
+        rows = g_of == g
+        if rows.any():
+            acc[rows] = a64[rows] @ b64[g].T
+    valid = g_of < L
+    gs = np.minimum(g_of, L - 1)
+    al = np.asarray(alpha, np.float64)[gs][:, None]
+    pr = (np.asarray(prob, np.float64) if prob is not None else np.ones(m))[:, None]
+    bi = np.asarray(bias, np.float64)[gs] if bias is not None else np.zeros((m, n))
+    op, act = p["op"], epi["act"]
+    c = None
+    if op == "quant":
+        d = al * acc + pr * bi if bias is not None else pr * (al * acc)
+    elif op == "srelu":
+        c = al * acc + bi
+        r = np.maximum(c, 0.0)
+        s = epi.get("tanh_clamp_scale")
+        if s is not None:
+            r = s * np.minimum(np.tanh(r / s), 1.0)
+        d = pr * r * r
+    else:
+        c = al * acc + bi
+        blocks = c.reshape(m, n // 64, 2, 32)
+        gate, up = blocks[:, :, 0, :].reshape(m, n // 2), blocks[:, :, 1, :].reshape(m, n // 2)
+        lim = epi.get("glu_limit")
+        if act == "swiglu":
+            if lim is not None:
+                gate, up = np.clip(gate, -lim, lim), np.clip(up, -lim, lim)
+            d = up * gate * _sigmoid(gate)
+        else:
+            if lim is not None:
+                gate, up = np.clip(gate, -lim, lim), np.clip(up, -lim, lim)
+            else:
+                gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+            d = (up + 1.0) * gate * _sigmoid(1.702 * gate)
+        if epi.get("glu_alpha") is not None:
+            d = d * epi["glu_alpha"]
+        d = pr * d
+    d = np.where(valid[:, None], d, 0.0)
+    if c is not None:
+        c = np.where(valid[:, None], c, 0.0)
+    amax = np.zeros((L, 1))
+    for g in range(L):
+        rows = g_of == g
+        if rows.any():
+            amax[g, 0] = np.abs(d[rows]).max()
+    return {"c": c, "d": d, "amax": amax}
+
+
+RTOL = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 3e-5}
+
+
+def compare(name: str, got, ref, dtype: str, valid_rows=None) -> list:
+    """Problems found comparing `got` (device result) with the float64 `ref` (list of strings, empty = ok)."""
+    errs = []
+    got = np.asarray(got).astype(np.float64)
+    if got.shape != ref.shape:
+        return [f"{name}: shape {got.shape} != {ref.shape}"]
+    if not np.isfinite(got).all():
+        errs.append(f"{name}: {int((~np.isfinite(got)).sum())} non-finite values")
+    if valid_rows is not None and (~valid_rows).any():
+        outside = got[~valid_rows]
+        if np.any(outside != 0):
+            errs.append(f"{name}: {int((outside != 0).sum())} nonzero values in rows outside every group")
+    scale = float(np.abs(ref).max()) if ref.size else 0.0
+    tol = 1e-5 * scale + RTOL[dtype] * np.abs(ref)
+    bad = np.abs(got - ref) > tol
+    if bad.any():
+        idx = np.argwhere(bad)[:3].tolist()
+        errs.append(f"{name}: {int(bad.sum())}/{bad.size} elements out of tolerance, e.g. at {idx}: got "
+                    f"{[got[tuple(i)] for i in idx]} ref {[ref[tuple(i)] for i in idx]}")
+    return errs
