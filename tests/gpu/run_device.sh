@@ -9,16 +9,16 @@ python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
 for s in $steps; do
   case $s in
     tests)
-      timeout -s KILL 300 python3 -m pytest tests/gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+      timeout -s KILL 220 python3 -m pytest tests/gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
       echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
       grep -E "^FAILED" "$OUT/gpu_tests.log" | head -30 ;;
     bench)
-      timeout -s KILL 240 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+      timeout -s KILL 170 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"; tail -12 "$OUT/bench.log" ;;
     sanitize)
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
       for tool in memcheck racecheck; do
-        timeout -s KILL 150 compute-sanitizer --tool $tool --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 \
+        timeout -s KILL 85 compute-sanitizer --tool $tool --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 \
           python3 tests/gpu/sanitize_cases.py > "$OUT/$tool.log" 2>&1
         echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|OK|Error|error" "$OUT/$tool.log" | tail -6
       done ;;
