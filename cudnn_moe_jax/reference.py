@@ -283,10 +283,15 @@ def _srelu(x, tanh_clamp_scale=None, grad: bool = False):
         value = r * r
         return (value, 2.0 * r) if grad else value
     s = float(tanh_clamp_scale)
-    t = jnp.minimum(jnp.tanh(r / s), 1.0)
+    u = r / s
+    t = jnp.minimum(jnp.tanh(u), 1.0)
     st = s * t
     value = st * st
-    return (value, jnp.where(pos, 2.0 * st * (1.0 - t * t), 0.0)) if grad else value
+    if not grad:
+        return value
+    # 1 - t^2 = sech^2(u) = 4e / (1 + e)^2 with e = exp(-2u): no cancellation as t -> 1 (fp32 1 - t*t is 0 there).
+    e = jnp.exp(-2.0 * u)
+    return value, jnp.where(pos, 2.0 * st * (4.0 * e / ((1.0 + e) * (1.0 + e))), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
