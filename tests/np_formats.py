@@ -143,7 +143,8 @@ def np_decode(data, dtype):
     return np.asarray(data).astype(np.float32)
 
 
-def _np_sf_value(s, sf_dtype):
+def np_sf_decode(s, sf_dtype):
+    """scale-factor codes -> float32 values (e8m0: 2^(e-127), 0xFF NaN; e4m3: fp8 value)."""
     s = np.asarray(s).view(np.uint8)
     return np_e8m0_decode(s) if sf_dtype == E8M0 else s.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
@@ -176,7 +177,7 @@ def np_quantize_rows(x, d_dtype, sf_dtype=E8M0, vec=32, norm_const=None):
                 scale = _scale_from_e8m0(code, nc)
             else:
                 code = np_e4m3_encode(pv).view(np.uint8)
-                val = _np_sf_value(code, sf_dtype).astype(np.float64)
+                val = np_sf_decode(code, sf_dtype).astype(np.float64)
                 recip = (1.0 / val).astype(np.float32)          # float64 1/v is exact or far from fp32 midpoints
                 scale = np.minimum(np_flush(nc * recip), FLT_MAX)
             s[:, j] = code
@@ -222,7 +223,7 @@ def _np_col_scaled(x, s, norm_const):
 def np_dequantize(codes, s, data_dtype, sf_dtype, vec):
     """val(codes) * val(s) (exact in float64), rounded to fp32 and flushed like formats.dequantize."""
     vals = np_decode(codes, data_dtype).astype(np.float64)
-    sv = _np_sf_value(s, sf_dtype).astype(np.float64)
+    sv = np_sf_decode(s, sf_dtype).astype(np.float64)
     return np_flush(vals * np.repeat(sv, vec, axis=-1)[..., :vals.shape[-1]])
 
 
@@ -236,8 +237,13 @@ def np_sf_offset(r, kb, l, rows, n_kblocks):
             + (r % 32) * 16 + ((r // 32) % 4) * 4 + (kb % 4))
 
 
+def np_sf_physical_shape(rows, k, vec, num_groups=1):
+    return (num_groups, np_cdiv(rows, 128), np_cdiv(np_cdiv(k, vec), 4), 32, 4, 4)
+
+
 def np_pack_sf(s):
-    """(L, R, nkb) or (R, nkb) uint8 -> flat uint8 of L*Rb*Kb*512 bytes, zero padding."""
+    """(L, R, nkb) or (R, nkb) uint8 -> flat uint8 of L*Rb*Kb*512 bytes, zero padding (reshape to
+    np_sf_physical_shape for the 6-D physical array)."""
     s = np.asarray(s).view(np.uint8)
     if s.ndim == 2:
         s = s[None]

@@ -371,7 +371,7 @@ def test_dequantize_error_bound(d, sf, vec):
     deq = np.asarray(J.dequantize(codes, s, data_dtype=d, sf_dtype=sf, vec=vec))
     assert np.array_equal(deq, O.np_dequantize(np.asarray(codes), np.asarray(s), d, sf, vec).astype(np.float32))
     m, emin = MBITS_EMIN[d]
-    sv = np.repeat(O._np_sf_value(np.asarray(s), sf), vec, axis=1)[:, :C].astype(np.float64)
+    sv = np.repeat(O.np_sf_decode(np.asarray(s), sf), vec, axis=1)[:, :C].astype(np.float64)
     amax = np.repeat(np.abs(x).reshape(R, C // vec, vec).max(-1), vec, axis=1)
     if sf == F.E8M0:
         # RCEIL: amax/q_max <= val(s) < 2*amax/q_max (nothing saturates)
