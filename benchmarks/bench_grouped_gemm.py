@@ -8,8 +8,9 @@ SwiGLU; skewed = the fc1 module on a skewed routing draw (half the rows in exper
 Every op gets prob, alpha and per-group amax (the library's defaults for bf16 D).
 
 Peers: jax.lax.ragged_dot + the same epilogue in jnp (jitted), torch._grouped_mm (GEMM only, if importable),
-tokamax ragged_dot (if importable). Timing (METHOD.md): warm-up, then 5 repetitions of 20 back-to-back calls
-rotating 3 input sets, median of the per-call means. TFLOP/s = 2 * valid_m * N * K / t.
+tokamax ragged_dot (if importable). Timing (METHOD.md): warm-up, then REPS rounds; each round times every
+implementation once (20 back-to-back calls rotating 3 input sets; JAX host-timed to block_until_ready, torch with
+CUDA events); median over rounds, spread = (max - min) / median. TFLOP/s = 2 * valid_m * N * K / t.
 Writes results.json, table.md and plot.png to --out; RESULTS.md is appended on the CPU machine.
 """
 
@@ -33,41 +34,53 @@ SHAPES = {  # name -> (artifact shape, group sizes)
     "small": ("small", [256] * 64),
     "skewed": ("fc1", [8192, 2048, 2048, 0, 1024, 1024, 0, 2048]),
 }
-REPS, ITERS, SETS = 5, 20, 3
+REPS, ITERS, SETS = 7, 20, 3
 
 
-def time_jax(f, arg_sets):
+def _jax_runner(f, arg_sets):
     import jax
 
-    for s in arg_sets:
-        jax.block_until_ready(f(*s))
-    means = []
-    for _ in range(REPS):
+    for st in arg_sets:
+        jax.block_until_ready(f(*st))
+
+    def once():
         t0 = time.perf_counter()
         out = None
         for i in range(ITERS):
             out = f(*arg_sets[i % len(arg_sets)])
         jax.block_until_ready(out)
-        means.append((time.perf_counter() - t0) / ITERS)
-    return statistics.median(means)
+        return (time.perf_counter() - t0) / ITERS
+
+    return once
 
 
-def time_torch(fn, arg_sets):
+def _torch_runner(fn, arg_sets):
     import torch
 
-    for s in arg_sets:
-        fn(*s)
+    for st in arg_sets:
+        fn(*st)
     torch.cuda.synchronize()
-    means = []
-    for _ in range(REPS):
+
+    def once():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for i in range(ITERS):
             fn(*arg_sets[i % len(arg_sets)])
         end.record()
         torch.cuda.synchronize()
-        means.append(start.elapsed_time(end) / 1e3 / ITERS)
-    return statistics.median(means)
+        return start.elapsed_time(end) / 1e3 / ITERS
+
+    return once
+
+
+def time_interleaved(runners: dict) -> dict:
+    """{name: (median s, min s, max s)}: REPS rounds, each timing every runner once (thermal drift spreads
+    over all of them instead of favouring whoever runs first)."""
+    samples = {k: [] for k in runners}
+    for _ in range(REPS):
+        for k, once in runners.items():
+            samples[k].append(once())
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in samples.items()}
 
 
 def jnp_epilogue(problem, acc, offsets, alpha, prob):
@@ -95,7 +108,8 @@ def run(args):
     dev = jax.devices("gpu")[0]
     print(f"device: {dev.device_kind}; runtime: {how}", flush=True)
     results = []
-    for shape_name, (art_shape, sizes) in SHAPES.items():
+    for shape_name in args.shapes.split(","):
+        art_shape, sizes = SHAPES[shape_name]
         cfg_names = sorted(k.split("_", 2)[2] for k in man["bench"] if k.startswith(f"bench_{art_shape}_"))
         info = man["bench"][f"bench_{art_shape}_{cfg_names[0]}"]
         p = info["problem"]
@@ -116,19 +130,13 @@ def run(args):
         row = {"shape": shape_name, "valid_m": valid_m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {},
                "check": {}}
 
-        # ours, every compiled config
-        ours_out = None
+        runners = {}
+        ours_fns = {}
         for cfg in cfg_names:
             name = f"bench_{art_shape}_{cfg}"
-            f = jax.jit(harness.load(name).call)
-            t = time_jax(f, sets)
-            row["ms"][f"ours[{cfg}]"] = t * 1e3
-            row["tflops"][f"ours[{cfg}]"] = flops / t / 1e12
-            print(f"{shape_name:7s} ours[{cfg}] {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s", flush=True)
-            if ours_out is None:
-                ours_out = f(*sets[0])
+            ours_fns[cfg] = jax.jit(harness.load(name).call)
+            runners[f"ours[{cfg}]"] = _jax_runner(ours_fns[cfg], sets)
 
-        # ragged_dot + jnp epilogue
         def ragged(a, b, offsets, alpha, prob, _p=p):
             bt = jnp.swapaxes(b, 1, 2)  # (L, K, N); layout change counted, as a user would have to do it
             gs = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offsets]))
@@ -136,12 +144,43 @@ def run(args):
             return jnp_epilogue(_p, acc, offsets, alpha, prob)
 
         rf = jax.jit(ragged)
-        t = time_jax(rf, sets)
-        row["ms"]["ragged_dot+jnp"] = t * 1e3
-        row["tflops"]["ragged_dot+jnp"] = flops / t / 1e12
-        print(f"{shape_name:7s} ragged_dot+jnp {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f}", flush=True)
+        runners["ragged_dot+jnp"] = _jax_runner(rf, sets)
+        tsets = None
+        try:
+            import torch
 
-        # correctness spot check of ours against ragged_dot's fp32 result
+            if hasattr(torch, "_grouped_mm"):
+                tsets = []
+                for s_ in range(SETS):
+                    g = torch.Generator(device="cuda").manual_seed(s_)
+                    ta = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+                    tb = (torch.randn(L, n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5)
+                    tsets.append((ta[:valid_m], tb.transpose(-2, -1), torch.tensor(offsets_np, device="cuda")))
+                runners["torch._grouped_mm"] = _torch_runner(lambda a, b, o: torch._grouped_mm(a, b, offs=o), tsets)
+        except Exception as e:  # noqa: BLE001
+            row["torch_error"] = f"{type(e).__name__}: {e}"
+            print(f"torch failed: {e}", flush=True)
+        try:
+            import tokamax  # noqa: F401
+
+            def tk(a, b, offsets, alpha, prob, _p=p):
+                gs = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offsets]))
+                acc = tokamax.ragged_dot(a, jnp.swapaxes(b, 1, 2), gs, preferred_element_type=jnp.float32)
+                return jnp_epilogue(_p, acc, offsets, alpha, prob)
+
+            runners["tokamax+jnp"] = _jax_runner(jax.jit(tk), sets)
+        except ImportError:
+            row["tokamax"] = "not installed"
+
+        for key, (t, lo, hi) in time_interleaved(runners).items():
+            row["ms"][key] = t * 1e3
+            row["tflops"][key] = flops / t / 1e12
+            row.setdefault("spread_pct", {})[key] = 100.0 * (hi - lo) / t
+            print(f"{shape_name:7s} {key:24s} {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s "
+                  f"(spread {100.0 * (hi - lo) / t:4.1f}%)", flush=True)
+
+        # correctness spot check of ours (first config) against ragged_dot's fp32 result
+        ours_out = ours_fns[cfg_names[0]](*sets[0])
         ref_d, ref_c = rf(*sets[0])
         got_d = ours_out[1] if p["op"] == "glu" else ours_out[0]
         rel = float(jnp.linalg.norm((got_d[:valid_m].astype(jnp.float32) - ref_d[:valid_m].astype(jnp.float32)))
@@ -153,42 +192,7 @@ def run(args):
                 jnp.float32)) / jnp.linalg.norm(ref_c[:valid_m].astype(jnp.float32)))
             row["check"]["c_rel_err_vs_ragged"] = relc
         print(f"{shape_name:7s} check {row['check']}", flush=True)
-        del ours_out, ref_d, ref_c
-
-        # torch._grouped_mm (GEMM only)
-        try:
-            import torch
-
-            if hasattr(torch, "_grouped_mm"):
-                tsets = []
-                for s in range(SETS):
-                    g = torch.Generator(device="cuda").manual_seed(s)
-                    ta = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-                    tb = (torch.randn(L, n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5)
-                    tsets.append((ta[:valid_m], tb.transpose(-2, -1), torch.tensor(offsets_np, device="cuda")))
-                t = time_torch(lambda a, b, o: torch._grouped_mm(a, b, offs=o), tsets)
-                row["ms"]["torch._grouped_mm"] = t * 1e3
-                row["tflops"]["torch._grouped_mm"] = flops / t / 1e12
-                print(f"{shape_name:7s} torch._grouped_mm {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f}", flush=True)
-                del tsets
-                torch.cuda.empty_cache()
-        except Exception as e:  # noqa: BLE001
-            row["torch_error"] = f"{type(e).__name__}: {e}"
-            print(f"torch failed: {e}", flush=True)
-
-        try:
-            import tokamax  # noqa: F401
-
-            def tk(a, b, offsets, alpha, prob, _p=p):
-                gs = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offsets]))
-                acc = tokamax.ragged_dot(a, jnp.swapaxes(b, 1, 2), gs, preferred_element_type=jnp.float32)
-                return jnp_epilogue(_p, acc, offsets, alpha, prob)
-
-            t = time_jax(jax.jit(tk), sets)
-            row["ms"]["tokamax+jnp"] = t * 1e3
-            row["tflops"]["tokamax+jnp"] = flops / t / 1e12
-        except ImportError:
-            row["tokamax"] = "not installed"
+        del ours_out, ref_d, ref_c, tsets, runners, ours_fns
         results.append(row)
         del sets
     return results, str(dev.device_kind)
@@ -239,6 +243,7 @@ def write(results, device, out: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args(argv)
     results, device = run(args)
     write(results, device, Path(args.out))

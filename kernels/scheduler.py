@@ -5,7 +5,7 @@ One compiled module serves every routing draw: group sizes are read on device, n
 Work space. Rows of A are cut into *M blocks* of `block_m = tile_m * cluster_m` rows (128 or 256). The sanitized
 group ends (NOTES.md "Device offsets") are multiples of 256, so every M block lies inside exactly one group, or
 entirely past `valid_m = end_{L-1}`. With `n_tiles = ceil(N / tile_n)` the linear work index `t` runs over
-`(m / block_m) * n_tiles` cluster tiles:
+`(m / block_m) * n_tiles` cluster tiles (`n_tiles` counts cluster tiles along N: `cluster_n` CTA tiles each):
 
 * `t <  valid_m / block_m * n_tiles`: a *compute* tile, decoded with a grouped swizzle (`group_m` M blocks at a
   time, M fastest inside a swizzle group) so that concurrently running clusters share A rows and B columns in L2;

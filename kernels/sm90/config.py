@@ -23,15 +23,18 @@ class Config:
 
     tile_n: 128 or 256 (tile_m is 128: two consumer warpgroups of 64 rows, "cooperative");
     cluster_m: CTAs per cluster along M sharing (multicasting) the B tile, 1 or 2;
+    cluster_n: CTAs per cluster along N sharing (multicasting) the A tile, 1 or 2;
     ab_stages: A/B shared-memory pipeline depth (None: as many as fit);
     epi_stages: epilogue shared-memory buffers per output (TMA-store overlap);
     group_m: M blocks per raster swizzle group (L2 reuse);
-    num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM.
+    num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. With 4-CTA clusters not all 33 clusters may be
+      co-resident (GPC sizes), so those configs may want 128.
     """
 
     tile_m: int = 128
     tile_n: int = 256
     cluster_m: int = 2
+    cluster_n: int = 1
     ab_stages: Optional[int] = None
     epi_stages: int = 2
     group_m: int = 8
@@ -44,6 +47,8 @@ class Config:
             raise ValueError("tile_n must be 128 or 256")
         if self.cluster_m not in (1, 2):
             raise ValueError("cluster_m must be 1 or 2")
+        if self.cluster_n not in (1, 2):
+            raise ValueError("cluster_n must be 1 or 2")
         if self.epi_stages not in (1, 2):
             raise ValueError("epi_stages must be 1 or 2")
         if self.group_m < 1:

@@ -1,6 +1,6 @@
 """The sm90 grouped-GEMM kernel class: one persistent, warp-specialized kernel for every forward fusion.
 
-Roles (384 threads, one CTA per SM, clusters of `cluster_m` CTAs along M):
+Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
   warpgroup 0, warp 0   `producer`: TMA loads of A (128 x 64) and B[g] (tile_n x 64, multicast to the cluster)
                         into an `ab_stages`-deep mbarrier pipeline;
   warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n), then `epilogue`:
@@ -67,9 +67,11 @@ class GroupedGemmSm90:
         self.d_dtype = _DTYPES[epi.d_dtype]
         self.c_dtype = _DTYPES[epi.c_dtype] if self.recipe.has_c else None
         self.bias_dtype = _DTYPES[epi.bias_dtype] if epi.has_bias else None
-        self.tile_m, self.tile_n, self.cluster_m = cfg.tile_m, cfg.tile_n, cfg.cluster_m
+        self.tile_m, self.tile_n, self.cluster_m, self.cluster_n = cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n
+        self.cluster_size = self.cluster_m * self.cluster_n
         self.n, self.k, self.num_groups = problem.n, problem.k, problem.num_groups
         self.n_tiles = -(-problem.n // self.tile_n)
+        self.n_blocks = -(-self.n_tiles // self.cluster_n)  # cluster tiles along N
         self.is_glu = self.recipe.is_glu
         # epilogue steps per tile: one D subtile each (GLU: from a gate/up pair of C subtiles)
         self.c_per_step = 2 if self.is_glu else 1
@@ -78,7 +80,7 @@ class GroupedGemmSm90:
         assert self.epi_steps % self.epi_stages == 0
         self.epi_tile = (self.tile_m, EPI_N)
         self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
-        self.max_clusters = cfg.num_sms // self.cluster_m
+        self.max_clusters = cfg.num_sms // self.cluster_size
 
         # shared memory budget -> A/B stages
         epi_bytes = self.tile_m * EPI_N * self.epi_stages * (
@@ -126,8 +128,9 @@ class GroupedGemmSm90:
 
         tiled_mma = make_tiled_mma(self.ab_dtype, self.tile_n)
         a_layout, b_layout = make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
+        a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, TILE_K)
+            a_op, a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, TILE_K), num_multicast=self.cluster_n
         )
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
@@ -166,7 +169,7 @@ class GroupedGemmSm90:
         if const_expr(self.recipe.compute_amax):
             self.zero_amax_kernel(t["amax"]).launch(grid=[1, 1, 1], block=[1024, 1, 1], stream=stream)
 
-        total = (m_rows // self.sched.block_m) * self.n_tiles
+        total = (m_rows // self.sched.block_m) * self.n_blocks
         num_clusters = cutlass.min(total, Int32(self.max_clusters))
         self.kernel(
             tiled_mma,
@@ -175,9 +178,9 @@ class GroupedGemmSm90:
             t["offsets"], t["alpha"], t["prob"], t["bias"], t["amax"],
             a_layout, b_layout, c_layout, d_layout,
         ).launch(
-            grid=[num_clusters * self.cluster_m, 1, 1],
+            grid=[self.cluster_m, self.cluster_n, num_clusters],
             block=[NUM_THREADS, 1, 1],
-            cluster=[self.cluster_m, 1, 1],
+            cluster=[self.cluster_m, self.cluster_n, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -213,20 +216,19 @@ class GroupedGemmSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        cta_layout = cute.make_layout((self.cluster_m, 1, 1))
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        # every consumer warp releases each stage to all CTAs that multicast into it
-        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_m * 8)
+        # every consumer warp releases each stage to all CTAs that multicast into it (its cluster row + column)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, (self.cluster_m + self.cluster_n - 1) * 8)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_mbar.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=producer_group,
             consumer_group=consumer_group,
             tx_count=ab_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n),
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
-        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
+        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
         sEnds = storage.ends.get_tensor(cute.make_layout(self.num_groups))
         sValid = storage.valid.get_tensor(cute.make_layout(4))
@@ -234,7 +236,7 @@ class GroupedGemmSm90:
         if warp_idx == 0:
             self.sched.load_group_ends(mOffsets, m_rows, sEnds, sValid)
         cute.arch.sync_threads()
-        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
 
         sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
@@ -260,48 +262,55 @@ class GroupedGemmSm90:
     @cute.jit
     def _cluster_work(self, sValid: cute.Tensor, m_rows: Int32):
         """(first tile, stride, total tiles, valid M blocks) of this CTA's cluster."""
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        cluster_id = bidx // self.cluster_m
-        num_clusters = gdim // self.cluster_m
-        total = (m_rows // self.sched.block_m) * self.n_tiles
+        _, _, cluster_id = cute.arch.block_idx()
+        _, _, num_clusters = cute.arch.grid_dim()
+        total = (m_rows // self.sched.block_m) * self.n_blocks
         valid_blocks = sValid[0] // self.sched.block_m
         return cluster_id, num_clusters, total, valid_blocks
 
     @cute.jit
+    def _cluster_coord(self):
+        """(rank_m, rank_n) of this CTA in its cluster (cluster dims (cm, cn, 1): rank = x + cm * y)."""
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        return rank % self.cluster_m, rank // self.cluster_m
+
+    @cute.jit
     def producer(self, ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows):
-        """Warp 0: TMA loads for every compute tile of this CTA."""
-        rank_m = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        """Warp 0: TMA loads for every compute tile of this CTA (A multicast along the cluster's N, B along M)."""
+        rank_m, rank_n = self._cluster_coord()
         # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L)
         gA = cute.local_tile(mA, (self.tile_m, TILE_K), (None, None))
         gB = cute.local_tile(mB, (self.tile_n, TILE_K), (None, None, None))
         tAsA, tAgA = cpasync.tma_partition(
-            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
         tBsB, tBgB = cpasync.tma_partition(
             tma_atom_b, rank_m, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
+        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
+        a_mcast_mask = 0
+        if const_expr(self.cluster_n > 1):
+            a_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=1)
         b_mcast_mask = 0
         if const_expr(self.cluster_m > 1):
-            b_mcast_mask = cute.make_layout_image_mask(
-                cute.make_layout((self.cluster_m, 1, 1)), (rank_m, 0, 0), mode=0
-            )
+            b_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=0)
         k_tiles = cute.size(gA, mode=[3])
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
 
         t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
         while t < total:
-            m_block, n_tile, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_tiles))
+            m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
             g = cutlass.min(self.sched.group_of_row(m_block * self.sched.block_m, sEnds), Int32(self.num_groups - 1))
             k_count = Int32(0)
             if is_compute:
                 k_count = k_tiles
             m_tile = m_block * self.cluster_m + rank_m
+            n_tile = n_block * self.cluster_n + rank_n
             prod_state = self.mainloop.load_tile(
                 ab_pipeline, prod_state,
                 tma_atom_a, tAgA[(None, m_tile, None)], tAsA,
                 tma_atom_b, tBgB[(None, n_tile, None, g)], tBsB,
-                b_mcast_mask, k_count,
+                a_mcast_mask, b_mcast_mask, k_count,
             )
             t += stride
         ab_pipeline.producer_tail(prod_state)
@@ -312,7 +321,7 @@ class GroupedGemmSm90:
         tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, ctid: Int32, warp_idx: Int32,
     ):
         """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA."""
-        rank_m = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        rank_m, rank_n = self._cluster_coord()
         wg = warp_idx // 4 - 1
         thr_mma = tiled_mma.get_slice(wg * 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -372,9 +381,10 @@ class GroupedGemmSm90:
 
         t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
         while t < total:
-            m_block, n_tile, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_tiles))
+            m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
             g = cutlass.min(self.sched.group_of_row(m_block * self.sched.block_m, sEnds), Int32(self.num_groups - 1))
             m_tile = m_block * self.cluster_m + rank_m
+            n_tile = n_block * self.cluster_n + rank_n
             k_count = Int32(0)
             if is_compute:
                 k_count = Int32(k_tiles)

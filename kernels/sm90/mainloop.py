@@ -68,6 +68,7 @@ class WgmmaMainloop:
         tma_atom_b: cute.CopyAtom,
         tBgB: cute.Tensor,
         tBsB: cute.Tensor,
+        a_mcast_mask,
         b_mcast_mask,
         k_count: Int32,
     ):
@@ -75,7 +76,13 @@ class WgmmaMainloop:
         for _k in cutlass.range(k_count, unroll=1):
             ab_pipeline.producer_acquire(prod_state)
             bar = ab_pipeline.producer_get_barrier(prod_state)
-            cute.copy(tma_atom_a, tAgA[(None, prod_state.count)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+            cute.copy(
+                tma_atom_a,
+                tAgA[(None, prod_state.count)],
+                tAsA[(None, prod_state.index)],
+                tma_bar_ptr=bar,
+                mcast_mask=a_mcast_mask,
+            )
             cute.copy(
                 tma_atom_b,
                 tBgB[(None, prod_state.count)],

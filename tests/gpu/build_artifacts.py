@@ -33,11 +33,14 @@ BENCH_SHAPES = {  # name -> (m, N, K, L, op, act)
     "fc2": (16384, 7168, 2048, 8, "quant", None),
     "small": (16384, 1536, 2048, 64, "glu", "swiglu"),
 }
-BENCH_CONFIGS = {
-    "t256c2": Config(tile_n=256, cluster_m=2),
-    "t256c1": Config(tile_n=256, cluster_m=1),
-    "t128c2": Config(tile_n=128, cluster_m=2),
-    "t256c2e1": Config(tile_n=256, cluster_m=2, epi_stages=1),
+BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [g<group_m>] [s<num_sms>]
+    "t256c21": Config(tile_n=256, cluster_m=2),
+    "t256c21g4": Config(tile_n=256, cluster_m=2, group_m=4),
+    "t256c21g16": Config(tile_n=256, cluster_m=2, group_m=16),
+    "t256c22": Config(tile_n=256, cluster_m=2, cluster_n=2),
+    "t256c22s128": Config(tile_n=256, cluster_m=2, cluster_n=2, num_sms=128),
+    "t256c12": Config(tile_n=256, cluster_m=1, cluster_n=2),
+    "t128c21": Config(tile_n=128, cluster_m=2),
 }
 
 
@@ -65,6 +68,16 @@ def edge_cases():
          Config(tile_n=256, cluster_m=1)),
         ("cfg_t128c2_quant", GroupedGemmProblem(op="quant", m=2048, n=512, k=256, num_groups=4, ab_dtype=bf,
                                                epilogue=qt), Config(tile_n=128, cluster_m=2)),
+        ("cfg_c22_swiglu", GroupedGemmProblem(op="glu", m=2048, n=1024, k=256, num_groups=4, ab_dtype=bf,
+                                             epilogue=sw), Config(tile_n=256, cluster_m=2, cluster_n=2)),
+        ("cfg_c22_n640_swiglu", GroupedGemmProblem(op="glu", m=2048, n=640, k=320, num_groups=4, ab_dtype=bf,
+                                                  epilogue=sw), Config(tile_n=256, cluster_m=2, cluster_n=2)),
+        ("cfg_c12_quant", GroupedGemmProblem(op="quant", m=2048, n=512, k=256, num_groups=4, ab_dtype=bf,
+                                            epilogue=qt), Config(tile_n=256, cluster_m=1, cluster_n=2)),
+        ("cfg_c22_t128_srelu", GroupedGemmProblem(op="srelu", m=2048, n=512, k=256, num_groups=4, ab_dtype=bf,
+                                                 epilogue=Epilogue(act="srelu", c_dtype=bf, d_dtype=bf,
+                                                                   compute_amax=True)),
+         Config(tile_n=128, cluster_m=2, cluster_n=2)),
     ]
 
 

@@ -3,7 +3,7 @@
 #   run (carry .runtime .out/kgpu):  bash tests/gpu/run_device.sh [tests|bench|sanitize ...]
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/kgpu_out}; mkdir -p "$OUT"
-steps=${*:-tests bench sanitize}
+steps=${*:-tests bench ncu sanitize}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
 for s in $steps; do
@@ -15,6 +15,14 @@ for s in $steps; do
     bench)
       timeout -s KILL 170 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"; tail -12 "$OUT/bench.log" ;;
+    ncu)
+      for spec in "ours bench_fc1_t256c21 GroupedGemmSm90" "ours bench_fc2_t256c21 GroupedGemmSm90" "torch fc2 (?i)(cutlass|sm90|gemm)"; do
+        set -- $spec
+        timeout -s KILL 100 ncu --clock-control none --kernel-name "regex:$3" --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section WarpStateStats \
+          python3 benchmarks/profile_one.py $1 $2 > "$OUT/ncu_$1_$2.log" 2>&1
+        echo "ncu $1 $2 rc=$?"; grep -E "^  [a-z_]|Duration|Throughput|SM Frequency|Hit Rate|Registers|Grid Size|Cluster|Stall|Shared Memory Config" "$OUT/ncu_$1_$2.log" | head -40
+      done ;;
     sanitize)
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
       for tool in memcheck racecheck; do

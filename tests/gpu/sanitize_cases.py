@@ -13,6 +13,7 @@ import harness  # noqa: E402
 import test_grouped_gemm_gpu as t  # noqa: E402
 
 CASES = [("var_bf16_swiglu_bias_cbf16_dbf16", "unsanitized", 1024),
+         ("cfg_c22_n640_swiglu", "skewed", 2048),
          ("var_bf16_quant_bias_cnone_dbf16", "m_gt_valid", 1024),
          ("var_f16_srelu_nobias_cf32_df16__tanh", "empty_experts", 1024)]
 
