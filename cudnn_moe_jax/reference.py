@@ -124,10 +124,28 @@ def dequantize_b(b, sfb, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size:
 
 
 def grouped_matmul(a_f32, b_f32, ends):
-    """acc[r, n] = sum_k a[r, k] * b[g(r), n, k] (fp32, HIGHEST); rows outside every group are 0."""
-    sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
-    return jax.lax.ragged_dot(a_f32, jnp.swapaxes(b_f32, 1, 2), sizes, precision=HIGHEST,
-                              preferred_element_type=F32)
+    """acc[r, n] = sum_k a[r, k] * b[g(r), n, k] (fp32, HIGHEST); rows outside every group are 0.
+
+    Sanitized group ends are multiples of 256, so every 256-row tile belongs to one group (or to none): a loop
+    over row tiles, each a (256, K) x (K, N) matmul with its group's weight, does exactly the useful work with
+    O(N*K) extra memory. (`lax.ragged_dot` lowers to an (L, m, K) masked operand on CPU.)
+    """
+    m, k = a_f32.shape
+    num_groups = b_f32.shape[0]
+    gid = row_groups(ends, m)
+    if m % GROUP_ALIGN:                                     # not reachable through the public ops (A2)
+        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+        return jax.lax.ragged_dot(a_f32, jnp.swapaxes(b_f32, 1, 2), sizes, precision=HIGHEST,
+                                  preferred_element_type=F32)
+
+    def tile(args):
+        a_tile, g = args
+        w = jax.lax.dynamic_index_in_dim(b_f32, jnp.minimum(g, num_groups - 1), keepdims=False)
+        y = jnp.dot(a_tile, w.T, precision=HIGHEST, preferred_element_type=F32)
+        return jnp.where(g < num_groups, y, 0.0)
+
+    out = jax.lax.map(tile, (a_f32.reshape(m // GROUP_ALIGN, GROUP_ALIGN, k), gid[::GROUP_ALIGN]))
+    return out.reshape(m, b_f32.shape[1])
 
 
 def _gemm(a, b, sfa, sfb, ends, *, ab_dtype, sf_dtype, sf_vec_size):
@@ -570,9 +588,12 @@ def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, g
 
     a32, b32 = deq(a, sfa), deq(b, sfb)
     tid = row_groups(ends, tokens)
-    onehot = (tid[None, :] == jnp.arange(num_groups, dtype=jnp.int32)[:, None]).astype(F32)
-    w = jnp.einsum("lit,jt->lij", a32[None] * onehot[:, None, :], b32, precision=HIGHEST,
-                   preferred_element_type=F32)
+
+    def expert(e):                                          # token ranges need no alignment: mask per expert
+        return jnp.dot(jnp.where((tid == e)[None, :], a32, 0.0), b32.T, precision=HIGHEST,
+                       preferred_element_type=F32)
+
+    w = jax.lax.map(expert, jnp.arange(num_groups, dtype=jnp.int32))
     if global_scale_a is not None or global_scale_b is not None:
         gs = jnp.ones((num_groups,), F32)
         if global_scale_a is not None:
