@@ -25,7 +25,8 @@ class Config:
     cluster_m: CTAs per cluster along M sharing (multicasting) the B tile, 1 or 2;
     cluster_n: CTAs per cluster along N sharing (multicasting) the A tile, 1 or 2;
     ab_stages: A/B shared-memory pipeline depth (None: as many as fit);
-    epi_stages: epilogue shared-memory buffers per output (TMA-store overlap);
+    epi_stages: epilogue shared-memory buffers per output (TMA-store overlap), 1, 2 or 4 (None: the most A/B
+      stages (up to 4) with at least 2 epilogue buffers, then the most epilogue buffers);
     group_m: M blocks per raster swizzle group (L2 reuse);
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. With 4-CTA clusters not all 33 clusters may be
       co-resident (GPC sizes), so those configs may want 128.
@@ -36,7 +37,7 @@ class Config:
     cluster_m: int = 2
     cluster_n: int = 1
     ab_stages: Optional[int] = None
-    epi_stages: int = 2
+    epi_stages: Optional[int] = None
     group_m: int = 8
     num_sms: int = H200_SMS
 
@@ -49,8 +50,8 @@ class Config:
             raise ValueError("cluster_m must be 1 or 2")
         if self.cluster_n not in (1, 2):
             raise ValueError("cluster_n must be 1 or 2")
-        if self.epi_stages not in (1, 2):
-            raise ValueError("epi_stages must be 1 or 2")
+        if self.epi_stages not in (None, 1, 2, 4):
+            raise ValueError("epi_stages must be None, 1, 2 or 4")
         if self.group_m < 1:
             raise ValueError("group_m must be >= 1")
 

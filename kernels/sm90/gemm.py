@@ -76,23 +76,36 @@ class GroupedGemmSm90:
         # epilogue steps per tile: one D subtile each (GLU: from a gate/up pair of C subtiles)
         self.c_per_step = 2 if self.is_glu else 1
         self.epi_steps = self.tile_n // EPI_N // self.c_per_step
-        self.epi_stages = cfg.epi_stages
-        assert self.epi_steps % self.epi_stages == 0
         self.epi_tile = (self.tile_m, EPI_N)
         self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
         self.max_clusters = cfg.num_sms // self.cluster_size
-
-        # shared memory budget -> A/B stages
-        epi_bytes = self.tile_m * EPI_N * self.epi_stages * (
-            self.d_dtype.width // 8 + (self.c_per_step * self.c_dtype.width // 8 if self.c_dtype else 0)
-        )
-        misc_bytes = 4 * self.num_groups + 16 + 4 * (self.tile_m + self.tile_n) + 3 * 1024  # + alignment slack
-        per_stage = ab_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n) + 16
-        fit = (SMEM_CAPACITY - epi_bytes - misc_bytes) // per_stage
-        self.ab_stages = cfg.ab_stages if cfg.ab_stages is not None else min(fit, 8)
-        if self.ab_stages < 2 or self.ab_stages > fit:
-            raise NotImplementedError(f"{self.ab_stages} A/B stages do not fit in shared memory (max {fit})")
+        self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         self.mainloop = WgmmaMainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
+
+    def _smem_fit(self, epi_stages: int) -> int:
+        """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
+        header = 16 * 8 + 4 * self.num_groups + 16 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 stages) ..
+        header = -(-header // 1024) * 1024  # sA/sB/sC/sD are 1024-aligned, each a multiple of 1 KiB
+        epi = self.tile_m * EPI_N * epi_stages * (
+            self.d_dtype.width // 8 + (self.c_per_step * self.c_dtype.width // 8 if self.c_dtype else 0))
+        return (SMEM_CAPACITY - header - epi) // ab_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n)
+
+    def _choose_stages(self, cfg: Config):
+        candidates = [cfg.epi_stages] if cfg.epi_stages is not None else [4, 2]
+        candidates = [s for s in candidates if self.epi_steps % s == 0]
+        if not candidates:
+            raise NotImplementedError(f"epi_stages must divide the {self.epi_steps} epilogue steps of a tile")
+        if cfg.ab_stages is not None:
+            ok = [s for s in candidates if self._smem_fit(s) >= cfg.ab_stages]
+            if not ok or cfg.ab_stages < 2:
+                raise NotImplementedError(f"{cfg.ab_stages} A/B stages do not fit in shared memory")
+            return ok[0], cfg.ab_stages
+        # the most A/B stages (capped at 4: deeper buys nothing measurable), then the most epilogue buffers
+        best = max(candidates, key=lambda s: (min(self._smem_fit(s), 4), s))
+        ab = min(self._smem_fit(best), 8)
+        if ab < 2:
+            raise NotImplementedError("not even 2 A/B stages fit in shared memory")
+        return best, ab
 
     # ------------------------------------------------------------------------------------------ host
     @property
@@ -429,12 +442,21 @@ class GroupedGemmSm90:
         if const_expr(recipe.has_bias):
             if ctid < self.tile_n:
                 sBias[ctid] = bias_v
+        single_barrier = const_expr(self.epi_stages >= 2)
+        if const_expr(single_barrier):
+            # every older TMA store has finished reading its smem buffer -> steps 0 and 1 may write theirs
+            if is_store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         epi_barrier.arrive_and_wait()
 
         amax_bits = Int32(0)
         rAccS = cute.make_rmem_tensor(tRS_cD.shape, Float32)  # one subtile of fp32 accumulators
         rAccU = cute.make_rmem_tensor(tRS_cD.shape, Float32)
         rVal = cute.make_rmem_tensor(tRS_cD.shape, Float32)
+        rProb = cute.make_rmem_tensor(tRS_cD.shape, Float32)  # prob of each element's row (same every step)
+        if const_expr(recipe.has_prob):
+            for i in cutlass.range_constexpr(frag_size):
+                rProb[i] = sProb[tRS_cD[i][0]]
         for step in cutlass.range_constexpr(self.epi_steps):
             s0 = step * self.c_per_step
             for i in cutlass.range_constexpr(frag_size):
@@ -444,11 +466,10 @@ class GroupedGemmSm90:
                     rAccU[i] = tRS_rAcc[(s0 + 1) * frag_size + i]
             # ---- math (fp32), one element at a time
             for i in cutlass.range_constexpr(frag_size):
-                row = tRS_cD[i][0]
                 col = tRS_cD[i][1]
                 prob = Float32(1.0)
                 if const_expr(recipe.has_prob):
-                    prob = sProb[row]
+                    prob = rProb[i]
                 if const_expr(self.is_glu):
                     bias_g = Float32(0.0)
                     bias_u = Float32(0.0)
@@ -477,17 +498,23 @@ class GroupedGemmSm90:
                 if const_expr(recipe.has_c):
                     tRS_rC0.fill(0.0)
                     tRS_rC1.fill(0.0)
-            # ---- registers -> smem (buffer free once the store `epi_stages` steps back has read it)
+            # ---- registers -> smem. The buffer is free: its previous TMA store (step - epi_stages) has been read,
+            # which the store warp made sure of before the last barrier (single-barrier scheme, 2 buffers) or
+            # right here (1 buffer: acquire + extra barrier).
             buf = step % self.epi_stages
-            if is_store_warp:
-                store_pipeline.producer_acquire()
-            epi_barrier.arrive_and_wait()
+            if const_expr(not single_barrier):
+                if is_store_warp:
+                    store_pipeline.producer_acquire()
+                epi_barrier.arrive_and_wait()
             cute.copy(r2s_d, tRS_rD, tRS_sD[(None, None, None, buf)])
             if const_expr(recipe.has_c):
                 cute.copy(r2s_c, tRS_rC0, tRS_sC[(None, None, None, buf * self.c_per_step)])
                 if const_expr(self.is_glu):
                     cute.copy(r2s_c, tRS_rC1, tRS_sC[(None, None, None, buf * self.c_per_step + 1)])
             cute.arch.fence_proxy("async.shared", space="cta")
+            if const_expr(single_barrier):
+                if is_store_warp:  # step + 1 writes the buffer of the store issued epi_stages - 1 steps ago
+                    cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
             epi_barrier.arrive_and_wait()
             # ---- smem -> global (TMA clips columns past N)
             if is_store_warp:

@@ -41,6 +41,7 @@ BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [g<group_m>] [s<num_sms>]
     "t256c22s128": Config(tile_n=256, cluster_m=2, cluster_n=2, num_sms=128),
     "t256c12": Config(tile_n=256, cluster_m=1, cluster_n=2),
     "t128c21": Config(tile_n=128, cluster_m=2),
+    "t256c21e1": Config(tile_n=256, cluster_m=2, epi_stages=1),
 }
 
 
