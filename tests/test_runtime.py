@@ -1,0 +1,383 @@
+"""Runtime plumbing: module cache, bundles, lowering without the compiler, export, FFI registration, a GPU run.
+
+A tiny CuTe DSL kernel (elementwise f32 add) stands in for the grouped GEMM: the path it takes (aot build ->
+bundle -> lowering with `cutlass` blocked -> custom call -> libcute_dsl_runtime on the GPU) is the one the
+primitive takes. The GPU test reads a prebuilt bundle (CUDNN_MOE_JAX_BUNDLE) and, optionally, a jax.export
+artifact made on a CPU machine (CUDNN_MOE_JAX_TEST_EXPORT); `tools/runtime_smoke.py prepare DIR` writes both.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import inspect
+import json
+import lzma
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from cudnn_moe_jax import _runtime
+from cudnn_moe_jax._problem import GroupedGemmProblem
+
+REPO = Path(__file__).resolve().parent.parent
+try:
+    HAVE_CUTLASS = importlib.util.find_spec("cutlass") is not None
+except ImportError:  # blocked (the no-compiler subprocess below)
+    HAVE_CUTLASS = False
+needs_cutlass = pytest.mark.skipif(not HAVE_CUTLASS, reason="needs the CuTe DSL compiler (nvidia-cutlass-dsl)")
+TINY_SHAPES = ((64, 128), (3, 1000))
+
+
+# ------------------------------------------------------------------------------------------------ the tiny kernel
+
+def _tiny_launcher():
+    global cute  # CuTe DSL re-parses the kernels' source and resolves names in module globals, not closures
+    import cutlass.cute as cute
+
+    @cute.kernel
+    def add_kernel(gA: cute.Tensor, gB: cute.Tensor, gC: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        bdim, _, _ = cute.arch.block_dim()
+        i = bidx * bdim + tidx
+        m, n = gA.shape
+        if i < m * n:
+            gC[i // n, i % n] = gA[i // n, i % n] + gB[i // n, i % n]
+
+    @cute.jit
+    def add(stream, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
+        m, n = a.shape
+        add_kernel(a, b, c).launch(grid=((m * n + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream)
+
+    return add
+
+
+def tiny_spec(shape) -> _runtime.KernelSpec:
+    aval = jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+    fp = _runtime.fingerprint("test/tiny_add", inspect.getsource(_tiny_launcher), _runtime.DEFAULT_ARCH,
+                              _runtime.cutlass_dsl_version(), [aval, aval], [aval])
+    return _runtime.KernelSpec("test/tiny_add", fp, (aval, aval), (aval,), lambda: (_tiny_launcher(), {}))
+
+
+def tiny_variants():
+    return [tiny_spec(s) for s in TINY_SHAPES]
+
+
+def small_quant_problem():
+    """The real kernel's smallest default problem: bf16 quant (m 2048, N 512, K 256, L 4) with amax."""
+    pkg = _runtime.kernels_package()
+    p = pkg.variants.problems()[0]
+    assert p.op == "quant" and p.ab_dtype == "bfloat16" and p.epilogue.compute_amax
+    return p, pkg.variants.input_avals(p)
+
+
+def small_quant_variants():
+    p, ins = small_quant_problem()
+    return [(p, None, ins)]
+
+
+def small_quant(a, b, offsets, alpha, prob):
+    import cudnn_moe_jax as cmj
+    return cmj.grouped_gemm_quant(a_tensor=a, b_tensor=b, padded_offsets=offsets, alpha_tensor=alpha,
+                                  prob_tensor=prob, compute_amax=True)
+
+
+tiny_add_p = Primitive("cudnn_moe_test_tiny_add")
+tiny_add_p.def_abstract_eval(lambda a, b: a)
+tiny_add_p.def_impl(lambda a, b: jax.jit(tiny_add_p.bind)(a, b))
+mlir.register_lowering(tiny_add_p, mlir.lower_fun(lambda a, b: a + b, multiple_results=False))
+mlir.register_lowering(tiny_add_p, mlir.lower_fun(  # the same shape of rule as the real primitive's
+    lambda a, b: _runtime.call_spec(tiny_spec(a.shape), [a, b], [a])[0], multiple_results=False), platform="cuda")
+
+
+def tiny_program(a, b):
+    return tiny_add_p.bind(a, b) * 2.0 + 1.0
+
+
+def custom_calls(text: str) -> list[dict]:
+    """Each stablehlo.custom_call's target, attributes (verbatim text) and types; operand names left out."""
+    found = re.findall(r"stablehlo\.custom_call @([\w.]+)\([^)]*\) \{(.*)\} : (.*)$", text, re.M)
+    string = lambda name, a: re.search(name + r' = "((?:[^"\\]|\\.)*)"', a).group(1)  # noqa: E731
+    return [{"target": t, "attributes": a, "types": ty, "key": string("key", a), "module": string("module", a)}
+            for t, a, ty in found]
+
+
+# ------------------------------------------------------------------------------------------------ CPU tests
+
+def test_fingerprint_is_stable_and_sensitive():
+    p = GroupedGemmProblem(op="quant", m=512, n=128, k=64, num_groups=3, ab_dtype="bfloat16")
+    fp = _runtime.grouped_gemm_fingerprint(p, ("a", "b"), None)
+    code = ("from cudnn_moe_jax import _runtime; from cudnn_moe_jax._problem import GroupedGemmProblem as G; "
+            "print(_runtime.grouped_gemm_fingerprint(G(op='quant', m=512, n=128, k=64, num_groups=3, "
+            "ab_dtype='bfloat16'), ('a', 'b'), None))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                           env={**os.environ, "PYTHONHASHSEED": "123"}, check=True).stdout.strip()
+    assert other == fp
+    assert _runtime.grouped_gemm_fingerprint(p, ("a", "b"), {"tile": (128, 256)}) != fp
+    assert _runtime.grouped_gemm_fingerprint(p, ("a", "b", "alpha"), None) != fp
+    assert _runtime.grouped_gemm_fingerprint(p, ("a", "b"), None, arch="sm_100a") != fp
+
+
+def test_find_runtime_library_unpacks_xz_once(tmp_path, monkeypatch):
+    payload = os.urandom(1000)
+    xz = tmp_path / "libcute_dsl_runtime.so.xz"
+    xz.write_bytes(lzma.compress(payload))
+    monkeypatch.setenv("CUDNN_MOE_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CUDNN_MOE_JAX_RUNTIME", str(tmp_path))
+    path, _ = _runtime.find_runtime_library()
+    assert path.read_bytes() == payload and str(path).startswith(str(tmp_path / "cache"))
+    mtime = path.stat().st_mtime_ns
+    assert _runtime.find_runtime_library()[0] == path and path.stat().st_mtime_ns == mtime
+    monkeypatch.setenv("CUDNN_MOE_JAX_RUNTIME", str(tmp_path / "missing.so"))
+    path, tried = _runtime.find_runtime_library()
+    assert path is None and "does not exist" in tried[0]
+
+
+@pytest.mark.skipif(bool(jax.devices()[0].platform == "gpu"), reason="CPU-only behaviour")
+def test_register_runtime_without_cuda_returns_false():
+    assert _runtime.register_runtime() is False
+    assert _runtime.register_runtime() is False  # idempotent, no exception
+
+
+def test_unavailable_message_says_how_to_get_a_module(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
+    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [tmp_path])
+    with pytest.raises(_runtime.KernelUnavailable) as err:
+        _runtime.get_module(tiny_spec((8, 8)))
+    assert "pip install cudnn-moe-jax[cuda]" in str(err.value)
+    assert "python -m cudnn_moe_jax.aot build --arch sm_90a --out DIR" in str(err.value)
+    assert "CUDNN_MOE_JAX_BUNDLE=DIR" in str(err.value)
+
+
+def _fake_grouped_gemm_bundle(folder, problem, names, in_avals, out_avals):
+    module = b"\x7fELF not really a module"
+    spec = _runtime.grouped_gemm_spec(problem, None, names, in_avals, out_avals)
+    mod = _runtime.KernelModule(module, hashlib.sha256(module).digest(), _runtime.FFI_TARGET,
+                                ((0, 1), (0, 1, 2), (0,), (0,), (0,)), ((0, 1),), ())
+    _runtime.write_bundle(folder, [(spec, mod)])
+    return mod
+
+
+def test_primitive_lowers_grouped_gemm_from_bundle_or_falls_back(tmp_path, monkeypatch):
+    """The real primitive's CUDA lowering takes a bundle module through kernel_lowering (no compiler)."""
+    from cudnn_moe_jax import _primitive, _problem
+
+    p = GroupedGemmProblem(op="quant", m=256, n=128, k=64, num_groups=2, ab_dtype="bfloat16")
+    names = ("a", "b", "padded_offsets", "alpha", "prob")
+    ins = (jax.ShapeDtypeStruct((256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 128, 64), jnp.bfloat16),
+           jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.float32),
+           jax.ShapeDtypeStruct((256,), jnp.float32))
+    outs = [jax.ShapeDtypeStruct(*v) for v in _problem.output_specs(p).values() if v is not None]
+    lower = lambda: jax.jit(lambda *xs: _primitive.grouped_gemm_p.bind(  # noqa: E731 (fresh: no jit cache hit)
+        *xs, problem=p, input_names=names, config=None)).trace(*ins).lower(lowering_platforms=("cuda",)).as_text()
+    monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
+    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [tmp_path])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = lower()
+    assert not custom_calls(text) and any("aot build" in str(w.message) for w in caught)
+    mod = _fake_grouped_gemm_bundle(tmp_path, p, names, ins, outs)
+    (call,) = custom_calls(lower())
+    assert call["target"] == _runtime.FFI_TARGET
+    assert 'module = "\\7FELF not really a module"' in call["attributes"]
+    assert mod.key.hex() == hashlib.sha256(mod.module).hexdigest()
+
+
+_BLOCK_CUTLASS = """
+import importlib.abc, sys
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cutlass", "cuda"):
+            raise ModuleNotFoundError(f"{name} is blocked in this test")
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def _python(code: str, env: dict, cwd=REPO) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), **env}
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=cwd,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@needs_cutlass
+def test_bundle_lowering_without_cutlass_matches_cutlass_call(tmp_path):
+    bundle = tmp_path / "bundle"
+    env = {"CUDNN_MOE_JAX_BUNDLE": str(bundle), "CUDNN_MOE_JAX_CACHE": str(tmp_path / "cache")}
+    out = _python(f"import sys; from cudnn_moe_jax import aot; sys.exit(aot.main(['build', '--arch', 'sm_90a', "
+                  f"'--out', {str(bundle)!r}, '--variants', 'test_runtime:tiny_variants']))", env)
+    assert out.count("ok ") == len(TINY_SHAPES), out
+    listing = _python(f"from cudnn_moe_jax import aot; aot.main(['list', {str(bundle)!r}])", env)
+    assert listing.count("test/tiny_add") == len(TINY_SHAPES)
+
+    # The GPU machine's situation: no compiler at all. Lower, export for cuda, never import cutlass.
+    export_path = tmp_path / "tiny.jax_export"
+    ours = json.loads(_python(_BLOCK_CUTLASS + textwrap.dedent(f"""
+        import json, sys, jax, jax.numpy as jnp
+        import test_runtime as t
+        from cudnn_moe_jax import _runtime
+        a = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+        lowered = jax.jit(t.tiny_program).trace(a, a).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert "api_version=API_VERSION_TYPED_FFI" in lowered.as_text(dialect="hlo")
+        exp = jax.export.export(jax.jit(t.tiny_program), platforms=["cuda"],
+                                disabled_checks=_runtime.export_disabled_checks())(a, a)
+        open({str(export_path)!r}, "wb").write(exp.serialize())
+        assert not [m for m in sys.modules if m.split(".")[0] == "cutlass"]
+        print(json.dumps(t.custom_calls(text)))
+        """), env))
+
+    # The reference: cutlass_call itself, in a fresh process (the module must be byte-identical across processes).
+    theirs = json.loads(_python("""
+        import json, os
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        import jax, jax.numpy as jnp
+        import cutlass.jax
+        import test_runtime as t
+        def f(a, b):
+            out = jax.ShapeDtypeStruct(a.shape, a.dtype)
+            return cutlass.jax.cutlass_call(t._tiny_launcher(), output_shape_dtype=out)(a, b) * 2.0 + 1.0
+        a = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+        print(json.dumps(t.custom_calls(jax.jit(f).trace(a, a).lower(lowering_platforms=("cuda",)).as_text())))
+        """, {}))
+    assert len(ours) == len(theirs) == 1
+    assert ours == theirs
+    assert ours[0]["target"] == "CuteDSLRT_NvJaxCutlassCall_v2"
+    for attr in ("mhlo.backend_config = {key = ", "module = \"\\7FELF",
+                 "operand_layouts = [dense<[1, 0]> : tensor<2xindex>, dense<[1, 0]> : tensor<2xindex>]",
+                 "result_layouts = [dense<[1, 0]> : tensor<2xindex>]"):
+        assert attr in ours[0]["attributes"], attr
+    exp = jax.export.deserialize(export_path.read_bytes())
+    (exported,) = custom_calls(exp.mlir_module())
+    assert exp.platforms == ("cuda",)
+    assert [exported[k] for k in ("target", "key", "module")] == [ours[0][k] for k in ("target", "key", "module")]
+
+
+@needs_cutlass
+def test_real_primitive_from_bundle_matches_kernel_cutlass_call(tmp_path):
+    """cmj.grouped_gemm_quant lowered with cutlass blocked, module from an aot bundle == the kernel package's own
+    cutlass_call (kernels/sm90/jax_bridge.make_call), attribute for attribute."""
+    bundle = tmp_path / "bundle"
+    env = {"CUDNN_MOE_JAX_BUNDLE": str(bundle)}
+    _python(f"import sys; from cudnn_moe_jax import aot; sys.exit(aot.main(['build', '--out', {str(bundle)!r}, "
+            f"'--variants', 'test_runtime:small_quant_variants']))", env)
+    ours = json.loads(_python(_BLOCK_CUTLASS + textwrap.dedent("""
+        import json, sys, warnings, jax
+        import test_runtime as t
+        warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
+        p, ins = t.small_quant_problem()
+        text = jax.jit(t.small_quant).trace(*ins.values()).lower(lowering_platforms=("cuda",)).as_text()
+        assert not [m for m in sys.modules if m.split(".")[0] == "cutlass"]
+        print(json.dumps(t.custom_calls(text)))
+        """), env))
+    theirs = json.loads(_python("""
+        import importlib, json, jax
+        import test_runtime as t
+        from cudnn_moe_jax import _runtime
+        _runtime.import_cutlass()
+        p, ins = t.small_quant_problem()
+        call = importlib.import_module(_runtime.kernels_package().__name__ + ".jax_bridge").make_call(p)
+        print(json.dumps(t.custom_calls(
+            jax.jit(lambda *xs: call(*xs)).trace(*ins.values()).lower(lowering_platforms=("cuda",)).as_text())))
+        """, {}))
+    assert len(ours) == 1 and ours == theirs
+
+
+@needs_cutlass
+def test_compile_at_lowering_memory_cache_and_recording(monkeypatch):
+    _runtime.import_cutlass("sm_90a")
+    import cutlass.jax
+
+    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [])
+    a = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    with _runtime.recording() as got:  # compiled inside the primitive's lowering
+        (ours,) = custom_calls(jax.jit(tiny_program).trace(a, a).lower(lowering_platforms=("cuda",)).as_text())
+    ((spec, mod),) = got
+    assert spec == tiny_spec((16, 16)) and mod.key == hashlib.sha256(mod.module).digest()
+    monkeypatch.setattr(_runtime, "compile_module", lambda s: pytest.fail("memory cache missed"))
+    assert _runtime.get_module(tiny_spec((16, 16))) is mod
+    theirs_fn = lambda x, y: cutlass.jax.cutlass_call(_tiny_launcher(), output_shape_dtype=a)(x, y) * 2.0 + 1.0
+    (theirs,) = custom_calls(jax.jit(theirs_fn).trace(a, a).lower(lowering_platforms=("cuda",)).as_text())
+    assert ours == theirs
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+def _has_cuda() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
+def test_tiny_kernel_runs_on_gpu_from_bundle():
+    assert _runtime.register_runtime(), "libcute_dsl_runtime.so not found (tools/fetch_runtime.py)"
+    print(f"\njax {jax.__version__}, runtime {_runtime.runtime_library_path()}, cutlass importable: {HAVE_CUTLASS}")
+    rng = np.random.default_rng(0)
+    for shape in TINY_SHAPES:
+        a, b = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+        got = np.asarray(jax.jit(tiny_program)(a, b))
+        want = (a + b) * np.float32(2) + np.float32(1)
+        assert np.array_equal(got, want), f"{shape}: max |diff| {np.abs(got - want).max()}"
+        for _ in range(3):  # replays (XLA may capture the call in a CUDA graph)
+            assert np.array_equal(np.asarray(jax.jit(tiny_program)(a, b)), want)
+        print(f"bundle path {shape}: exact, module from {_runtime.bundle_dirs()[0]}")
+    if not HAVE_CUTLASS:
+        assert not [m for m in sys.modules if m.split(".")[0] == "cutlass"]
+    export = os.environ.get("CUDNN_MOE_JAX_TEST_EXPORT")
+    if export:  # made by jax on a CPU machine (possibly another jax version), run here
+        exp = jax.export.deserialize(Path(export).read_bytes())
+        a, b = (rng.standard_normal((64, 128), dtype=np.float32) for _ in range(2))
+        got = np.asarray(exp.call(a, b))
+        assert np.array_equal(got, (a + b) * np.float32(2) + np.float32(1))
+        print(f"exported artifact (calling convention v{exp.calling_convention_version}): exact")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
+def test_real_kernel_runs_on_gpu_from_bundle():
+    """The production path: public op -> primitive -> bundle module (no compiler) -> H200; vs the reference."""
+    from cudnn_moe_jax import _primitive
+
+    assert _runtime.register_runtime()
+    p, ins = small_quant_problem()
+    names = tuple(ins)
+    if not _runtime.has_module(_runtime.grouped_gemm_fingerprint(p, names, None)) and not HAVE_CUTLASS:
+        pytest.skip("no bundle module for the small quant problem (tools/runtime_smoke.py prepare)")
+    m, k = ins["a"].shape
+    groups, n, _ = ins["b"].shape
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    b = jnp.asarray(0.1 * rng.standard_normal((groups, n, k)), jnp.bfloat16)
+    offsets = jnp.asarray([512, 512, 1536, 1792], jnp.int32)  # expert 1 empty; rows >= 1792 in no group
+    alpha = jnp.asarray([1.0, 2.0, 0.5, 1.5], jnp.float32)
+    prob = jnp.asarray(rng.uniform(size=m), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
+        got = jax.jit(small_quant)(a, b, offsets, alpha, prob)
+    hlo = jax.jit(small_quant).lower(a, b, offsets, alpha, prob).as_text()
+    assert _runtime.FFI_TARGET in hlo
+    want = jax.jit(functools.partial(_primitive.reference_outputs, p, names))(a, b, offsets, alpha, prob)
+    d, amax = np.asarray(got.d_tensor, np.float32), np.asarray(got.amax_tensor)
+    d_ref, amax_ref = np.asarray(want[0], np.float32), np.asarray(want[1])
+    np.testing.assert_allclose(d, d_ref, rtol=2**-7, atol=1e-3)
+    assert not d[1792:].any()
+    np.testing.assert_allclose(amax, amax_ref, rtol=2**-7)
+    print(f"grouped_gemm_quant {m}x{n}x{k}x{groups} from bundle: max |d - ref| {np.abs(d - d_ref).max():.3g}, "
+          f"bitwise equal {np.mean(d == d_ref):.4f} of elements, amax {amax.ravel()}")
