@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / ".runtime"), help="destination folder (default: <repo>/.runtime)")
     ap.add_argument("--cuda", default="cu13", choices=("cu13", "cu12"))
-    ap.add_argument("--preset", type=int, default=6, help="xz preset (6: ~13.5 MB in ~10 s)")
+    ap.add_argument("--preset", type=int, default=6, help="xz preset (6: 41.6 -> 13.0 MiB in ~35 s on 2 cores)")
     args = ap.parse_args(argv)
 
     src = wheel_library(args.cuda)
