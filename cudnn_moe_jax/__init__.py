@@ -21,8 +21,16 @@ from .ops import (
 
 __version__ = "0.1.0"
 
+
+def export_disabled_checks() -> tuple:
+    """`disabled_checks` to pass to `jax.export.export(..., platforms=["cuda"])` for functions using these ops:
+    on CUDA they lower to CuTe DSL runtime custom calls, which jax.export does not know as stable."""
+    from ._runtime import export_disabled_checks as checks
+
+    return checks()
+
 __all__ = [
-    "formats", "nn", "OpResult", "GroupedGemmProblem", "Epilogue",
+    "formats", "nn", "OpResult", "export_disabled_checks", "GroupedGemmProblem", "Epilogue",
     "grouped_gemm_quant", "grouped_gemm_srelu", "grouped_gemm_swiglu", "grouped_gemm_glu",
     "grouped_gemm_glu_hadamard_quant", "grouped_gemm_dglu", "grouped_gemm_dswiglu", "grouped_gemm_dsrelu",
     "grouped_gemm_wgrad",
