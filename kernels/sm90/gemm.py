@@ -84,7 +84,7 @@ class GroupedGemmSm90:
 
     def _smem_fit(self, epi_stages: int) -> int:
         """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
-        header = 16 * 8 + 4 * self.num_groups + 16 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 stages) ..
+        header = 16 * 8 + 4 * self.num_groups + 32 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 stages) ..
         header = -(-header // 1024) * 1024  # sA/sB/sC/sD are 1024-aligned, each a multiple of 1 KiB
         epi = self.tile_m * EPI_N * epi_stages * (
             self.d_dtype.width // 8 + (self.c_per_step * self.c_dtype.width // 8 if self.c_dtype else 0))
@@ -170,6 +170,7 @@ class GroupedGemmSm90:
             ends: cute.struct.MemRange[Int32, self.num_groups]
             valid: cute.struct.MemRange[Int32, 4]
             prob: cute.struct.MemRange[Float32, self.tile_m]
+            scalars: cute.struct.MemRange[Float32, 4]
             bias: cute.struct.MemRange[Float32, self.tile_n]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)], 1024]
@@ -265,9 +266,10 @@ class GroupedGemmSm90:
             if const_expr(self.recipe.has_c):
                 sC = storage.sC.get_tensor(c_layout.outer, swizzle=c_layout.inner)
             sProb = storage.prob.get_tensor(cute.make_layout(self.tile_m))
+            sScalars = storage.scalars.get_tensor(cute.make_layout(4))
             sBias = storage.bias.get_tensor(cute.make_layout(self.tile_n))
             self.consumer(
-                ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sEnds, sValid, m_rows,
+                ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
                 tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, tidx - 128, warp_idx,
             )
 
@@ -330,7 +332,7 @@ class GroupedGemmSm90:
 
     @cute.jit
     def consumer(
-        self, ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sEnds, sValid, m_rows,
+        self, ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
         tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, ctid: Int32, warp_idx: Int32,
     ):
         """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA."""
@@ -417,7 +419,7 @@ class GroupedGemmSm90:
                 ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
             )
             self.epilogue(
-                acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, is_compute, ctid,
+                acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute, ctid,
                 r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
                 r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
                 store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax,
@@ -427,7 +429,7 @@ class GroupedGemmSm90:
 
     @cute.jit
     def epilogue(
-        self, acc, tRS_rAcc, tRS_cD, frag_size: cutlass.Constexpr, alpha, prob_v, bias_v, sProb, sBias,
+        self, acc, tRS_rAcc, tRS_cD, frag_size: cutlass.Constexpr, alpha, prob_v, bias_v, sProb, sBias, sScalars,
         is_compute, ctid,
         r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
         r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
@@ -439,6 +441,8 @@ class GroupedGemmSm90:
         if const_expr(recipe.has_prob):
             if ctid < self.tile_m:
                 sProb[ctid] = prob_v
+        if ctid == 0:
+            sScalars[0] = alpha
         if const_expr(recipe.has_bias):
             if ctid < self.tile_n:
                 sBias[ctid] = bias_v
@@ -450,34 +454,26 @@ class GroupedGemmSm90:
         epi_barrier.arrive_and_wait()
 
         amax_bits = Int32(0)
-        rAccS = cute.make_rmem_tensor(tRS_cD.shape, Float32)  # one subtile of fp32 accumulators
-        rAccU = cute.make_rmem_tensor(tRS_cD.shape, Float32)
         rVal = cute.make_rmem_tensor(tRS_cD.shape, Float32)
-        rProb = cute.make_rmem_tensor(tRS_cD.shape, Float32)  # prob of each element's row (same every step)
-        if const_expr(recipe.has_prob):
-            for i in cutlass.range_constexpr(frag_size):
-                rProb[i] = sProb[tRS_cD[i][0]]
         for step in cutlass.range_constexpr(self.epi_steps):
             s0 = step * self.c_per_step
-            for i in cutlass.range_constexpr(frag_size):
-                rAccS[i] = tRS_rAcc[s0 * frag_size + i]
-            if const_expr(self.is_glu):
-                for i in cutlass.range_constexpr(frag_size):
-                    rAccU[i] = tRS_rAcc[(s0 + 1) * frag_size + i]
+            # alpha re-read from smem every step: the step's math then depends on a load issued after the last
+            # barrier, so ptxas cannot hoist all steps' math above it (that spilled: 128 accumulators + 8 steps)
+            alpha_s = sScalars[0]
             # ---- math (fp32), one element at a time
             for i in cutlass.range_constexpr(frag_size):
                 col = tRS_cD[i][1]
                 prob = Float32(1.0)
                 if const_expr(recipe.has_prob):
-                    prob = rProb[i]
+                    prob = sProb[tRS_cD[i][0]]
                 if const_expr(self.is_glu):
                     bias_g = Float32(0.0)
                     bias_u = Float32(0.0)
                     if const_expr(recipe.has_bias):
                         bias_g = sBias[s0 * EPI_N + col]
                         bias_u = sBias[(s0 + 1) * EPI_N + col]
-                    cg = recipe.c_value(rAccS[i], alpha, bias_g)
-                    cu = recipe.c_value(rAccU[i], alpha, bias_u)
+                    cg = recipe.c_value(tRS_rAcc[s0 * frag_size + i], alpha_s, bias_g)
+                    cu = recipe.c_value(tRS_rAcc[(s0 + 1) * frag_size + i], alpha_s, bias_u)
                     if const_expr(recipe.has_c):
                         tRS_rC0[i] = cg.to(self.c_dtype)
                         tRS_rC1[i] = cu.to(self.c_dtype)
@@ -486,10 +482,11 @@ class GroupedGemmSm90:
                     bias = Float32(0.0)
                     if const_expr(recipe.has_bias):
                         bias = sBias[s0 * EPI_N + col]
-                    c = recipe.c_value(rAccS[i], alpha, bias)
+                    acc_i = tRS_rAcc[s0 * frag_size + i]
+                    c = recipe.c_value(acc_i, alpha_s, bias)
                     if const_expr(recipe.has_c):
                         tRS_rC0[i] = c.to(self.c_dtype)
-                    rVal[i] = recipe.d_value(rAccS[i], c, alpha, prob, bias)
+                    rVal[i] = recipe.d_value(acc_i, c, alpha_s, prob, bias)
                 if const_expr(recipe.compute_amax):
                     amax_bits = cutlass.max(amax_bits, abs_bits(rVal[i]))
             tRS_rD.store(rVal.load().to(self.d_dtype))

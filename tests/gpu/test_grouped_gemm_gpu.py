@@ -104,8 +104,8 @@ def run_case(name: str, pattern: str, m: int):
         got, again = np.asarray(got), np.asarray(again)
         if not np.array_equal(got.view(np.uint8), again.view(np.uint8)):
             errs.append(f"{key}: two runs differ")
-        if key == "amax":
-            errs += harness.compare("amax", got, ref["amax"], "float32")
+        if key == "amax":  # fp32 before conversion; approximations (bf16 D: tanh.approx) bounded by D's rounding
+            errs += harness.compare("amax", got, ref["amax"], epi["d_dtype"])
         else:
             dtype = epi["c_dtype"] if key == "c" else epi["d_dtype"]
             errs += harness.compare(key, got, ref[key], dtype, valid_rows=valid)
