@@ -25,8 +25,10 @@ class Config:
     cluster_m: CTAs per cluster along M sharing (multicasting) the B tile, 1 or 2;
     cluster_n: CTAs per cluster along N sharing (multicasting) the A tile, 1 or 2;
     ab_stages: A/B shared-memory pipeline depth (None: as many as fit);
-    epi_stages: epilogue shared-memory buffers per output (TMA-store overlap), 1, 2 or 4 (None: the most A/B
-      stages (up to 4) with at least 2 epilogue buffers, then the most epilogue buffers);
+    epi_stages: epilogue shared-memory buffers per output (TMA-store overlap), 1, 2 or 4 (None: 2); A/B stages
+      take the rest of shared memory (3 for GLU with a 16-bit C, else 4);
+    epi_pin: re-read alpha from shared memory every epilogue step (keeps ptxas from hoisting all steps' math
+      above the step barriers: fewer registers, less overlap);
     group_m: M blocks per raster swizzle group (L2 reuse);
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. With 4-CTA clusters not all 33 clusters may be
       co-resident (GPC sizes), so those configs may want 128.
@@ -38,6 +40,7 @@ class Config:
     cluster_n: int = 1
     ab_stages: Optional[int] = None
     epi_stages: Optional[int] = None
+    epi_pin: bool = False
     group_m: int = 8
     num_sms: int = H200_SMS
 

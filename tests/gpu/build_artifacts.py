@@ -33,15 +33,15 @@ BENCH_SHAPES = {  # name -> (m, N, K, L, op, act)
     "fc2": (16384, 7168, 2048, 8, "quant", None),
     "small": (16384, 1536, 2048, 64, "glu", "swiglu"),
 }
-BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [g<group_m>] [s<num_sms>]
+BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>] [p: epi_pin]
     "t256c21": Config(tile_n=256, cluster_m=2),
-    "t256c21g4": Config(tile_n=256, cluster_m=2, group_m=4),
-    "t256c21g16": Config(tile_n=256, cluster_m=2, group_m=16),
-    "t256c22": Config(tile_n=256, cluster_m=2, cluster_n=2),
-    "t256c22s128": Config(tile_n=256, cluster_m=2, cluster_n=2, num_sms=128),
-    "t256c12": Config(tile_n=256, cluster_m=1, cluster_n=2),
-    "t128c21": Config(tile_n=128, cluster_m=2),
     "t256c21e1": Config(tile_n=256, cluster_m=2, epi_stages=1),
+    "t256c21e4": Config(tile_n=256, cluster_m=2, epi_stages=4),
+    "t256c21p": Config(tile_n=256, cluster_m=2, epi_pin=True),
+    "t256c21e1p": Config(tile_n=256, cluster_m=2, epi_stages=1, epi_pin=True),
+    "t128c21": Config(tile_n=128, cluster_m=2),
+    "t128c21e1": Config(tile_n=128, cluster_m=2, epi_stages=1),
+    "t256c12": Config(tile_n=256, cluster_m=1, cluster_n=2),
 }
 
 

@@ -16,12 +16,12 @@ for s in $steps; do
       timeout -s KILL 170 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"; tail -12 "$OUT/bench.log" ;;
     ncu)
-      for spec in "ours bench_fc1_t256c21 GroupedGemmSm90" "ours bench_fc2_t256c21 GroupedGemmSm90" "torch fc2 (?i)(cutlass|sm90|gemm)"; do
+      for spec in "ours bench_fc1_t256c21 ^kernel_cutlass_kernel_" "ours bench_fc2_t256c21 ^kernel_cutlass_kernel_" "torch fc2 ^(?!prepare)"; do
         set -- $spec
         timeout -s KILL 100 ncu --clock-control none --kernel-name "regex:$3" --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section WarpStateStats \
           python3 benchmarks/profile_one.py $1 $2 > "$OUT/ncu_$1_$2.log" 2>&1
-        echo "ncu $1 $2 rc=$?"; grep -E "^  [a-z_]|Duration|Throughput|SM Frequency|Hit Rate|Registers|Grid Size|Cluster|Stall|Shared Memory Config" "$OUT/ncu_$1_$2.log" | head -40
+        echo "ncu $1 $2 rc=$?"; grep -E "^  [a-zA-Z_]|Duration|Throughput|SM Frequency|Hit Rate|Grid Size|Cluster Size|Block Limit|Waves" "$OUT/ncu_$1_$2.log" | cut -c1-150 | head -24
       done ;;
     sanitize)
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
