@@ -36,12 +36,10 @@ BENCH_SHAPES = {  # name -> (m, N, K, L, op, act)
 BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>] [p: epi_pin]
     "t256c21": Config(tile_n=256, cluster_m=2),
     "t256c21e1": Config(tile_n=256, cluster_m=2, epi_stages=1),
-    "t256c21e4": Config(tile_n=256, cluster_m=2, epi_stages=4),
     "t256c21p": Config(tile_n=256, cluster_m=2, epi_pin=True),
     "t256c21e1p": Config(tile_n=256, cluster_m=2, epi_stages=1, epi_pin=True),
     "t128c21": Config(tile_n=128, cluster_m=2),
     "t128c21e1": Config(tile_n=128, cluster_m=2, epi_stages=1),
-    "t256c12": Config(tile_n=256, cluster_m=1, cluster_n=2),
 }
 
 

@@ -16,8 +16,9 @@ for s in $steps; do
       timeout -s KILL 170 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"; tail -12 "$OUT/bench.log" ;;
     ncu)
-      for spec in "ours bench_fc1_t256c21 ^kernel_cutlass_kernel_" "ours bench_fc2_t256c21 ^kernel_cutlass_kernel_" "torch fc2 ^(?!prepare)"; do
-        set -- $spec
+      specs=${NCU_SPECS:-"ours:bench_fc1_t256c21:^kernel_cutlass_kernel_ ours:bench_fc2_t256c21:^kernel_cutlass_kernel_ torch:fc2:^(?!prepare)"}
+      for spec in $specs; do
+        IFS=: read -r k1 k2 k3 <<< "$spec"; set -- "$k1" "$k2" "$k3"
         timeout -s KILL 100 ncu --clock-control none --kernel-name "regex:$3" --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section WarpStateStats \
           python3 benchmarks/profile_one.py $1 $2 > "$OUT/ncu_$1_$2.log" 2>&1
