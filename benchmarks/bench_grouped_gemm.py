@@ -118,6 +118,8 @@ def run(args):
         art_shape, sizes = SHAPES[shape_name]
         cfg_names = sorted((k.split("_", 2)[2] for k in man["bench"] if k.startswith(f"bench_{art_shape}_")),
                            key=lambda c: (c != "t256c21", c))  # the default config first
+        if args.configs:
+            cfg_names = [c for c in cfg_names if c in args.configs.split(",")]
         info = man["bench"][f"bench_{art_shape}_{cfg_names[0]}"]
         p = info["problem"]
         m, n, k, L = p["m"], p["n"], p["k"], p["num_groups"]
@@ -253,6 +255,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--configs", default="", help="comma-separated subset of the compiled configs")
     args = ap.parse_args(argv)
     results, device = run(args)
     write(results, device, Path(args.out))

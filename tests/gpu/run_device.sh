@@ -13,7 +13,7 @@ for s in $steps; do
       echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
       grep -E "^FAILED" "$OUT/gpu_tests.log" | head -30 ;;
     bench)
-      timeout -s KILL 170 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+      timeout -s KILL ${BENCH_TIMEOUT:-170} python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"; tail -12 "$OUT/bench.log" ;;
     ncu)
       specs=${NCU_SPECS:-"ours:bench_fc1_t256c21:^kernel_cutlass_kernel_ ours:bench_fc2_t256c21:^kernel_cutlass_kernel_ torch:fc2:^(?!prepare)"}
