@@ -9,8 +9,9 @@ Every op gets prob, alpha and per-group amax (the library's defaults for bf16 D)
 
 Peers: jax.lax.ragged_dot + the same epilogue in jnp (jitted), torch._grouped_mm (GEMM only, if importable),
 tokamax ragged_dot (if importable). Timing (METHOD.md): warm-up, then REPS rounds; each round times every
-implementation once (20 back-to-back calls rotating 3 input sets; JAX: the 20 calls inside one jitted program,
-host-timed to block_until_ready; torch: CUDA events); median over rounds, spread = (max - min) / median.
+implementation once (20 back-to-back calls; JAX: the 20 calls on 20 distinct input sets inside one jitted
+program -- identical calls would be merged by XLA -- host-timed to block_until_ready; torch: rotating 3 input
+sets, CUDA events); median over rounds, spread = (max - min) / median.
 TFLOP/s = 2 * valid_m * N * K / t.
 Writes results.json, table.md and plot.png to --out; RESULTS.md is appended on the CPU machine.
 """
@@ -35,7 +36,7 @@ SHAPES = {  # name -> (artifact shape, group sizes)
     "small": ("small", [256] * 64),
     "skewed": ("fc1", [8192, 2048, 2048, 0, 1024, 1024, 0, 2048]),
 }
-REPS, ITERS, SETS = 7, 20, 3
+REPS, ITERS, SETS = 7, 20, 20  # JAX: 20 distinct input sets per program; torch rotates the first 3
 
 
 def _jax_runner(f, arg_sets):
@@ -45,7 +46,8 @@ def _jax_runner(f, arg_sets):
     import jax
 
     nsets = len(arg_sets)
-    many = jax.jit(lambda *sets: [f(*sets[i % nsets]) for i in range(ITERS)])
+    assert nsets >= ITERS, "every call in the program needs its own inputs (XLA merges identical calls)"
+    many = jax.jit(lambda *sets: [f(*sets[i]) for i in range(ITERS)])
     jax.block_until_ready(many(*arg_sets))
 
     def once():
@@ -162,7 +164,7 @@ def run(args):
 
             if hasattr(torch, "_grouped_mm"):
                 tsets = []
-                for s_ in range(SETS):
+                for s_ in range(3):
                     g = torch.Generator(device="cuda").manual_seed(s_)
                     ta = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
                     tb = (torch.randn(L, n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5)
