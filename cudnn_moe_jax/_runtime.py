@@ -492,7 +492,10 @@ def _check_supported(problem) -> None:
 
 
 def resolve_config(problem, config):
-    """None -> the kernel package's `default_config(problem)` (so None and the explicit default share a module)."""
+    """None -> the kernel package's `default_config(problem)` (so None and the explicit default share a module);
+    a `(mma_tiler_mn, cluster_shape_mn)` pair of cuDNN hints (from the public ops) -> `config_from_hints`."""
+    if isinstance(config, tuple):
+        return kernels_package().config_from_hints(problem, *config)
     if config is not None:
         return config
     try:

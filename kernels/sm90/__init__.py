@@ -11,10 +11,10 @@ Entry points used by the JAX layer:
 Importing `GroupedGemmSm90` imports cutlass (set CUTE_DSL_ARCH=sm_90a before the first `import cutlass`).
 """
 
-from .config import Config, default_config, supports
+from .config import Config, config_from_hints, default_config, supports
 from .variants import default_variants
 
-__all__ = ["Config", "GroupedGemmSm90", "default_config", "default_variants", "supports", "tensor_specs",
+__all__ = ["Config", "config_from_hints", "GroupedGemmSm90", "default_config", "default_variants", "supports", "tensor_specs",
            "output_shape_dtypes"]
 
 

@@ -109,3 +109,22 @@ def default_config(problem) -> Config:
     """
     del problem  # one schedule serves all measured shapes; revisit with more shapes
     return Config()
+
+
+def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Config:
+    """cuDNN's static `mma_tiler_mn` / `cluster_shape_mn` keywords as a Hopper config.
+
+    They are Blackwell tile shapes, so they are hints here: tile N (128/256) and cluster dims (1/2) carry over;
+    tile M is always 128 per consumer pair on sm90 (a 256-row cuDNN tile is two of ours).
+    """
+    config = default_config(problem)
+    changes = {}
+    if mma_tiler_mn is not None and mma_tiler_mn[1] in (128, 256):
+        changes["tile_n"] = mma_tiler_mn[1]
+    if cluster_shape_mn is not None:
+        cluster_m, cluster_n = cluster_shape_mn
+        if cluster_m in (1, 2):
+            changes["cluster_m"] = cluster_m
+        if cluster_n in (1, 2):
+            changes["cluster_n"] = cluster_n
+    return dataclasses.replace(config, **changes)
