@@ -5,6 +5,7 @@ call, and to the pure-jnp reference everywhere else. See README.md.
 """
 
 from . import formats
+from ._primitive import set_kernels_enabled
 from ._problem import Epilogue, GroupedGemmProblem
 from ._results import OpResult
 from .ops import (
@@ -30,7 +31,7 @@ def export_disabled_checks() -> tuple:
     return checks()
 
 __all__ = [
-    "formats", "nn", "OpResult", "export_disabled_checks", "GroupedGemmProblem", "Epilogue",
+    "formats", "nn", "OpResult", "export_disabled_checks", "set_kernels_enabled", "GroupedGemmProblem", "Epilogue",
     "grouped_gemm_quant", "grouped_gemm_srelu", "grouped_gemm_swiglu", "grouped_gemm_glu",
     "grouped_gemm_glu_hadamard_quant", "grouped_gemm_dglu", "grouped_gemm_dswiglu", "grouped_gemm_dsrelu",
     "grouped_gemm_wgrad",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import warnings
 
 import jax
@@ -113,7 +114,19 @@ def _warn_once(problem, reason):
                       "reference implementation through XLA instead.", RuntimeWarning, stacklevel=2)
 
 
+_kernels_enabled = os.environ.get("CUDNN_MOE_JAX_KERNELS", "1") != "0"
+
+
+def set_kernels_enabled(enabled: bool) -> None:
+    """Lower to the GPU kernels (default) or always to the reference (also: env CUDNN_MOE_JAX_KERNELS=0).
+    Takes effect for functions traced/lowered afterwards (a jitted function already compiled keeps its choice)."""
+    global _kernels_enabled
+    _kernels_enabled = bool(enabled)
+
+
 def _cuda_lowering(ctx, *args, problem, input_names, config):
+    if not _kernels_enabled:
+        return _reference_lowering(ctx, *args, problem=problem, input_names=input_names, config=config)
     reason = None
     try:
         from . import _runtime

@@ -54,8 +54,8 @@ def init_params(key, args):
     return params
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def make_step(args):
+    """(jitted forward+backward step, params, x): loss = mean((moe_layer(x) - target)^2), grads w.r.t. params, x."""
     key = jax.random.PRNGKey(args.seed)
     k_params, k_x, k_t = jax.random.split(key, 3)
     params = init_params(k_params, args)
@@ -68,7 +68,18 @@ def main(argv=None) -> int:
         loss = jnp.mean((y.astype(jnp.float32) - target) ** 2)
         return loss, (y, aux)
 
-    step = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))
+    return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)), params, x
+
+
+def lower_step_for(args, platform: str = "cuda"):
+    """Lower the step for `platform` without running it (used to prebuild the kernel bundle on a CPU machine)."""
+    step, params, x = make_step(args)
+    return step.trace(params, x).lower(lowering_platforms=(platform,))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    step, params, x = make_step(args)
     print(f"backend={jax.default_backend()} devices={jax.devices()}")
     print(f"tokens={args.tokens} experts={args.experts} top_k={args.top_k} hidden={args.hidden} "
           f"intermediate={args.intermediate} act={args.act} dtype={args.dtype} bias={args.bias}")
