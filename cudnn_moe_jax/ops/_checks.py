@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .._problem import BLOCK_SCALED_DTYPES, FP8_DTYPES, HALF_DTYPES, cdiv, sf_segment_bytes, sf_shape
+from .._problem import FP8_DTYPES, HALF_DTYPES, sf_segment_bytes, sf_shape  # noqa: F401 (re-exported)
 
 MAX_GROUPS = 1024
 M_ALIGN = 256
@@ -256,7 +256,7 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         dtypes = {b.dtype.name for b in experts}
         if len(shapes) != 1 or len(dtypes) != 1:
             raise ValueError(f"b_tensors: all experts must share shape and dtype, got {shapes} {dtypes}")
-        b_shape, b_dtype_name, num_groups = experts[0].shape, experts[0].dtype, len(experts)
+        b_shape, num_groups = experts[0].shape, len(experts)
         b = tuple(experts)
         n = b_shape[0]
         b_dtype = operand_dtype(experts[0], "b_tensors")

@@ -15,11 +15,8 @@ sanitized offsets) and the sanitize rule itself.
 
 from __future__ import annotations
 
-import ctypes
 import json
-import lzma
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -45,51 +42,13 @@ def gpu_available() -> bool:
         return False
 
 
-_REGISTERED = []
-
-
 def register() -> str:
-    """Register the CuTe DSL runtime FFI handlers once; returns how."""
-    if _REGISTERED:
-        return _REGISTERED[0]
-    try:
-        from cudnn_moe_jax import _runtime
+    """Register the CuTe DSL runtime FFI handlers once (cudnn_moe_jax._runtime); returns the library path."""
+    from cudnn_moe_jax import _runtime
 
-        if _runtime.register_runtime():
-            _REGISTERED.append(f"cudnn_moe_jax._runtime ({_runtime.runtime_library_path()})")
-            return _REGISTERED[0]
-    except Exception as e:  # noqa: BLE001 - fall back to the inline registration
-        print(f"[harness] cudnn_moe_jax._runtime unusable ({type(e).__name__}: {e}); registering inline")
-    import jax
-
-    src = REPO / ".runtime" / "libcute_dsl_runtime.so.xz"
-    lib_path = Path("/tmp/kgpu_runtime/libcute_dsl_runtime.so")
-    if not lib_path.is_file():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with lzma.open(src) as z, open(lib_path, "wb") as out:
-            shutil.copyfileobj(z, out, 1 << 22)
-    lib = ctypes.CDLL(str(lib_path))
-
-    def sym(name):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_void_p
-        return fn
-
-    jax.ffi.register_ffi_type(
-        "CuteDSLRT_NvJaxCutlassCallTypes_v2",
-        {"type_id": jax.ffi.pycapsule(sym("CuteDSLRT_NvJaxCutlassCallStateTypeId_v2")()),
-         "type_info": jax.ffi.pycapsule(sym("CuteDSLRT_NvJaxCutlassCallStateTypeInfo_v2")())},
-        platform="CUDA")
-    for target, execute in (("CuteDSLRT_NvJaxCutlassCall_v2", "CuteDSLRT_NvJaxCutlassCallExecute_v2"),
-                            ("CuteDSLRT_NvJaxCutlassCallNoCudaGraph_v2",
-                             "CuteDSLRT_NvJaxCutlassCallExecuteNoCudaGraph_v2")):
-        jax.ffi.register_ffi_target(target, {
-            "prepare": jax.ffi.pycapsule(sym("CuteDSLRT_NvJaxCutlassCallPrepare_v2")),
-            "instantiate": jax.ffi.pycapsule(sym("CuteDSLRT_NvJaxCutlassCallInstantiate_v2")),
-            "execute": jax.ffi.pycapsule(sym(execute))}, platform="CUDA")
-    _REGISTERED.append(f"inline ctypes ({lib_path})")
-    _REGISTERED.append(lib)  # keep the library alive
-    return _REGISTERED[0]
+    if not _runtime.register_runtime():
+        raise RuntimeError("CuTe DSL runtime could not be registered (see the cudnn_moe_jax log)")
+    return _runtime.runtime_library_path()
 
 
 def load(name: str):
