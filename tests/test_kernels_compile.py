@@ -1,7 +1,10 @@
 """CPU checks of the sm90 kernels: every default variant compiles for sm_90a through `cutlass_call` + `jax.export`
-(symbolic m: one module for every m), and its SASS has wgmma (HGMMA) and no local-memory spills (LDL/STL).
+(symbolic m: one module for every m), and its SASS has wgmma (HGMMA for bf16/fp16, QGMMA for MXFP8) and no
+local-memory spills (LDL/STL); MXFP8 modules also must not have their wgmma serialized by ptxas (an in-flight
+partial accumulator is what overlaps the tensor core with the scale promotion).
 
-Skipped when the CuTe DSL compiler is not installed. ~24 variants x ~2 s on 2 cores.
+Skipped when the CuTe DSL compiler is not installed. ~24 bf16/fp16 variants x ~2 s + 9 MXFP8 variants x ~4 s on
+2 cores.
 """
 
 from __future__ import annotations
@@ -84,9 +87,7 @@ def compile_module(problem, config=None) -> bytes:
 
     call = make_call(problem, config)
     (m,) = jax.export.symbolic_shape("m")
-    avals = variants.input_avals(problem)
-    sym = [jax.ShapeDtypeStruct((m,) + a.shape[1:], a.dtype) if name in ("a", "prob") else a
-           for name, a in avals.items()]
+    sym = list(variants.symbolic_avals(problem, m).values())
     before = set(_CUTLASS_COMPILE_CACHE)
     exp = jax.export.export(jax.jit(call), platforms=["cuda"],
                             disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*sym)
@@ -99,11 +100,30 @@ def compile_module(problem, config=None) -> bytes:
 VARIANTS = variants.problems()
 
 
+_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+
+
 def _id(p):
     e = p.epilogue
-    parts = [p.ab_dtype[:4], p.op if p.op != "glu" else e.act, "bias" if e.has_bias else "nobias",
-             f"c{e.c_dtype[:4] if e.c_dtype else '-'}", f"d{e.d_dtype[:4]}"]
+    parts = [_SHORT[p.ab_dtype], p.op if p.op != "glu" else e.act, "bias" if e.has_bias else "nobias",
+             f"c{_SHORT[e.c_dtype] if e.c_dtype else '-'}", f"d{_SHORT[e.d_dtype]}"]
+    if e.discrete_col_sfd:
+        parts.append("segsfd")
+    if e.glu_limit or e.glu_alpha or e.tanh_clamp_scale:
+        parts.append("opts")
     return "-".join(parts)
+
+
+def _check_sass(sass: str, block_scaled: bool) -> None:
+    assert "arch = sm_90a" in sass
+    assert ("QGMMA" if block_scaled else "HGMMA") in sass
+    assert "UTMALDG" in sass and "UTMASTG" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills in the kernel"
+    assert all(int(s) == 0 for s in re.findall(r"LOCAL:(\d+)", sass))
+    if block_scaled:
+        # ptxas serializes wgmma (a `WARPGROUP.DEPBAR.LE gsb0, 0x0` after every QGMMA) when it cannot prove the
+        # promoted partial accumulator retired: the steady state must wait for "all but one" group
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "wgmma serialized (no gsb0 <= 1 wait)"
 
 
 @pytest.mark.parametrize("problem", VARIANTS, ids=[_id(p) for p in VARIANTS])
@@ -113,12 +133,7 @@ def test_variant_compiles_with_wgmma_and_no_spills(problem):
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    sass = sass_of(module, tool)
-    assert "arch = sm_90a" in sass
-    assert "HGMMA" in sass
-    assert "UTMALDG" in sass and "UTMASTG" in sass
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills in the kernel"
-    assert all(int(s) == 0 for s in re.findall(r"LOCAL:(\d+)", sass))
+    _check_sass(sass_of(module, tool), problem.block_scaled)
 
 
 @pytest.mark.parametrize("cfg", [sm90_config.Config(tile_n=128, cluster_m=1, epi_stages=1),
@@ -132,21 +147,50 @@ def test_other_configs_compile(cfg):
     assert fatbins(compile_module(problem, cfg))
 
 
+E4M3, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
+
+
+@pytest.mark.parametrize("cfg", [sm90_config.Config(tile_n=128, cluster_m=1, scale_fast_path=False),
+                                 sm90_config.Config(tile_n=128, cluster_m=2, cluster_n=2)],
+                         ids=["mxfp8-1x1-nofast", "mxfp8-2x2"])
+def test_other_mxfp8_configs_compile(cfg):
+    """MXFP8 with the other schedules (no multicast / A and B multicast, general promotion only); K = 200: a
+    partial last stage (K blocks past K get scale 0) and a half-filled last K block."""
+    problem = GroupedGemmProblem(op="glu", m=2048, n=384, k=208, num_groups=4, ab_dtype=E4M3, sf_dtype=E8M0,
+                                 sf_vec_size=32, epilogue=Epilogue(act="swiglu", c_dtype="bfloat16",
+                                                                   d_dtype=E4M3, generate_sfd=True))
+    module = compile_module(problem, cfg)
+    tool = _cuobjdump()
+    if tool is not None:
+        _check_sass(sass_of(module, tool), True)
+
+
 def test_supports_reasons():
     ok = GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16")
     assert sm90_config.supports(ok) is None
     bad = [
         GroupedGemmProblem(op="dglu", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
                            epilogue=Epilogue(act="dswiglu")),
-        GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="float8_e4m3fn",
-                           sf_dtype="float8_e8m0fnu", sf_vec_size=32),
+        GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="float4_e2m1fn",
+                           sf_dtype="float8_e4m3fn", sf_vec_size=16),
+        GroupedGemmProblem(op="quant", m=512, n=256, k=136, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
+                           sf_vec_size=32),
+        GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
+                           sf_vec_size=32, discrete_weights=True),
         GroupedGemmProblem(op="quant", m=500, n=256, k=128, num_groups=2, ab_dtype="bfloat16"),
         GroupedGemmProblem(op="quant", m=512, n=256, k=100, num_groups=2, ab_dtype="bfloat16"),
         GroupedGemmProblem(op="glu", m=512, n=96, k=128, num_groups=2, ab_dtype="bfloat16",
                            epilogue=Epilogue(act="swiglu")),
         GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
-                           epilogue=Epilogue(d_dtype="float8_e4m3fn", generate_sfd=True)),
+                           epilogue=Epilogue(d_dtype="float8_e4m3fn")),  # FP8 D always comes with SFD
+        GroupedGemmProblem(op="quant", m=512, n=200, k=128, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
+                           sf_vec_size=32, epilogue=Epilogue(d_dtype=E4M3, generate_sfd=True)),
     ]
+    mx = GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
+                            sf_vec_size=32, epilogue=Epilogue(d_dtype=E4M3, generate_sfd=True))
+    assert sm90_config.supports(mx) is None
+    assert sm90_config.default_config(mx).tile_n == 128
+    assert sm90_config.config_from_hints(mx, mma_tiler_mn=(256, 256)).tile_n == 128
     for p in bad:
         reason = sm90_config.supports(p)
         assert isinstance(reason, str) and reason, p
@@ -159,4 +203,5 @@ def test_default_config_and_variants_are_consistent():
     items = variants.default_variants(("small",))
     assert len(items) == len(VARIANTS)
     for p, cfg, avals in items:
-        assert sm90_config.supports(p) is None and list(avals)[:4] == list(variants.INPUT_NAMES[:4])
+        order = [variants.INPUT_NAMES.index(name) for name in avals]
+        assert sm90_config.supports(p) is None and order == sorted(order) and list(avals)[:2] == ["a", "b"]

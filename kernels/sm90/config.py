@@ -10,7 +10,9 @@ from typing import Optional
 
 SUPPORTED_OPS = ("quant", "srelu", "glu")
 AB_DTYPES = ("bfloat16", "float16")
+MXFP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # with e8m0 scales, vec 32 (mainloop_mxfp8)
 OUT_DTYPES = ("bfloat16", "float16", "float32")
+FP8_OUT_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # C: plain satfinite cast; D: with SFD_row/D_col/SFD_col
 BIAS_DTYPES = ("bfloat16", "float16", "float32")
 MAX_GROUPS = 1024
 SMEM_CAPACITY = 232448  # sm_90 opt-in dynamic shared memory per CTA (227 KiB)
@@ -30,6 +32,8 @@ class Config:
     epi_pin: re-read alpha from shared memory every epilogue step (keeps ptxas from hoisting all steps' math
       above the step barriers: fewer registers, less overlap);
     group_m: M blocks per raster swizzle group (L2 reuse);
+    scale_fast_path: MXFP8 only: promote with one FFMA per element (per-row scale) when all B scales of a K block
+      are equal across the tile (a flag from the decoder warp; warp-uniform branch), else 2 FP32 ops per element;
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. With 4-CTA clusters not all 33 clusters may be
       co-resident (GPC sizes), so those configs may want 128.
     """
@@ -43,6 +47,7 @@ class Config:
     epi_pin: bool = False
     group_m: int = 8
     num_sms: int = H200_SMS
+    scale_fast_path: bool = True
 
     def __post_init__(self):
         if self.tile_m != 128:
@@ -64,14 +69,22 @@ def supports(problem) -> Optional[str]:
     epi = problem.epilogue
     if problem.op not in SUPPORTED_OPS:
         return f"op {problem.op!r} is not implemented by the sm90 kernel (only {SUPPORTED_OPS})"
-    if problem.ab_dtype not in AB_DTYPES or problem.block_scaled:
-        return f"A/B dtype {problem.ab_dtype!r} (block-scaled inputs are not implemented on sm90 yet)"
+    if problem.block_scaled:
+        if problem.ab_dtype not in MXFP8_DTYPES or problem.sf_dtype != "float8_e8m0fnu" or problem.sf_vec_size != 32:
+            return (f"block-scaled {problem.ab_dtype!r} with {problem.sf_dtype!r}/{problem.sf_vec_size}: only MXFP8 "
+                    "(e4m3/e5m2 + e8m0, vec 32) is implemented on sm90")
+    elif problem.ab_dtype not in AB_DTYPES:
+        return f"A/B dtype {problem.ab_dtype!r} not in {AB_DTYPES + MXFP8_DTYPES}"
     if problem.discrete_weights:
         return "discrete weights are not implemented on sm90 yet"
-    if epi.generate_sfd or epi.discrete_col_sfd or epi.rht or epi.has_hadamard:
-        return "quantized D outputs (SFD), RHT and Hadamard are not implemented on sm90 yet"
-    if epi.d_dtype not in OUT_DTYPES:
-        return f"d_dtype {epi.d_dtype!r} not in {OUT_DTYPES}"
+    if epi.rht or epi.has_hadamard:
+        return "RHT and Hadamard are not implemented on sm90 yet"
+    if epi.generate_sfd != (epi.d_dtype in FP8_OUT_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
+        return "FP8 D comes with SFD_row/D_col/SFD_col (generate_sfd) and only then discrete_col_sfd"
+    if epi.d_dtype not in OUT_DTYPES + FP8_OUT_DTYPES:
+        return f"d_dtype {epi.d_dtype!r} not in {OUT_DTYPES + FP8_OUT_DTYPES}"
+    if epi.generate_sfd and problem.n_out % 16:
+        return "FP8 D needs N_out % 16 == 0 (16-byte rows)"
     if problem.op == "quant":
         if epi.act is not None:
             return "quant takes no activation"
@@ -85,8 +98,8 @@ def supports(problem) -> Optional[str]:
             return f"glu act must be swiglu or geglu, got {epi.act!r}"
         if problem.n % 64:
             return "GLU needs N % 64 == 0"
-    if epi.c_dtype is not None and epi.c_dtype not in OUT_DTYPES:
-        return f"c_dtype {epi.c_dtype!r} not in {OUT_DTYPES}"
+    if epi.c_dtype is not None and epi.c_dtype not in OUT_DTYPES + FP8_OUT_DTYPES:
+        return f"c_dtype {epi.c_dtype!r} not in {OUT_DTYPES + FP8_OUT_DTYPES}"
     if epi.has_bias and epi.bias_dtype not in BIAS_DTYPES:
         return f"bias_dtype {epi.bias_dtype!r} not in {BIAS_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
@@ -95,6 +108,8 @@ def supports(problem) -> Optional[str]:
         return "m must be a multiple of 256"
     if problem.k % 8 or problem.n % 8 or problem.n_out % 8:
         return "N, N_out and K must be multiples of 8 (16-byte TMA rows)"
+    if problem.block_scaled and problem.k % 16:
+        return "MXFP8 needs K % 16 == 0 (16-byte TMA rows)"
     return None
 
 
@@ -106,8 +121,10 @@ def default_config(problem) -> Config:
     stages for GLU) -7% on fc1 but maybe +7% on `small` (host-timed, within noise in the last run); tile 128x128
     -5% on fc1/fc2; swizzle group 4/8/16 within noise; one barrier per epilogue step -8..13%. ncu, one launch:
     fc1 1.25 ms (torch CUTLASS 1.24), fc2 645 us (652), small 192 us (171, DRAM-bound).
+    MXFP8 runs 128 x 128 tiles (the two partial accumulators of the promotion leave no registers for 256).
     """
-    del problem  # one schedule serves all measured shapes; revisit with more shapes
+    if problem.block_scaled:
+        return Config(tile_n=128, cluster_m=2)
     return Config()
 
 
@@ -119,7 +136,7 @@ def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Conf
     """
     config = default_config(problem)
     changes = {}
-    if mma_tiler_mn is not None and mma_tiler_mn[1] in (128, 256):
+    if mma_tiler_mn is not None and mma_tiler_mn[1] in (128, 256) and not problem.block_scaled:
         changes["tile_n"] = mma_tiler_mn[1]
     if cluster_shape_mn is not None:
         cluster_m, cluster_n = cluster_shape_mn

@@ -32,8 +32,10 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 
+from .. import quantize as q8
 from ..epilogue import EpilogueRecipe, abs_bits, warp_max_i32
 from ..scheduler import GroupedTileScheduler
+from . import mainloop_mxfp8 as mx
 from .config import SMEM_CAPACITY, Config, default_config, supports
 from .mainloop import TILE_K, WgmmaMainloop, ab_stage_bytes, make_ab_smem_layouts, make_tiled_mma
 
@@ -41,7 +43,11 @@ _DTYPES = {
     "bfloat16": cutlass.BFloat16,
     "float16": cutlass.Float16,
     "float32": cutlass.Float32,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+    "float8_e5m2": cutlass.Float8E5M2,
 }
+# float32(1 / q_max) of FP8 D (SEMANTICS §3.4, A8: e5m2 q_max 57344); = cudnn_moe_jax.formats.rcp_limit
+_RCP_LIMIT = {"float8_e4m3fn": float.fromhex("0x1.24924a0000000p-9"), "float8_e5m2": float.fromhex("0x1.24924a0000000p-16")}
 
 DEBUG_LAYOUTS = False
 EPI_N = 32  # epilogue subtile width = one GLU block
@@ -79,15 +85,31 @@ class GroupedGemmSm90:
         self.epi_tile = (self.tile_m, EPI_N)
         self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
         self.max_clusters = cfg.num_sms // self.cluster_size
+        # MXFP8: FP8 wgmma per 32-wide K block + scale promotion (mainloop_mxfp8); FP8 D: SFD row/col outputs
+        self.block_scaled = problem.block_scaled
+        self.quant_d = epi.generate_sfd
+        self.discrete_col_sfd = epi.discrete_col_sfd
+        self.has_norm_const = self.quant_d
+        self.rcp_limit = _RCP_LIMIT.get(epi.d_dtype)
+        self.tile_k = mx.TILE_K if self.block_scaled else TILE_K
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
-        self.mainloop = WgmmaMainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
+        if self.block_scaled:
+            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
+                                             cfg.scale_fast_path)
+        else:
+            self.mainloop = WgmmaMainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
 
     def _smem_fit(self, epi_stages: int) -> int:
         """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
         header = 16 * 8 + 4 * self.num_groups + 32 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 stages) ..
         header = -(-header // 1024) * 1024  # sA/sB/sC/sD are 1024-aligned, each a multiple of 1 KiB
+        d_bytes = self.d_dtype.width // 8 * (2 if self.quant_d else 1)  # FP8 D: D and D_col buffers
         epi = self.tile_m * EPI_N * epi_stages * (
-            self.d_dtype.width // 8 + (self.c_per_step * self.c_dtype.width // 8 if self.c_dtype else 0))
+            d_bytes + (self.c_per_step * self.c_dtype.width // 8 if self.c_dtype else 0))
+        if self.quant_d:
+            epi += 4 * EPI_N * 8 + 1024  # per-warp column maxima (+ alignment)
+        if self.block_scaled:
+            return (SMEM_CAPACITY - header - epi) // mx.smem_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n)
         return (SMEM_CAPACITY - header - epi) // ab_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n)
 
     def _choose_stages(self, cfg: Config):
@@ -122,12 +144,20 @@ class GroupedGemmSm90:
 
     def _unpack(self, tensors):
         it = iter([x for x in tensors if x is not None])  # absent tensors may arrive as None
-        named = {"a": next(it), "b": next(it), "offsets": next(it), "alpha": next(it)}
+        named = {"a": next(it), "b": next(it)}
+        named["sfa"] = next(it) if self.block_scaled else None
+        named["sfb"] = next(it) if self.block_scaled else None
+        named["offsets"] = next(it)
+        named["alpha"] = next(it)
         named["prob"] = next(it) if self.recipe.has_prob else None
         named["bias"] = next(it) if self.recipe.has_bias else None
+        named["norm_const"] = next(it) if self.has_norm_const else None
         named["c"] = next(it) if self.recipe.has_c else None
         named["d"] = next(it)
+        named["d_col"] = next(it) if self.quant_d else None
         named["amax"] = next(it) if self.recipe.compute_amax else None
+        named["sfd_row"] = next(it) if self.quant_d else None
+        named["sfd_col"] = next(it) if self.quant_d else None
         rest = list(it)
         if rest:
             raise ValueError(f"{len(rest)} unexpected tensors")
@@ -139,20 +169,38 @@ class GroupedGemmSm90:
         a, b, d = t["a"], t["b"], t["d"]
         m_rows = a.shape[0]
 
-        tiled_mma = make_tiled_mma(self.ab_dtype, self.tile_n)
-        a_layout, b_layout = make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
+        if const_expr(self.block_scaled):
+            tiled_mma = mx.Mxfp8Mainloop.make_tiled_mma(self.ab_dtype, self.tile_n)
+            a_layout, b_layout = mx.Mxfp8Mainloop.make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n,
+                                                                       self.ab_stages)
+        else:
+            tiled_mma = make_tiled_mma(self.ab_dtype, self.tile_n)
+            a_layout, b_layout = make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
         a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            a_op, a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, TILE_K), num_multicast=self.cluster_n
+            a_op, a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, self.tile_k), num_multicast=self.cluster_n
         )
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            b_op, b, cute.slice_(b_layout, (None, None, 0)), (self.tile_n, TILE_K), num_multicast=self.cluster_m
+            b_op, b, cute.slice_(b_layout, (None, None, 0)), (self.tile_n, self.tile_k), num_multicast=self.cluster_m
         )
-        d_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages)
+        tma_atom_sfa = tma_sfa = tma_atom_sfb = tma_sfb = None
+        if const_expr(self.block_scaled):
+            tma_atom_sfa, tma_sfa = self.mainloop.make_sf_tma(t["sfa"], self.cluster_n)
+            tma_atom_sfb, tma_sfb = self.mainloop.make_sf_tma(t["sfb"], self.cluster_m)
+        # FP8 D: buffers [0, epi_stages) hold D, [epi_stages, 2 epi_stages) D_col (one partition serves both)
+        d_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
+                                                   self.epi_stages * (2 if self.quant_d else 1))
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(d_layout, (None, None, 0)), self.epi_tile
         )
+        tma_atom_dcol = tma_dcol = mSfdRow = mSfdCol = None
+        if const_expr(self.quant_d):
+            tma_atom_dcol, tma_dcol = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), t["d_col"], cute.slice_(d_layout, (None, None, 0)), self.epi_tile
+            )
+            mSfdRow = cute.make_tensor(t["sfd_row"].iterator, cute.make_layout(cute.size(t["sfd_row"])))
+            mSfdCol = cute.make_tensor(t["sfd_col"].iterator, cute.make_layout(cute.size(t["sfd_col"])))
         c_layout = None
         tma_atom_c = None
         tma_c = None
@@ -177,11 +225,23 @@ class GroupedGemmSm90:
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_layout)], 1024]
             if const_expr(self.recipe.has_c):
                 sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_layout)], 1024]
+            if const_expr(self.block_scaled):
+                dec_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
+                sf_flags: cute.struct.MemRange[Int32, self.ab_stages]
+                sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * mx.SF_ATOM_BYTES * self.ab_stages], 1024]
+                sDecA: cute.struct.Align[cute.struct.MemRange[Float32, mx.DEC_FLOATS * self.ab_stages], 16]
+                sDecB: cute.struct.Align[cute.struct.MemRange[Float32, mx.DEC_FLOATS * self.ab_stages], 16]
+            if const_expr(self.quant_d):
+                col_max: cute.struct.Align[cute.struct.MemRange[Int32, EPI_N * 8], 16]
 
         self.shared_storage = SharedStorage
 
         if const_expr(self.recipe.compute_amax):
             self.zero_amax_kernel(t["amax"]).launch(grid=[1, 1, 1], block=[1024, 1, 1], stream=stream)
+        if const_expr(self.quant_d):
+            # SF bytes are written only for computed rows/blocks; XLA outputs are uninitialised (rows outside every
+            # group and SF padding must read 0x00)
+            self.zero_bytes_kernel(mSfdRow, mSfdCol).launch(grid=[264, 1, 1], block=[256, 1, 1], stream=stream)
 
         total = (m_rows // self.sched.block_m) * self.n_blocks
         num_clusters = cutlass.min(total, Int32(self.max_clusters))
@@ -191,6 +251,8 @@ class GroupedGemmSm90:
             tma_atom_c, tma_c, tma_atom_d, tma_d,
             t["offsets"], t["alpha"], t["prob"], t["bias"], t["amax"],
             a_layout, b_layout, c_layout, d_layout,
+            tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb,
+            tma_atom_dcol, tma_dcol, mSfdRow, mSfdCol, t["norm_const"],
         ).launch(
             grid=[self.cluster_m, self.cluster_n, num_clusters],
             block=[NUM_THREADS, 1, 1],
@@ -207,6 +269,21 @@ class GroupedGemmSm90:
         if tidx < self.num_groups:
             mAmax[tidx, 0] = Float32(0.0)
 
+    @cute.kernel
+    def zero_bytes_kernel(self, mX: cute.Tensor, mY: cute.Tensor):
+        """Zero two flat uint8 buffers (sizes multiples of 512), grid-stride 4-byte stores."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        for buf in cutlass.range_constexpr(2):
+            mT = mX if buf == 0 else mY
+            n_words = cute.size(mT) // 4
+            words = cute.make_tensor(cute.recast_ptr(mT.iterator, dtype=Int32), cute.make_layout(n_words))
+            i = bidx * 256 + tidx
+            while i < n_words:
+                words[i] = Int32(0)
+                i += nblk * 256
+
     # ------------------------------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(
@@ -217,6 +294,7 @@ class GroupedGemmSm90:
         tma_atom_c, mC, tma_atom_d: cute.CopyAtom, mD: cute.Tensor,
         mOffsets: cute.Tensor, mAlpha: cute.Tensor, mProb, mBias, mAmax,
         a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, c_layout, d_layout: cute.ComposedLayout,
+        tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -226,6 +304,11 @@ class GroupedGemmSm90:
             cpasync.prefetch_descriptor(tma_atom_d)
             if const_expr(self.recipe.has_c):
                 cpasync.prefetch_descriptor(tma_atom_c)
+            if const_expr(self.block_scaled):
+                cpasync.prefetch_descriptor(tma_atom_sfa)
+                cpasync.prefetch_descriptor(tma_atom_sfb)
+            if const_expr(self.quant_d):
+                cpasync.prefetch_descriptor(tma_atom_dcol)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -238,10 +321,20 @@ class GroupedGemmSm90:
             num_stages=self.ab_stages,
             producer_group=producer_group,
             consumer_group=consumer_group,
-            tx_count=ab_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n),
+            tx_count=(mx.ab_stage_bytes if self.block_scaled else ab_stage_bytes)(self.ab_dtype, self.tile_m,
+                                                                                 self.tile_n),
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
+        dec_mbar = None
+        if const_expr(self.block_scaled):
+            # decoded-scales barrier per stage: the decoder warp's 32 lanes arrive
+            dec_mbar = storage.dec_mbar.data_ptr()
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for s in cutlass.range_constexpr(self.ab_stages):
+                        cute.arch.mbarrier_init(dec_mbar + s, 32)
+            cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
         sEnds = storage.ends.get_tensor(cute.make_layout(self.num_groups))
@@ -254,11 +347,26 @@ class GroupedGemmSm90:
 
         sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        sSF = sFlags = sDecA = sDecB = None
+        if const_expr(self.block_scaled):
+            # raw SF atoms: (128, 4, operand, stage) uint8; decoded: A (4 kb, 128 rows), B (128 cols, 4 kb) f32
+            sSF = storage.sSF.get_tensor(cute.make_layout(
+                (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE, 2, self.ab_stages),
+                stride=(1, mx.SF_ATOM_ROWS, mx.SF_ATOM_BYTES, 2 * mx.SF_ATOM_BYTES)))
+            sFlags = storage.sf_flags.get_tensor(cute.make_layout(self.ab_stages))
+            sDecA = storage.sDecA.get_tensor(cute.make_layout(
+                (mx.KB_PER_STAGE, mx.SF_ATOM_ROWS, self.ab_stages), stride=(1, mx.KB_PER_STAGE, mx.DEC_FLOATS)))
+            sDecB = storage.sDecB.get_tensor(cute.make_layout(
+                (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE, self.ab_stages), stride=(1, mx.SF_ATOM_ROWS, mx.DEC_FLOATS)))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows)
+                self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
+                              tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF)
+            if const_expr(self.block_scaled):
+                if warp_idx == 1:
+                    self.decoder(ab_pipeline, dec_mbar, sSF, sDecA, sDecB, sFlags, sValid, m_rows)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
@@ -268,9 +376,13 @@ class GroupedGemmSm90:
             sProb = storage.prob.get_tensor(cute.make_layout(self.tile_m))
             sScalars = storage.scalars.get_tensor(cute.make_layout(4))
             sBias = storage.bias.get_tensor(cute.make_layout(self.tile_n))
+            sColMax = None
+            if const_expr(self.quant_d):
+                sColMax = storage.col_max.get_tensor(cute.make_layout((EPI_N, 8)))
             self.consumer(
                 ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
                 tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, tidx - 128, warp_idx,
+                dec_mbar, sDecA, sDecB, sFlags, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
             )
 
     # ------------------------------------------------------------------------------------------ roles
@@ -290,12 +402,14 @@ class GroupedGemmSm90:
         return rank % self.cluster_m, rank // self.cluster_m
 
     @cute.jit
-    def producer(self, ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows):
-        """Warp 0: TMA loads for every compute tile of this CTA (A multicast along the cluster's N, B along M)."""
+    def producer(self, ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
+                 tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF):
+        """Warp 0: TMA loads for every compute tile of this CTA (A multicast along the cluster's N, B along M;
+        MXFP8: the SF atoms of A / B travel with A / B)."""
         rank_m, rank_n = self._cluster_coord()
         # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L)
-        gA = cute.local_tile(mA, (self.tile_m, TILE_K), (None, None))
-        gB = cute.local_tile(mB, (self.tile_n, TILE_K), (None, None, None))
+        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
         tAsA, tAgA = cpasync.tma_partition(
             tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
@@ -311,6 +425,17 @@ class GroupedGemmSm90:
             b_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=0)
         k_tiles = cute.size(gA, mode=[3])
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        tSAs = tSAg = tSBs = tSBg = None
+        if const_expr(self.block_scaled):
+            # (128, 4, 1, atoms): one (128, 4) box = one 512-byte SF atom
+            gSA = cute.local_tile(mSFA, (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE), (None, None))
+            gSB = cute.local_tile(mSFB, (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE), (None, None))
+            tSAs, tSAg = cpasync.tma_partition(
+                tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n),
+                cute.group_modes(sSF[(None, None, 0, None)], 0, 2), cute.group_modes(gSA, 0, 2))
+            tSBs, tSBg = cpasync.tma_partition(
+                tma_atom_sfb, rank_m, cute.make_layout(self.cluster_m),
+                cute.group_modes(sSF[(None, None, 1, None)], 0, 2), cute.group_modes(gSB, 0, 2))
 
         t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
         while t < total:
@@ -321,19 +446,53 @@ class GroupedGemmSm90:
                 k_count = k_tiles
             m_tile = m_block * self.cluster_m + rank_m
             n_tile = n_block * self.cluster_n + rank_n
-            prod_state = self.mainloop.load_tile(
-                ab_pipeline, prod_state,
-                tma_atom_a, tAgA[(None, m_tile, None)], tAsA,
-                tma_atom_b, tBgB[(None, n_tile, None, g)], tBsB,
-                a_mcast_mask, b_mcast_mask, k_count,
-            )
+            if const_expr(self.block_scaled):
+                # SF atom of (row block, K stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb) atoms
+                sfb_row_blocks = (self.n + mx.SF_ATOM_ROWS - 1) // mx.SF_ATOM_ROWS
+                prod_state = self.mainloop.load_tile(
+                    ab_pipeline, prod_state,
+                    tma_atom_a, tAgA[(None, m_tile, None)], tAsA,
+                    tma_atom_b, tBgB[(None, n_tile, None, g)], tBsB,
+                    tma_atom_sfa, tSAg, tSAs, m_tile * k_tiles,
+                    tma_atom_sfb, tSBg, tSBs, (g * sfb_row_blocks + n_tile) * k_tiles,
+                    a_mcast_mask, b_mcast_mask, k_count,
+                )
+            else:
+                prod_state = self.mainloop.load_tile(
+                    ab_pipeline, prod_state,
+                    tma_atom_a, tAgA[(None, m_tile, None)], tAsA,
+                    tma_atom_b, tBgB[(None, n_tile, None, g)], tBsB,
+                    a_mcast_mask, b_mcast_mask, k_count,
+                )
             t += stride
         ab_pipeline.producer_tail(prod_state)
+
+    @cute.jit
+    def decoder(self, ab_pipeline, dec_mbar, sSF, sDecA, sDecB, sFlags, sValid, m_rows):
+        """Warp 1 (MXFP8): decode every stage the producer loads (same schedule) into fp32 scales + flags."""
+        lane = cute.arch.lane_idx()
+        sRaw32 = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32), cute.make_layout(
+            (4, 32, 2, self.ab_stages), stride=(1, 4, mx.SF_ATOM_BYTES // 4, 2 * mx.SF_ATOM_BYTES // 4)))
+        k_tiles = self.mainloop.k_tiles
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
+        while t < total:
+            _, _, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
+            k_count = Int32(0)
+            if is_compute:
+                k_count = Int32(k_tiles)
+            for k in cutlass.range(k_count, unroll=1):
+                ab_pipeline.consumer_wait(state)
+                self.mainloop.decode_stage(sRaw32, sDecA, sDecB, sFlags, state.index, k == k_tiles - 1, lane)
+                cute.arch.mbarrier_arrive(dec_mbar + state.index)
+                state.advance()
+            t += stride
 
     @cute.jit
     def consumer(
         self, ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
         tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, ctid: Int32, warp_idx: Int32,
+        dec_mbar, sDecA, sDecB, sFlags, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
     ):
         """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA."""
         rank_m, rank_n = self._cluster_coord()
@@ -342,6 +501,17 @@ class GroupedGemmSm90:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        P0 = P1 = sDecB2 = row0 = quad = None
+        if const_expr(self.block_scaled):
+            # partial accumulators of the per-32 K blocks (see mainloop_mxfp8); B scales read as column pairs
+            P0 = cute.make_rmem_tensor(acc.shape, Float32)
+            P1 = cute.make_rmem_tensor(acc.shape, Float32)
+            sDecB2 = cute.make_tensor(sDecB.iterator, cute.make_layout(
+                (2, mx.SF_ATOM_ROWS // 2, mx.KB_PER_STAGE, self.ab_stages),
+                stride=(1, 2, mx.SF_ATOM_ROWS, mx.DEC_FLOATS)))
+            lane = cute.arch.lane_idx()
+            row0 = 64 * wg + 16 * (warp_idx % 4) + lane // 4  # accumulator rows row0, row0 + 8 of this thread
+            quad = lane % 4
 
         # epilogue partitions: register fragments follow the stmatrix source layout of the accumulator
         copy_atom_layout = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
@@ -390,7 +560,18 @@ class GroupedGemmSm90:
         )
         epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=256)
         is_store_warp = warp_idx == 4
-        k_tiles = (self.k + TILE_K - 1) // TILE_K
+        k_tiles = (self.k + self.tile_k - 1) // self.tile_k
+        # FP8 D: D_col store partition (same smem layout as D), norm_const
+        bSG_gDcol = tRS_rDcol = None
+        norm_const = Float32(1.0)
+        if const_expr(self.quant_d):
+            q8.check_fragment_layout(tRS_cD)
+            tRS_rDcol = cute.make_rmem_tensor(frag_shape, self.d_dtype)
+            _, bSG_gDcol = cpasync.tma_partition(
+                tma_atom_dcol, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.zipped_divide(mDcol, self.epi_tile)
+            )
+            norm_const = mNormConst[0]
+        fp8 = (bSG_gDcol, tRS_rDcol, sColMax, mSfdRow, mSfdCol, norm_const, sEnds, m_rows)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
 
@@ -415,14 +596,20 @@ class GroupedGemmSm90:
                 if ctid < self.tile_n and col < self.n:
                     bias_v = mBias[g, col].to(Float32)
 
-            read_state, release_state = self.mainloop.mma_tile(
-                ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
-            )
+            if const_expr(self.block_scaled):
+                read_state, release_state = self.mainloop.mma_tile(
+                    ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, acc, P0, P1, tCrA, tCrB,
+                    sDecA, sDecB2, sFlags, row0, quad, k_count
+                )
+            else:
+                read_state, release_state = self.mainloop.mma_tile(
+                    ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
+                )
             self.epilogue(
                 acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute, ctid,
                 r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
                 r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
-                store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax,
+                store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC,
             )
             t += stride
         store_pipeline.producer_tail()
@@ -433,10 +620,26 @@ class GroupedGemmSm90:
         is_compute, ctid,
         r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
         r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
-        store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax,
+        store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC,
     ):
-        """Fused epilogue of one tile: per step, one D subtile (and its one or two C subtiles)."""
+        """Fused epilogue of one tile: per step, one D subtile (and its one or two C subtiles).
+
+        FP8 D (`quant_d`): D row-quantized per 32 columns (the subtile), D_col per 32 rows (two warps' halves
+        combined through smem), SFD_row / SFD_col e8m0 bytes stored from registers (kernels/quantize.py)."""
         recipe = self.recipe
+        bSG_gDcol, tRS_rDcol, sColMax, mSfdRow, mSfdCol, norm_const, sEnds, m_rows = fp8
+        # thread coordinates re-derived per tile from an opaque copy: otherwise every address computed from them is
+        # hoisted above the tile loop and held across the MXFP8 mainloop (192 accumulator registers) -> spills
+        warp_e = lane = None
+        if const_expr(self.quant_d or self.block_scaled):
+            ctid_o = q8.opaque(ctid)
+            warp_e = ctid_o // 32
+            lane = ctid_o % 32
+            # non-stmatrix smem stores (8-bit / 32-bit outputs) need 8 swizzled addresses per buffer: recomputed
+            # per tile instead of held across the MXFP8 mainloop
+            tRS_sD = r2s_d.get_slice(ctid_o).partition_D(sD)
+            if const_expr(recipe.has_c):
+                tRS_sC = r2s_c.get_slice(ctid_o).partition_D(sC)
         # stage per-row prob and per-column bias in smem (previous tile's readers passed its last barrier)
         if const_expr(recipe.has_prob):
             if ctid < self.tile_m:
@@ -486,7 +689,11 @@ class GroupedGemmSm90:
                     rVal[i] = recipe.d_value(acc_i, c, alpha_s, prob, bias)
                 if const_expr(recipe.compute_amax):
                     amax_bits = cutlass.max(amax_bits, abs_bits(rVal[i]))
-            tRS_rD.store(rVal.load().to(self.d_dtype))
+            if const_expr(self.quant_d):
+                code_r0, code_r1 = q8.quantize_rows(rVal, tRS_rD, self.rcp_limit, norm_const)
+                q8.column_partial_max(rVal, sColMax, warp_e, lane)
+            else:
+                tRS_rD.store(rVal.load().to(self.d_dtype))
             if not is_compute:  # rows past valid_m: zeros
                 tRS_rD.fill(0.0)
                 if const_expr(recipe.has_c):
@@ -498,6 +705,14 @@ class GroupedGemmSm90:
             if is_store_warp:
                 store_pipeline.producer_acquire()
             epi_barrier.arrive_and_wait()
+            if const_expr(self.quant_d):
+                codes_c = q8.quantize_cols(rVal, tRS_rDcol, sColMax, warp_e, lane, self.rcp_limit, norm_const)
+                if is_compute:
+                    self._store_sf_bytes(code_r0, code_r1, codes_c, mSfdRow, mSfdCol, sEnds, m_rows,
+                                         m_tile, n_tile, step, g, warp_e, lane)
+                else:
+                    tRS_rDcol.fill(0.0)
+                cute.copy(r2s_d, tRS_rDcol, tRS_sD[(None, None, None, self.epi_stages + buf)])
             cute.copy(r2s_d, tRS_rD, tRS_sD[(None, None, None, buf)])
             if const_expr(recipe.has_c):
                 cute.copy(r2s_c, tRS_rC0, tRS_sC[(None, None, None, buf * self.c_per_step)])
@@ -513,6 +728,12 @@ class GroupedGemmSm90:
                     bSG_sD[(None, buf)],
                     bSG_gD[(None, (m_tile, n_tile * (subtiles_per_tile // self.c_per_step) + step))],
                 )
+                if const_expr(self.quant_d):
+                    cute.copy(
+                        tma_atom_dcol,
+                        bSG_sD[(None, self.epi_stages + buf)],
+                        bSG_gDcol[(None, (m_tile, n_tile * (subtiles_per_tile // self.c_per_step) + step))],
+                    )
                 if const_expr(recipe.has_c):
                     for j in cutlass.range_constexpr(self.c_per_step):
                         cute.copy(
@@ -528,3 +749,38 @@ class GroupedGemmSm90:
                 if cute.arch.lane_idx() == 0:
                     ptr = cute.recast_ptr(mAmax.iterator + g, dtype=Int32)
                     cute.arch.atomic_max(ptr, amax_bits)
+
+    @cute.jit
+    def _store_sf_bytes(self, code_r0, code_r1, codes_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
+                        step: cutlass.Constexpr, g, warp_e, lane):
+        """SFD_row bytes of the thread's two rows (quad leaders) and SFD_col bytes of its 8 columns (lanes 0-3 of
+        the first warp of each 32-row pair), at their §2 / §2.6 byte offsets. The offset arithmetic is split into
+        tile terms and small per-thread terms (rows r, r+8 sit 128 bytes apart; a lane's columns 16 bytes apart) so
+        that few per-thread invariants stay live across the mainloop."""
+        n_out = self.problem.n_out
+        col_block = n_tile * (self.tile_n // self.c_per_step // EPI_N) + step  # D 32-column block
+        # this thread's first row in the tile (0..127; = its fragment's row, checked by check_fragment_layout);
+        # its second row is r_in + 8
+        r_in = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4
+        if lane % 4 == 0:
+            kb_atoms = (-(-n_out // EPI_N) + 3) // 4
+            row_off = (((m_tile * self.tile_m) >> 7) * kb_atoms + (col_block >> 2)) * 512 + (col_block & 3) \
+                + (r_in & 31) * 16 + ((r_in >> 5) & 3) * 4
+            mSfdRow[row_off] = code_r0.to(cutlass.Uint8)
+            mSfdRow[row_off + 128] = code_r1.to(cutlass.Uint8)
+        if warp_e % 2 == 0:
+            if lane < 4:
+                rb32 = ((m_tile * self.tile_m) >> 5) + (r_in >> 5)  # global 32-row block (SFD_col k-block)
+                atoms = m_rows // 128
+                if const_expr(self.discrete_col_sfd):
+                    start = Int32(0)
+                    if g > 0:
+                        start = sEnds[g - 1]
+                    atoms = (sEnds[g] - start) // 128
+                    rb32 = rb32 - (start >> 5)
+                col_off = ((col_block >> 2) * atoms + (rb32 >> 2)) * 512 + (col_block & 3) * 4 + (rb32 & 3) \
+                    + 32 * lane
+                if const_expr(self.discrete_col_sfd):
+                    col_off = col_off + 4 * ((n_out + 127) // 128) * start
+                for slot in cutlass.range_constexpr(8):
+                    mSfdCol[col_off + 16 * q8.slot_col(slot)] = codes_c[slot].to(cutlass.Uint8)

@@ -1,7 +1,9 @@
 """How the sm90 kernel meets `cutlass.jax.cutlass_call`: tensor specs, output shapes, a ready-made call.
 
-Canonical JAX arrays (NOTES.md): a (m, K), b (L, N, K), padded_offsets (L,) int32, alpha (L,) f32, prob (m,) f32,
-bias (L, N); outputs c (m, N), d (m, N_out), amax (L, 1) f32. Every array is row-major; B is presented to the
+Canonical JAX arrays (NOTES.md): a (m, K), b (L, N, K), [MXFP8: sfa (1, m/128, Kb, 32, 4, 4), sfb (L, cdiv(N,128),
+Kb, 32, 4, 4) uint8], padded_offsets (L,) int32, alpha (L,) f32, prob (m,) f32, bias (L, N), [FP8 D: norm_const (1,)
+f32]; outputs c (m, N), d (m, N_out), [FP8 D: d_col (m, N_out)], amax (L, 1) f32, [FP8 D: sfd_row (1, m/128,
+cdiv(N_out/32, 4), 32, 4, 4), sfd_col (1, cdiv(N_out,128), m/128, 32, 4, 4) or flat per-expert segments]. Every array is row-major; B is presented to the
 kernel as (N, K, L) through `mode` (no copy). Tensors whose shape involves `m` are dynamic with `m % 256 == 0`
 declared, so one compiled module serves every `m` (and `jax.export` with a symbolic `m` works); the others are
 static.
@@ -25,13 +27,24 @@ def _has(problem):
     return epi.has_prob, epi.has_bias, has_c, epi.compute_amax
 
 
+def _sf_kb(cols: int) -> int:
+    """Kb of a packed SF buffer over `cols` (vec 32): cdiv(cdiv(cols, 32), 4)."""
+    return -(-(-(-cols // 32)) // 4)
+
+
 def tensor_specs(problem):
     """(input_spec, output_spec) lists for the present tensors, in launcher order."""
     has_prob, has_bias, has_c, has_amax = _has(problem)
+    epi = problem.epilogue
     n, k, n_out = problem.n, problem.k, problem.n_out
     ins = [
         TensorSpec(divisibility=(M_ALIGN, k)),  # a
         TensorSpec(mode=(1, 2, 0), static=True),  # b -> (N, K, L)
+    ]
+    if problem.block_scaled:
+        ins.append(TensorSpec(divisibility=(1, M_ALIGN // 128, 1, 32, 4, 4)))  # sfa: m/128 row blocks (dynamic)
+        ins.append(TensorSpec(static=True))  # sfb
+    ins += [
         TensorSpec(static=True),  # padded_offsets
         TensorSpec(static=True),  # alpha
     ]
@@ -39,30 +52,52 @@ def tensor_specs(problem):
         ins.append(TensorSpec(divisibility=(M_ALIGN,)))
     if has_bias:
         ins.append(TensorSpec(static=True))
+    if epi.generate_sfd:
+        ins.append(TensorSpec(static=True))  # norm_const
     outs = []
     if has_c:
         outs.append(TensorSpec(divisibility=(M_ALIGN, n)))
     outs.append(TensorSpec(divisibility=(M_ALIGN, n_out)))
+    if epi.generate_sfd:
+        outs.append(TensorSpec(divisibility=(M_ALIGN, n_out)))  # d_col
     if has_amax:
         outs.append(TensorSpec(static=True))
+    if epi.generate_sfd:
+        outs.append(TensorSpec(divisibility=(1, M_ALIGN // 128, 1, 32, 4, 4)))  # sfd_row
+        if epi.discrete_col_sfd:
+            outs.append(TensorSpec(divisibility=(512,)))
+        else:
+            outs.append(TensorSpec(divisibility=(1, 1, M_ALIGN // 128, 32, 4, 4)))
     return ins, outs
 
 
 def output_shape_dtypes(problem, m):
-    """ShapeDtypeStructs of (c?, d, amax?) for `m` rows (`m` may be symbolic)."""
+    """ShapeDtypeStructs of the present outputs for `m` rows (`m` may be symbolic; m % 256 == 0), in
+    `_problem.output_specs` order: c?, d, d_col?, amax?, sfd_row?, sfd_col?."""
     _, _, has_c, has_amax = _has(problem)
     epi = problem.epilogue
+    n_out = problem.n_out
     outs = []
     if has_c:
         outs.append(jax.ShapeDtypeStruct((m, problem.n), jnp.dtype(epi.c_dtype)))
-    outs.append(jax.ShapeDtypeStruct((m, problem.n_out), jnp.dtype(epi.d_dtype)))
+    outs.append(jax.ShapeDtypeStruct((m, n_out), jnp.dtype(epi.d_dtype)))
+    if epi.generate_sfd:
+        outs.append(jax.ShapeDtypeStruct((m, n_out), jnp.dtype(epi.d_dtype)))
     if has_amax:
         outs.append(jax.ShapeDtypeStruct((problem.num_groups, 1), jnp.float32))
+    if epi.generate_sfd:
+        outs.append(jax.ShapeDtypeStruct((1, m // 128, _sf_kb(n_out), 32, 4, 4), jnp.uint8))
+        n_blocks = -(-n_out // 128)
+        if epi.discrete_col_sfd:
+            outs.append(jax.ShapeDtypeStruct((n_blocks * 128 * (m // 128) * 4,), jnp.uint8))
+        else:
+            outs.append(jax.ShapeDtypeStruct((1, n_blocks, m // 128, 32, 4, 4), jnp.uint8))
     return outs
 
 
 def make_call(problem, config=None):
-    """A function `(a, b, padded_offsets, alpha, [prob], [bias]) -> tuple(c?, d, amax?)` for use under jit."""
+    """A function `(a, b, [sfa, sfb], padded_offsets, alpha, [prob], [bias], [norm_const]) -> tuple(c?, d,
+    d_col?, amax?, sfd_row?, sfd_col?)` for use under jit."""
     reason = supports(problem)
     if reason is not None:
         raise NotImplementedError(reason)

@@ -17,7 +17,8 @@ SHAPES = {
     "fc2": (16384, 7168, 2048, 8),
     "small": (16384, 1536, 2048, 64),
 }
-INPUT_NAMES = ("a", "b", "padded_offsets", "alpha", "prob", "bias")
+INPUT_NAMES = ("a", "b", "sfa", "sfb", "padded_offsets", "alpha", "prob", "bias", "norm_const")
+E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
 
 
 def epilogue_variants(ab_dtype: str):
@@ -46,10 +47,35 @@ def epilogue_variants(ab_dtype: str):
     return out
 
 
-def problems(shape=(2048, 512, 256, 4), ab_dtypes=("bfloat16", "float16")):
+def mxfp8_epilogue_variants():
+    """(ab_dtype, op, Epilogue) of the MXFP8 set: each fusion with bf16 and FP8 D (SFD_row/D_col/SFD_col, both
+    SFD_col layouts), e4m3 and e5m2 inputs, FP8 / half / fp32 C, bias and GLU options."""
+    bf, f16, f32 = "bfloat16", "float16", "float32"
+    fp8d = dict(generate_sfd=True, compute_amax=False)
+    return [
+        (E4M3, "glu", Epilogue(act="swiglu", c_dtype=bf, d_dtype=bf, compute_amax=True)),
+        (E4M3, "glu", Epilogue(act="swiglu", c_dtype=bf, d_dtype=E4M3, **fp8d)),
+        (E4M3, "glu", Epilogue(act="geglu", has_bias=True, bias_dtype=f32, c_dtype=E4M3, d_dtype=E4M3,
+                               discrete_col_sfd=True, glu_limit=7.0, **fp8d)),
+        (E5M2, "glu", Epilogue(act="swiglu", has_bias=True, bias_dtype=bf, c_dtype=f32, d_dtype=f16,
+                               glu_alpha=1.702, compute_amax=True)),
+        (E4M3, "quant", Epilogue(d_dtype=bf, compute_amax=True)),
+        (E4M3, "quant", Epilogue(d_dtype=E4M3, has_bias=True, bias_dtype=bf, discrete_col_sfd=True, **fp8d)),
+        (E5M2, "quant", Epilogue(d_dtype=E5M2, **fp8d)),
+        (E5M2, "srelu", Epilogue(act="srelu", c_dtype=E5M2, d_dtype=E4M3, **fp8d)),
+        (E4M3, "srelu", Epilogue(act="srelu", has_bias=True, bias_dtype=f16, c_dtype=bf, d_dtype=f32,
+                                 tanh_clamp_scale=4.0)),
+    ]
+
+
+def problems(shape=(2048, 512, 256, 4), ab_dtypes=("bfloat16", "float16"), mxfp8=True):
     m, n, k, groups = shape
-    return [GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype=ab, epilogue=epi)
-            for ab in ab_dtypes for op, epi in epilogue_variants(ab)]
+    out = [GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype=ab, epilogue=epi)
+           for ab in ab_dtypes for op, epi in epilogue_variants(ab)]
+    if mxfp8:
+        out += [GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype=ab, sf_dtype=E8M0,
+                                   sf_vec_size=32, epilogue=epi) for ab, op, epi in mxfp8_epilogue_variants()]
+    return out
 
 
 def input_avals(problem):
@@ -62,14 +88,38 @@ def input_avals(problem):
     avals = {
         "a": jax.ShapeDtypeStruct((m, k), jnp.dtype(problem.ab_dtype)),
         "b": jax.ShapeDtypeStruct((L, n, k), jnp.dtype(problem.ab_dtype)),
-        "padded_offsets": jax.ShapeDtypeStruct((L,), jnp.int32),
-        "alpha": jax.ShapeDtypeStruct((L,), jnp.float32),
     }
+    if problem.block_scaled:
+        kb = -(-(-(-k // 32)) // 4)
+        avals["sfa"] = jax.ShapeDtypeStruct((1, m // 128, kb, 32, 4, 4), jnp.uint8)
+        avals["sfb"] = jax.ShapeDtypeStruct((L, -(-n // 128), kb, 32, 4, 4), jnp.uint8)
+    avals["padded_offsets"] = jax.ShapeDtypeStruct((L,), jnp.int32)
+    avals["alpha"] = jax.ShapeDtypeStruct((L,), jnp.float32)
     if epi.has_prob:
         avals["prob"] = jax.ShapeDtypeStruct((m,), jnp.float32)
     if epi.has_bias:
         avals["bias"] = jax.ShapeDtypeStruct((L, n), jnp.dtype(epi.bias_dtype))
+    if epi.generate_sfd:
+        avals["norm_const"] = jax.ShapeDtypeStruct((1,), jnp.float32)
     return avals
+
+
+def symbolic_avals(problem, m):
+    """input_avals with the row count `m` (symbolic under jax.export; m % 256 == 0)."""
+    out = {}
+    for name, a in input_avals(problem).items():
+        if name in ("a", "prob"):
+            a = jax_sds((m,) + a.shape[1:], a.dtype)
+        elif name == "sfa":
+            a = jax_sds((1, m // 128) + a.shape[2:], a.dtype)
+        out[name] = a
+    return out
+
+
+def jax_sds(shape, dtype):
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def default_variants(shape_names=tuple(SHAPES)):
