@@ -14,6 +14,15 @@ program -- identical calls would be merged by XLA -- host-timed to block_until_r
 sets, CUDA events); median over rounds, spread = (max - min) / median.
 TFLOP/s = 2 * valid_m * N * K / t.
 Writes results.json, table.md and plot.png to --out; RESULTS.md is appended on the CPU machine.
+
+    python benchmarks/bench_grouped_gemm.py --mxfp8 --out DIR     # MXFP8 inputs (e4m3 + e8m0 per 32, mxbench_*)
+
+MXFP8 mode: the same fc1 / fc2 / small shapes with A, B quantized from N(0,1) data per 32-wide K block
+(cudnn_moe_jax.formats.to_block_scaled on the GPU: realistic, non-uniform scales); ours with bf16 D (+ C for
+SwiGLU, + amax) and with FP8 D (D, D_col, SFD_row, SFD_col, norm_const), the one-FFMA promotion path disabled
+(`nofast`, fc1), and fc1 once more on B operands whose scales are equal across N per K block (`uniformB`: the
+fast path's best case). Peers on the same FP8 bytes: torch._scaled_grouped_mm with per-row scales (GEMM only)
+and jax.lax.ragged_dot on fp8 data (no block scales) + the jnp epilogue.
 """
 
 from __future__ import annotations
@@ -253,12 +262,127 @@ def write(results, device, out: Path):
         print(f"no plot: {e}")
 
 
+MX_SHAPES = {"fc1": [2048] * 8, "fc2": [2048] * 8, "small": [256] * 64}
+MX_SETS = ITERS  # distinct A operands (XLA merges identical calls); B is shared
+
+
+def run_mxfp8(args):
+    """MXFP8 benchmark rows (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    from cudnn_moe_jax import formats
+
+    how = harness.register()
+    man = harness.manifest()
+    dev = jax.devices("gpu")[0]
+    print(f"device: {dev.device_kind}; runtime: {how}", flush=True)
+    quant = jax.jit(lambda x: formats.to_block_scaled(x, formats.E4M3))
+    results = []
+    for shape_name in args.shapes.split(","):
+        if shape_name not in MX_SHAPES:
+            continue
+        names = sorted(k for k in man["mxfp8_bench"] if k.startswith(f"mxbench_{shape_name}_"))
+        if not names:
+            continue
+        p = man["mxfp8_bench"][names[0]]["problem"]
+        m, n, k, L = p["m"], p["n"], p["k"], p["num_groups"]
+        sizes = MX_SHAPES[shape_name]
+        offsets = jnp.asarray(np.cumsum(sizes).astype(np.int32))
+        valid_m = int(np.sum(sizes))
+        flops = 2.0 * valid_m * n * k
+        key = jax.random.PRNGKey(0)
+        b_codes, sfb = quant(jax.random.normal(jax.random.fold_in(key, 1), (L, n, k), jnp.float32) / np.sqrt(k))
+        nkb = -(-k // 32)
+        # B scales equal across N within each K block, varying along K (the kernel's one-FFMA promotion case)
+        s_uni = jnp.broadcast_to((118 + jnp.arange(nkb) % 3).astype(jnp.uint8), (L, n, nkb))
+        sfb_uni = formats.pack_sf(s_uni)
+        alpha = jnp.ones((L,), jnp.float32)
+        prob = jax.random.uniform(jax.random.fold_in(key, 2), (m,), jnp.float32)
+        nc = jnp.ones((1,), jnp.float32)
+        a_sets = [quant(jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32))
+                  for i in range(MX_SETS)]
+        jax.block_until_ready(a_sets)
+        row = {"shape": shape_name, "valid_m": valid_m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {}}
+        runners = {}
+        for name in names:
+            epi = man["mxfp8_bench"][name]["problem"]["epilogue"]
+            f = jax.jit(harness.load(name).call)
+            tail = (nc,) if epi["generate_sfd"] else ()
+            label = name.split("_", 2)[2]
+            runners[f"ours[{label}]"] = _jax_runner(
+                f, [(a, b_codes, sa, sfb, offsets, alpha, prob) + tail for a, sa in a_sets])
+            if label == "bf16d" and shape_name == "fc1":
+                runners["ours[bf16d,uniformB]"] = _jax_runner(
+                    f, [(a, b_codes, sa, sfb_uni, offsets, alpha, prob) for a, sa in a_sets])
+
+        def ragged(a, b, offsets, alpha, prob, _p=p):
+            gs = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offsets]))
+            acc = jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), gs, preferred_element_type=jnp.float32)
+            return jnp_epilogue(_p, acc, offsets, alpha, prob)
+
+        try:
+            rf = jax.jit(ragged)
+            jax.block_until_ready(rf(a_sets[0][0], b_codes, offsets, alpha, prob))
+            runners["ragged_dot(fp8)+jnp"] = _jax_runner(rf, [(a, b_codes, offsets, alpha, prob) for a, _ in a_sets])
+        except Exception as e:  # noqa: BLE001
+            row["ragged_dot_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        try:
+            import torch
+
+            ta = [torch.randn(valid_m, k, device="cuda").to(torch.float8_e4m3fn) for _ in range(3)]
+            tb = torch.randn(L, n, k, device="cuda").to(torch.float8_e4m3fn)
+            sa_t = torch.ones(valid_m, device="cuda", dtype=torch.float32)
+            sb_t = torch.ones(L, n, device="cuda", dtype=torch.float32)
+            offs_t = torch.tensor(np.cumsum(sizes).astype(np.int32), device="cuda")
+            tsets = [(x, tb.transpose(-2, -1), sa_t, sb_t, offs_t) for x in ta]
+            runners["torch._scaled_grouped_mm(fp8,rowwise)"] = _torch_runner(
+                lambda a, b, sa, sb, o: torch._scaled_grouped_mm(a, b, sa, sb, offs=o, out_dtype=torch.bfloat16),
+                tsets)
+        except Exception as e:  # noqa: BLE001
+            row["torch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for key_, (t, lo, hi) in time_interleaved(runners, row).items():
+            row["ms"][key_] = t * 1e3
+            row["tflops"][key_] = flops / t / 1e12
+            print(f"{shape_name:7s} {key_:40s} {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s "
+                  f"(spread {100.0 * (hi - lo) / t:4.1f}%)", flush=True)
+        if "ours[bf16d]" in row["ms"] and "ours[fp8d]" in row["ms"]:
+            row["fp8d_over_bf16d_pct"] = 100.0 * (row["ms"]["ours[fp8d]"] / row["ms"]["ours[bf16d]"] - 1.0)
+        results.append(row)
+        del a_sets, runners
+    return results, str(dev.device_kind)
+
+
+def write_mxfp8(results, device, out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mxfp8_results.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+    impls = []
+    for r in results:
+        impls += [k for k in r["tflops"] if k not in impls]
+    lines = ["| shape | valid_m x N x K (groups) | " + " | ".join(impls) + " | FP8-D cost |",
+             "|---|---|" + "---|" * len(impls) + "---|"]
+    for r in results:
+        cells = [f"{r['tflops'][k]:.0f}" if k in r["tflops"] else "-" for k in impls]
+        cost = f"{r['fp8d_over_bf16d_pct']:+.1f}%" if "fp8d_over_bf16d_pct" in r else "-"
+        lines.append(f"| {r['shape']} | {r['valid_m']}x{r['n']}x{r['k']} ({r['groups']}) | " + " | ".join(cells)
+                     + f" | {cost} |")
+    errs = [f"{r['shape']}: {k}={r[k]}" for r in results for k in ("torch_error", "ragged_dot_error") if k in r]
+    lines += ["", "TFLOP/s (2*valid_m*N*K / median time), MXFP8 e4m3 inputs. " + "; ".join(errs)]
+    (out / "mxfp8_table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--configs", default="", help="comma-separated subset of the compiled configs")
+    ap.add_argument("--mxfp8", action="store_true", help="MXFP8 inputs (mxbench_* artifacts)")
     args = ap.parse_args(argv)
+    if args.mxfp8:
+        results, device = run_mxfp8(args)
+        write_mxfp8(results, device, Path(args.out))
+        return
     results, device = run(args)
     write(results, device, Path(args.out))
 

@@ -1,4 +1,5 @@
-"""Run one kernel a few times for `ncu` (GPU machine): ours (an exported bench artifact) or torch._grouped_mm.
+"""Run one kernel a few times for `ncu` (GPU machine): ours (an exported bench artifact), mx (an MXFP8 bench
+artifact) or torch._grouped_mm.
 
     ncu --clock-control none --kernel-name regex:GroupedGemmSm90 --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight python3 benchmarks/profile_one.py ours bench_fc1_t256c21
@@ -19,7 +20,26 @@ SHAPES = {"fc1": (16384, 4096, 7168, 8), "fc2": (16384, 7168, 2048, 8), "small":
 
 if __name__ == "__main__":
     kind, what = sys.argv[1], sys.argv[2]
-    if kind == "ours":
+    if kind == "mx":  # an MXFP8 benchmark artifact (mxbench_*), operands quantized from N(0,1) per 32
+        import jax
+        import jax.numpy as jnp
+
+        from cudnn_moe_jax import formats
+
+        harness.register()
+        p = harness.manifest()["mxfp8_bench"][what]["problem"]
+        m, n, k, L = p["m"], p["n"], p["k"], p["num_groups"]
+        f = jax.jit(harness.load(what).call)
+        a, sfa = formats.to_block_scaled(jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32), formats.E4M3)
+        b, sfb = formats.to_block_scaled(jax.random.normal(jax.random.PRNGKey(1), (L, n, k), jnp.float32),
+                                         formats.E4M3)
+        args = (a, b, sfa, sfb, jnp.asarray(np.arange(1, L + 1) * (m // L), jnp.int32), jnp.ones((L,), jnp.float32),
+                jnp.ones((m,), jnp.float32))
+        if p["epilogue"]["generate_sfd"]:
+            args += (jnp.ones((1,), jnp.float32),)
+        for _ in range(4):
+            jax.block_until_ready(f(*args))
+    elif kind == "ours":
         import jax
         import jax.numpy as jnp
 

@@ -2,18 +2,23 @@
 
 Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
   warpgroup 0, warp 0   `producer`: TMA loads of A (128 x 64) and B[g] (tile_n x 64, multicast to the cluster)
-                        into an `ab_stages`-deep mbarrier pipeline;
-  warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n), then `epilogue`:
+                        into an `ab_stages`-deep mbarrier pipeline (MXFP8: 128 x 128 B of fp8 + the SF atoms);
+  warpgroup 0, warp 1   `decoder` (MXFP8 only): e8m0 bytes of each stage -> fp32 scales in smem (mainloop_mxfp8);
+  warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n; MXFP8: per 32-K block
+                        into partial accumulators, promoted with the scales), then `epilogue`:
                         fused math per 32-column subtile -> swizzled smem -> TMA store (the first consumer warp
                         issues the stores; `epi_stages` buffers keep stores in flight under the next subtile).
+                        FP8 D: row/column quantization of each subtile, e8m0 bytes stored from registers
+                        (kernels/quantize.py); the SF outputs are zeroed by a small kernel launched first.
 The schedule (which tile, which expert) is `kernels.scheduler.GroupedTileScheduler`, run independently by every
 role. Rows past `valid_m` are written as zeros by the epilogue ("zero tiles"): XLA outputs are uninitialised.
 amax, when requested, is zeroed by a one-block kernel launched just before the GEMM in the same call, then merged
 with per-warp `atomicMax` on the bit patterns of |D| (exact, so deterministic).
 
 Launcher argument order (what `cutlass.jax.cutlass_call` passes: the stream first, then inputs, then outputs):
-  stream, a (m, K), b (L, N, K), padded_offsets (L,) i32, alpha (L,) f32, [prob (m,) f32], [bias (L, N)],
-  [c (m, N)], d (m, N_out), [amax (L, 1) f32]
+  stream, a (m, K), b (L, N, K), [sfa (1, m/128, Kb, 32, 4, 4) u8, sfb (L, cdiv(N,128), Kb, 32, 4, 4) u8],
+  padded_offsets (L,) i32, alpha (L,) f32, [prob (m,) f32], [bias (L, N)], [norm_const (1,) f32],
+  [c (m, N)], d (m, N_out), [d_col (m, N_out)], [amax (L, 1) f32], [sfd_row, sfd_col u8]
 (bracketed tensors present iff the problem has them). `m` is dynamic: one module serves every m % 256 == 0.
 """
 
@@ -230,7 +235,7 @@ class GroupedGemmSm90:
                 sf_flags: cute.struct.MemRange[Int32, self.ab_stages]
                 sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * mx.SF_ATOM_BYTES * self.ab_stages], 1024]
                 sDecA: cute.struct.Align[cute.struct.MemRange[Float32, mx.DEC_FLOATS * self.ab_stages], 16]
-                sDecB: cute.struct.Align[cute.struct.MemRange[Float32, mx.DEC_FLOATS * self.ab_stages], 16]
+                sDecB: cute.struct.Align[cute.struct.MemRange[Float32, mx.DEC_B_FLOATS * self.ab_stages], 16]
             if const_expr(self.quant_d):
                 col_max: cute.struct.Align[cute.struct.MemRange[Int32, EPI_N * 8], 16]
 
@@ -349,15 +354,14 @@ class GroupedGemmSm90:
         sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         sSF = sFlags = sDecA = sDecB = None
         if const_expr(self.block_scaled):
-            # raw SF atoms: (128, 4, operand, stage) uint8; decoded: A (4 kb, 128 rows), B (128 cols, 4 kb) f32
+            # raw SF atoms: (128, 4, operand, stage) uint8; decoded f32: A (4 kb, 128 rows), B (mainloop_mxfp8)
             sSF = storage.sSF.get_tensor(cute.make_layout(
                 (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE, 2, self.ab_stages),
                 stride=(1, mx.SF_ATOM_ROWS, mx.SF_ATOM_BYTES, 2 * mx.SF_ATOM_BYTES)))
             sFlags = storage.sf_flags.get_tensor(cute.make_layout(self.ab_stages))
             sDecA = storage.sDecA.get_tensor(cute.make_layout(
                 (mx.KB_PER_STAGE, mx.SF_ATOM_ROWS, self.ab_stages), stride=(1, mx.KB_PER_STAGE, mx.DEC_FLOATS)))
-            sDecB = storage.sDecB.get_tensor(cute.make_layout(
-                (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE, self.ab_stages), stride=(1, mx.SF_ATOM_ROWS, mx.DEC_FLOATS)))
+            sDecB = storage.sDecB.get_tensor(cute.make_layout(mx.DEC_B_FLOATS * self.ab_stages))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -501,14 +505,14 @@ class GroupedGemmSm90:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        P0 = P1 = sDecB2 = row0 = quad = None
+        P0 = P1 = sDecB4 = row0 = quad = None
         if const_expr(self.block_scaled):
-            # partial accumulators of the per-32 K blocks (see mainloop_mxfp8); B scales read as column pairs
+            # partial accumulators of the per-32 K blocks (see mainloop_mxfp8); B scales read 4 columns at a time
             P0 = cute.make_rmem_tensor(acc.shape, Float32)
             P1 = cute.make_rmem_tensor(acc.shape, Float32)
-            sDecB2 = cute.make_tensor(sDecB.iterator, cute.make_layout(
-                (2, mx.SF_ATOM_ROWS // 2, mx.KB_PER_STAGE, self.ab_stages),
-                stride=(1, 2, mx.SF_ATOM_ROWS, mx.DEC_FLOATS)))
+            sDecB4 = cute.make_tensor(sDecB.iterator, cute.make_layout(
+                (4, 8, 4, mx.KB_PER_STAGE, self.ab_stages),
+                stride=(1, 4, mx.DEC_B_QUAD, mx.DEC_B_KB, mx.DEC_B_FLOATS)))
             lane = cute.arch.lane_idx()
             row0 = 64 * wg + 16 * (warp_idx % 4) + lane // 4  # accumulator rows row0, row0 + 8 of this thread
             quad = lane % 4
@@ -599,7 +603,7 @@ class GroupedGemmSm90:
             if const_expr(self.block_scaled):
                 read_state, release_state = self.mainloop.mma_tile(
                     ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, acc, P0, P1, tCrA, tCrB,
-                    sDecA, sDecB2, sFlags, row0, quad, k_count
+                    sDecA, sDecB4, sFlags, row0, quad, k_count
                 )
             else:
                 read_state, release_state = self.mainloop.mma_tile(

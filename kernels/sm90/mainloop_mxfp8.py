@@ -36,7 +36,17 @@ SF_VEC = 32
 KB_PER_STAGE = TILE_K // SF_VEC
 SF_ATOM_ROWS = 128  # one 512-byte SF atom: 128 rows x 4 k-blocks
 SF_ATOM_BYTES = 512
-DEC_FLOATS = SF_ATOM_ROWS * KB_PER_STAGE  # decoded fp32 scales per operand per stage
+DEC_FLOATS = SF_ATOM_ROWS * KB_PER_STAGE  # decoded fp32 A scales per stage: (4 kb, 128 rows)
+# decoded B scales per K block: the 32 columns of accumulator quad q (c = 2q + v0 + 8j) contiguous (one 16-byte load
+# = columns of j, j+1), quads 36 floats apart so that the 4 quads' loads hit different banks
+DEC_B_QUAD = 36
+DEC_B_KB = 4 * DEC_B_QUAD
+DEC_B_FLOATS = KB_PER_STAGE * DEC_B_KB
+
+
+def dec_b_pos(c: int) -> int:
+    """Position of tile column c (0..127) in one K block's decoded B scales."""
+    return ((c % 8) // 2) * DEC_B_QUAD + (c // 8) * 2 + c % 2
 
 
 def ab_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
@@ -46,7 +56,7 @@ def ab_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
 
 def smem_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
     """Shared memory per stage: TMA bytes + decoded fp32 scales (A and B) + flag word + 2 mbarriers."""
-    return ab_stage_bytes(ab_dtype, tile_m, tile_n) + 2 * DEC_FLOATS * 4 + 4 + 2 * 8
+    return ab_stage_bytes(ab_dtype, tile_m, tile_n) + (DEC_FLOATS + DEC_B_FLOATS) * 4 + 4 + 2 * 8
 
 
 def sf_view(sf: cute.Tensor) -> cute.Tensor:
@@ -133,8 +143,9 @@ class Mxfp8Mainloop:
 
         sRaw32: (4 words, 32 lanes, 2 operands, stages) Int32 view of the raw atoms -- lane l's 16 bytes are
         rows (A) / columns (B) l + 32 i, i = 0..3, each word holding k-blocks 0..3 (§2.3 atom layout);
-        sDecA: (4 kb, 128 rows, stages) f32; sDecB: (128 cols, 4 kb, stages) f32; sFlags: (stages,) Int32,
-        bit j set when all 128 B scales of k-block j are equal.
+        sDecA: (4 kb, 128 rows, stages) f32; sDecB: flat f32, stage s / block j / column c at
+        s * DEC_B_FLOATS + j * DEC_B_KB + dec_b_pos(c); sFlags: (stages,) Int32, bit j set when all 128 B scales of
+        k-block j are equal.
         """
         wa = sRaw32[(None, lane, 0, idx)].load()
         wb = sRaw32[(None, lane, 1, idx)].load()
@@ -148,8 +159,10 @@ class Mxfp8Mainloop:
                 if const_expr(j >= self.last_kbs):
                     keep = keep_tail
                 rowA[j] = (_e8m0_f32_bits((wa[i] >> (8 * j)) & Int32(0xFF)) & keep).bitcast(Float32)
-                sDecB[(lane + 32 * i, j, idx)] = (_e8m0_f32_bits((wb[i] >> (8 * j)) & Int32(0xFF))
-                                                  & keep).bitcast(Float32)
+                # column c = lane + 32 i -> dec_b_pos(c) = ((lane % 8) // 2) * 36 + (lane // 8 + 4 i) * 2 + lane % 2
+                pos = ((lane % 8) // 2) * DEC_B_QUAD + (lane // 8) * 2 + lane % 2 + 8 * i
+                sDecB[idx * DEC_B_FLOATS + j * DEC_B_KB + pos] = (
+                    _e8m0_f32_bits((wb[i] >> (8 * j)) & Int32(0xFF)) & keep).bitcast(Float32)
             sDecA[(None, lane + 32 * i, idx)].store(rowA.load())
         for j in cutlass.range_constexpr(KB_PER_STAGE):
             diff = ((wb[0] ^ b0) | (wb[1] ^ b0) | (wb[2] ^ b0) | (wb[3] ^ b0)) & Int32(0xFF << (8 * j))
@@ -165,30 +178,32 @@ class Mxfp8Mainloop:
         cute.arch.mbarrier_wait(dec_mbar + state.index, state.phase)
 
     @cute.jit
-    def promote(self, acc: cute.Tensor, P: cute.Tensor, sa0: Float32, sa1: Float32, sDecB2: cute.Tensor,
+    def promote(self, acc: cute.Tensor, P: cute.Tensor, sa0: Float32, sa1: Float32, sDecB4: cute.Tensor,
                 idx: Int32, kb: cutlass.Constexpr, quad: Int32, uniform: Int32):
         """acc += P * sfa[row] * sfb[col, kb] (exact scale products; one rounding per element).
 
         acc/P: the (2, 2, 16) accumulator fragment (flat i = v0 + 2*v1 + 4*j: row + 8*v1, col 2*quad + v0 + 8*j);
-        sDecB2: (2, 64, 4, stages) f32 view of the decoded B scales (column pairs).
+        sDecB4: (4, 8, 4 quads, 4 kb, stages) f32 view of the decoded B scales: [(e, t, quad, kb, s)] = column
+        2*quad + e % 2 + 8*(2t + e // 2) (see dec_b_pos).
         """
         if const_expr(self.fast_path) and uniform != Int32(0):
-            sb = sDecB2[(0, 0, kb, idx)]
+            sb = sDecB4[(0, 0, 0, kb, idx)]  # column 0: all columns are equal
             s0 = sa0 * sb
             s1 = sa1 * sb
             for i in cutlass.range_constexpr(cute.size(acc)):
                 acc[i] = acc[i] + P[i] * (s0 if (i // 2) % 2 == 0 else s1)
         else:
-            for j in cutlass.range_constexpr(cute.size(acc) // 4):
-                sb = sDecB2[(None, quad + 4 * j, kb, idx)].load()
-                for v1 in cutlass.range_constexpr(2):
-                    sa = sa0 if v1 == 0 else sa1
-                    for v0 in cutlass.range_constexpr(2):
+            for t in cutlass.range_constexpr(cute.size(acc) // 8):
+                sb = sDecB4[(None, t, quad, kb, idx)].load()
+                for e in cutlass.range_constexpr(4):
+                    j = 2 * t + e // 2
+                    v0 = e % 2
+                    for v1 in cutlass.range_constexpr(2):
                         i = v0 + 2 * v1 + 4 * j
-                        acc[i] = acc[i] + P[i] * (sa * sb[v0])
+                        acc[i] = acc[i] + P[i] * ((sa0 if v1 == 0 else sa1) * sb[e])
 
     @cute.jit
-    def mma_stage(self, ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB2,
+    def mma_stage(self, ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB4,
                   sFlags, row0: Int32, quad: Int32, prefetch_next: cutlass.Constexpr):
         """One stage: its kb 0 wgmma (into P0) is already in flight. With `prefetch_next`, the next stage's kb 0
         wgmma is issued (into P0) before this stage's last block is promoted."""
@@ -214,12 +229,12 @@ class Mxfp8Mainloop:
                 warpgroup.wait_group(1)
             else:
                 warpgroup.wait_group(0)
-            self.promote(acc, Pc, sa_r0[kb], sa_r1[kb], sDecB2, idx, kb, quad, (flags >> kb) & Int32(1))
+            self.promote(acc, Pc, sa_r0[kb], sa_r1[kb], sDecB4, idx, kb, quad, (flags >> kb) & Int32(1))
 
     @cute.jit
     def mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma: cute.TiledMma,
                  acc: cute.Tensor, P0: cute.Tensor, P1: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-                 sDecA: cute.Tensor, sDecB2: cute.Tensor, sFlags: cute.Tensor, row0: Int32, quad: Int32,
+                 sDecA: cute.Tensor, sDecB4: cute.Tensor, sFlags: cute.Tensor, row0: Int32, quad: Int32,
                  k_count: Int32):
         """acc = promoted sum over k_count stages (zeros when k_count == 0). One wgmma per 32-wide K block into
         P0/P1 alternately; block kb+1 (also across stages) is issued before kb is promoted."""
@@ -232,12 +247,12 @@ class Mxfp8Mainloop:
                       tCrB[(None, None, 0, read_state.index)], P0)
             warpgroup.commit_group()
             for _s in cutlass.range(k_count - 1, unroll=1):
-                self.mma_stage(ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB2,
+                self.mma_stage(ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB4,
                                sFlags, row0, quad, True)
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
                 read_state.advance()
-            self.mma_stage(ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB2,
+            self.mma_stage(ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB4,
                            sFlags, row0, quad, False)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()

@@ -1,9 +1,11 @@
 """CPU side of the GPU tests/benchmarks: compile every case for sm_90a and `jax.export` it to .out/kgpu/.
 
-    python tests/gpu/build_artifacts.py [--only tests|bench] [--out DIR]
+    python tests/gpu/build_artifacts.py [--only tests|bench|mxfp8|mxfp8_bench] [--out DIR]
 
 Test cases are exported with a symbolic `m` (one module per variant, run at several m); benchmark cases with
-their concrete shapes and each candidate Config. Writes `<name>.jaxexp` + `manifest.json`.
+their concrete shapes and each candidate Config. Writes `<name>.jaxexp` + `manifest.json` (sections: tests, bench
+= bf16/fp16 kernels; mxfp8, mxfp8_bench = block-scaled FP8 inputs, tests/gpu/test_mxfp8_gpu.py and the
+`--mxfp8` benchmark).
 """
 
 from __future__ import annotations
@@ -43,6 +45,43 @@ BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>] [p: epi_p
 }
 
 
+E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
+MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None)
+    "fc1_bf16d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True), None),
+    "fc1_fp8d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
+    "fc1_bf16d_nofast": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
+                         Config(tile_n=128, cluster_m=2, scale_fast_path=False)),
+    "fc2_bf16d": ("fc2", Epilogue(d_dtype="bfloat16", compute_amax=True), None),
+    "fc2_fp8d": ("fc2", Epilogue(d_dtype=E4M3, generate_sfd=True), None),
+    "small_bf16d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
+                    None),
+    "small_fp8d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
+}
+
+
+def mxfp8_cases():
+    """(name, problem, config) of the MXFP8 GPU tests: the default MXFP8 variants plus odd shapes and configs."""
+    def mk(op, epi, n=512, k=256, L=4, ab=E4M3):
+        return GroupedGemmProblem(op=op, m=2048, n=n, k=k, num_groups=L, ab_dtype=ab, sf_dtype=E8M0,
+                                  sf_vec_size=32, epilogue=epi)
+
+    fp8d = dict(generate_sfd=True)
+    cases = [(f"mx{i}_{_name(p)}" + ("_seg" if p.epilogue.discrete_col_sfd else ""), p, None)
+             for i, p in enumerate(variants.problems(TEST_SHAPE, ab_dtypes=(), mxfp8=True))]
+    return cases + [
+        ("mxedge_k208_n384_quant_fp8d", mk("quant", Epilogue(d_dtype=E4M3, has_bias=True, bias_dtype="bfloat16",
+                                                             **fp8d), n=384, k=208), None),
+        ("mxedge_n320_swiglu_fp8d_seg", mk("glu", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3,
+                                                           discrete_col_sfd=True, **fp8d), n=320), None),
+        ("mxedge_l1_geglu_e5m2", mk("glu", Epilogue(act="geglu", c_dtype=E5M2, d_dtype=E5M2, **fp8d), L=1,
+                                    ab=E5M2), None),
+        ("mxcfg_c11_nofast_l16_quant", mk("quant", Epilogue(d_dtype="bfloat16", compute_amax=True), L=16),
+         Config(tile_n=128, cluster_m=1, scale_fast_path=False)),
+        ("mxcfg_c22_swiglu_fp8d", mk("glu", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, **fp8d),
+                                     n=1024), Config(tile_n=128, cluster_m=2, cluster_n=2)),
+    ]
+
+
 def edge_cases():
     """(name, problem, config) beyond the default variants: odd K/N, one/many groups, other configs."""
     bf = "bfloat16"
@@ -80,7 +119,7 @@ def edge_cases():
     ]
 
 
-SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", None: "none"}
+SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", None: "none", E4M3: "e4m3", E5M2: "e5m2"}
 
 
 def _name(p: GroupedGemmProblem) -> str:
@@ -99,8 +138,7 @@ def export(problem, config, symbolic_m: bool):
     named = variants.input_avals(problem)
     if symbolic_m:
         (m,) = jax.export.symbolic_shape("m")
-        named = {k: jax.ShapeDtypeStruct((m,) + a.shape[1:], a.dtype) if k in ("a", "prob") else a
-                 for k, a in named.items()}
+        named = variants.symbolic_avals(problem, m)
     avals = list(named.values())
     return jax.export.export(jax.jit(call), platforms=["cuda"],
                              disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*avals)
@@ -108,16 +146,18 @@ def export(problem, config, symbolic_m: bool):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=("tests", "bench"), default=None)
+    ap.add_argument("--only", choices=("tests", "bench", "mxfp8", "mxfp8_bench"), default=None)
     ap.add_argument("--out", default=str(REPO / ".out" / "kgpu"))
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     man_path = out / "manifest.json"
-    man = json.loads(man_path.read_text()) if man_path.is_file() else {"tests": {}, "bench": {}}
+    man = json.loads(man_path.read_text()) if man_path.is_file() else {}
+    for key in ("tests", "bench", "mxfp8", "mxfp8_bench"):
+        man.setdefault(key, {})
     todo = []
     if args.only in (None, "tests"):
-        for p in variants.problems(TEST_SHAPE):
+        for p in variants.problems(TEST_SHAPE, mxfp8=False):
             todo.append(("tests", "var_" + _name(p), p, None, True))
         for name, p, cfg in edge_cases():
             todo.append(("tests", name, p, cfg, True))
@@ -128,6 +168,15 @@ def main(argv=None) -> int:
             p = GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=L, ab_dtype="bfloat16", epilogue=epi)
             for cfg_name, cfg in BENCH_CONFIGS.items():
                 todo.append(("bench", f"bench_{shape_name}_{cfg_name}", p, cfg, False))
+    if args.only in (None, "mxfp8"):
+        for name, p, cfg in mxfp8_cases():
+            todo.append(("mxfp8", name, p, cfg, True))
+    if args.only in (None, "mxfp8_bench"):
+        for name, (shape_name, epi, cfg) in MXFP8_BENCH.items():
+            m, n, k, L, op, _ = BENCH_SHAPES[shape_name]
+            p = GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=L, ab_dtype=E4M3, sf_dtype=E8M0,
+                                   sf_vec_size=32, epilogue=epi)
+            todo.append(("mxfp8_bench", f"mxbench_{name}", p, cfg, False))
     failed = 0
     for kind, name, p, cfg, sym in todo:
         t0 = time.perf_counter()

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, benchmark, compute-sanitizer subset. Writes logs/results to $OUT.
-#   run (carry .runtime .out/kgpu):  bash tests/gpu/run_device.sh [tests|bench|sanitize ...]
+#   run (carry .runtime .out/kgpu):  bash tests/gpu/run_device.sh [tests|bench|ncu|sanitize ...]
+#   MXFP8:  bash tests/gpu/run_device.sh mxtests mxbench mxncu mxsanitize
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/kgpu_out}; mkdir -p "$OUT"
 steps=${*:-tests bench ncu sanitize}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
+skip=
 for s in $steps; do
+  if [ -n "$skip" ] && [ "$s" != mxsanitize ]; then echo "$s skipped ($skip)"; continue; fi
   case $s in
     tests)
       timeout -s KILL 220 python3 -m pytest tests/gpu -q -rf -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
@@ -24,6 +27,29 @@ for s in $steps; do
           python3 benchmarks/profile_one.py $1 $2 > "$OUT/ncu_$1_$2.log" 2>&1
         echo "ncu $1 $2 rc=$?"; grep -E "^  [a-zA-Z_]|Duration|Throughput|SM Frequency|Hit Rate|Grid Size|Cluster Size|Block Limit|Waves" "$OUT/ncu_$1_$2.log" | cut -c1-150 | head -24
       done ;;
+    mxtests)  # MXFP8 kernels vs the float64 oracle (one line per test: a killed run still tells)
+      timeout -s KILL ${MXTESTS_TIMEOUT:-100} python3 -m pytest tests/gpu/test_mxfp8_gpu.py -v -s -rf --tb=line \
+        -p no:cacheprovider > "$OUT/mxfp8_tests.log" 2>&1
+      echo "mxtests rc=$?"; grep -cE " PASSED" "$OUT/mxfp8_tests.log"; grep -E "FAILED|worst|passed|failed" \
+        "$OUT/mxfp8_tests.log" | cut -c1-400 | tail -25
+      # nothing passed (a hang or a crash of every case): the timing steps would only burn device time
+      grep -q " PASSED" "$OUT/mxfp8_tests.log" || skip="no MXFP8 test passed" ;;
+    mxbench)
+      timeout -s KILL ${MXBENCH_TIMEOUT:-90} python3 benchmarks/bench_grouped_gemm.py --mxfp8 --out "$OUT/bench" \
+        > "$OUT/mxfp8_bench.log" 2>&1
+      echo "mxbench rc=$?"; grep -vE "^\s*$" "$OUT/mxfp8_bench.log" | cut -c1-300 | tail -40 ;;
+    mxncu)  # where the time goes: pipe utilisation and warp stalls of the MXFP8 fc1 kernel
+      timeout -s KILL ${MXNCU_TIMEOUT:-45} ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" \
+        --launch-skip 2 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --section InstructionStats python3 benchmarks/profile_one.py mx mxbench_fc1_bf16d \
+        > "$OUT/ncu_mx_fc1.log" 2>&1
+      echo "mxncu rc=$?"; grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible" \
+        "$OUT/ncu_mx_fc1.log" | cut -c1-140 | head -40 ;;
+    mxsanitize)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${MXSAN_TIMEOUT:-50} compute-sanitizer --tool memcheck \
+        --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tests/gpu/sanitize_mxfp8.py \
+        > "$OUT/mxfp8_memcheck.log" 2>&1
+      echo "mxsanitize rc=$?"; grep -E "ERROR SUMMARY|OK|Error|error" "$OUT/mxfp8_memcheck.log" | tail -6 ;;
     sanitize)
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
       for tool in memcheck racecheck; do
