@@ -220,6 +220,9 @@ class GroupedGemmSm90:
         @cute.struct
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            if const_expr(self.block_scaled):
+                dec_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
+                sf_flags: cute.struct.MemRange[Int32, self.ab_stages]
             ends: cute.struct.MemRange[Int32, self.num_groups]
             valid: cute.struct.MemRange[Int32, 4]
             prob: cute.struct.MemRange[Float32, self.tile_m]
@@ -231,8 +234,6 @@ class GroupedGemmSm90:
             if const_expr(self.recipe.has_c):
                 sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_layout)], 1024]
             if const_expr(self.block_scaled):
-                dec_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
-                sf_flags: cute.struct.MemRange[Int32, self.ab_stages]
                 sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * mx.SF_ATOM_BYTES * self.ab_stages], 1024]
                 sDecA: cute.struct.Align[cute.struct.MemRange[Float32, mx.DEC_FLOATS * self.ab_stages], 16]
                 sDecB: cute.struct.Align[cute.struct.MemRange[Float32, mx.DEC_B_FLOATS * self.ab_stages], 16]
@@ -240,6 +241,7 @@ class GroupedGemmSm90:
                 col_max: cute.struct.Align[cute.struct.MemRange[Int32, EPI_N * 8], 16]
 
         self.shared_storage = SharedStorage
+        self._check_smem(SharedStorage.size_in_bytes())
 
         if const_expr(self.recipe.compute_amax):
             self.zero_amax_kernel(t["amax"]).launch(grid=[1, 1, 1], block=[1024, 1, 1], stream=stream)
@@ -267,6 +269,12 @@ class GroupedGemmSm90:
         )
 
     __call__ = launch
+
+    def _check_smem(self, size: int) -> None:
+        """Trace time: refuse a layout that could not launch (the stage count comes from an estimate)."""
+        if size > SMEM_CAPACITY:
+            raise NotImplementedError(f"shared memory {size} B > {SMEM_CAPACITY} B ({self.ab_stages} A/B stages, "
+                                      f"{self.epi_stages} epilogue buffers)")
 
     @cute.kernel
     def zero_amax_kernel(self, mAmax: cute.Tensor):
