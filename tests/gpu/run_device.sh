@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/kgpu_out}; mkdir -p "$OUT"
 steps=${*:-tests bench ncu sanitize}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
-python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
+[ -n "${SKIP_INFO:-}" ] || python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
 skip=
 for s in $steps; do
   if [ -n "$skip" ] && [ "$s" != mxsanitize ]; then echo "$s skipped ($skip)"; continue; fi
@@ -38,13 +38,15 @@ for s in $steps; do
       timeout -s KILL ${MXBENCH_TIMEOUT:-90} python3 benchmarks/bench_grouped_gemm.py --mxfp8 --out "$OUT/bench" \
         > "$OUT/mxfp8_bench.log" 2>&1
       echo "mxbench rc=$?"; grep -vE "^\s*$" "$OUT/mxfp8_bench.log" | cut -c1-300 | tail -40 ;;
-    mxncu)  # where the time goes: pipe utilisation and warp stalls of the MXFP8 fc1 kernel
-      timeout -s KILL ${MXNCU_TIMEOUT:-45} ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" \
-        --launch-skip 2 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-        --section WarpStateStats --section InstructionStats python3 benchmarks/profile_one.py mx mxbench_fc1_bf16d \
-        > "$OUT/ncu_mx_fc1.log" 2>&1
-      echo "mxncu rc=$?"; grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible" \
-        "$OUT/ncu_mx_fc1.log" | cut -c1-140 | head -40 ;;
+    mxncu)  # where the time goes: pipe utilisation and warp stalls of an MXFP8 kernel. Own process group, killed
+            # whole at the deadline: a killed ncu otherwise leaves its profiled python holding the GPU.
+      setsid ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        python3 benchmarks/profile_one.py mx ${MXNCU_TARGET:-mxbench_fc1_bf16d} > "$OUT/ncu_mx.log" 2>&1 &
+      pid=$!; ( sleep ${MXNCU_TIMEOUT:-45}; kill -KILL -$pid 2>/dev/null ) & killer=$!
+      wait $pid; echo "mxncu rc=$?"; kill $killer 2>/dev/null
+      grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible|Active" \
+        "$OUT/ncu_mx.log" | cut -c1-140 | head -45 ;;
     mxsanitize)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${MXSAN_TIMEOUT:-50} compute-sanitizer --tool memcheck \
         --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tests/gpu/sanitize_mxfp8.py \
