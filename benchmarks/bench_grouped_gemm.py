@@ -19,8 +19,8 @@ Writes results.json, table.md and plot.png to --out; RESULTS.md is appended on t
 
 MXFP8 mode: the same fc1 / fc2 / small shapes with A, B quantized from N(0,1) data per 32-wide K block
 (cudnn_moe_jax.formats.to_block_scaled on the GPU: realistic, non-uniform scales); ours with bf16 D (+ C for
-SwiGLU, + amax) and with FP8 D (D, D_col, SFD_row, SFD_col, norm_const), the one-FFMA promotion path disabled
-(`nofast`, fc1), and fc1 once more on B operands whose scales are equal across N per K block (`uniformB`: the
+SwiGLU, + amax) and with FP8 D (D, D_col, SFD_row, SFD_col, norm_const), with the one-FFMA promotion path on
+(`fast`, fc1), and fc1 once more on B operands whose scales are equal across N per K block (`uniformB`: the
 fast path's best case). Peers on the same FP8 bytes: torch._scaled_grouped_mm with per-row scales (GEMM only)
 and jax.lax.ragged_dot on fp8 data (no block scales) + the jnp epilogue.
 """
@@ -312,8 +312,8 @@ def run_mxfp8(args):
             label = name.split("_", 2)[2]
             runners[f"ours[{label}]"] = _jax_runner(
                 f, [(a, b_codes, sa, sfb, offsets, alpha, prob) + tail for a, sa in a_sets])
-            if label == "bf16d" and shape_name == "fc1":
-                runners["ours[bf16d,uniformB]"] = _jax_runner(
+            if label.startswith("bf16d") and shape_name == "fc1":
+                runners[f"ours[{label},uniformB]"] = _jax_runner(
                     f, [(a, b_codes, sa, sfb_uni, offsets, alpha, prob) for a, sa in a_sets])
 
         def ragged(a, b, offsets, alpha, prob, _p=p):

@@ -150,11 +150,11 @@ def test_other_configs_compile(cfg):
 E4M3, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
 
 
-@pytest.mark.parametrize("cfg", [sm90_config.Config(tile_n=128, cluster_m=1, scale_fast_path=False),
+@pytest.mark.parametrize("cfg", [sm90_config.Config(tile_n=128, cluster_m=1, scale_fast_path=True),
                                  sm90_config.Config(tile_n=128, cluster_m=2, cluster_n=2)],
-                         ids=["mxfp8-1x1-nofast", "mxfp8-2x2"])
+                         ids=["mxfp8-1x1-fast", "mxfp8-2x2"])
 def test_other_mxfp8_configs_compile(cfg):
-    """MXFP8 with the other schedules (no multicast / A and B multicast, general promotion only); K = 200: a
+    """MXFP8 with the other schedules (no multicast + the uniform-scale promotion path / A and B multicast); K = 208: a
     partial last stage (K blocks past K get scale 0) and a half-filled last K block."""
     problem = GroupedGemmProblem(op="glu", m=2048, n=384, k=208, num_groups=4, ab_dtype=E4M3, sf_dtype=E8M0,
                                  sf_vec_size=32, epilogue=Epilogue(act="swiglu", c_dtype="bfloat16",

@@ -70,7 +70,7 @@ def sf_view(sf: cute.Tensor) -> cute.Tensor:
 class Mxfp8Mainloop:
     """Producer / decoder / consumer k-loops of one output tile (128 x 128) with per-32 e8m0 scales."""
 
-    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, fast_path: bool = True):
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, fast_path: bool = False):
         if tile_m != 128 or tile_n != 128:
             raise NotImplementedError("the MXFP8 mainloop runs 128 x 128 tiles (two 64 x 128 warpgroups)")
         self.ab_dtype = ab_dtype

@@ -49,8 +49,8 @@ E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
 MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None)
     "fc1_bf16d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True), None),
     "fc1_fp8d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
-    "fc1_bf16d_nofast": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
-                         Config(tile_n=128, cluster_m=2, scale_fast_path=False)),
+    "fc1_bf16d_fast": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
+                       Config(tile_n=128, cluster_m=2, scale_fast_path=True)),
     "fc2_bf16d": ("fc2", Epilogue(d_dtype="bfloat16", compute_amax=True), None),
     "fc2_fp8d": ("fc2", Epilogue(d_dtype=E4M3, generate_sfd=True), None),
     "small_bf16d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
@@ -75,8 +75,8 @@ def mxfp8_cases():
                                                            discrete_col_sfd=True, **fp8d), n=320), None),
         ("mxedge_l1_geglu_e5m2", mk("glu", Epilogue(act="geglu", c_dtype=E5M2, d_dtype=E5M2, **fp8d), L=1,
                                     ab=E5M2), None),
-        ("mxcfg_c11_nofast_l16_quant", mk("quant", Epilogue(d_dtype="bfloat16", compute_amax=True), L=16),
-         Config(tile_n=128, cluster_m=1, scale_fast_path=False)),
+        ("mxcfg_c11_fast_l16_quant", mk("quant", Epilogue(d_dtype="bfloat16", compute_amax=True), L=16),
+         Config(tile_n=128, cluster_m=1, scale_fast_path=True)),
         ("mxcfg_c22_swiglu_fp8d", mk("glu", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, **fp8d),
                                      n=1024), Config(tile_n=128, cluster_m=2, cluster_n=2)),
     ]
