@@ -165,6 +165,35 @@ def test_other_mxfp8_configs_compile(cfg):
         _check_sass(sass_of(module, tool), True)
 
 
+def test_public_mxfp8_op_lowers_to_the_kernel():
+    """The public op's argument order (a, b, sfa, sfb, offsets, alpha, [prob], [bias], [norm_const]) reaches the
+    MXFP8 kernel's launcher: CUDA lowering through cudnn_moe_jax._runtime, no reference fallback."""
+    cutlass = _cutlass_sm90()  # noqa: F841
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    import cudnn_moe_jax as cmj
+    from cudnn_moe_jax import formats
+
+    m, n, k, L = 512, 256, 128, 2
+    a, sfa = formats.to_block_scaled(jnp.ones((m, k)), formats.E4M3)
+    b, sfb = formats.to_block_scaled(jnp.ones((L, n, k)), formats.E4M3)
+
+    def f(a, b, sfa, sfb, offsets, prob, nc):
+        r = cmj.grouped_gemm_glu(a, b, sfa, sfb, offsets, prob_tensor=prob, norm_const_tensor=nc, sf_vec_size=32,
+                                 d_dtype=E4M3, discrete_col_sfd=True)
+        return r.c_tensor, r.d_tensor, r.d_col_tensor, r.sfd_row_tensor, r.sfd_col_tensor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to the reference warns
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=cmj.export_disabled_checks())(
+            a, b, sfa, sfb, jnp.asarray([256, 512], jnp.int32), jnp.ones((m,), jnp.float32),
+            jnp.ones((1,), jnp.float32))
+    assert "CuteDSLRT_NvJaxCutlassCall" in exp.mlir_module()
+
+
 def test_supports_reasons():
     ok = GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16")
     assert sm90_config.supports(ok) is None

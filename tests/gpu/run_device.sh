@@ -35,7 +35,7 @@ for s in $steps; do
       # nothing passed (a hang or a crash of every case): the timing steps would only burn device time
       grep -q " PASSED" "$OUT/mxfp8_tests.log" || skip="no MXFP8 test passed" ;;
     mxbench)
-      timeout -s KILL ${MXBENCH_TIMEOUT:-90} python3 benchmarks/bench_grouped_gemm.py --mxfp8 --out "$OUT/bench" \
+      timeout -s KILL ${MXBENCH_TIMEOUT:-150} python3 benchmarks/bench_grouped_gemm.py --mxfp8 --out "$OUT/bench" \
         > "$OUT/mxfp8_bench.log" 2>&1
       echo "mxbench rc=$?"; grep -vE "^\s*$" "$OUT/mxfp8_bench.log" | cut -c1-300 | tail -40 ;;
     mxncu)  # where the time goes: pipe utilisation and warp stalls of an MXFP8 kernel. Own process group, killed
@@ -43,8 +43,9 @@ for s in $steps; do
       setsid ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
         python3 benchmarks/profile_one.py mx ${MXNCU_TARGET:-mxbench_fc1_bf16d} > "$OUT/ncu_mx.log" 2>&1 &
-      pid=$!; ( sleep ${MXNCU_TIMEOUT:-45}; kill -KILL -$pid 2>/dev/null ) & killer=$!
+      pid=$!; ( sleep ${MXNCU_TIMEOUT:-100}; kill -KILL -$pid 2>/dev/null ) & killer=$!
       wait $pid; echo "mxncu rc=$?"; kill $killer 2>/dev/null
+      # ncu needed > 40 s to reach its first replay pass of the fc1 kernel (run 6); give it ~100 s
       grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible|Active" \
         "$OUT/ncu_mx.log" | cut -c1-140 | head -45 ;;
     mxsanitize)

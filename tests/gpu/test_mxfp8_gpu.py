@@ -2,7 +2,7 @@
 
 Inputs are real MXFP8 operands: fp32 data with per-32-block magnitudes 2^U(-20, 20) (plus all-zero blocks)
 quantized by the independent numpy quantizer (tests/np_formats.py: e8m0 RCEIL, vec 32) -- so the e8m0 scales of A
-and B span ~2^-30..2^10 across blocks -- or, for the "uniform_b" kind, B scales equal across N within each K block
+and B span ~2^-27..2^14 across blocks -- or, for the "uniform_b" kind, B scales equal across N within each K block
 (the kernel's one-FFMA promotion path), varying along K. e4m3 and e5m2 operands per artifact.
 
 The oracle dequantizes exactly in float64, runs the grouped GEMM and the fused epilogue of tests/gpu/harness.py
