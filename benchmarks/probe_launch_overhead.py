@@ -1,0 +1,54 @@
+"""Probe: is the back-to-back JAX gap (kernel ~192 us on ncu vs ~249 us per call in a jitted loop, `small`) XLA's
+command buffers (CUDA graphs re-recorded around our FFI custom call) or something else?
+
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/probe_launch_overhead.py [artifact]
+
+Times the exported artifact (tests/gpu/build_artifacts.py) 20 calls on 20 input sets inside one jit, median of 7,
+and prints per-call microseconds and TFLOP/s with the XLA_FLAGS it ran under. Compare two runs (flag on/off).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+import harness  # noqa: E402
+
+SIZES = {"small": [256] * 64, "fc2": [2048] * 8, "fc1": [2048] * 8}
+ITERS = 20
+
+
+def main(name: str = "bench_small_t256c21") -> None:
+    import jax
+    import jax.numpy as jnp
+
+    harness.register()
+    p = harness.manifest()["bench"][name]["problem"]
+    m, n, k, L = p["m"], p["n"], p["k"], p["num_groups"]
+    offsets = jnp.asarray(np.cumsum(SIZES[name.split("_")[1]]).astype(np.int32))
+    keys = jax.random.split(jax.random.PRNGKey(0), 3 * ITERS)
+    sets = [(jax.random.normal(keys[3 * i], (m, k)).astype(jnp.bfloat16),
+             (jax.random.normal(keys[3 * i + 1], (L, n, k)) / k ** 0.5).astype(jnp.bfloat16), offsets,
+             jnp.ones((L,), jnp.float32), jax.random.uniform(keys[3 * i + 2], (m,))) for i in range(ITERS)]
+    fn = harness.load(name).call
+    many = jax.jit(lambda *s: [fn(*s[i]) for i in range(ITERS)])
+    jax.block_until_ready(many(*sets))
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(*sets))
+        times.append((time.perf_counter() - t0) / ITERS)
+    t = statistics.median(times)
+    flops = 2.0 * int(offsets[-1]) * n * k
+    print(f"{name}: XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: {t * 1e6:.1f} us/call, "
+          f"{flops / t / 1e12:.0f} TFLOP/s (spread {100 * (max(times) - min(times)) / t:.0f}%)", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
