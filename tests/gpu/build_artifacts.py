@@ -23,7 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import Config, default_config, variants  # noqa: E402

@@ -42,6 +42,18 @@ def gpu_available() -> bool:
         return False
 
 
+def runtime_or_skip(section: str) -> str:
+    """For a GPU test module's fixture: skip without artifacts of `section` or without a GPU, else register."""
+    import pytest
+
+    if not (manifest() or {}).get(section):
+        pytest.skip(f"no {section!r} GPU test artifacts in {ART_DIR} (run tests/gpu/build_artifacts.py on a CPU "
+                    "machine)")
+    if not gpu_available():
+        pytest.skip("no GPU")
+    return register()
+
+
 def register() -> str:
     """Register the CuTe DSL runtime FFI handlers once (cudnn_moe_jax._runtime); returns the library path."""
     from cudnn_moe_jax import _runtime

@@ -28,20 +28,9 @@ CASES = sorted(MAN["tests"]) if MAN else []
 PATTERNS = [(p, 2048) for p in harness.PATTERNS] + [("uniform", 4096)]
 
 
-def _skip_reason():
-    if not MAN:
-        return f"no GPU test artifacts in {harness.ART_DIR} (run tests/gpu/build_artifacts.py on a CPU machine)"
-    if not harness.gpu_available():
-        return "no GPU"
-    return None
-
-
 @pytest.fixture(scope="module")
 def runtime():
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    return harness.register()
+    return harness.runtime_or_skip("tests")
 
 
 def make_inputs(problem: dict, m: int, offsets, seed: int):

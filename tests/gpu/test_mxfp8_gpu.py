@@ -55,20 +55,9 @@ RUNS = [("uniform", 2048, "adversarial"), ("uniform", 2048, "uniform_b"), ("empt
 STATS = {}  # name -> worst |err| / E seen (printed at the end of the session: how tight the bound is)
 
 
-def _skip_reason():
-    if not CASES:
-        return f"no MXFP8 GPU test artifacts in {harness.ART_DIR} (run tests/gpu/build_artifacts.py)"
-    if not harness.gpu_available():
-        return "no GPU"
-    return None
-
-
 @pytest.fixture(scope="module")
 def runtime():
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    return harness.register()
+    return harness.runtime_or_skip("mxfp8")
 
 
 # ------------------------------------------------------------------------------------------- inputs
