@@ -147,6 +147,9 @@ def test_bad_inputs_of_other_ops(data):
         cmj.grouped_gemm_glu(a, b, padded_offsets=o, glu_limit=-1.0)
     with pytest.raises(ValueError, match="tanh_clamp_scale"):
         cmj.grouped_gemm_srelu(a, b, padded_offsets=o, tanh_clamp_scale=0.0)
+    for op in (cmj.grouped_gemm_srelu, cmj.grouped_gemm_glu):    # C is always an output of these ops
+        with pytest.raises(TypeError, match="c_dtype"):
+            op(a, b, padded_offsets=o, c_dtype=None)
     with pytest.raises(ValueError, match="c_tensor"):
         cmj.grouped_gemm_dglu(a, b[:, :32], c_tensor=jnp.ones((M, 10), jnp.bfloat16),
                               padded_offsets=o)

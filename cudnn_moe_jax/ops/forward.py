@@ -54,7 +54,7 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
                                     padded_offsets, sf_vec_size)
     m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
     d_dtype = ck.out_dtype(d_dtype, "d_dtype", _D_DTYPES)
-    if c_dtype is not None:
+    if op != "quant":                      # srelu/glu always produce C (SEMANTICS §6): None is not "no C"
         c_dtype = ck.out_dtype(c_dtype, "c_dtype", _C_DTYPES)
     if act in ("swiglu", "geglu"):
         if n % 64:
