@@ -119,6 +119,9 @@ BAD_INPUTS = [
     ("acc_dtype", lambda d, mx: dict(acc_dtype=jnp.float16), ValueError, "acc_dtype"),
     ("m_aligned", lambda d, mx: dict(m_aligned=128), ValueError, "m_aligned"),
     ("stream", lambda d, mx: dict(stream=1), ValueError, "stream"),
+    ("unknown keyword", lambda d, mx: dict(c_dtype="bfloat16"), TypeError,
+     "unexpected keyword argument(s) ['c_dtype']"),
+    ("mma_tiler_mn not a pair", lambda d, mx: dict(mma_tiler_mn=128), ValueError, "mma_tiler_mn"),
     ("too many experts", lambda d, mx: dict(b_tensor=jnp.zeros((1025, 8, K), jnp.bfloat16),
                                             padded_offsets=jnp.zeros(1025, jnp.int32)), ValueError, "1024"),
     ("b and b_tensors", lambda d, mx: dict(b_tensors=[d["b"][0]] * L), ValueError, "exactly one"),
@@ -145,6 +148,8 @@ def test_bad_inputs_of_other_ops(data):
         cmj.grouped_gemm_glu(a, b[:, :96], padded_offsets=o)
     with pytest.raises(ValueError, match="glu_limit"):
         cmj.grouped_gemm_glu(a, b, padded_offsets=o, glu_limit=-1.0)
+    with pytest.raises(TypeError, match="glu_alpha"):
+        cmj.grouped_gemm_glu(a, b, padded_offsets=o, glu_alpha="two")
     with pytest.raises(ValueError, match="tanh_clamp_scale"):
         cmj.grouped_gemm_srelu(a, b, padded_offsets=o, tanh_clamp_scale=0.0)
     for op in (cmj.grouped_gemm_srelu, cmj.grouped_gemm_glu):    # C is always an output of these ops

@@ -192,8 +192,10 @@ def out_dtype(dtype, arg: str, allowed) -> str:
 
 
 def check_static_kwargs(acc_dtype=None, m_aligned=None, cd_major=None, vector_f32=None, stream=None,
-                        mma_tiler_mn=None, cluster_shape_mn=None):
+                        mma_tiler_mn=None, cluster_shape_mn=None, **unknown):
     """cuDNN wrapper keywords we accept for drop-in compatibility; anything but the supported value is an error."""
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)} (this op does not take them)")
     if acc_dtype is not None and dtype_name(acc_dtype, "acc_dtype") != "float32":
         raise ValueError("acc_dtype: only float32 accumulation is supported")
     if m_aligned is not None and m_aligned != M_ALIGN:
@@ -206,7 +208,8 @@ def check_static_kwargs(acc_dtype=None, m_aligned=None, cd_major=None, vector_f3
         raise ValueError("stream: XLA owns streams in JAX; do not pass one")
     config = None
     for value, arg in ((mma_tiler_mn, "mma_tiler_mn"), (cluster_shape_mn, "cluster_shape_mn")):
-        if value is not None and (len(tuple(value)) != 2 or not all(isinstance(v, int) and v > 0 for v in value)):
+        if value is not None and (not isinstance(value, (tuple, list)) or len(value) != 2
+                                  or not all(isinstance(v, int) and v > 0 for v in value)):
             raise ValueError(f"{arg} must be a pair of positive ints, got {value!r}")
     if mma_tiler_mn is not None or cluster_shape_mn is not None:
         config = (tuple(mma_tiler_mn) if mma_tiler_mn else None,
@@ -214,10 +217,17 @@ def check_static_kwargs(acc_dtype=None, m_aligned=None, cd_major=None, vector_f3
     return config
 
 
+def _static_float(value, arg: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{arg} must be a Python number (a static option), got {value!r}") from exc
+
+
 def positive_float(value, arg: str) -> Optional[float]:
     if value is None:
         return None
-    value = float(value)
+    value = _static_float(value, arg)
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{arg} must be a positive finite number, got {value}")
     return value
@@ -226,7 +236,7 @@ def positive_float(value, arg: str) -> Optional[float]:
 def finite_float(value, arg: str) -> Optional[float]:
     if value is None:
         return None
-    value = float(value)
+    value = _static_float(value, arg)
     if not math.isfinite(value):
         raise ValueError(f"{arg} must be finite, got {value}")
     return value
