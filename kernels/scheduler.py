@@ -28,7 +28,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32
 
 OFFSET_ALIGN = 256  # FIX_PAD_SIZE of cuDNN: group boundaries are multiples of 256 rows.
 
