@@ -127,6 +127,15 @@ BAD_INPUTS = [
     ("b and b_tensors", lambda d, mx: dict(b_tensors=[d["b"][0]] * L), ValueError, "exactly one"),
     ("b_tensors mixed shapes", lambda d, mx: dict(b_tensor=None, b_tensors=[d["b"][0], d["b"][1, :64]]),
      ValueError, "b_tensors"),
+    ("sfb_tensors for bf16", lambda d, mx: dict(b_tensor=None, b_tensors=list(d["b"]), sfb_tensors=list(mx["sfb"])),
+     TypeError, "sfb_tensors must be None"),
+    ("fp8 b_tensors without sfb_tensors", lambda d, mx: dict(a_tensor=mx["a"], b_tensor=None, b_tensors=list(mx["b"]),
+                                                             sfa_tensor=mx["sfa"]), TypeError, "sfb_tensors"),
+    ("sfb_tensors mixed SF dtypes", lambda d, mx: dict(
+        a_tensor=mx["a"], b_tensor=None, b_tensors=list(mx["b"]), sfa_tensor=mx["sfa"],
+        sfb_tensors=[mx["sfb"][0:1].view(jnp.float8_e8m0fnu), mx["sfb"][1:2].view(jnp.float8_e4m3fn),
+                     mx["sfb"][2:3]]), TypeError,
+     "share one scale-factor dtype"),
     ("fp4 as float4 dtype", lambda d, mx: dict(a_tensor=jnp.zeros((M, K), jnp.float4_e2m1fn)), TypeError,
      "uint8"),
 ]

@@ -137,9 +137,10 @@ def sf_bytes(x, expected_shape: tuple, arg: str, flat_ok_shape: Optional[tuple] 
     return jnp.reshape(x, expected_shape)
 
 
-def sf_dtype_of(sfa, sfb) -> Optional[str]:
+def sf_dtype_of(named) -> Optional[str]:
+    """The one SF dtype of `named` [(buffer, arg)], or None when all are uint8 bit patterns."""
     names = set()
-    for t, arg in ((sfa, "sfa_tensor"), (sfb, "sfb_tensor")):
+    for t, arg in named:
         name = array(t, arg).dtype.name
         if name not in SF_DTYPES + ("uint8",):
             raise TypeError(f"{arg}: dtype {name} is not a scale-factor dtype (float8_e8m0fnu, float8_e4m3fn or "
@@ -147,23 +148,28 @@ def sf_dtype_of(sfa, sfb) -> Optional[str]:
         if name != "uint8":
             names.add(name)
     if len(names) > 1:
-        raise TypeError(f"sfa_tensor and sfb_tensor must share one scale-factor dtype, got {sorted(names)}")
+        raise TypeError(f"{', '.join(arg for _, arg in named)} must share one scale-factor dtype, got "
+                        f"{sorted(names)}")
     return names.pop() if names else None
 
 
-def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sf_dtype_hint=None):
-    """Checks A3 (which data dtype goes with which SF dtype and vec size); returns (sf_dtype, vec) or (None, None)."""
+def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "sfb_tensor"):
+    """Checks A3 (which data dtype goes with which SF dtype and vec size); returns (sf_dtype, vec) or (None, None).
+
+    `sfb` is one buffer, or (discrete weights, `sfb_arg="sfb_tensors"`) a sequence of per-expert buffers.
+    """
+    sfbs = list(sfb) if sfb_arg == "sfb_tensors" and sfb is not None else None
     if ab_dtype in HALF_DTYPES:
-        for t, arg in ((sfa, "sfa_tensor"), (sfb, "sfb_tensor")):
+        for t, arg in ((sfa, "sfa_tensor"), (sfb, sfb_arg)):
             if t is not None:
                 raise TypeError(f"{arg} must be None for {ab_dtype} inputs (they carry no scale factors)")
         return None, None
     if sfa is None or sfb is None:
-        raise TypeError(f"sfa_tensor and sfb_tensor are required for block-scaled {ab_dtype} inputs")
-    sf_dtype = sf_dtype_of(sfa, sfb) or sf_dtype_hint
-    if sf_dtype is None:
-        # uint8 bit patterns carry no dtype: e8m0 unless vec 16 with an e4m3 hint.
-        sf_dtype = "float8_e8m0fnu"
+        raise TypeError(f"sfa_tensor and {sfb_arg} are required for block-scaled {ab_dtype} inputs")
+    named = [(sfa, "sfa_tensor")] + ([(t, f"{sfb_arg}[{i}]") for i, t in enumerate(sfbs)] if sfbs is not None
+                                     else [(sfb, sfb_arg)])
+    # uint8 bit patterns carry no dtype: e8m0.
+    sf_dtype = sf_dtype_of(named) or "float8_e8m0fnu"
     if ab_dtype in FP8_DTYPES:
         vec = 32 if sf_vec_size is None else sf_vec_size
         if vec != 32 or sf_dtype != "float8_e8m0fnu":
@@ -293,12 +299,10 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         raise ValueError(f"{b_arg}: N={n} must be a positive multiple of 8")
     offsets = int_vector(padded_offsets, num_groups, "padded_offsets")
 
-    sfb_given = sfb_tensors if discrete else sfb_tensor
     if discrete and sfb_tensors is not None and len(sfb_tensors) != num_groups:
         raise ValueError(f"sfb_tensors must hold one buffer per expert ({num_groups}), got {len(sfb_tensors)}")
-    sfb_first = (sfb_tensors[0] if sfb_tensors else None) if discrete else sfb_tensor
-    sf_dtype, vec = resolve_block_format(ab_dtype, sfa_tensor, sfb_first if sfb_given is not None else None,
-                                         sf_vec_size)
+    sf_dtype, vec = resolve_block_format(ab_dtype, sfa_tensor, sfb_tensors if discrete else sfb_tensor,
+                                         sf_vec_size, "sfb_tensors" if discrete else "sfb_tensor")
     sfa = sfb = None
     if sf_dtype is not None:
         sfa = sf_bytes(sfa_tensor, sf_shape(m, k, vec), "sfa_tensor")
