@@ -175,6 +175,10 @@ def test_bad_inputs_of_other_ops(data):
                                             norm_const_tensor=jnp.ones(1))
     with pytest.raises(ValueError, match="colwise"):
         cmj.grouped_gemm_glu_hadamard_quant(a, b, padded_offsets=o, rht_mode="colwise", rht_dtype="bfloat16")
+    with pytest.raises(ValueError, match="hadamard_tensor"):           # would be ignored without an RHT output
+        cmj.grouped_gemm_glu_hadamard_quant(a, b, padded_offsets=o, hadamard_tensor=jnp.eye(16))
+    with pytest.raises(ValueError, match="glu_limit"):                 # srelu has no GLU options
+        cmj.grouped_gemm_glu_hadamard_quant(a, b, padded_offsets=o, act_func="srelu", glu_limit=1.0)
     with pytest.raises(ValueError, match="wgrad_tensor"):
         cmj.grouped_gemm_wgrad(a.T, a.T, o, accumulate_on_output=True)
     with pytest.raises(ValueError, match="global_scale"):

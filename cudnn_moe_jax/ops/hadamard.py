@@ -35,6 +35,8 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
                                     padded_offsets, sf_vec_size)
     m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
     glu = act_func != "srelu"
+    if not glu and (glu_limit is not None or glu_alpha is not None):
+        raise ValueError("glu_limit / glu_alpha apply to act_func='swiglu' or 'geglu', not 'srelu'")
     if glu and n % 64:
         raise ValueError(f"b_tensor: N={n} must be a multiple of 64 for GLU (32-column gate/up blocks)")
     n_out = n // 2 if glu else n
@@ -44,8 +46,9 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
     d_dtype = ck.out_dtype(d_dtype, "d_dtype", ("bfloat16", _FP4))
     ck.check_choice(rht_mode, (None, "rowwise", "colwise"), "rht_mode")
     if rht_mode is None:
-        if rht_dtype is not None or rht_norm_const_tensor is not None:
-            raise ValueError("rht_dtype / rht_norm_const_tensor need rht_mode='rowwise' or 'colwise'")
+        if rht_dtype is not None or rht_norm_const_tensor is not None or hadamard_tensor is not None:
+            raise ValueError("rht_dtype / rht_norm_const_tensor / hadamard_tensor need rht_mode='rowwise' or "
+                             "'colwise'")
     else:
         rht_dtype = ck.out_dtype(rht_dtype or (_FP4 if rht_mode == "colwise" else "bfloat16"), "rht_dtype",
                                  ("bfloat16", _FP4))
