@@ -183,6 +183,8 @@ def test_bad_inputs_of_other_ops(data):
         cmj.grouped_gemm_wgrad(a.T, a.T, o, accumulate_on_output=True)
     with pytest.raises(ValueError, match="global_scale"):
         cmj.grouped_gemm_wgrad(a.T, a.T, o, global_scale_a=jnp.ones(L))
+    with pytest.raises(ValueError, match="wgrad_tensor dtype"):
+        cmj.grouped_gemm_wgrad(a.T, a.T, o, wgrad_tensor=jnp.zeros((L, K, K), jnp.int32), accumulate_on_output=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

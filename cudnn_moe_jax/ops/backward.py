@@ -165,10 +165,12 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
         existing = ck.array(wgrad_tensor, "wgrad_tensor")
         if tuple(existing.shape) != (num_groups, m, n):
             raise ValueError(f"wgrad_tensor must have shape ({num_groups}, {m}, {n}), got {tuple(existing.shape)}")
-        wgrad_dtype = existing.dtype.name
+        # The accumulated result keeps wgrad_tensor's dtype (wgrad_dtype is not used then).
+        wgrad_dtype = ck.out_dtype(existing.dtype.name, "wgrad_tensor dtype", ("bfloat16", "float16", "float32"))
     elif wgrad_tensor is not None:
         raise ValueError("wgrad_tensor is only read with accumulate_on_output=True")
-    wgrad_dtype = ck.out_dtype(wgrad_dtype, "wgrad_dtype", ("bfloat16", "float16", "float32"))
+    else:
+        wgrad_dtype = ck.out_dtype(wgrad_dtype, "wgrad_dtype", ("bfloat16", "float16", "float32"))
     problem = GroupedGemmProblem(op="wgrad", m=m, n=n, k=tokens, num_groups=num_groups, ab_dtype=ab_dtype,
                                  sf_dtype=sf_dtype, sf_vec_size=vec, wgrad_dtype=wgrad_dtype,
                                  has_global_scales=global_scale_a is not None, accumulate=bool(accumulate_on_output))
