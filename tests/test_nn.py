@@ -151,3 +151,13 @@ def test_framework_modules_train_step(framework):
     np.testing.assert_allclose(float(value), float(jnp.mean(direct.astype(jnp.float32) ** 2)), rtol=1e-5)
     assert len(leaves) >= 3 and all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in leaves)
     assert any(float(jnp.linalg.norm(g.astype(jnp.float32))) > 0 for g in leaves)
+
+
+def test_moe_mlp_rejects_bad_static_options():
+    x = jnp.zeros((256, 64), jnp.bfloat16)
+    w1, w2 = jnp.zeros((1, 128, 64), jnp.bfloat16), jnp.zeros((1, 64, 64), jnp.bfloat16)
+    prob, offsets = jnp.ones((256,)), jnp.array([256], jnp.int32)
+    with pytest.raises(ValueError, match="act='relu'"):
+        nn.moe_mlp(x, w1, w2, prob, None, offsets, "relu")
+    with pytest.raises(ValueError, match="glu_limit"):                 # would be silently ignored
+        nn.moe_mlp(x, w1[:, :64], w2, prob, None, offsets, "srelu", 1.0)

@@ -34,6 +34,10 @@ def moe_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act: str = "swiglu", glu_l
 
 
 def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
+    if act not in ("swiglu", "geglu", "srelu"):
+        raise ValueError(f"act={act!r} is not supported: allowed ('swiglu', 'geglu', 'srelu')")
+    if act == "srelu" and glu_limit is not None:
+        raise ValueError("glu_limit applies to act='swiglu' or 'geglu', not 'srelu'")
     dtype = x_perm.dtype
     if act == "srelu":
         fc1 = ops.grouped_gemm_srelu(x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
