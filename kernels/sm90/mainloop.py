@@ -16,7 +16,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 TILE_K = 64  # 4 x k16 wgmma per stage; 128 B of bf16 per row = one SW128 atom
 

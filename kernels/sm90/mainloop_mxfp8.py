@@ -29,7 +29,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 TILE_K = 128  # fp8: 128 B per row = one SW128 atom = 4 scale blocks
 SF_VEC = 32
