@@ -92,9 +92,16 @@ def reference_outputs(problem, input_names, *arrays):
     return outs
 
 
+@functools.lru_cache(maxsize=256)
+def _jitted(problem, input_names, config, kernels_enabled):
+    # One jitted callable per static signature (and kernel switch, read at lowering time): a fresh
+    # jax.jit(partial) per call would retrace and recompile every eager call (~0.5 s each on CPU, not ~1 ms).
+    del kernels_enabled
+    return jax.jit(functools.partial(grouped_gemm_p.bind, problem=problem, input_names=input_names, config=config))
+
+
 def _impl(*arrays, problem, input_names, config):
-    return jax.jit(functools.partial(grouped_gemm_p.bind, problem=problem, input_names=input_names,
-                                     config=config))(*arrays)
+    return _jitted(problem, input_names, config, _kernels_enabled)(*arrays)
 
 
 def _reference_lowering(ctx, *args, problem, input_names, config):

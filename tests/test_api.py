@@ -190,6 +190,17 @@ def test_bad_inputs_of_other_ops(data):
 # ---------------------------------------------------------------------------------------------------------------
 # Execution modes
 
+def test_eager_calls_reuse_one_compilation(data):
+    from cudnn_moe_jax import _primitive
+
+    args = dict(a_tensor=data["a"], b_tensor=data["b"], padded_offsets=data["offsets"], alpha_tensor=data["alpha"])
+    first = cmj.grouped_gemm_quant(**args, d_dtype="float16").d_tensor
+    misses = _primitive._jitted.cache_info().misses
+    second = cmj.grouped_gemm_quant(**args, d_dtype="float16").d_tensor
+    assert _primitive._jitted.cache_info().misses == misses       # same static call: no new jit (no recompile)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+
+
 def test_eager_jit_and_export_agree(data):
     def f(a, b, o, p, al):
         return cmj.grouped_gemm_srelu(a, b, padded_offsets=o, prob_tensor=p, alpha_tensor=al)
