@@ -16,7 +16,6 @@ FORWARD_OPS = ("quant", "srelu", "glu", "glu_hadamard_quant")
 BACKWARD_OPS = ("dglu", "dsrelu", "wgrad")
 OPS = FORWARD_OPS + BACKWARD_OPS
 
-BLOCK_SCALED_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 HALF_DTYPES = ("bfloat16", "float16")
 
