@@ -161,3 +161,9 @@ def test_moe_mlp_rejects_bad_static_options():
         nn.moe_mlp(x, w1, w2, prob, None, offsets, "relu")
     with pytest.raises(ValueError, match="glu_limit"):                 # would be silently ignored
         nn.moe_mlp(x, w1[:, :64], w2, prob, None, offsets, "srelu", 1.0)
+
+
+@pytest.mark.parametrize("name,package", [("FlaxMoE", "flax"), ("EquinoxMoE", "equinox")])
+def test_framework_module_class_is_created_once(name, package):
+    pytest.importorskip(package)
+    assert getattr(nn, name) is getattr(nn, name)       # isinstance checks and pytree treedefs rely on it

@@ -5,6 +5,7 @@ Imported lazily (`cudnn_moe_jax.nn.FlaxMoE`, `cudnn_moe_jax.nn.EquinoxMoE`) so n
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -24,6 +25,7 @@ def _init_weights(key, num_experts, hidden, intermediate, act, dtype, bias):
     return router, w1, w2, b1
 
 
+@functools.cache  # one class per process: `nn.X is nn.X`, isinstance and pytree treedefs agree
 def _flax_module():
     from flax import nnx
 
@@ -47,6 +49,7 @@ def _flax_module():
     return FlaxMoE
 
 
+@functools.cache
 def _equinox_module():
     import equinox as eqx
 
