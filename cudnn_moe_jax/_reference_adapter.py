@@ -39,7 +39,7 @@ def run(p: GroupedGemmProblem, x: dict) -> dict:
             **_gemm_inputs(x), bias=x.get("bias"), norm_const=x.get("norm_const"),
             rht_norm_const=x.get("rht_norm_const"), hadamard=x.get("hadamard"), act_func=e.act,
             c_dtype=e.c_dtype, rht=e.rht, rht_dtype=e.rht_dtype, glu_limit=e.glu_limit, glu_alpha=e.glu_alpha,
-            **quant_out, **_format(p))
+            tanh_clamp_scale=e.tanh_clamp_scale, **quant_out, **_format(p))
     backward = dict(c=x["c"], beta=x["beta"], norm_const=x.get("norm_const"), dbias_dtype=e.dbias_dtype,
                     discrete_col_sfd=e.discrete_col_sfd, **quant_out, **_format(p))
     if p.op == "dglu":

@@ -53,12 +53,17 @@ class OpResult:
         return self[key] if key in self._keys else default
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # slots not set yet (copy/pickle build the object without __init__)
+            raise AttributeError(name)
         if name in self._keys:
             return self._values[self._keys.index(name)]
         raise AttributeError(f"{name!r}; this result has {self._keys}")
 
     def __setattr__(self, name, value):
         raise AttributeError("OpResult is immutable")
+
+    def __reduce__(self):  # copy, deepcopy and pickle rebuild through __init__
+        return (OpResult, (self._keys, self._values))
 
     def __repr__(self) -> str:
         def describe(v):

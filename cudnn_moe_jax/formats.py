@@ -444,13 +444,15 @@ def dequantize(codes, s_logical, data_dtype, sf_dtype, vec):
 def to_block_scaled(x, data_dtype, sf_dtype=E8M0, vec=32):
     """x (R, K) -> (codes, sf (1, Rb, Kb, 32, 4, 4)); x (L, N, K) -> (codes, sf (L, Rb, Kb, 32, 4, 4)).
 
-    Standard MXFP8 / MXFP4 / NVFP4 input quantization (norm_const 1); sf is uint8 bit patterns.
+    Standard MXFP8 / MXFP4 / NVFP4 input quantization (norm_const 1). sf is uint8 e8m0 bit patterns for E8M0 (the
+    ops read uint8 scales as e8m0, SEMANTICS A2) and a float8_e4m3fn array for E4M3, so neither can be misread.
     """
     x = jnp.asarray(x, jnp.float32)
     if x.ndim not in (2, 3):
         raise ValueError(f"to_block_scaled: x must be (R, K) or (L, N, K), got shape {x.shape}")
     codes, s = quantize_rows(x, data_dtype, sf_dtype, vec)
-    return codes, pack_sf(s)
+    sf = pack_sf(s)
+    return codes, (lax.bitcast_convert_type(sf, jnp.float8_e4m3fn) if sf_dtype == E4M3 else sf)
 
 
 def from_block_scaled(codes, sf_physical, data_dtype, sf_dtype, vec):

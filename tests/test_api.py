@@ -49,6 +49,12 @@ def test_result_unpacks_indexes_and_crosses_jit(data):
     assert c.shape == (M, N) and d.shape == (M, N // 2) and amax.shape == (L, 1)
     with pytest.raises(KeyError):
         out["nope"]
+    import copy
+    import pickle
+
+    for clone in (copy.copy(out), copy.deepcopy(out), pickle.loads(pickle.dumps(out))):
+        assert clone.keys() == out.keys()
+        np.testing.assert_array_equal(np.asarray(clone.d_tensor, np.float32), np.asarray(d, np.float32))
     jitted = jax.jit(lambda a, b, o, p: cmj.grouped_gemm_glu(a, b, padded_offsets=o, prob_tensor=p))(
         data["a"], data["b"], data["offsets"], data["prob"])
     assert isinstance(jitted, cmj.OpResult) and jitted.keys() == out.keys()
@@ -263,3 +269,38 @@ def test_bad_offsets_have_the_sanitized_semantics(data, bad, sanitized):
         np.testing.assert_array_equal(g, np.asarray(want[key], np.float32))
     valid = sanitized[-1]
     assert not np.any(np.asarray(got.c_tensor, np.float32)[valid:])
+
+
+def test_hadamard_srelu_takes_tanh_clamp_scale(data):
+    a, b, o, p = data["a"], data["b"], data["offsets"], data["prob"]
+    plain = cmj.grouped_gemm_glu_hadamard_quant(a, b, padded_offsets=o, prob_tensor=p, act_func="srelu")
+    clamped = cmj.grouped_gemm_glu_hadamard_quant(a, b, padded_offsets=o, prob_tensor=p, act_func="srelu",
+                                                  tanh_clamp_scale=0.5)
+    want = cmj.grouped_gemm_srelu(a, b, padded_offsets=o, prob_tensor=p, tanh_clamp_scale=0.5).d_tensor
+    np.testing.assert_array_equal(np.asarray(clamped.d_tensor, np.float32), np.asarray(want, np.float32))
+    assert np.max(np.asarray(clamped.d_tensor, np.float32)) <= 0.25 * 1.01  # (s * tanh(.))^2 <= s^2, prob <= 1
+    assert np.max(np.asarray(plain.d_tensor, np.float32)) > 0.25
+    with pytest.raises(ValueError, match="tanh_clamp_scale"):
+        cmj.grouped_gemm_glu_hadamard_quant(a, b, padded_offsets=o, tanh_clamp_scale=0.5)
+
+
+def test_wgrad_dtype_conflict_with_accumulated_tensor(data):
+    a, o = data["a"], data["offsets"]
+    existing = jnp.ones((L, 64, 64), jnp.float32)
+    out = cmj.grouped_gemm_wgrad(a.T, a.T, o, wgrad_tensor=existing, accumulate_on_output=True)
+    assert out.wgrad_tensor.dtype == jnp.float32
+    with pytest.raises(ValueError, match="wgrad_dtype"):
+        cmj.grouped_gemm_wgrad(a.T, a.T, o, wgrad_tensor=existing, accumulate_on_output=True,
+                               wgrad_dtype="bfloat16")
+
+
+def test_uint8_scale_factors_mean_e8m0_and_e4m3_scales_arrive_typed():
+    x = jax.random.normal(jax.random.PRNGKey(9), (M, K))
+    w = jax.random.normal(jax.random.PRNGKey(10), (L, N, K))
+    a, sfa = formats.to_block_scaled(x, "float4_e2m1fn", "float8_e4m3fn", 16)
+    b, sfb = formats.to_block_scaled(w, "float4_e2m1fn", "float8_e4m3fn", 16)
+    assert sfa.dtype == jnp.float8_e4m3fn and sfb.dtype == jnp.float8_e4m3fn
+    out = cmj.grouped_gemm_quant(a, b, sfa, sfb, jnp.asarray(OFFSETS))  # sf_vec_size 16 inferred from e4m3
+    assert bool(jnp.all(jnp.isfinite(out.d_tensor.astype(jnp.float32))))
+    with pytest.raises(TypeError, match="share one scale-factor dtype"):
+        cmj.grouped_gemm_quant(a, b, jax.lax.bitcast_convert_type(sfa, jnp.uint8), sfb, jnp.asarray(OFFSETS))

@@ -138,15 +138,15 @@ def sf_bytes(x, expected_shape: tuple, arg: str, flat_ok_shape: Optional[tuple] 
 
 
 def sf_dtype_of(named) -> Optional[str]:
-    """The one SF dtype of `named` [(buffer, arg)], or None when all are uint8 bit patterns."""
+    """The one SF dtype of `named` [(buffer, arg)]. uint8 buffers hold e8m0 bit patterns (SEMANTICS A2): e4m3
+    scales must arrive typed as float8_e4m3fn, so they can never be misread as exponents."""
     names = set()
     for t, arg in named:
         name = array(t, arg).dtype.name
         if name not in SF_DTYPES + ("uint8",):
             raise TypeError(f"{arg}: dtype {name} is not a scale-factor dtype (float8_e8m0fnu, float8_e4m3fn or "
-                            "uint8 bit patterns)")
-        if name != "uint8":
-            names.add(name)
+                            "uint8 e8m0 bit patterns)")
+        names.add("float8_e8m0fnu" if name == "uint8" else name)
     if len(names) > 1:
         raise TypeError(f"{', '.join(arg for _, arg in named)} must share one scale-factor dtype, got "
                         f"{sorted(names)}")

@@ -124,7 +124,7 @@ def grouped_gemm_dsrelu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None,
 
 def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_tensor=None,
                        global_scale_a=None, global_scale_b=None, wgrad_tensor=None, *,
-                       accumulate_on_output: bool = False, wgrad_dtype="bfloat16", sf_vec_size=None,
+                       accumulate_on_output: bool = False, wgrad_dtype=None, sf_vec_size=None,
                        **cudnn_static) -> OpResult:
     """Per-expert weight gradient: W[e] = gsa[e] * gsb[e] * A[:, T_e] @ B[:, T_e]^T.
 
@@ -165,12 +165,16 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
         existing = ck.array(wgrad_tensor, "wgrad_tensor")
         if tuple(existing.shape) != (num_groups, m, n):
             raise ValueError(f"wgrad_tensor must have shape ({num_groups}, {m}, {n}), got {tuple(existing.shape)}")
-        # The accumulated result keeps wgrad_tensor's dtype (wgrad_dtype is not used then).
-        wgrad_dtype = ck.out_dtype(existing.dtype.name, "wgrad_tensor dtype", ("bfloat16", "float16", "float32"))
+        # The accumulated result keeps wgrad_tensor's dtype.
+        existing_dtype = ck.out_dtype(existing.dtype.name, "wgrad_tensor dtype", ("bfloat16", "float16", "float32"))
+        if wgrad_dtype is not None and ck.dtype_name(wgrad_dtype, "wgrad_dtype") != existing_dtype:
+            raise ValueError(f"wgrad_dtype={wgrad_dtype!r} differs from wgrad_tensor's dtype {existing_dtype}: the "
+                             "accumulated gradient keeps wgrad_tensor's dtype")
+        wgrad_dtype = existing_dtype
     elif wgrad_tensor is not None:
         raise ValueError("wgrad_tensor is only read with accumulate_on_output=True")
     else:
-        wgrad_dtype = ck.out_dtype(wgrad_dtype, "wgrad_dtype", ("bfloat16", "float16", "float32"))
+        wgrad_dtype = ck.out_dtype(wgrad_dtype or "bfloat16", "wgrad_dtype", ("bfloat16", "float16", "float32"))
     problem = GroupedGemmProblem(op="wgrad", m=m, n=n, k=tokens, num_groups=num_groups, ab_dtype=ab_dtype,
                                  sf_dtype=sf_dtype, sf_vec_size=vec, wgrad_dtype=wgrad_dtype,
                                  has_global_scales=global_scale_a is not None, accumulate=bool(accumulate_on_output))

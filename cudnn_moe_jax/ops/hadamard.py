@@ -20,7 +20,7 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
                                     c_dtype="bfloat16", d_dtype="bfloat16", rht_mode: Optional[str] = None,
                                     rht_dtype=None, sf_vec_size=None, compute_amax=None,
                                     glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
-                                    **cudnn_static) -> OpResult:
+                                    tanh_clamp_scale: Optional[float] = None, **cudnn_static) -> OpResult:
     """FC1 grouped GEMM + act (swiglu | geglu | srelu) with bf16 or NVFP4 D and an optional Hadamard output.
 
     D = activation output: bf16 `(m, N_out)` or NVFP4 packed `(m, N_out/2)` uint8 + e4m3 `sfd_tensor` (vec 16,
@@ -37,6 +37,8 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
     glu = act_func != "srelu"
     if not glu and (glu_limit is not None or glu_alpha is not None):
         raise ValueError("glu_limit / glu_alpha apply to act_func='swiglu' or 'geglu', not 'srelu'")
+    if glu and tanh_clamp_scale is not None:
+        raise ValueError("tanh_clamp_scale applies to act_func='srelu' only")
     if glu and n % 64:
         raise ValueError(f"b_tensor: N={n} must be a multiple of 64 for GLU (32-column gate/up blocks)")
     n_out = n // 2 if glu else n
@@ -77,8 +79,9 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
     bias, bias_dtype = ck.bias_array(bias_tensor, num_groups, n)
     epilogue = Epilogue(act=act_func, has_bias=bias is not None, bias_dtype=bias_dtype,
                         has_prob=prob_tensor is not None, glu_limit=ck.positive_float(glu_limit, "glu_limit"),
-                        glu_alpha=ck.finite_float(glu_alpha, "glu_alpha"), c_dtype=c_dtype, d_dtype=d_dtype,
-                        compute_amax=bool(compute_amax), rht=rht_mode, rht_dtype=rht_dtype,
+                        glu_alpha=ck.finite_float(glu_alpha, "glu_alpha"),
+                        tanh_clamp_scale=ck.positive_float(tanh_clamp_scale, "tanh_clamp_scale"), c_dtype=c_dtype,
+                        d_dtype=d_dtype, compute_amax=bool(compute_amax), rht=rht_mode, rht_dtype=rht_dtype,
                         has_hadamard=hadamard is not None)
     problem = GroupedGemmProblem(op="glu_hadamard_quant", m=m, n=n, k=dims["k"], num_groups=num_groups,
                                  ab_dtype=dims["ab_dtype"], sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
