@@ -11,6 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+# Expert groups along M are padded to this many rows (cuDNN's m_aligned / FIX_PAD_SIZE, SEMANTICS §1.2): every
+# group end is a multiple of it, so no 128/256-row tile, SF row block or 32-row column-quant block spans two groups.
+GROUP_ALIGN = 256
+
 # Op names (the public op each problem comes from).
 FORWARD_OPS = ("quant", "srelu", "glu", "glu_hadamard_quant")
 BACKWARD_OPS = ("dglu", "dsrelu", "wgrad")

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from . import formats as F
+from ._problem import GROUP_ALIGN
 
 HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
-GROUP_ALIGN = 256     # m_aligned (SEMANTICS §1.2): group ends are multiples of this
 GLU_BLOCK = 32        # GLU pairing block width (A5): even 32-col blocks gate, odd blocks up
 COL_VEC = 32          # D_col quantization block (32 rows, §3.5)
 NVFP4_VEC = 16        # Hadamard op: NVFP4 outputs, vec 16, e4m3 scales (A9)

@@ -117,6 +117,7 @@ BAD_INPUTS = [
                                           sfb_tensor=mx["sfb"]), ValueError, "sfa_tensor"),
     ("sfb float32", lambda d, mx: dict(a_tensor=mx["a"], b_tensor=mx["b"], sfa_tensor=mx["sfa"],
                                        sfb_tensor=mx["sfb"].astype(jnp.float32)), TypeError, "sfb_tensor"),
+    ("sf_vec_size with bf16", lambda d, mx: dict(sf_vec_size=32), ValueError, "sf_vec_size"),
     ("fp8 D without norm_const", lambda d, mx: dict(d_dtype="float8_e4m3fn"), ValueError, "norm_const_tensor"),
     ("bad d_dtype", lambda d, mx: dict(d_dtype=jnp.int8), ValueError, "d_dtype"),
     ("fp4 D in quant", lambda d, mx: dict(d_dtype="float4_e2m1fn"), NotImplementedError, "d_dtype"),
@@ -161,6 +162,8 @@ def test_bad_inputs_of_other_ops(data):
         cmj.grouped_gemm_glu(a, b, padded_offsets=o, act_func="relu")
     with pytest.raises(ValueError, match="multiple of 64"):
         cmj.grouped_gemm_glu(a, b[:, :96], padded_offsets=o)
+    with pytest.raises(ValueError, match="b_tensors: N=96"):
+        cmj.grouped_gemm_glu(a, b_tensors=list(b[:, :96]), padded_offsets=o)
     with pytest.raises(ValueError, match="glu_limit"):
         cmj.grouped_gemm_glu(a, b, padded_offsets=o, glu_limit=-1.0)
     with pytest.raises(TypeError, match="glu_alpha"):

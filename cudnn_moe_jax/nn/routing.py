@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-GROUP_ALIGN = 256
+from .._problem import GROUP_ALIGN
 
 
 class Routing(NamedTuple):

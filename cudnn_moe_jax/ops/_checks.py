@@ -13,10 +13,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .._problem import FP8_DTYPES, HALF_DTYPES, sf_segment_bytes, sf_shape  # noqa: F401 (re-exported)
+from .._problem import FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, sf_segment_bytes, sf_shape  # noqa: F401 (re-exported)
 
 MAX_GROUPS = 1024
-M_ALIGN = 256
+M_ALIGN = GROUP_ALIGN
 SF_DTYPES = ("float8_e8m0fnu", "float8_e4m3fn")
 FLOAT_OUT_DTYPES = ("bfloat16", "float16", "float32")
 FP4 = "float4_e2m1fn"
@@ -163,6 +163,8 @@ def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "s
         for t, arg in ((sfa, "sfa_tensor"), (sfb, sfb_arg)):
             if t is not None:
                 raise TypeError(f"{arg} must be None for {ab_dtype} inputs (they carry no scale factors)")
+        if sf_vec_size is not None:
+            raise ValueError(f"sf_vec_size={sf_vec_size!r} only applies to block-scaled inputs, not {ab_dtype}")
         return None, None
     if sfa is None or sfb is None:
         raise TypeError(f"sfa_tensor and {sfb_arg} are required for block-scaled {ab_dtype} inputs")
@@ -313,7 +315,7 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
             sfb = sf_bytes(sfb_tensor, shape, "sfb_tensor")
     inputs = {"a": a, "b": b, "sfa": sfa, "sfb": sfb, "padded_offsets": offsets}
     dims = dict(m=m, n=n, k=k, num_groups=num_groups, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=vec,
-                discrete=discrete)
+                discrete=discrete, b_arg="b_tensors" if discrete else b_arg)
     return inputs, dims
 
 

@@ -28,7 +28,7 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
     m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
     glu = op == "dglu"
     if glu and n % 32:
-        raise ValueError(f"b_tensor: N={n} (= I, the GLU output width) must be a multiple of 32")
+        raise ValueError(f"{dims['b_arg']}: N={n} (= I, the GLU output width) must be a multiple of 32")
     c_width = 2 * n if glu else n
     c = ck.squeeze_unit(ck.array(c_tensor, "c_tensor"), 2, "c_tensor", f"({m}, {c_width})")
     if tuple(c.shape) != (m, c_width):

@@ -58,7 +58,7 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
         c_dtype = ck.out_dtype(c_dtype, "c_dtype", _C_DTYPES)
     if act in ("swiglu", "geglu"):
         if n % 64:
-            raise ValueError(f"b_tensor: N={n} must be a multiple of 64 for GLU (32-column gate/up blocks)")
+            raise ValueError(f"{dims['b_arg']}: N={n} must be a multiple of 64 for GLU (32-column gate/up blocks)")
     n_out = n // 2 if act in ("swiglu", "geglu") else n
     if d_dtype in FP8_DTYPES and n_out % 16:
         raise ValueError(f"d_dtype {d_dtype}: N_out={n_out} must be a multiple of 16 (16-byte rows)")

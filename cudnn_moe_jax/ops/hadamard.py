@@ -40,7 +40,7 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
     if glu and tanh_clamp_scale is not None:
         raise ValueError("tanh_clamp_scale applies to act_func='srelu' only")
     if glu and n % 64:
-        raise ValueError(f"b_tensor: N={n} must be a multiple of 64 for GLU (32-column gate/up blocks)")
+        raise ValueError(f"{dims['b_arg']}: N={n} must be a multiple of 64 for GLU (32-column gate/up blocks)")
     n_out = n // 2 if glu else n
     if n_out % 16:
         raise ValueError(f"N_out={n_out} must be a multiple of 16 (16-wide Hadamard blocks)")
