@@ -276,31 +276,26 @@ def np_pack_sf_segments(s, ends, vec):
     """
     s = np.asarray(s).view(np.uint8)
     R, NT = s.shape
-    Rp = np_cdiv(R, 128) * 128
-    buf = np.zeros(Rp * np_cdiv(NT, 4) * 4, np.uint8)
-    starts, ends = np_segment_bounds(ends)
-    for g in range(len(ends)):
-        T_g = int(ends[g] - starts[g])
-        nb = np_cdiv(T_g, vec)
-        if nb == 0:
-            continue
-        Kb_g = np_cdiv(nb, 4)
-        base = Rp * int(starts[g]) // vec
-        r, j = np.meshgrid(np.arange(R), np.arange(nb), indexing="ij")
-        off = (base + (r // 128) * Kb_g * 512 + (j // 4) * 512
-               + (r % 32) * 16 + ((r // 32) % 4) * 4 + j % 4)
-        buf[off] = s[r, int(starts[g]) // vec + j]
+    buf = np.zeros(np_cdiv(R, 128) * 128 * np_cdiv(NT, 4) * 4, np.uint8)
+    for r, col, off in _np_segment_places(R, ends, vec):
+        buf[off] = s[r, col]
     return buf
 
 
 def np_unpack_sf_segments(flat, rows, ends, total_tokens, vec):
     flat = np.asarray(flat).view(np.uint8).reshape(-1)
-    Rp = np_cdiv(rows, 128) * 128
     out = np.zeros((rows, np_cdiv(total_tokens, vec)), np.uint8)
+    for r, col, off in _np_segment_places(rows, ends, vec):
+        out[r, col] = flat[off]
+    return out
+
+
+def _np_segment_places(rows, ends, vec):
+    """Per non-empty group: (row, logical k-block column, byte offset) grids of its §2.6 segment."""
+    Rp = np_cdiv(rows, 128) * 128
     starts, ends = np_segment_bounds(ends)
     for g in range(len(ends)):
-        T_g = int(ends[g] - starts[g])
-        nb = np_cdiv(T_g, vec)
+        nb = np_cdiv(int(ends[g] - starts[g]), vec)
         if nb == 0:
             continue
         Kb_g = np_cdiv(nb, 4)
@@ -308,8 +303,7 @@ def np_unpack_sf_segments(flat, rows, ends, total_tokens, vec):
         r, j = np.meshgrid(np.arange(rows), np.arange(nb), indexing="ij")
         off = (base + (r // 128) * Kb_g * 512 + (j // 4) * 512
                + (r % 32) * 16 + ((r // 32) % 4) * 4 + j % 4)
-        out[r, int(starts[g]) // vec + j] = flat[off]
-    return out
+        yield r, int(starts[g]) // vec + j, off
 
 
 # ---------------------------------------------------------------------------------------------------------------------
