@@ -45,6 +45,41 @@ def output_quantization(d_dtype: str, norm_const_tensor, discrete_col_sfd: bool,
     return generate_sfd, norm_const, bool(compute_amax)
 
 
+GLU_ACTS = ("swiglu", "geglu")
+
+
+def output_width(act: Optional[str], dims: dict) -> int:
+    """N_out: half of N for GLU (whose N must pair 32-column gate/up blocks), N otherwise."""
+    if act not in GLU_ACTS:
+        return dims["n"]
+    if dims["n"] % 64:
+        raise ValueError(f"{dims['b_arg']}: N={dims['n']} must be a multiple of 64 for GLU (32-column gate/up "
+                         "blocks)")
+    return dims["n"] // 2
+
+
+def activation_options(act: Optional[str], glu_limit, glu_alpha, tanh_clamp_scale) -> dict:
+    """Validated activation options as Epilogue fields; an option the activation does not use is an error."""
+    if act not in GLU_ACTS and (glu_limit is not None or glu_alpha is not None):
+        raise ValueError(f"glu_limit / glu_alpha apply to act_func='swiglu' or 'geglu', not {act!r}")
+    if act != "srelu" and tanh_clamp_scale is not None:
+        raise ValueError(f"tanh_clamp_scale applies to act_func='srelu' only, not {act!r}")
+    return dict(glu_limit=ck.positive_float(glu_limit, "glu_limit"),
+                glu_alpha=ck.finite_float(glu_alpha, "glu_alpha"),
+                tanh_clamp_scale=ck.positive_float(tanh_clamp_scale, "tanh_clamp_scale"))
+
+
+def bind_forward(op: str, dims: dict, inputs: dict, epilogue: Epilogue, config, *, alpha_tensor, prob_tensor,
+                 sf_out_dtype: str, **extra_inputs) -> OpResult:
+    """Problem from the operand dims + epilogue, gating inputs (alpha default ones, prob optional), bind, wrap."""
+    problem = GroupedGemmProblem(op=op, m=dims["m"], n=dims["n"], k=dims["k"], num_groups=dims["num_groups"],
+                                 ab_dtype=dims["ab_dtype"], sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
+                                 discrete_weights=dims["discrete"], epilogue=epilogue)
+    inputs.update(alpha=ck.float_vector(alpha_tensor, dims["num_groups"], "alpha_tensor", default=1.0),
+                  prob=ck.float_vector(prob_tensor, dims["m"], "prob_tensor"), **extra_inputs)
+    return finish(problem, _primitive.bind(problem, inputs, config), sf_out_dtype)
+
+
 def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor,
              sfb_tensors, padded_offsets, alpha_tensor, prob_tensor, bias_tensor, norm_const_tensor, c_dtype,
              d_dtype, sf_vec_size, discrete_col_sfd, compute_amax, glu_limit=None, glu_alpha=None,
@@ -52,31 +87,21 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
     config = ck.check_static_kwargs(**(static_kwargs or {}))
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
                                     padded_offsets, sf_vec_size)
-    m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
     d_dtype = ck.out_dtype(d_dtype, "d_dtype", _D_DTYPES)
     if op != "quant":                      # srelu/glu always produce C (SEMANTICS §6): None is not "no C"
         c_dtype = ck.out_dtype(c_dtype, "c_dtype", _C_DTYPES)
-    if act in ("swiglu", "geglu"):
-        if n % 64:
-            raise ValueError(f"{dims['b_arg']}: N={n} must be a multiple of 64 for GLU (32-column gate/up blocks)")
-    n_out = n // 2 if act in ("swiglu", "geglu") else n
+    n_out = output_width(act, dims)
     if d_dtype in FP8_DTYPES and n_out % 16:
         raise ValueError(f"d_dtype {d_dtype}: N_out={n_out} must be a multiple of 16 (16-byte rows)")
     generate_sfd, norm_const, compute_amax = output_quantization(d_dtype, norm_const_tensor, discrete_col_sfd,
                                                                  compute_amax)
-    bias, bias_dtype = ck.bias_array(bias_tensor, num_groups, n)
-    epilogue = Epilogue(
-        act=act, has_bias=bias is not None, bias_dtype=bias_dtype, has_prob=prob_tensor is not None,
-        glu_limit=ck.positive_float(glu_limit, "glu_limit"), glu_alpha=ck.finite_float(glu_alpha, "glu_alpha"),
-        tanh_clamp_scale=ck.positive_float(tanh_clamp_scale, "tanh_clamp_scale"), c_dtype=c_dtype,
-        d_dtype=d_dtype, compute_amax=compute_amax, generate_sfd=generate_sfd,
-        discrete_col_sfd=bool(discrete_col_sfd))
-    problem = GroupedGemmProblem(op=op, m=m, n=n, k=dims["k"], num_groups=num_groups, ab_dtype=dims["ab_dtype"],
-                                 sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
-                                 discrete_weights=dims["discrete"], epilogue=epilogue)
-    inputs.update(alpha=ck.float_vector(alpha_tensor, num_groups, "alpha_tensor", default=1.0),
-                  prob=ck.float_vector(prob_tensor, m, "prob_tensor"), bias=bias, norm_const=norm_const)
-    return finish(problem, _primitive.bind(problem, inputs, config), "float8_e8m0fnu")
+    bias, bias_dtype = ck.bias_array(bias_tensor, dims["num_groups"], dims["n"])
+    epilogue = Epilogue(act=act, has_bias=bias is not None, bias_dtype=bias_dtype, has_prob=prob_tensor is not None,
+                        c_dtype=c_dtype, d_dtype=d_dtype, compute_amax=compute_amax, generate_sfd=generate_sfd,
+                        discrete_col_sfd=bool(discrete_col_sfd),
+                        **activation_options(act, glu_limit, glu_alpha, tanh_clamp_scale))
+    return bind_forward(op, dims, inputs, epilogue, config, alpha_tensor=alpha_tensor, prob_tensor=prob_tensor,
+                        sf_out_dtype="float8_e8m0fnu", bias=bias, norm_const=norm_const)
 
 
 def grouped_gemm_quant(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, padded_offsets=None,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import _primitive
-from .._problem import Epilogue, GroupedGemmProblem
+from .._problem import Epilogue
 from .._results import OpResult
 from . import _checks as ck
-from .forward import finish
+from .forward import activation_options, bind_forward, output_width
 
 _FP4 = ck.FP4
 
@@ -33,15 +32,8 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
     ck.check_choice(act_func, ("swiglu", "geglu", "srelu"), "act_func")
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
                                     padded_offsets, sf_vec_size)
-    m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
-    glu = act_func != "srelu"
-    if not glu and (glu_limit is not None or glu_alpha is not None):
-        raise ValueError("glu_limit / glu_alpha apply to act_func='swiglu' or 'geglu', not 'srelu'")
-    if glu and tanh_clamp_scale is not None:
-        raise ValueError("tanh_clamp_scale applies to act_func='srelu' only")
-    if glu and n % 64:
-        raise ValueError(f"{dims['b_arg']}: N={n} must be a multiple of 64 for GLU (32-column gate/up blocks)")
-    n_out = n // 2 if glu else n
+    act_options = activation_options(act_func, glu_limit, glu_alpha, tanh_clamp_scale)
+    n_out = output_width(act_func, dims)
     if n_out % 16:
         raise ValueError(f"N_out={n_out} must be a multiple of 16 (16-wide Hadamard blocks)")
     c_dtype = ck.out_dtype(c_dtype, "c_dtype", ("bfloat16", "float16", "float32"))
@@ -76,17 +68,11 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
         hadamard = hadamard.astype("float32")
     if compute_amax is None:
         compute_amax = d_dtype == "bfloat16"
-    bias, bias_dtype = ck.bias_array(bias_tensor, num_groups, n)
+    bias, bias_dtype = ck.bias_array(bias_tensor, dims["num_groups"], dims["n"])
     epilogue = Epilogue(act=act_func, has_bias=bias is not None, bias_dtype=bias_dtype,
-                        has_prob=prob_tensor is not None, glu_limit=ck.positive_float(glu_limit, "glu_limit"),
-                        glu_alpha=ck.finite_float(glu_alpha, "glu_alpha"),
-                        tanh_clamp_scale=ck.positive_float(tanh_clamp_scale, "tanh_clamp_scale"), c_dtype=c_dtype,
-                        d_dtype=d_dtype, compute_amax=bool(compute_amax), rht=rht_mode, rht_dtype=rht_dtype,
-                        has_hadamard=hadamard is not None)
-    problem = GroupedGemmProblem(op="glu_hadamard_quant", m=m, n=n, k=dims["k"], num_groups=num_groups,
-                                 ab_dtype=dims["ab_dtype"], sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
-                                 discrete_weights=dims["discrete"], epilogue=epilogue)
-    inputs.update(alpha=ck.float_vector(alpha_tensor, num_groups, "alpha_tensor", default=1.0),
-                  prob=ck.float_vector(prob_tensor, m, "prob_tensor"), bias=bias, norm_const=norm_const,
-                  rht_norm_const=rht_norm_const, hadamard=hadamard)
-    return finish(problem, _primitive.bind(problem, inputs, config), "float8_e4m3fn")
+                        has_prob=prob_tensor is not None, c_dtype=c_dtype, d_dtype=d_dtype,
+                        compute_amax=bool(compute_amax), rht=rht_mode, rht_dtype=rht_dtype,
+                        has_hadamard=hadamard is not None, **act_options)
+    return bind_forward("glu_hadamard_quant", dims, inputs, epilogue, config, alpha_tensor=alpha_tensor,
+                        prob_tensor=prob_tensor, sf_out_dtype="float8_e4m3fn", bias=bias, norm_const=norm_const,
+                        rht_norm_const=rht_norm_const, hadamard=hadamard)
