@@ -24,7 +24,8 @@ SIZES = {"small": [256] * 64, "fc2": [2048] * 8, "fc1": [2048] * 8}
 ITERS = 20
 
 
-def main(name: str = "bench_small_t256c21") -> None:
+def setup(name: str):
+    """(jitted program of ITERS calls, its input sets, FLOP per call) for exported artifact `name`."""
     import jax
     import jax.numpy as jnp
 
@@ -39,13 +40,19 @@ def main(name: str = "bench_small_t256c21") -> None:
     fn = harness.load(name).call
     many = jax.jit(lambda *s: [fn(*s[i]) for i in range(ITERS)])
     jax.block_until_ready(many(*sets))
+    return many, sets, 2.0 * int(offsets[-1]) * n * k
+
+
+def main(name: str = "bench_small_t256c21") -> None:
+    import jax
+
+    many, sets, flops = setup(name)
     times = []
     for _ in range(7):
         t0 = time.perf_counter()
         jax.block_until_ready(many(*sets))
         times.append((time.perf_counter() - t0) / ITERS)
     t = statistics.median(times)
-    flops = 2.0 * int(offsets[-1]) * n * k
     print(f"{name}: XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: {t * 1e6:.1f} us/call, "
           f"{flops / t / 1e12:.0f} TFLOP/s (spread {100 * (max(times) - min(times)) / t:.0f}%)", flush=True)
 
