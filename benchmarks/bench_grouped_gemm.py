@@ -220,22 +220,30 @@ def run(args):
     return results, str(dev.device_kind)
 
 
-def write(results, device, out: Path):
+def table(results, device, out: Path, json_name: str, last_header: str, last_cell):
+    """Save the raw results and return (implementations, markdown table lines): one row per shape, TFLOP/s per
+    implementation, and a last column computed by `last_cell(row)`."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+    (out / json_name).write_text(json.dumps({"device": device, "results": results}, indent=1))
     impls = []
     for r in results:
-        for k in r["tflops"]:
-            if k not in impls:
-                impls.append(k)
-    lines = ["| shape | valid_m x N x K (groups) | " + " | ".join(impls) + " | best ours / torch |",
+        impls += [k for k in r["tflops"] if k not in impls]
+    lines = ["| shape | valid_m x N x K (groups) | " + " | ".join(impls) + f" | {last_header} |",
              "|---|---|" + "---|" * len(impls) + "---|"]
     for r in results:
         cells = [f"{r['tflops'][k]:.0f}" if k in r["tflops"] else "-" for k in impls]
-        best = max(v for k, v in r["tflops"].items() if k.startswith("ours"))
-        ratio = f"{best / r['tflops']['torch._grouped_mm']:.2f}" if "torch._grouped_mm" in r["tflops"] else "-"
         lines.append(f"| {r['shape']} | {r['valid_m']}x{r['n']}x{r['k']} ({r['groups']}) | " + " | ".join(cells)
-                     + f" | {ratio} |")
+                     + f" | {last_cell(r)} |")
+    return impls, lines
+
+
+def _best_over_torch(r):
+    best = max(v for k, v in r["tflops"].items() if k.startswith("ours"))
+    return f"{best / r['tflops']['torch._grouped_mm']:.2f}" if "torch._grouped_mm" in r["tflops"] else "-"
+
+
+def write(results, device, out: Path):
+    impls, lines = table(results, device, out, "results.json", "best ours / torch", _best_over_torch)
     lines.append("")
     lines.append("TFLOP/s (2*valid_m*N*K / median time). Checks: " + "; ".join(
         f"{r['shape']}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
@@ -354,18 +362,8 @@ def run_mxfp8(args):
 
 
 def write_mxfp8(results, device, out: Path):
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mxfp8_results.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
-    impls = []
-    for r in results:
-        impls += [k for k in r["tflops"] if k not in impls]
-    lines = ["| shape | valid_m x N x K (groups) | " + " | ".join(impls) + " | FP8-D cost |",
-             "|---|---|" + "---|" * len(impls) + "---|"]
-    for r in results:
-        cells = [f"{r['tflops'][k]:.0f}" if k in r["tflops"] else "-" for k in impls]
-        cost = f"{r['fp8d_over_bf16d_pct']:+.1f}%" if "fp8d_over_bf16d_pct" in r else "-"
-        lines.append(f"| {r['shape']} | {r['valid_m']}x{r['n']}x{r['k']} ({r['groups']}) | " + " | ".join(cells)
-                     + f" | {cost} |")
+    _, lines = table(results, device, out, "mxfp8_results.json", "FP8-D cost",
+                     lambda r: f"{r['fp8d_over_bf16d_pct']:+.1f}%" if "fp8d_over_bf16d_pct" in r else "-")
     errs = [f"{r['shape']}: {k}={r[k]}" for r in results for k in ("torch_error", "ragged_dot_error") if k in r]
     lines += ["", "TFLOP/s (2*valid_m*N*K / median time), MXFP8 e4m3 inputs. " + "; ".join(errs)]
     (out / "mxfp8_table.md").write_text("\n".join(lines) + "\n")
