@@ -139,17 +139,17 @@ def output_specs(p: GroupedGemmProblem) -> dict:
         out["amax_tensor"] = ((p.num_groups, amax_cols), "float32")
     if p.op == "glu_hadamard_quant":
         out["c_tensor"] = ((m, p.n), e.c_dtype)
-        if e.d_dtype == "float4_e2m1fn":
-            out["d_tensor"] = ((m, n_out // 2), "uint8")
-            out["sfd_tensor"] = (sf_shape(m, n_out, 16), "uint8")
-        else:
-            out["d_tensor"] = ((m, n_out), e.d_dtype)
-        if e.rht == "rowwise":
-            if e.rht_dtype == "float4_e2m1fn":
-                out["rht_tensor"] = ((m, n_out // 2), "uint8")
-                out["sfrht_tensor"] = (sf_shape(m, n_out, 16), "uint8")
+
+        def row_major(key, sf_key, dtype):
+            # NVFP4: packed (m, N_out/2) bytes + e4m3 vec-16 scales; otherwise plain (m, N_out).
+            if dtype == "float4_e2m1fn":
+                out[key], out[sf_key] = ((m, n_out // 2), "uint8"), (sf_shape(m, n_out, 16), "uint8")
             else:
-                out["rht_tensor"] = ((m, n_out), e.rht_dtype)
+                out[key] = ((m, n_out), dtype)
+
+        row_major("d_tensor", "sfd_tensor", e.d_dtype)
+        if e.rht == "rowwise":
+            row_major("rht_tensor", "sfrht_tensor", e.rht_dtype)
         elif e.rht == "colwise":
             out["rht_tensor"] = ((m * n_out // 2,), "uint8")
             out["sfrht_tensor"] = ((sf_segment_bytes(n_out, m, 16),), "uint8")
