@@ -1,7 +1,7 @@
 """Where does the back-to-back time go? A CUPTI kernel timeline (through torch.profiler, which records every
 kernel of the process, JAX's included) of the 20-call jitted program of probe_launch_overhead.py.
 
-    python benchmarks/trace_launch_gaps.py [artifact]      # GPU machine with torch; artifacts as for the probe
+    python benchmarks/trace_launch_gaps.py [artifact ...]  # GPU machine with torch; artifacts as for the probe
 
 Prints, for the last profiled program: each kernel's name, start offset, duration and the idle gap before it,
 then the medians (GEMM duration, gap between consecutive GEMMs, zeroing-kernel duration) and the wall time per
@@ -56,4 +56,5 @@ def main(name: str = "bench_small_t256c21") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    for artifact in sys.argv[1:] or ["bench_small_t256c21"]:
+        main(artifact)

@@ -252,6 +252,10 @@ class Mxfp8Mainloop:
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
                 read_state.advance()
+                # Retire the prefetched wgmma before the loop's back-edge: ptxas (13.x) cannot follow a wgmma in
+                # flight across a back-edge into the next iteration's promotion and then serializes *every*
+                # wgmma of the kernel (C7514). It has run under the last promotion, so the wait costs ~nothing.
+                warpgroup.wait_group(0)
             self.mma_stage(ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB4,
                            sFlags, row0, quad, False)
             ab_pipeline.consumer_release(release_state)

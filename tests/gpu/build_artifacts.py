@@ -50,6 +50,8 @@ MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None)
     "fc1_fp8d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
     "fc1_bf16d_fast": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
                        Config(tile_n=128, cluster_m=2, scale_fast_path=True)),
+    "fc1_bf16d_c11": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
+                      Config(tile_n=128, cluster_m=1)),
     "fc2_bf16d": ("fc2", Epilogue(d_dtype="bfloat16", compute_amax=True), None),
     "fc2_fp8d": ("fc2", Epilogue(d_dtype=E4M3, generate_sfd=True), None),
     "small_bf16d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
