@@ -8,12 +8,19 @@ SwiGLU; skewed = the fc1 module on a skewed routing draw (half the rows in exper
 Every op gets prob, alpha and per-group amax (the library's defaults for bf16 D).
 
 Peers: jax.lax.ragged_dot + the same epilogue in jnp (jitted), torch._grouped_mm (GEMM only, if importable),
-tokamax ragged_dot (if importable). Timing (METHOD.md): warm-up, then REPS rounds; each round times every
-implementation once (20 back-to-back calls; JAX: the 20 calls on 20 distinct input sets inside one jitted
-program -- identical calls would be merged by XLA -- host-timed to block_until_ready; torch: rotating 3 input
-sets, CUDA events); median over rounds, spread = (max - min) / median.
-TFLOP/s = 2 * valid_m * N * K / t.
-Writes results.json, table.md and plot.png to --out; RESULTS.md is appended on the CPU machine.
+tokamax ragged_dot (if importable). Timing (METHOD.md: device work is timed on the device): warm-up, then REPS
+rounds; each round times every implementation once, interleaved (20 back-to-back calls; median over rounds,
+spread = (max - min) / median). JAX: the 20 calls on 20 distinct input sets inside one jitted program (identical
+calls would be merged by XLA), each round's execution in its own torch.profiler session; time per call = the
+CUPTI span of that program (end of its last device event - start of its first, GPU timestamps) / 20, so the
+program's host-side dispatch and completion (~1-2 ms per program, RESULTS.md run 8) is not charged to the
+kernels (device_timer.py). The host wall time to block_until_ready of the same execution is kept as host_ms.
+Without torch or CUPTI, JAX is timed on the host, and the header and the table footnote say so. torch: rotating
+3 input sets, CUDA events. TFLOP/s = 2 * valid_m * N * K / t (t = device time where measured).
+Writes results.json, table.md and plot.png to --out; RESULTS.md is appended on the CPU machine. Per row of
+results.json, by implementation: ms (median, device time where measured), host_ms (JAX), timing ("cupti",
+"host" or "cuda_events"), samples_ms / host_samples_ms (per round) and device_events (device events per
+program, CUPTI; one value when every round saw the same program).
 
     python benchmarks/bench_grouped_gemm.py --mxfp8 --out DIR     # MXFP8 inputs (e4m3 + e8m0 per 32, mxbench_*)
 
@@ -31,13 +38,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 import harness  # noqa: E402
+
+import device_timer  # noqa: E402  (benchmarks/, the script's folder)
 
 SHAPES = {  # name -> (artifact shape, group sizes)
     "fc1": ("fc1", [2048] * 8),
@@ -46,26 +54,33 @@ SHAPES = {  # name -> (artifact shape, group sizes)
     "skewed": ("fc1", [8192, 2048, 2048, 0, 1024, 1024, 0, 2048]),
 }
 REPS, ITERS, SETS = 7, 20, 20  # JAX: 20 distinct input sets per program; torch rotates the first 3
+JAX_ON_DEVICE = f"JAX timed on device (CUPTI span of the {ITERS}-call program)"
 
 
-def _jax_runner(f, arg_sets):
+def _jax_runner(f, arg_sets, timer):
     """ITERS calls of `f` inside ONE jitted program (one dispatch; every output kept alive, so none is dropped):
     the measured time is the device's back-to-back time, not JAX's per-call dispatch (which, timed per call,
-    spread 12% between two timings of the same function on the H200)."""
+    spread 12% between two timings of the same function on the H200). `timer`: a device_timer.CuptiTimer
+    (each execution profiled on its own: device span + host wall time) or None (host wall time only)."""
     import jax
 
     nsets = len(arg_sets)
     assert nsets >= ITERS, "every call in the program needs its own inputs (XLA merges identical calls)"
     many = jax.jit(lambda *sets: [f(*sets[i]) for i in range(ITERS)])
-    jax.block_until_ready(many(*arg_sets))
+
+    def program():  # returns nothing: the outputs are freed as soon as the device is done with them
+        jax.block_until_ready(many(*arg_sets))
+
+    program()  # compile
+    if timer is not None:
+        # one profiled execution before the rounds: CUPTI's first-time work for this program's modules
+        # (and the process's first profiler session) happens here, not in a timed round
+        warm = timer.time(program, ITERS)
+        if warm.device is None:
+            print("CUPTI recorded no device event for a JAX program: it will be host-timed", flush=True)
 
     def once():
-        t0 = time.perf_counter()
-        out = many(*arg_sets)
-        jax.block_until_ready(out)
-        dt = time.perf_counter() - t0
-        del out
-        return dt / ITERS
+        return timer.time(program, ITERS) if timer is not None else device_timer.host_time(program, ITERS)
 
     return once
 
@@ -84,20 +99,74 @@ def _torch_runner(fn, arg_sets):
             fn(*arg_sets[i % len(arg_sets)])
         end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / ITERS
+        return device_timer.Timing(start.elapsed_time(end) / 1e3 / ITERS, None)
 
     return once
 
 
 def time_interleaved(runners: dict, row: dict) -> dict:
-    """{name: (median s, min s, max s)}: REPS rounds, each timing every runner once (thermal drift spreads
-    over all of them instead of favouring whoever runs first). Raw per-round means go to row["samples_ms"]."""
+    """{name: (median s, min s, max s)} of the primary time (device_timer.primary: the device clock where every
+    round has it, else the host clock): REPS rounds, each timing every runner once (thermal drift spreads over
+    all of them instead of favouring whoever runs first). Per-round means go to row["samples_ms"] (primary) and
+    row["host_samples_ms"] (JAX), the method to row["timing"], the host median to row["host_ms"]."""
     samples = {k: [] for k in runners}
     for _ in range(REPS):
         for k, once in runners.items():
             samples[k].append(once())
-    row["samples_ms"] = {k: [round(x * 1e3, 4) for x in v] for k, v in samples.items()}
-    return {k: (statistics.median(v), min(v), max(v)) for k, v in samples.items()}
+    stats = {}
+    for k, v in samples.items():
+        method, t = device_timer.primary(v)
+        row.setdefault("timing", {})[k] = method
+        row.setdefault("samples_ms", {})[k] = [round(x * 1e3, 4) for x in t]
+        host = [s.host for s in v if s.host is not None]
+        if host:
+            row.setdefault("host_samples_ms", {})[k] = [round(x * 1e3, 4) for x in host]
+            row.setdefault("host_ms", {})[k] = statistics.median(host) * 1e3
+        events = sorted({s.events for s in v if s.events is not None})
+        if events:  # a list: two or more values mean the rounds did not all record the same program
+            row.setdefault("device_events", {})[k] = events
+        stats[k] = (statistics.median(t), min(t), max(t))
+    return stats
+
+
+def _record(row: dict, timed: dict, flops: float, width: int) -> None:
+    """Store and print one shape's medians (ms, TFLOP/s, spread; host ms beside the device ms for JAX)."""
+    for key, (t, lo, hi) in timed.items():
+        row["ms"][key] = t * 1e3
+        row["tflops"][key] = flops / t / 1e12
+        row.setdefault("spread_pct", {})[key] = 100.0 * (hi - lo) / t
+        host = f"  host {row['host_ms'][key]:8.3f} ms" if row["timing"][key] == "cupti" else ""
+        print(f"{row['shape']:7s} {key:{width}s} {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s "
+              f"(spread {100.0 * (hi - lo) / t:4.1f}%, {row['timing'][key]}){host}", flush=True)
+
+
+def _session():
+    """(manifest, GPU device, CUPTI timer or None, why not) after printing the run's header line."""
+    import jax
+
+    how = harness.register()
+    man = harness.manifest()
+    dev = jax.devices("gpu")[0]
+    timer, why = device_timer.cupti_timer()
+    jax_timing = JAX_ON_DEVICE if timer is not None else f"JAX timed on host (no CUPTI: {why})"
+    print(f"device: {dev.device_kind}; runtime: {how}; {jax_timing}", flush=True)
+    return man, dev, timer, why
+
+
+def timing_note(results) -> str:
+    """The table footnote's timing sentence, from the methods the rows record (row["timing"])."""
+    jax_keys = {m: sorted({k for r in results for k, mm in r.get("timing", {}).items() if mm == m})
+                for m in ("cupti", "host")}
+    why = next((r["cupti_unavailable"] for r in results if "cupti_unavailable" in r), "")
+    if jax_keys["cupti"] and jax_keys["host"]:
+        note = f"{JAX_ON_DEVICE}, except {', '.join(jax_keys['host'])}: JAX timed on host (CUPTI recorded no device event)"
+    elif jax_keys["host"]:
+        note = f"JAX timed on host (wall time of the {ITERS}-call program{': no CUPTI, ' + why if why else ''})"
+    else:
+        note = JAX_ON_DEVICE
+    if any(m == "cuda_events" for r in results for m in r.get("timing", {}).values()):
+        note += "; torch timed with CUDA events"
+    return note + "."
 
 
 def jnp_epilogue(problem, acc, offsets, alpha, prob):
@@ -120,10 +189,7 @@ def run(args):
     import jax
     import jax.numpy as jnp
 
-    how = harness.register()
-    man = harness.manifest()
-    dev = jax.devices("gpu")[0]
-    print(f"device: {dev.device_kind}; runtime: {how}", flush=True)
+    man, dev, timer, why = _session()
     results = []
     for shape_name in args.shapes.split(","):
         art_shape, sizes = SHAPES[shape_name]
@@ -149,15 +215,17 @@ def run(args):
         jax.block_until_ready(sets)
         row = {"shape": shape_name, "valid_m": valid_m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {},
                "check": {}}
+        if timer is None:
+            row["cupti_unavailable"] = why
 
         runners = {}
         ours_fns = {}
         for cfg in cfg_names:
             name = f"bench_{art_shape}_{cfg}"
             ours_fns[cfg] = jax.jit(harness.load(name).call)
-            runners[f"ours[{cfg}]"] = _jax_runner(ours_fns[cfg], sets)
+            runners[f"ours[{cfg}]"] = _jax_runner(ours_fns[cfg], sets, timer)
         # the first config twice: the difference between the two is the run's noise floor
-        runners[f"ours[{cfg_names[0]}]#2"] = _jax_runner(ours_fns[cfg_names[0]], sets)
+        runners[f"ours[{cfg_names[0]}]#2"] = _jax_runner(ours_fns[cfg_names[0]], sets, timer)
 
         def ragged(a, b, offsets, alpha, prob, _p=p):
             bt = jnp.swapaxes(b, 1, 2)  # (L, K, N); layout change counted, as a user would have to do it
@@ -166,7 +234,7 @@ def run(args):
             return jnp_epilogue(_p, acc, offsets, alpha, prob)
 
         rf = jax.jit(ragged)
-        runners["ragged_dot+jnp"] = _jax_runner(rf, sets)
+        runners["ragged_dot+jnp"] = _jax_runner(rf, sets, timer)
         tsets = None
         try:
             import torch
@@ -190,16 +258,11 @@ def run(args):
                 acc = tokamax.ragged_dot(a, jnp.swapaxes(b, 1, 2), gs, preferred_element_type=jnp.float32)
                 return jnp_epilogue(_p, acc, offsets, alpha, prob)
 
-            runners["tokamax+jnp"] = _jax_runner(jax.jit(tk), sets)
+            runners["tokamax+jnp"] = _jax_runner(jax.jit(tk), sets, timer)
         except ImportError:
             row["tokamax"] = "not installed"
 
-        for key, (t, lo, hi) in time_interleaved(runners, row).items():
-            row["ms"][key] = t * 1e3
-            row["tflops"][key] = flops / t / 1e12
-            row.setdefault("spread_pct", {})[key] = 100.0 * (hi - lo) / t
-            print(f"{shape_name:7s} {key:24s} {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s "
-                  f"(spread {100.0 * (hi - lo) / t:4.1f}%)", flush=True)
+        _record(row, time_interleaved(runners, row), flops, 24)
 
         # correctness spot check of ours (first config) against ragged_dot's fp32 result
         ours_out = ours_fns[cfg_names[0]](*sets[0])
@@ -245,7 +308,7 @@ def _best_over_torch(r):
 def write(results, device, out: Path):
     impls, lines = table(results, device, out, "results.json", "best ours / torch", _best_over_torch)
     lines.append("")
-    lines.append("TFLOP/s (2*valid_m*N*K / median time). Checks: " + "; ".join(
+    lines.append(f"TFLOP/s (2*valid_m*N*K / median time). {timing_note(results)} Checks: " + "; ".join(
         f"{r['shape']}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                                       for k, v in r["check"].items()) for r in results))
     (out / "table.md").write_text("\n".join(lines) + "\n")
@@ -281,10 +344,7 @@ def run_mxfp8(args):
 
     from cudnn_moe_jax import formats
 
-    how = harness.register()
-    man = harness.manifest()
-    dev = jax.devices("gpu")[0]
-    print(f"device: {dev.device_kind}; runtime: {how}", flush=True)
+    man, dev, timer, why = _session()
     quant = jax.jit(lambda x: formats.to_block_scaled(x, formats.E4M3))
     results = []
     for shape_name in args.shapes.split(","):
@@ -312,6 +372,8 @@ def run_mxfp8(args):
                   for i in range(MX_SETS)]
         jax.block_until_ready(a_sets)
         row = {"shape": shape_name, "valid_m": valid_m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {}}
+        if timer is None:
+            row["cupti_unavailable"] = why
         runners = {}
         for name in names:
             epi = man["mxfp8_bench"][name]["problem"]["epilogue"]
@@ -319,10 +381,10 @@ def run_mxfp8(args):
             tail = (nc,) if epi["generate_sfd"] else ()
             label = name.split("_", 2)[2]
             runners[f"ours[{label}]"] = _jax_runner(
-                f, [(a, b_codes, sa, sfb, offsets, alpha, prob) + tail for a, sa in a_sets])
+                f, [(a, b_codes, sa, sfb, offsets, alpha, prob) + tail for a, sa in a_sets], timer)
             if label.startswith("bf16d") and "_x" not in label and shape_name == "fc1":
                 runners[f"ours[{label},uniformB]"] = _jax_runner(
-                    f, [(a, b_codes, sa, sfb_uni, offsets, alpha, prob) for a, sa in a_sets])
+                    f, [(a, b_codes, sa, sfb_uni, offsets, alpha, prob) for a, sa in a_sets], timer)
 
         def ragged(a, b, offsets, alpha, prob, _p=p):
             gs = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offsets]))
@@ -332,7 +394,8 @@ def run_mxfp8(args):
         try:
             rf = jax.jit(ragged)
             jax.block_until_ready(rf(a_sets[0][0], b_codes, offsets, alpha, prob))
-            runners["ragged_dot(fp8)+jnp"] = _jax_runner(rf, [(a, b_codes, offsets, alpha, prob) for a, _ in a_sets])
+            runners["ragged_dot(fp8)+jnp"] = _jax_runner(
+                rf, [(a, b_codes, offsets, alpha, prob) for a, _ in a_sets], timer)
         except Exception as e:  # noqa: BLE001
             row["ragged_dot_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         try:
@@ -349,11 +412,7 @@ def run_mxfp8(args):
                 tsets)
         except Exception as e:  # noqa: BLE001
             row["torch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for key_, (t, lo, hi) in time_interleaved(runners, row).items():
-            row["ms"][key_] = t * 1e3
-            row["tflops"][key_] = flops / t / 1e12
-            print(f"{shape_name:7s} {key_:40s} {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s "
-                  f"(spread {100.0 * (hi - lo) / t:4.1f}%)", flush=True)
+        _record(row, time_interleaved(runners, row), flops, 40)
         if "ours[bf16d]" in row["ms"] and "ours[fp8d]" in row["ms"]:
             row["fp8d_over_bf16d_pct"] = 100.0 * (row["ms"]["ours[fp8d]"] / row["ms"]["ours[bf16d]"] - 1.0)
         results.append(row)
@@ -365,7 +424,8 @@ def write_mxfp8(results, device, out: Path):
     _, lines = table(results, device, out, "mxfp8_results.json", "FP8-D cost",
                      lambda r: f"{r['fp8d_over_bf16d_pct']:+.1f}%" if "fp8d_over_bf16d_pct" in r else "-")
     errs = [f"{r['shape']}: {k}={r[k]}" for r in results for k in ("torch_error", "ragged_dot_error") if k in r]
-    lines += ["", "TFLOP/s (2*valid_m*N*K / median time), MXFP8 e4m3 inputs. " + "; ".join(errs)]
+    lines += ["", f"TFLOP/s (2*valid_m*N*K / median time), MXFP8 e4m3 inputs. {timing_note(results)} "
+              + "; ".join(errs)]
     (out / "mxfp8_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
