@@ -32,11 +32,6 @@ class Config:
     epi_pin: re-read alpha from shared memory every epilogue step (keeps ptxas from hoisting all steps' math
       above the step barriers: fewer registers, less overlap);
     group_m: M blocks per raster swizzle group (L2 reuse);
-    scale_fast_path: MXFP8 only: promote with one FFMA per element (per-row scale) when all B scales of a K block
-      are equal across the tile (a flag from the decoder warp; warp-uniform branch), else 2 FP32 ops per element.
-      Off by default: measured on the H200 (fc1, RESULTS.md) 437 TFLOP/s without vs 343 with it on realistic
-      (non-uniform) scales -- the second promotion path grows the hot loop 9 -> 13.5 KB of SASS -- and 523 with it
-      only when B scales are uniform across N;
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. With 4-CTA clusters not all 33 clusters may be
       co-resident (GPC sizes), so those configs may want 128.
     """
@@ -50,7 +45,6 @@ class Config:
     epi_pin: bool = False
     group_m: int = 8
     num_sms: int = H200_SMS
-    scale_fast_path: bool = False
 
     def __post_init__(self):
         if self.tile_m != 128:

@@ -99,8 +99,7 @@ class GroupedGemmSm90:
         self.tile_k = mx.TILE_K if self.block_scaled else TILE_K
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         if self.block_scaled:
-            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
-                                             cfg.scale_fast_path)
+            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k)
         else:
             self.mainloop = WgmmaMainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
 
@@ -174,7 +173,9 @@ class GroupedGemmSm90:
         a, b, d = t["a"], t["b"], t["d"]
         m_rows = a.shape[0]
 
+        sa_layout = sb_layout = None
         if const_expr(self.block_scaled):
+            sa_layout, sb_layout = mx.scale_operand_layouts(self.ab_stages)
             tiled_mma = mx.Mxfp8Mainloop.make_tiled_mma(self.ab_dtype, self.tile_n)
             a_layout, b_layout = mx.Mxfp8Mainloop.make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n,
                                                                        self.ab_stages)
@@ -222,7 +223,6 @@ class GroupedGemmSm90:
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             if const_expr(self.block_scaled):
                 dec_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
-                sf_flags: cute.struct.MemRange[Int32, self.ab_stages]
             ends: cute.struct.MemRange[Int32, self.num_groups]
             valid: cute.struct.MemRange[Int32, 4]
             prob: cute.struct.MemRange[Float32, self.tile_m]
@@ -235,8 +235,8 @@ class GroupedGemmSm90:
                 sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_layout)], 1024]
             if const_expr(self.block_scaled):
                 sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * mx.SF_ATOM_BYTES * self.ab_stages], 1024]
-                sDecA: cute.struct.Align[cute.struct.MemRange[Float32, mx.DEC_FLOATS * self.ab_stages], 16]
-                sDecB: cute.struct.Align[cute.struct.MemRange[Float32, mx.DEC_B_FLOATS * self.ab_stages], 16]
+                sSA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sa_layout)], 128]
+                sSB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sb_layout)], 128]
             if const_expr(self.quant_d):
                 col_max: cute.struct.Align[cute.struct.MemRange[Int32, EPI_N * 8], 16]
 
@@ -257,7 +257,7 @@ class GroupedGemmSm90:
             tma_atom_a, tma_a, tma_atom_b, tma_b,
             tma_atom_c, tma_c, tma_atom_d, tma_d,
             t["offsets"], t["alpha"], t["prob"], t["bias"], t["amax"],
-            a_layout, b_layout, c_layout, d_layout,
+            a_layout, b_layout, c_layout, d_layout, sa_layout, sb_layout,
             tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb,
             tma_atom_dcol, tma_dcol, mSfdRow, mSfdCol, t["norm_const"],
         ).launch(
@@ -307,7 +307,7 @@ class GroupedGemmSm90:
         tma_atom_c, mC, tma_atom_d: cute.CopyAtom, mD: cute.Tensor,
         mOffsets: cute.Tensor, mAlpha: cute.Tensor, mProb, mBias, mAmax,
         a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, c_layout, d_layout: cute.ComposedLayout,
-        tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
+        sa_layout, sb_layout, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -355,21 +355,28 @@ class GroupedGemmSm90:
         m_rows = mA.shape[0]
         if warp_idx == 0:
             self.sched.load_group_ends(mOffsets, m_rows, sEnds, sValid)
+        sSA = sSB = sSA16 = sSB16 = None
+        if const_expr(self.block_scaled):
+            # bf16 scale operands of the scale wgmma (mainloop_mxfp8): zeroed once, the decoder fills k = 0
+            sSA = storage.sSA.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+            sSB = storage.sSB.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+            sSA16 = cute.make_tensor(cute.recast_ptr(storage.sSA.data_ptr(), dtype=cutlass.Int16),
+                                     cute.make_layout(cute.cosize(sa_layout)))
+            sSB16 = cute.make_tensor(cute.recast_ptr(storage.sSB.data_ptr(), dtype=cutlass.Int16),
+                                     cute.make_layout(cute.cosize(sb_layout)))
+            mx.Mxfp8Mainloop.zero_scale_operands(sSA16, sSB16, tidx, NUM_THREADS)
+            cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
 
         sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        sSF = sFlags = sDecA = sDecB = None
+        sSF = None
         if const_expr(self.block_scaled):
-            # raw SF atoms: (128, 4, operand, stage) uint8; decoded f32: A (4 kb, 128 rows), B (mainloop_mxfp8)
+            # raw SF atoms: (128, 4, operand, stage) uint8
             sSF = storage.sSF.get_tensor(cute.make_layout(
                 (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE, 2, self.ab_stages),
                 stride=(1, mx.SF_ATOM_ROWS, mx.SF_ATOM_BYTES, 2 * mx.SF_ATOM_BYTES)))
-            sFlags = storage.sf_flags.get_tensor(cute.make_layout(self.ab_stages))
-            sDecA = storage.sDecA.get_tensor(cute.make_layout(
-                (mx.KB_PER_STAGE, mx.SF_ATOM_ROWS, self.ab_stages), stride=(1, mx.KB_PER_STAGE, mx.DEC_FLOATS)))
-            sDecB = storage.sDecB.get_tensor(cute.make_layout(mx.DEC_B_FLOATS * self.ab_stages))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -378,7 +385,7 @@ class GroupedGemmSm90:
                               tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF)
             if const_expr(self.block_scaled):
                 if warp_idx == 1:
-                    self.decoder(ab_pipeline, dec_mbar, sSF, sDecA, sDecB, sFlags, sValid, m_rows)
+                    self.decoder(ab_pipeline, dec_mbar, sSF, sSA16, sSB16, sValid, m_rows)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
@@ -394,7 +401,7 @@ class GroupedGemmSm90:
             self.consumer(
                 ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
                 tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, tidx - 128, warp_idx,
-                dec_mbar, sDecA, sDecB, sFlags, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
+                dec_mbar, sSA, sSB, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
             )
 
     # ------------------------------------------------------------------------------------------ roles
@@ -480,8 +487,8 @@ class GroupedGemmSm90:
         ab_pipeline.producer_tail(prod_state)
 
     @cute.jit
-    def decoder(self, ab_pipeline, dec_mbar, sSF, sDecA, sDecB, sFlags, sValid, m_rows):
-        """Warp 1 (MXFP8): decode every stage the producer loads (same schedule) into fp32 scales + flags."""
+    def decoder(self, ab_pipeline, dec_mbar, sSF, sSA16, sSB16, sValid, m_rows):
+        """Warp 1 (MXFP8): decode every stage the producer loads (same schedule) into the bf16 scale operands."""
         lane = cute.arch.lane_idx()
         sRaw32 = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32), cute.make_layout(
             (4, 32, 2, self.ab_stages), stride=(1, 4, mx.SF_ATOM_BYTES // 4, 2 * mx.SF_ATOM_BYTES // 4)))
@@ -495,7 +502,7 @@ class GroupedGemmSm90:
                 k_count = Int32(k_tiles)
             for k in cutlass.range(k_count, unroll=1):
                 ab_pipeline.consumer_wait(state)
-                self.mainloop.decode_stage(sRaw32, sDecA, sDecB, sFlags, state.index, k == k_tiles - 1, lane)
+                self.mainloop.decode_stage(sRaw32, sSA16, sSB16, state.index, k == k_tiles - 1, lane)
                 cute.arch.mbarrier_arrive(dec_mbar + state.index)
                 state.advance()
             t += stride
@@ -504,7 +511,7 @@ class GroupedGemmSm90:
     def consumer(
         self, ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
         tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, ctid: Int32, warp_idx: Int32,
-        dec_mbar, sDecA, sDecB, sFlags, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
+        dec_mbar, sSA, sSB, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
     ):
         """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA."""
         rank_m, rank_n = self._cluster_coord()
@@ -513,17 +520,15 @@ class GroupedGemmSm90:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        P0 = P1 = sDecB4 = row0 = quad = None
+        scale_mma = P = S = tCrSA = tCrSB = None
         if const_expr(self.block_scaled):
-            # partial accumulators of the per-32 K blocks (see mainloop_mxfp8); B scales read 4 columns at a time
-            P0 = cute.make_rmem_tensor(acc.shape, Float32)
-            P1 = cute.make_rmem_tensor(acc.shape, Float32)
-            sDecB4 = cute.make_tensor(sDecB.iterator, cute.make_layout(
-                (4, 8, 4, mx.KB_PER_STAGE, self.ab_stages),
-                stride=(1, 4, mx.DEC_B_QUAD, mx.DEC_B_KB, mx.DEC_B_FLOATS)))
-            lane = cute.arch.lane_idx()
-            row0 = 64 * wg + 16 * (warp_idx % 4) + lane // 4  # accumulator rows row0, row0 + 8 of this thread
-            quad = lane % 4
+            # per 32-K block: data partial P and scale products S, same accumulator layout (mainloop_mxfp8)
+            scale_mma = mx.Mxfp8Mainloop.make_scale_tiled_mma(self.tile_n)
+            thr_scale = scale_mma.get_slice(wg * 128)
+            tCrSA = scale_mma.make_fragment_A(thr_scale.partition_A(sSA))
+            tCrSB = scale_mma.make_fragment_B(thr_scale.partition_B(sSB))
+            P = cute.make_rmem_tensor(acc.shape, Float32)
+            S = cute.make_rmem_tensor(acc.shape, Float32)
 
         # epilogue partitions: register fragments follow the stmatrix source layout of the accumulator
         copy_atom_layout = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
@@ -610,8 +615,8 @@ class GroupedGemmSm90:
 
             if const_expr(self.block_scaled):
                 read_state, release_state = self.mainloop.mma_tile(
-                    ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, acc, P0, P1, tCrA, tCrB,
-                    sDecA, sDecB4, sFlags, row0, quad, k_count
+                    ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA, tCrB,
+                    tCrSA, tCrSB, k_count
                 )
             else:
                 read_state, release_state = self.mainloop.mma_tile(

@@ -1,25 +1,38 @@
-"""MXFP8 (block-scaled FP8) mainloop of the sm90 grouped GEMM: FP8 wgmma per 32-wide K block + scale promotion.
+"""MXFP8 (block-scaled FP8) mainloop of the sm90 grouped GEMM: per 32-wide K block, an FP8 wgmma for the data and a
+bf16 wgmma for the scale products, folded with one FFMA per accumulator element.
 
-Hopper has no block-scaled MMA (SEMANTICS §10). For every 32-wide K block `kb` each consumer warpgroup runs one
-FP8 wgmma (m64 n128 k32, e4m3/e5m2, K-major) into a fresh fp32 *partial* accumulator P and folds it into the
-real accumulator: `acc += P * (sfa[m, kb] * sfb[n, kb])`. The e8m0 scales are powers of two, so the scale product
-and `P * s` are exact and the FFMA rounds once: the same as accumulating the exact dequantized products in fp32
-(only the summation order differs from the reference).
+Hopper has no block-scaled MMA (SEMANTICS §10). For every 32-wide K block `kb` each consumer warpgroup runs
+  P = A[:, kb] . B[:, kb]^T              FP8 wgmma m64 n128 k32 (e4m3/e5m2, fp32 partial accumulator)
+  S = sfa[:, kb] (x) sfb[:, kb]          bf16 wgmma m64 n128 k16 of two one-hot operands (below): the rank-1 matrix
+                                         of scale products, delivered by the tensor core in the accumulator layout
+  acc = fma(P, S, acc)                   one FFMA per element
+The e8m0 scales are powers of two and bf16 has fp32's exponent range, so S is exact, and so are P * S; the FFMA
+rounds once: the same as accumulating the exact dequantized products in fp32 (only the order differs).
+
+Why a wgmma for S (H200, benchmarks/RESULTS.md runs 8-9): computing S on the FP32 pipe costs an FMUL per element,
+and each thread needs 32 distinct fp32 column scales per block (32 lanes x 4 B per shared-memory wavefront:
+256 wavefronts per block per SM, next to the wgmma operand reads and TMA writes of the same shared memory). That
+delivery bounded the FMUL + FFMA kernel at 367 TFLOP/s on fc1 (612 with the scale loads made free). The S wgmma
+costs tensor time equal to the data wgmma's (64 cycles per warpgroup per block) and 6 KB of operand reads, and no
+thread loads a scale.
+
+Scale operands (bf16, K-major, no swizzle: "interleaved" 8 x 16-byte core matrices), per stage, written by the
+decoder warp:
+  A' per 8-row group: chunks [c0 Z c1 Z c2 Z c3 Z], 128 B each; row r of chunk cj = (sfa[r, kb j], 0, ..., 0),
+     Z = zeros: block j's operand starts at cj, its second K chunk (LBO = 128 B) is the Z after it;
+  B' per 8-row group: chunks [c0 c1 c2 c3 Z]: block j reads cj and c(j+1) (or Z). Only element k = 0 of A' is
+     non-zero, so S[r, n] = sfa[r, j] * sfb[n, j] exactly; the other products are 0 * finite (a NaN scale of
+     block j+1 can only reach columns that block j+1 makes NaN anyway).
+The zeros are written once per CTA; the decoder writes 2 x 512 bf16 scale values per stage.
 
 Pipeline per CTA (stage = 128 K elements = 4 scale blocks = one 512-byte SF atom per 128 rows, SEMANTICS §2.3):
   producer warp   TMA: A (128 x 128 B), B[g] (128 x 128 B), the SFA atom and the SFB atom of the stage (512 B each,
                   contiguous in the packed layout), all on the stage's mbarrier; SFA multicast with A, SFB with B;
-  decoder warp    waits for the stage, turns the 1024 e8m0 bytes into fp32 2^(e-127) (NaN for 0xFF, 0.0 for
-                  K blocks past K), plus a per-kb flag "all 128 B scales equal", and arrives on the stage's decode
-                  barrier -- once per CTA instead of once per consumer thread (that decode cost ~1 extra
-                  instruction per accumulator element per kb);
-  consumers       two warpgroups x 64 rows: per kb, issue the wgmma of kb+1 into the other partial accumulator,
-                  wait for kb's, promote it (overlap: the tensor core runs kb+1 under kb's FP32 work).
-
-Register budget (per consumer thread): acc 64 + two partials 2 x 64 = 192 fp32 of 232, hence tile_n = 128.
-Promotion cost: 2 FP32 instructions per accumulator element per kb (scale product FMUL + FFMA) -- the FP32 issue
-rate, not the tensor core, bounds this kernel -- and 1 (FFMA with a per-row scale) when the tile's 128 B scales of
-the kb are all equal (flag from the decoder; warp-uniform branch).
+  decoder warp    waits for the stage, writes the e8m0 bytes as bf16 2^(e-127) (NaN for 0xFF, 0.0 for e = 0 and for
+                  K blocks past K) into A' / B', fences them for the async proxy, arrives on the decode barrier;
+  consumers       two warpgroups x 64 rows: per block, both wgmmas, wait, 64 FFMAs. No wgmma stays in flight across
+                  a block (registers: acc + P + S = 192 of 232); the tensor core runs one warpgroup's pair while the
+                  other folds its block, so the two warpgroups fall into a ping-pong of their own.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -36,17 +49,12 @@ SF_VEC = 32
 KB_PER_STAGE = TILE_K // SF_VEC
 SF_ATOM_ROWS = 128  # one 512-byte SF atom: 128 rows x 4 k-blocks
 SF_ATOM_BYTES = 512
-DEC_FLOATS = SF_ATOM_ROWS * KB_PER_STAGE  # decoded fp32 A scales per stage: (4 kb, 128 rows)
-# decoded B scales per K block: the 32 columns of accumulator quad q (c = 2q + v0 + 8j) contiguous (one 16-byte load
-# = columns of j, j+1), quads 36 floats apart so that the 4 quads' loads hit different banks
-DEC_B_QUAD = 36
-DEC_B_KB = 4 * DEC_B_QUAD
-DEC_B_FLOATS = KB_PER_STAGE * DEC_B_KB
-
-
-def dec_b_pos(c: int) -> int:
-    """Position of tile column c (0..127) in one K block's decoded B scales."""
-    return ((c % 8) // 2) * DEC_B_QUAD + (c // 8) * 2 + c % 2
+SCALE_K = 16  # K of the bf16 scale wgmma
+CHUNK = 64  # bf16 elements of one core matrix (8 rows x 16 B)
+SA_GROUP = 2 * KB_PER_STAGE * CHUNK  # A' per 8-row group: [c0 Z c1 Z c2 Z c3 Z]
+SB_GROUP = (KB_PER_STAGE + 1) * CHUNK  # B' per 8-row group: [c0 c1 c2 c3 Z]
+SA_STAGE = SF_ATOM_ROWS // 8 * SA_GROUP  # bf16 elements per stage
+SB_STAGE = SF_ATOM_ROWS // 8 * SB_GROUP
 
 
 def ab_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
@@ -55,8 +63,18 @@ def ab_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
 
 
 def smem_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
-    """Shared memory per stage: TMA bytes + decoded fp32 scales (A and B) + flag word + 2 mbarriers."""
-    return ab_stage_bytes(ab_dtype, tile_m, tile_n) + (DEC_FLOATS + DEC_B_FLOATS) * 4 + 4 + 2 * 8
+    """Shared memory per stage: TMA bytes + the bf16 scale operands A' / B' + 2 mbarriers."""
+    return ab_stage_bytes(ab_dtype, tile_m, tile_n) + (SA_STAGE + SB_STAGE) * 2 + 2 * 8
+
+
+def scale_operand_layouts(stages: int):
+    """(A', B') smem layouts ((8 rows, 16 groups), (8, 2 K chunks), kb, stage) in bf16 elements (module docstring)."""
+    sw = cute.make_swizzle(0, 4, 3)  # "interleaved" (no swizzle) wgmma operand
+    a = cute.make_layout(((8, SF_ATOM_ROWS // 8), (8, 2), KB_PER_STAGE, stages),
+                         stride=((8, SA_GROUP), (1, CHUNK), 2 * CHUNK, SA_STAGE))
+    b = cute.make_layout(((8, SF_ATOM_ROWS // 8), (8, 2), KB_PER_STAGE, stages),
+                         stride=((8, SB_GROUP), (1, CHUNK), CHUNK, SB_STAGE))
+    return cute.make_composed_layout(sw, 0, a), cute.make_composed_layout(sw, 0, b)
 
 
 def sf_view(sf: cute.Tensor) -> cute.Tensor:
@@ -70,11 +88,10 @@ def sf_view(sf: cute.Tensor) -> cute.Tensor:
 class Mxfp8Mainloop:
     """Producer / decoder / consumer k-loops of one output tile (128 x 128) with per-32 e8m0 scales."""
 
-    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, fast_path: bool = False):
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int):
         if tile_m != 128 or tile_n != 128:
             raise NotImplementedError("the MXFP8 mainloop runs 128 x 128 tiles (two 64 x 128 warpgroups)")
         self.ab_dtype = ab_dtype
-        self.fast_path = fast_path
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
@@ -88,6 +105,13 @@ class Mxfp8Mainloop:
     def make_tiled_mma(ab_dtype, tile_n: int) -> cute.TiledMma:
         return sm90_utils.make_trivial_tiled_mma(
             ab_dtype, ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
+            (2, 1, 1), tiler_mn=(64, tile_n))
+
+    @staticmethod
+    def make_scale_tiled_mma(tile_n: int) -> cute.TiledMma:
+        """The bf16 m64 n128 k16 wgmma of the scale products (same thread -> accumulator map as the data wgmma)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (2, 1, 1), tiler_mn=(64, tile_n))
 
     @staticmethod
@@ -136,40 +160,42 @@ class Mxfp8Mainloop:
         return prod_state
 
     # ------------------------------------------------------------------------------------------ decoder
+    @staticmethod
     @cute.jit
-    def decode_stage(self, sRaw32: cute.Tensor, sDecA: cute.Tensor, sDecB: cute.Tensor, sFlags: cute.Tensor,
-                     idx: Int32, last: cutlass.Boolean, lane: Int32):
-        """Warp-collective decode of one stage's SF atoms.
+    def zero_scale_operands(sSA16: cute.Tensor, sSB16: cute.Tensor, tid: Int32, nthreads: cutlass.Constexpr):
+        """Zero A' and B' (all stages) once per CTA; the decoder only ever writes the scale elements. Followed
+        (by the caller) by an async-proxy fence and a CTA barrier."""
+        for t in (sSA16, sSB16):
+            words = cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Int32),
+                                     cute.make_layout(cute.cosize(t.layout) // 2))
+            for i in cutlass.range(tid, cute.size(words), nthreads, unroll=1):
+                words[i] = Int32(0)
+
+    @cute.jit
+    def decode_stage(self, sRaw32: cute.Tensor, sSA16: cute.Tensor, sSB16: cute.Tensor, idx: Int32,
+                     last: cutlass.Boolean, lane: Int32):
+        """Warp-collective: one stage's SF atoms -> bf16 scale elements of A' / B' (k = 0 of each block's chunk).
 
         sRaw32: (4 words, 32 lanes, 2 operands, stages) Int32 view of the raw atoms -- lane l's 16 bytes are
         rows (A) / columns (B) l + 32 i, i = 0..3, each word holding k-blocks 0..3 (§2.3 atom layout);
-        sDecA: (4 kb, 128 rows, stages) f32; sDecB: flat f32, stage s / block j / column c at
-        s * DEC_B_FLOATS + j * DEC_B_KB + dec_b_pos(c); sFlags: (stages,) Int32, bit j set when all 128 B scales of
-        k-block j are equal.
-        """
+        sSA16 / sSB16: flat Int16 views of A' / B'."""
         wa = sRaw32[(None, lane, 0, idx)].load()
         wb = sRaw32[(None, lane, 1, idx)].load()
-        b0 = cute.arch.shuffle_sync(wb[0], offset=0)
-        flags = Int32(0)
         keep_tail = Int32(cutlass.select_(last, Int32(0), Int32(-1)))  # K blocks past K: scale 0.0
-        rowA = cute.make_rmem_tensor((KB_PER_STAGE,), Float32)
         for i in cutlass.range_constexpr(4):
+            r = lane + 32 * i
+            row_a = idx * SA_STAGE + (r // 8) * SA_GROUP + (r % 8) * 8
+            row_b = idx * SB_STAGE + (r // 8) * SB_GROUP + (r % 8) * 8
             for j in cutlass.range_constexpr(KB_PER_STAGE):
                 keep = Int32(-1)
                 if const_expr(j >= self.last_kbs):
                     keep = keep_tail
-                rowA[j] = (_e8m0_f32_bits((wa[i] >> (8 * j)) & Int32(0xFF)) & keep).bitcast(Float32)
-                # column c = lane + 32 i -> dec_b_pos(c) = ((lane % 8) // 2) * 36 + (lane // 8 + 4 i) * 2 + lane % 2
-                pos = ((lane % 8) // 2) * DEC_B_QUAD + (lane // 8) * 2 + lane % 2 + 8 * i
-                sDecB[idx * DEC_B_FLOATS + j * DEC_B_KB + pos] = (
-                    _e8m0_f32_bits((wb[i] >> (8 * j)) & Int32(0xFF)) & keep).bitcast(Float32)
-            sDecA[(None, lane + 32 * i, idx)].store(rowA.load())
-        for j in cutlass.range_constexpr(KB_PER_STAGE):
-            diff = ((wb[0] ^ b0) | (wb[1] ^ b0) | (wb[2] ^ b0) | (wb[3] ^ b0)) & Int32(0xFF << (8 * j))
-            if cute.arch.vote_all_sync(diff == Int32(0)):
-                flags = flags | Int32(1 << j)
-        if lane == 0:
-            sFlags[idx] = flags
+                sSA16[row_a + 2 * j * CHUNK] = cutlass.Int16(
+                    (_e8m0_f32_bits((wa[i] >> (8 * j)) & Int32(0xFF)) & keep) >> 16)
+                sSB16[row_b + j * CHUNK] = cutlass.Int16(
+                    (_e8m0_f32_bits((wb[i] >> (8 * j)) & Int32(0xFF)) & keep) >> 16)
+        # the wgmma reads A' / B' through the async proxy
+        cute.arch.fence_proxy("async.shared", space="cta")
 
     # ------------------------------------------------------------------------------------------ consumer
     @cute.jit
@@ -178,86 +204,24 @@ class Mxfp8Mainloop:
         cute.arch.mbarrier_wait(dec_mbar + state.index, state.phase)
 
     @cute.jit
-    def promote(self, acc: cute.Tensor, P: cute.Tensor, sa0: Float32, sa1: Float32, sDecB4: cute.Tensor,
-                idx: Int32, kb: cutlass.Constexpr, quad: Int32, uniform: Int32):
-        """acc += P * sfa[row] * sfb[col, kb] (exact scale products; one rounding per element).
-
-        acc/P: the (2, 2, 16) accumulator fragment (flat i = v0 + 2*v1 + 4*j: row + 8*v1, col 2*quad + v0 + 8*j);
-        sDecB4: (4, 8, 4 quads, 4 kb, stages) f32 view of the decoded B scales: [(e, t, quad, kb, s)] = column
-        2*quad + e % 2 + 8*(2t + e // 2) (see dec_b_pos).
-        """
-        if const_expr(self.fast_path) and uniform != Int32(0):
-            sb = sDecB4[(0, 0, 0, kb, idx)]  # column 0: all columns are equal
-            s0 = sa0 * sb
-            s1 = sa1 * sb
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] + P[i] * (s0 if (i // 2) % 2 == 0 else s1)
-        else:
-            for t in cutlass.range_constexpr(cute.size(acc) // 8):
-                sb = sDecB4[(None, t, quad, kb, idx)].load()
-                for e in cutlass.range_constexpr(4):
-                    j = 2 * t + e // 2
-                    v0 = e % 2
-                    for v1 in cutlass.range_constexpr(2):
-                        i = v0 + 2 * v1 + 4 * j
-                        acc[i] = acc[i] + P[i] * ((sa0 if v1 == 0 else sa1) * sb[e])
-
-    @cute.jit
-    def mma_stage(self, ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB4,
-                  sFlags, row0: Int32, quad: Int32, prefetch_next: cutlass.Constexpr):
-        """One stage: its kb 0 wgmma (into P0) is already in flight. With `prefetch_next`, the next stage's kb 0
-        wgmma is issued (into P0) before this stage's last block is promoted."""
-        idx = read_state.index
-        sa_r0 = sDecA[(None, row0, idx)].load()
-        sa_r1 = sDecA[(None, row0 + 8, idx)].load()
-        flags = sFlags[idx]
-        for kb in cutlass.range_constexpr(KB_PER_STAGE):
-            Pc = P0 if kb % 2 == 0 else P1
-            Pn = P1 if kb % 2 == 0 else P0
-            if const_expr(kb < KB_PER_STAGE - 1):
-                warpgroup.fence()
-                cute.gemm(tiled_mma, Pn, tCrA[(None, None, kb + 1, idx)], tCrB[(None, None, kb + 1, idx)], Pn)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-            elif const_expr(prefetch_next):
-                nxt = read_state.clone()
-                nxt.advance()
-                self.wait_stage(ab_pipeline, nxt, dec_mbar)
-                warpgroup.fence()
-                cute.gemm(tiled_mma, Pn, tCrA[(None, None, 0, nxt.index)], tCrB[(None, None, 0, nxt.index)], Pn)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-            else:
-                warpgroup.wait_group(0)
-            self.promote(acc, Pc, sa_r0[kb], sa_r1[kb], sDecB4, idx, kb, quad, (flags >> kb) & Int32(1))
-
-    @cute.jit
     def mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma: cute.TiledMma,
-                 acc: cute.Tensor, P0: cute.Tensor, P1: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-                 sDecA: cute.Tensor, sDecB4: cute.Tensor, sFlags: cute.Tensor, row0: Int32, quad: Int32,
-                 k_count: Int32):
-        """acc = promoted sum over k_count stages (zeros when k_count == 0). One wgmma per 32-wide K block into
-        P0/P1 alternately; block kb+1 (also across stages) is issued before kb is promoted."""
+                 scale_mma: cute.TiledMma, acc: cute.Tensor, P: cute.Tensor, S: cute.Tensor, tCrA: cute.Tensor,
+                 tCrB: cute.Tensor, tCrSA: cute.Tensor, tCrSB: cute.Tensor, k_count: Int32):
+        """acc = sum over k_count stages of P * S per 32-wide K block (zeros when k_count == 0)."""
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        if k_count > 0:
+        scale_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for _s in cutlass.range(k_count, unroll=1):
             self.wait_stage(ab_pipeline, read_state, dec_mbar)
-            warpgroup.fence()
-            cute.gemm(tiled_mma, P0, tCrA[(None, None, 0, read_state.index)],
-                      tCrB[(None, None, 0, read_state.index)], P0)
-            warpgroup.commit_group()
-            for _s in cutlass.range(k_count - 1, unroll=1):
-                self.mma_stage(ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB4,
-                               sFlags, row0, quad, True)
-                ab_pipeline.consumer_release(release_state)
-                release_state.advance()
-                read_state.advance()
-                # Retire the prefetched wgmma before the loop's back-edge: ptxas (13.x) cannot follow a wgmma in
-                # flight across a back-edge into the next iteration's promotion and then serializes *every*
-                # wgmma of the kernel (C7514). It has run under the last promotion, so the wait costs ~nothing.
+            idx = read_state.index
+            for kb in cutlass.range_constexpr(KB_PER_STAGE):
+                warpgroup.fence()
+                cute.gemm(tiled_mma, P, tCrA[(None, None, kb, idx)], tCrB[(None, None, kb, idx)], P)
+                cute.gemm(scale_mma, S, tCrSA[(None, None, 0, kb, idx)], tCrSB[(None, None, 0, kb, idx)], S)
+                warpgroup.commit_group()
                 warpgroup.wait_group(0)
-            self.mma_stage(ab_pipeline, dec_mbar, read_state, tiled_mma, acc, P0, P1, tCrA, tCrB, sDecA, sDecB4,
-                           sFlags, row0, quad, False)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] + P[i] * S[i]
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
