@@ -3,7 +3,7 @@
 Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
   warpgroup 0, warp 0   `producer`: TMA loads of A (128 x 64) and B[g] (tile_n x 64, multicast to the cluster)
                         into an `ab_stages`-deep mbarrier pipeline (MXFP8: 128 x 128 B of fp8 + the SF atoms);
-  warpgroup 0, warp 1   `decoder` (MXFP8 only): e8m0 bytes of each stage -> fp32 scales in smem (mainloop_mxfp8);
+  warpgroup 0, warps 1-2 `decoder` (MXFP8 only): e8m0 bytes of each stage -> bf16 scale operands (mainloop_mxfp8);
   warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n; MXFP8: per 32-K block
                         into partial accumulators, promoted with the scales), then `epilogue`:
                         fused math per 32-column subtile -> swizzled smem -> TMA store (the first consumer warp
@@ -99,7 +99,8 @@ class GroupedGemmSm90:
         self.tile_k = mx.TILE_K if self.block_scaled else TILE_K
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         if self.block_scaled:
-            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k)
+            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
+                                             cfg.warpgroup_turns)
         else:
             self.mainloop = WgmmaMainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
 
@@ -341,12 +342,12 @@ class GroupedGemmSm90:
         )
         dec_mbar = None
         if const_expr(self.block_scaled):
-            # decoded-scales barrier per stage: the decoder warp's 32 lanes arrive
+            # decoded-scales barrier per stage: the 64 lanes of the two decoder warps arrive
             dec_mbar = storage.dec_mbar.data_ptr()
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.ab_stages):
-                        cute.arch.mbarrier_init(dec_mbar + s, 32)
+                        cute.arch.mbarrier_init(dec_mbar + s, 64)
             cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
@@ -385,7 +386,9 @@ class GroupedGemmSm90:
                               tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF)
             if const_expr(self.block_scaled):
                 if warp_idx == 1:
-                    self.decoder(ab_pipeline, dec_mbar, sSF, sSA16, sSB16, sValid, m_rows)
+                    self.decoder(ab_pipeline, dec_mbar, sSF, sSA16, 0, sValid, m_rows)
+                if warp_idx == 2:
+                    self.decoder(ab_pipeline, dec_mbar, sSF, sSB16, 1, sValid, m_rows)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
@@ -487,8 +490,9 @@ class GroupedGemmSm90:
         ab_pipeline.producer_tail(prod_state)
 
     @cute.jit
-    def decoder(self, ab_pipeline, dec_mbar, sSF, sSA16, sSB16, sValid, m_rows):
-        """Warp 1 (MXFP8): decode every stage the producer loads (same schedule) into the bf16 scale operands."""
+    def decoder(self, ab_pipeline, dec_mbar, sSF, sS16, operand: cutlass.Constexpr, sValid, m_rows):
+        """Warps 1 / 2 (MXFP8): decode the A / B scales of every stage the producer loads (same schedule) into
+        the bf16 scale operand A' / B'."""
         lane = cute.arch.lane_idx()
         sRaw32 = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32), cute.make_layout(
             (4, 32, 2, self.ab_stages), stride=(1, 4, mx.SF_ATOM_BYTES // 4, 2 * mx.SF_ATOM_BYTES // 4)))
@@ -502,7 +506,7 @@ class GroupedGemmSm90:
                 k_count = Int32(k_tiles)
             for k in cutlass.range(k_count, unroll=1):
                 ab_pipeline.consumer_wait(state)
-                self.mainloop.decode_stage(sRaw32, sSA16, sSB16, state.index, k == k_tiles - 1, lane)
+                self.mainloop.decode_stage(sRaw32, sS16, operand, state.index, k == k_tiles - 1, lane)
                 cute.arch.mbarrier_arrive(dec_mbar + state.index)
                 state.advance()
             t += stride
@@ -592,6 +596,8 @@ class GroupedGemmSm90:
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
 
+        if const_expr(self.block_scaled):
+            self.mainloop.start_turns(wg)
         t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
         while t < total:
             m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
@@ -616,7 +622,7 @@ class GroupedGemmSm90:
             if const_expr(self.block_scaled):
                 read_state, release_state = self.mainloop.mma_tile(
                     ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA, tCrB,
-                    tCrSA, tCrSB, k_count
+                    tCrSA, tCrSB, k_count, wg
                 )
             else:
                 read_state, release_state = self.mainloop.mma_tile(
@@ -629,6 +635,8 @@ class GroupedGemmSm90:
                 store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC,
             )
             t += stride
+        if const_expr(self.block_scaled):
+            self.mainloop.end_turns(wg)
         store_pipeline.producer_tail()
 
     @cute.jit

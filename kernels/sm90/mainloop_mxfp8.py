@@ -16,19 +16,20 @@ delivery bounded the FMUL + FFMA kernel at 367 TFLOP/s on fc1 (612 with the scal
 costs tensor time equal to the data wgmma's (64 cycles per warpgroup per block) and 6 KB of operand reads, and no
 thread loads a scale.
 
-Scale operands (bf16, K-major, no swizzle: "interleaved" 8 x 16-byte core matrices), per stage, written by the
-decoder warp:
-  A' per 8-row group: chunks [c0 Z c1 Z c2 Z c3 Z], 128 B each; row r of chunk cj = (sfa[r, kb j], 0, ..., 0),
-     Z = zeros: block j's operand starts at cj, its second K chunk (LBO = 128 B) is the Z after it;
-  B' per 8-row group: chunks [c0 c1 c2 c3 Z]: block j reads cj and c(j+1) (or Z). Only element k = 0 of A' is
-     non-zero, so S[r, n] = sfa[r, j] * sfb[n, j] exactly; the other products are 0 * finite (a NaN scale of
-     block j+1 can only reach columns that block j+1 makes NaN anyway).
-The zeros are written once per CTA; the decoder writes 2 x 512 bf16 scale values per stage.
+Scale operands (bf16, K-major, no swizzle: "interleaved" 8 x 16-byte core matrices of 128 B), per stage:
+  A' (dense) per 8-row group: chunks [D Z]; row r of D = (sfa[r, 0..3], 0, 0, 0, 0), Z = zeros. Every block
+     reads the same A' (k = 0..15 = D then Z);
+  B' (one-hot) per 8-row group: chunks [c0 c1 c2 c3 Z]; row n of cj = sfb[n, j] at k = j, zeros elsewhere.
+     Block j reads cj and c(j+1) (or Z) as its two K chunks.
+So S[r, n] = sum_k A'[r, k] B'_j[k, n] = sfa[r, j] * sfb[n, j] exactly: every other term is 0 * (a scale of the
+same row r or column n, or 0). A NaN scale (e8m0 0xFF) can reach other blocks of its own row / column only,
+which the reference makes NaN anyway. 14 KB per stage; the zeros are written once per CTA; per stage the decoder
+warps write one 8-byte row of A' per row and 4 bf16 of B' per column.
 
 Pipeline per CTA (stage = 128 K elements = 4 scale blocks = one 512-byte SF atom per 128 rows, SEMANTICS §2.3):
   producer warp   TMA: A (128 x 128 B), B[g] (128 x 128 B), the SFA atom and the SFB atom of the stage (512 B each,
                   contiguous in the packed layout), all on the stage's mbarrier; SFA multicast with A, SFB with B;
-  decoder warp    waits for the stage, writes the e8m0 bytes as bf16 2^(e-127) (NaN for 0xFF, 0.0 for e = 0 and for
+  decoder warps   (one per operand) wait for the stage, write the e8m0 bytes as bf16 2^(e-127) (NaN for 0xFF, 0.0 for e = 0 and for
                   K blocks past K) into A' / B', fences them for the async proxy, arrives on the decode barrier;
   consumers       two warpgroups x 64 rows: per block, both wgmmas, wait, 64 FFMAs. No wgmma stays in flight across
                   a block (registers: acc + P + S = 192 of 232); the tensor core runs one warpgroup's pair while the
@@ -51,10 +52,11 @@ SF_ATOM_ROWS = 128  # one 512-byte SF atom: 128 rows x 4 k-blocks
 SF_ATOM_BYTES = 512
 SCALE_K = 16  # K of the bf16 scale wgmma
 CHUNK = 64  # bf16 elements of one core matrix (8 rows x 16 B)
-SA_GROUP = 2 * KB_PER_STAGE * CHUNK  # A' per 8-row group: [c0 Z c1 Z c2 Z c3 Z]
+SA_GROUP = 2 * CHUNK  # A' per 8-row group: [D Z]
 SB_GROUP = (KB_PER_STAGE + 1) * CHUNK  # B' per 8-row group: [c0 c1 c2 c3 Z]
 SA_STAGE = SF_ATOM_ROWS // 8 * SA_GROUP  # bf16 elements per stage
 SB_STAGE = SF_ATOM_ROWS // 8 * SB_GROUP
+TURN_BARRIER_ID = 2  # named barriers 2, 3: the consumer warpgroups' turns on the tensor core (1 = epilogue)
 
 
 def ab_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
@@ -68,10 +70,11 @@ def smem_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
 
 
 def scale_operand_layouts(stages: int):
-    """(A', B') smem layouts ((8 rows, 16 groups), (8, 2 K chunks), kb, stage) in bf16 elements (module docstring)."""
+    """(A', B') smem layouts ((8 rows, 16 groups), (8, 2 K chunks), kb, stage) in bf16 elements (module docstring;
+    A' is the same for every block: kb stride 0)."""
     sw = cute.make_swizzle(0, 4, 3)  # "interleaved" (no swizzle) wgmma operand
     a = cute.make_layout(((8, SF_ATOM_ROWS // 8), (8, 2), KB_PER_STAGE, stages),
-                         stride=((8, SA_GROUP), (1, CHUNK), 2 * CHUNK, SA_STAGE))
+                         stride=((8, SA_GROUP), (1, CHUNK), 0, SA_STAGE))
     b = cute.make_layout(((8, SF_ATOM_ROWS // 8), (8, 2), KB_PER_STAGE, stages),
                          stride=((8, SB_GROUP), (1, CHUNK), CHUNK, SB_STAGE))
     return cute.make_composed_layout(sw, 0, a), cute.make_composed_layout(sw, 0, b)
@@ -88,7 +91,8 @@ def sf_view(sf: cute.Tensor) -> cute.Tensor:
 class Mxfp8Mainloop:
     """Producer / decoder / consumer k-loops of one output tile (128 x 128) with per-32 e8m0 scales."""
 
-    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int):
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, turns: bool = True):
+        self.turns = turns
         if tile_m != 128 or tile_n != 128:
             raise NotImplementedError("the MXFP8 mainloop runs 128 x 128 tiles (two 64 x 128 warpgroups)")
         self.ab_dtype = ab_dtype
@@ -172,28 +176,34 @@ class Mxfp8Mainloop:
                 words[i] = Int32(0)
 
     @cute.jit
-    def decode_stage(self, sRaw32: cute.Tensor, sSA16: cute.Tensor, sSB16: cute.Tensor, idx: Int32,
+    def decode_stage(self, sRaw32: cute.Tensor, sS16: cute.Tensor, operand: cutlass.Constexpr, idx: Int32,
                      last: cutlass.Boolean, lane: Int32):
-        """Warp-collective: one stage's SF atoms -> bf16 scale elements of A' / B' (k = 0 of each block's chunk).
+        """Warp-collective: one stage's SF atom of `operand` (0: A, 1: B) -> its bf16 scale elements in A' / B'
+        (k = 0 of each block's chunk). One warp per operand: the decode is on the consumers' critical path
+        (a single warp for both measured -20%, RESULTS.md run 11).
 
         sRaw32: (4 words, 32 lanes, 2 operands, stages) Int32 view of the raw atoms -- lane l's 16 bytes are
         rows (A) / columns (B) l + 32 i, i = 0..3, each word holding k-blocks 0..3 (§2.3 atom layout);
-        sSA16 / sSB16: flat Int16 views of A' / B'."""
-        wa = sRaw32[(None, lane, 0, idx)].load()
-        wb = sRaw32[(None, lane, 1, idx)].load()
+        sS16: flat Int16 view of A' (operand 0) or B' (operand 1)."""
+        group, stage = (SA_GROUP, SA_STAGE) if operand == 0 else (SB_GROUP, SB_STAGE)
+        w = sRaw32[(None, lane, operand, idx)].load()
         keep_tail = Int32(cutlass.select_(last, Int32(0), Int32(-1)))  # K blocks past K: scale 0.0
         for i in cutlass.range_constexpr(4):
             r = lane + 32 * i
-            row_a = idx * SA_STAGE + (r // 8) * SA_GROUP + (r % 8) * 8
-            row_b = idx * SB_STAGE + (r // 8) * SB_GROUP + (r % 8) * 8
+            row = idx * stage + (r // 8) * group + (r % 8) * 8
+            bf = cute.make_rmem_tensor((KB_PER_STAGE,), cutlass.Int16)
             for j in cutlass.range_constexpr(KB_PER_STAGE):
                 keep = Int32(-1)
                 if const_expr(j >= self.last_kbs):
                     keep = keep_tail
-                sSA16[row_a + 2 * j * CHUNK] = cutlass.Int16(
-                    (_e8m0_f32_bits((wa[i] >> (8 * j)) & Int32(0xFF)) & keep) >> 16)
-                sSB16[row_b + j * CHUNK] = cutlass.Int16(
-                    (_e8m0_f32_bits((wb[i] >> (8 * j)) & Int32(0xFF)) & keep) >> 16)
+                bf[j] = cutlass.Int16((_e8m0_f32_bits((w[i] >> (8 * j)) & Int32(0xFF)) & keep) >> 16)
+            if const_expr(operand == 0):
+                # dense row of A': the 4 blocks' scales at k = 0..3, one 8-byte store
+                dst = cute.make_tensor(sS16.iterator + row, cute.make_layout(KB_PER_STAGE))
+                dst.store(bf.load())
+            else:
+                for j in cutlass.range_constexpr(KB_PER_STAGE):
+                    sS16[row + j * CHUNK + j] = bf[j]
         # the wgmma reads A' / B' through the async proxy
         cute.arch.fence_proxy("async.shared", space="cta")
 
@@ -204,10 +214,30 @@ class Mxfp8Mainloop:
         cute.arch.mbarrier_wait(dec_mbar + state.index, state.phase)
 
     @cute.jit
+    def start_turns(self, wg: Int32):
+        """Before the first tile: warpgroup 1 hands the first turn to warpgroup 0 (see mma_tile)."""
+        if const_expr(self.turns):
+            if wg == 1:
+                cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_ID, number_of_threads=256)
+
+    @cute.jit
+    def end_turns(self, wg: Int32):
+        """After the last tile: warpgroup 0 takes the turn warpgroup 1 handed over last (none stays pending)."""
+        if const_expr(self.turns):
+            if wg == 0:
+                cute.arch.barrier(barrier_id=TURN_BARRIER_ID, number_of_threads=256)
+
+    @cute.jit
     def mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma: cute.TiledMma,
                  scale_mma: cute.TiledMma, acc: cute.Tensor, P: cute.Tensor, S: cute.Tensor, tCrA: cute.Tensor,
-                 tCrB: cute.Tensor, tCrSA: cute.Tensor, tCrSB: cute.Tensor, k_count: Int32):
-        """acc = sum over k_count stages of P * S per 32-wide K block (zeros when k_count == 0)."""
+                 tCrB: cute.Tensor, tCrSA: cute.Tensor, tCrSB: cute.Tensor, k_count: Int32, wg: Int32):
+        """acc = sum over k_count stages of P * S per 32-wide K block (zeros when k_count == 0).
+
+        `turns`: the two warpgroups take turns on the tensor core (barrier TURN_BARRIER_ID + wg = "warpgroup wg's
+        turn"): a warpgroup issues its block's data and scale wgmmas on its turn and hands the turn over as soon as
+        its data wgmma has retired, so the other warpgroup's pair queues behind its scale wgmma while it folds
+        P * S. Without turns both warpgroups' pairs share the tensor core, finish together and fold together,
+        leaving the tensor core idle during the folds."""
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         scale_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -215,10 +245,16 @@ class Mxfp8Mainloop:
             self.wait_stage(ab_pipeline, read_state, dec_mbar)
             idx = read_state.index
             for kb in cutlass.range_constexpr(KB_PER_STAGE):
+                if const_expr(self.turns):
+                    cute.arch.barrier(barrier_id=TURN_BARRIER_ID + wg, number_of_threads=256)
                 warpgroup.fence()
                 cute.gemm(tiled_mma, P, tCrA[(None, None, kb, idx)], tCrB[(None, None, kb, idx)], P)
+                warpgroup.commit_group()
                 cute.gemm(scale_mma, S, tCrSA[(None, None, 0, kb, idx)], tCrSB[(None, None, 0, kb, idx)], S)
                 warpgroup.commit_group()
+                if const_expr(self.turns):
+                    warpgroup.wait_group(1)
+                    cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_ID + 1 - wg, number_of_threads=256)
                 warpgroup.wait_group(0)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] + P[i] * S[i]
