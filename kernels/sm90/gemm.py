@@ -3,7 +3,7 @@
 Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
   warpgroup 0, warp 0   `producer`: TMA loads of A (128 x 64) and B[g] (tile_n x 64, multicast to the cluster)
                         into an `ab_stages`-deep mbarrier pipeline (MXFP8: 128 x 128 B of fp8 + the SF atoms);
-  warpgroup 0, warps 1-2 `decoder` (MXFP8 only): e8m0 bytes of each stage -> bf16 scale operands (mainloop_mxfp8);
+  warpgroup 0, warps 1-3 `decoder` (MXFP8 only): e8m0 bytes of each stage -> bf16 scale operands (mainloop_mxfp8);
   warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n; MXFP8: per 32-K block
                         into partial accumulators, promoted with the scales), then `epilogue`:
                         fused math per 32-column subtile -> swizzled smem -> TMA store (the first consumer warp
@@ -342,12 +342,12 @@ class GroupedGemmSm90:
         )
         dec_mbar = None
         if const_expr(self.block_scaled):
-            # decoded-scales barrier per stage: the 64 lanes of the two decoder warps arrive
+            # decoded-scales barrier per stage: the 96 lanes of the three decoder warps arrive
             dec_mbar = storage.dec_mbar.data_ptr()
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.ab_stages):
-                        cute.arch.mbarrier_init(dec_mbar + s, 64)
+                        cute.arch.mbarrier_init(dec_mbar + s, 96)
             cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
@@ -386,9 +386,11 @@ class GroupedGemmSm90:
                               tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF)
             if const_expr(self.block_scaled):
                 if warp_idx == 1:
-                    self.decoder(ab_pipeline, dec_mbar, sSF, sSA16, 0, sValid, m_rows)
+                    self.decoder(ab_pipeline, dec_mbar, sSF, sSA16, 0, (0, 1, 2, 3), sValid, m_rows)
                 if warp_idx == 2:
-                    self.decoder(ab_pipeline, dec_mbar, sSF, sSB16, 1, sValid, m_rows)
+                    self.decoder(ab_pipeline, dec_mbar, sSF, sSB16, 1, (0, 1), sValid, m_rows)
+                if warp_idx == 3:
+                    self.decoder(ab_pipeline, dec_mbar, sSF, sSB16, 1, (2, 3), sValid, m_rows)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
@@ -490,9 +492,10 @@ class GroupedGemmSm90:
         ab_pipeline.producer_tail(prod_state)
 
     @cute.jit
-    def decoder(self, ab_pipeline, dec_mbar, sSF, sS16, operand: cutlass.Constexpr, sValid, m_rows):
-        """Warps 1 / 2 (MXFP8): decode the A / B scales of every stage the producer loads (same schedule) into
-        the bf16 scale operand A' / B'."""
+    def decoder(self, ab_pipeline, dec_mbar, sSF, sS16, operand: cutlass.Constexpr, quarters: cutlass.Constexpr,
+                sValid, m_rows):
+        """Warps 1-3 (MXFP8): decode the A (warp 1) / B (warps 2, 3: half the columns each) scales of every stage
+        the producer loads (same schedule) into the bf16 scale operand A' / B'."""
         lane = cute.arch.lane_idx()
         sRaw32 = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32), cute.make_layout(
             (4, 32, 2, self.ab_stages), stride=(1, 4, mx.SF_ATOM_BYTES // 4, 2 * mx.SF_ATOM_BYTES // 4)))
@@ -506,7 +509,7 @@ class GroupedGemmSm90:
                 k_count = Int32(k_tiles)
             for k in cutlass.range(k_count, unroll=1):
                 ab_pipeline.consumer_wait(state)
-                self.mainloop.decode_stage(sRaw32, sS16, operand, state.index, k == k_tiles - 1, lane)
+                self.mainloop.decode_stage(sRaw32, sS16, operand, quarters, state.index, k == k_tiles - 1, lane)
                 cute.arch.mbarrier_arrive(dec_mbar + state.index)
                 state.advance()
             t += stride

@@ -29,7 +29,7 @@ warps write one 8-byte row of A' per row and 4 bf16 of B' per column.
 Pipeline per CTA (stage = 128 K elements = 4 scale blocks = one 512-byte SF atom per 128 rows, SEMANTICS §2.3):
   producer warp   TMA: A (128 x 128 B), B[g] (128 x 128 B), the SFA atom and the SFB atom of the stage (512 B each,
                   contiguous in the packed layout), all on the stage's mbarrier; SFA multicast with A, SFB with B;
-  decoder warps   (one per operand) wait for the stage, write the e8m0 bytes as bf16 2^(e-127) (NaN for 0xFF, 0.0 for e = 0 and for
+  decoder warps   (1: A', 2-3: B') wait for the stage, write the e8m0 bytes as bf16 2^(e-127) (NaN for 0xFF, 0.0 for e = 0 and for
                   K blocks past K) into A' / B', fences them for the async proxy, arrives on the decode barrier;
   consumers       two warpgroups x 64 rows: per block, both wgmmas, wait, 64 FFMAs. No wgmma stays in flight across
                   a block (registers: acc + P + S = 192 of 232); the tensor core runs one warpgroup's pair while the
@@ -91,7 +91,7 @@ def sf_view(sf: cute.Tensor) -> cute.Tensor:
 class Mxfp8Mainloop:
     """Producer / decoder / consumer k-loops of one output tile (128 x 128) with per-32 e8m0 scales."""
 
-    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, turns: bool = True):
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, turns: bool = False):
         self.turns = turns
         if tile_m != 128 or tile_n != 128:
             raise NotImplementedError("the MXFP8 mainloop runs 128 x 128 tiles (two 64 x 128 warpgroups)")
@@ -176,11 +176,12 @@ class Mxfp8Mainloop:
                 words[i] = Int32(0)
 
     @cute.jit
-    def decode_stage(self, sRaw32: cute.Tensor, sS16: cute.Tensor, operand: cutlass.Constexpr, idx: Int32,
-                     last: cutlass.Boolean, lane: Int32):
-        """Warp-collective: one stage's SF atom of `operand` (0: A, 1: B) -> its bf16 scale elements in A' / B'
-        (k = 0 of each block's chunk). One warp per operand: the decode is on the consumers' critical path
-        (a single warp for both measured -20%, RESULTS.md run 11).
+    def decode_stage(self, sRaw32: cute.Tensor, sS16: cute.Tensor, operand: cutlass.Constexpr,
+                     quarters: cutlass.Constexpr, idx: Int32, last: cutlass.Boolean, lane: Int32):
+        """Warp-collective: rows `lane + 32 i` (i in `quarters`) of one stage's SF atom of `operand` (0: A, 1: B) ->
+        their bf16 scale elements in A' / B'. The decode is on the consumers' critical path (one warp for both
+        operands measured -20%, RESULTS.md run 11): warp 1 writes A' (one 8-byte store per row), warps 2 and 3
+        half of B' each (four 2-byte stores per column).
 
         sRaw32: (4 words, 32 lanes, 2 operands, stages) Int32 view of the raw atoms -- lane l's 16 bytes are
         rows (A) / columns (B) l + 32 i, i = 0..3, each word holding k-blocks 0..3 (§2.3 atom layout);
@@ -188,7 +189,7 @@ class Mxfp8Mainloop:
         group, stage = (SA_GROUP, SA_STAGE) if operand == 0 else (SB_GROUP, SB_STAGE)
         w = sRaw32[(None, lane, operand, idx)].load()
         keep_tail = Int32(cutlass.select_(last, Int32(0), Int32(-1)))  # K blocks past K: scale 0.0
-        for i in cutlass.range_constexpr(4):
+        for i in quarters:
             r = lane + 32 * i
             row = idx * stage + (r // 8) * group + (r % 8) * 8
             bf = cute.make_rmem_tensor((KB_PER_STAGE,), cutlass.Int16)
@@ -233,11 +234,10 @@ class Mxfp8Mainloop:
                  tCrB: cute.Tensor, tCrSA: cute.Tensor, tCrSB: cute.Tensor, k_count: Int32, wg: Int32):
         """acc = sum over k_count stages of P * S per 32-wide K block (zeros when k_count == 0).
 
-        `turns`: the two warpgroups take turns on the tensor core (barrier TURN_BARRIER_ID + wg = "warpgroup wg's
-        turn"): a warpgroup issues its block's data and scale wgmmas on its turn and hands the turn over as soon as
-        its data wgmma has retired, so the other warpgroup's pair queues behind its scale wgmma while it folds
-        P * S. Without turns both warpgroups' pairs share the tensor core, finish together and fold together,
-        leaving the tensor core idle during the folds."""
+        `turns`: the two warpgroups take turns issuing (barrier TURN_BARRIER_ID + wg = "warpgroup wg's turn"): a
+        warpgroup issues its block's data and scale wgmmas on its turn and hands the turn over right away, so the
+        pairs reach the tensor core alternately and one warpgroup can fold P * S while the other's pair runs.
+        Without turns both warpgroups' pairs share the tensor core, finish together and fold together."""
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         scale_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -249,11 +249,9 @@ class Mxfp8Mainloop:
                     cute.arch.barrier(barrier_id=TURN_BARRIER_ID + wg, number_of_threads=256)
                 warpgroup.fence()
                 cute.gemm(tiled_mma, P, tCrA[(None, None, kb, idx)], tCrB[(None, None, kb, idx)], P)
-                warpgroup.commit_group()
                 cute.gemm(scale_mma, S, tCrSA[(None, None, 0, kb, idx)], tCrSB[(None, None, 0, kb, idx)], S)
                 warpgroup.commit_group()
                 if const_expr(self.turns):
-                    warpgroup.wait_group(1)
                     cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_ID + 1 - wg, number_of_threads=256)
                 warpgroup.wait_group(0)
                 for i in cutlass.range_constexpr(cute.size(acc)):
