@@ -26,9 +26,8 @@ program, CUPTI; one value when every round saw the same program).
 
 MXFP8 mode: the same fc1 / fc2 / small shapes with A, B quantized from N(0,1) data per 32-wide K block
 (cudnn_moe_jax.formats.to_block_scaled on the GPU: realistic, non-uniform scales); ours with bf16 D (+ C for
-SwiGLU, + amax) and with FP8 D (D, D_col, SFD_row, SFD_col, norm_const), with the one-FFMA promotion path on
-(`fast`, fc1), and fc1 once more on B operands whose scales are equal across N per K block (`uniformB`: the
-fast path's best case). Peers on the same FP8 bytes: torch._scaled_grouped_mm with per-row scales (GEMM only)
+SwiGLU, + amax) and with FP8 D (D, D_col, SFD_row, SFD_col, norm_const), and fc1 once more on B operands whose
+scales are equal across N per K block (`uniformB`: a data pattern some kernels special-case; ours does not). Peers on the same FP8 bytes: torch._scaled_grouped_mm with per-row scales (GEMM only)
 and jax.lax.ragged_dot on fp8 data (no block scales) + the jnp epilogue.
 """
 
@@ -362,7 +361,7 @@ def run_mxfp8(args):
         key = jax.random.PRNGKey(0)
         b_codes, sfb = quant(jax.random.normal(jax.random.fold_in(key, 1), (L, n, k), jnp.float32) / np.sqrt(k))
         nkb = -(-k // 32)
-        # B scales equal across N within each K block, varying along K (the kernel's one-FFMA promotion case)
+        # B scales equal across N within each K block, varying along K
         s_uni = jnp.broadcast_to((118 + jnp.arange(nkb) % 3).astype(jnp.uint8), (L, n, nkb))
         sfb_uni = formats.pack_sf(s_uni)
         alpha = jnp.ones((L,), jnp.float32)

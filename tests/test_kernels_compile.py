@@ -1,7 +1,7 @@
 """CPU checks of the sm90 kernels: every default variant compiles for sm_90a through `cutlass_call` + `jax.export`
 (symbolic m: one module for every m), and its SASS has wgmma (HGMMA for bf16/fp16, QGMMA for MXFP8) and no
-local-memory spills (LDL/STL); MXFP8 modules also must not have their wgmma serialized by ptxas (an in-flight
-partial accumulator is what overlaps the tensor core with the scale promotion).
+local-memory spills (LDL/STL); MXFP8 modules run one scale-product HGMMA per data QGMMA, issued back to back
+(ptxas must not serialize them).
 
 Skipped when the CuTe DSL compiler is not installed. ~24 bf16/fp16 variants x ~2 s + 9 MXFP8 variants x ~4 s on
 2 cores.

@@ -32,10 +32,6 @@ class Config:
     epi_pin: re-read alpha from shared memory every epilogue step (keeps ptxas from hoisting all steps' math
       above the step barriers: fewer registers, less overlap);
     group_m: M blocks per raster swizzle group (L2 reuse);
-    warpgroup_turns: MXFP8 only: the two consumer warpgroups take turns issuing their wgmmas per 32-K block
-      (mainloop_mxfp8.Mxfp8Mainloop.mma_tile) so that one folds its block while the other's wgmmas run. Off by
-      default: a turn handed over after the data wgmma retired measured 568 vs 600 TFLOP/s without (fc1);
-
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. With 4-CTA clusters not all 33 clusters may be
       co-resident (GPC sizes), so those configs may want 128.
     """
@@ -49,7 +45,6 @@ class Config:
     epi_pin: bool = False
     group_m: int = 8
     num_sms: int = H200_SMS
-    warpgroup_turns: bool = False
 
     def __post_init__(self):
         if self.tile_m != 128:
@@ -123,7 +118,8 @@ def default_config(problem) -> Config:
     stages for GLU) -7% on fc1 but maybe +7% on `small` (host-timed, within noise in the last run); tile 128x128
     -5% on fc1/fc2; swizzle group 4/8/16 within noise; one barrier per epilogue step -8..13%. ncu, one launch:
     fc1 1.25 ms (torch CUTLASS 1.24), fc2 645 us (652), small 192 us (171, DRAM-bound).
-    MXFP8 runs 128 x 128 tiles (the two partial accumulators of the promotion leave no registers for 256).
+    MXFP8 runs 128 x 128 tiles (acc + the data and scale-product partials, 3 x 64 registers, leave no room for
+    256); measured there: cluster 2x1 597-600 vs 1x1 591 TFLOP/s on fc1 (RESULTS.md runs 12-13).
     """
     if problem.block_scaled:
         return Config(tile_n=128, cluster_m=2)

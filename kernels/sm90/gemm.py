@@ -5,7 +5,7 @@ Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; 
                         into an `ab_stages`-deep mbarrier pipeline (MXFP8: 128 x 128 B of fp8 + the SF atoms);
   warpgroup 0, warps 1-3 `decoder` (MXFP8 only): e8m0 bytes of each stage -> bf16 scale operands (mainloop_mxfp8);
   warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n; MXFP8: per 32-K block
-                        into partial accumulators, promoted with the scales), then `epilogue`:
+                        a data and a scale-product wgmma, folded with one FFMA per element), then `epilogue`:
                         fused math per 32-column subtile -> swizzled smem -> TMA store (the first consumer warp
                         issues the stores; `epi_stages` buffers keep stores in flight under the next subtile).
                         FP8 D: row/column quantization of each subtile, e8m0 bytes stored from registers
@@ -90,7 +90,7 @@ class GroupedGemmSm90:
         self.epi_tile = (self.tile_m, EPI_N)
         self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
         self.max_clusters = cfg.num_sms // self.cluster_size
-        # MXFP8: FP8 wgmma per 32-wide K block + scale promotion (mainloop_mxfp8); FP8 D: SFD row/col outputs
+        # MXFP8: FP8 wgmma + scale-product wgmma per 32-wide K block (mainloop_mxfp8); FP8 D: SFD row/col outputs
         self.block_scaled = problem.block_scaled
         self.quant_d = epi.generate_sfd
         self.discrete_col_sfd = epi.discrete_col_sfd
@@ -99,8 +99,7 @@ class GroupedGemmSm90:
         self.tile_k = mx.TILE_K if self.block_scaled else TILE_K
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         if self.block_scaled:
-            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
-                                             cfg.warpgroup_turns)
+            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k)
         else:
             self.mainloop = WgmmaMainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
 
@@ -599,8 +598,6 @@ class GroupedGemmSm90:
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
 
-        if const_expr(self.block_scaled):
-            self.mainloop.start_turns(wg)
         t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
         while t < total:
             m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
@@ -625,7 +622,7 @@ class GroupedGemmSm90:
             if const_expr(self.block_scaled):
                 read_state, release_state = self.mainloop.mma_tile(
                     ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA, tCrB,
-                    tCrSA, tCrSB, k_count, wg
+                    tCrSA, tCrSB, k_count
                 )
             else:
                 read_state, release_state = self.mainloop.mma_tile(
@@ -638,8 +635,6 @@ class GroupedGemmSm90:
                 store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC,
             )
             t += stride
-        if const_expr(self.block_scaled):
-            self.mainloop.end_turns(wg)
         store_pipeline.producer_tail()
 
     @cute.jit

@@ -5,8 +5,8 @@ A (valid rows of one expert) and B[g] are both K-major (A `(m, K)`, B `(L, N, K)
 128-byte-swizzled K-major shared-memory atoms and SS wgmma (m64nNk16, N = tile_n). Two consumer warpgroups split
 the 128-row tile into 64-row halves ("cooperative"); both read the whole B tile.
 
-A later MXFP8 path adds a mainloop class with the same two methods (FP8 wgmma per 32-wide K block + promotion);
-the kernel class does not change.
+The MXFP8 path (mainloop_mxfp8.Mxfp8Mainloop) is another mainloop class with the same roles (FP8 wgmma per
+32-wide K block, folded with its scale products); the kernel class does not change.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ bf16 wgmma for the scale products, folded with one FFMA per accumulator element.
 
 Hopper has no block-scaled MMA (SEMANTICS §10). For every 32-wide K block `kb` each consumer warpgroup runs
   P = A[:, kb] . B[:, kb]^T              FP8 wgmma m64 n128 k32 (e4m3/e5m2, fp32 partial accumulator)
-  S = sfa[:, kb] (x) sfb[:, kb]          bf16 wgmma m64 n128 k16 of two one-hot operands (below): the rank-1 matrix
+  S = sfa[:, kb] (x) sfb[:, kb]          bf16 wgmma m64 n128 k16 of two scale operands (below): the rank-1 matrix
                                          of scale products, delivered by the tensor core in the accumulator layout
   acc = fma(P, S, acc)                   one FFMA per element
 The e8m0 scales are powers of two and bf16 has fp32's exponent range, so S is exact, and so are P * S; the FFMA
@@ -29,11 +29,16 @@ warps write one 8-byte row of A' per row and 4 bf16 of B' per column.
 Pipeline per CTA (stage = 128 K elements = 4 scale blocks = one 512-byte SF atom per 128 rows, SEMANTICS §2.3):
   producer warp   TMA: A (128 x 128 B), B[g] (128 x 128 B), the SFA atom and the SFB atom of the stage (512 B each,
                   contiguous in the packed layout), all on the stage's mbarrier; SFA multicast with A, SFB with B;
-  decoder warps   (1: A', 2-3: B') wait for the stage, write the e8m0 bytes as bf16 2^(e-127) (NaN for 0xFF, 0.0 for e = 0 and for
-                  K blocks past K) into A' / B', fences them for the async proxy, arrives on the decode barrier;
-  consumers       two warpgroups x 64 rows: per block, both wgmmas, wait, 64 FFMAs. No wgmma stays in flight across
-                  a block (registers: acc + P + S = 192 of 232); the tensor core runs one warpgroup's pair while the
-                  other folds its block, so the two warpgroups fall into a ping-pong of their own.
+  decoder warps   (1: A', 2-3: B') wait for the stage, write the e8m0 bytes as bf16 2^(e-127) (NaN for 0xFF, 0.0
+                  for e = 0 and for K blocks past K) into A' / B', fence them for the async proxy and arrive on the
+                  stage's decode barrier;
+  consumers       two warpgroups x 64 rows: per block, both wgmmas (one commit group), wait, 64 FFMAs.
+
+Measured (H200, fc1 MXFP8 SwiGLU, RESULTS.md runs 10-13): 490 TFLOP/s with one decoder warp and 26 KB of scale
+operands per stage (2 stages fit); 597-600 with this layout (3 stages) and 2-3 decoder warps. What bounds it now:
+the tensor core does 2 x 128 cycles per block per CTA and idles while both warpgroups fold (timing-only variants
+of the run-11 kernel: without the fold 852, without the data or the scale wgmma 704); making the warpgroups take
+turns measured slower (561-568).
 """
 
 from __future__ import annotations
@@ -56,7 +61,6 @@ SA_GROUP = 2 * CHUNK  # A' per 8-row group: [D Z]
 SB_GROUP = (KB_PER_STAGE + 1) * CHUNK  # B' per 8-row group: [c0 c1 c2 c3 Z]
 SA_STAGE = SF_ATOM_ROWS // 8 * SA_GROUP  # bf16 elements per stage
 SB_STAGE = SF_ATOM_ROWS // 8 * SB_GROUP
-TURN_BARRIER_ID = 2  # named barriers 2, 3: the consumer warpgroups' turns on the tensor core (1 = epilogue)
 
 
 def ab_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
@@ -91,8 +95,7 @@ def sf_view(sf: cute.Tensor) -> cute.Tensor:
 class Mxfp8Mainloop:
     """Producer / decoder / consumer k-loops of one output tile (128 x 128) with per-32 e8m0 scales."""
 
-    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, turns: bool = False):
-        self.turns = turns
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int):
         if tile_m != 128 or tile_n != 128:
             raise NotImplementedError("the MXFP8 mainloop runs 128 x 128 tiles (two 64 x 128 warpgroups)")
         self.ab_dtype = ab_dtype
@@ -215,29 +218,16 @@ class Mxfp8Mainloop:
         cute.arch.mbarrier_wait(dec_mbar + state.index, state.phase)
 
     @cute.jit
-    def start_turns(self, wg: Int32):
-        """Before the first tile: warpgroup 1 hands the first turn to warpgroup 0 (see mma_tile)."""
-        if const_expr(self.turns):
-            if wg == 1:
-                cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_ID, number_of_threads=256)
-
-    @cute.jit
-    def end_turns(self, wg: Int32):
-        """After the last tile: warpgroup 0 takes the turn warpgroup 1 handed over last (none stays pending)."""
-        if const_expr(self.turns):
-            if wg == 0:
-                cute.arch.barrier(barrier_id=TURN_BARRIER_ID, number_of_threads=256)
-
-    @cute.jit
     def mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma: cute.TiledMma,
                  scale_mma: cute.TiledMma, acc: cute.Tensor, P: cute.Tensor, S: cute.Tensor, tCrA: cute.Tensor,
-                 tCrB: cute.Tensor, tCrSA: cute.Tensor, tCrSB: cute.Tensor, k_count: Int32, wg: Int32):
+                 tCrB: cute.Tensor, tCrSA: cute.Tensor, tCrSB: cute.Tensor, k_count: Int32):
         """acc = sum over k_count stages of P * S per 32-wide K block (zeros when k_count == 0).
 
-        `turns`: the two warpgroups take turns issuing (barrier TURN_BARRIER_ID + wg = "warpgroup wg's turn"): a
-        warpgroup issues its block's data and scale wgmmas on its turn and hands the turn over right away, so the
-        pairs reach the tensor core alternately and one warpgroup can fold P * S while the other's pair runs.
-        Without turns both warpgroups' pairs share the tensor core, finish together and fold together."""
+        No wgmma stays in flight across a block: acc + P + S fill 192 of the 232 registers. Both warpgroups issue
+        their pairs together and fold together (the tensor core idles during the folds); making them take turns
+        (named barriers, the turn handed over at issue or once the data wgmma retired) measured slower (561 / 568
+        vs 597-600 TFLOP/s on fc1, RESULTS.md run 12).
+        """
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         scale_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -245,14 +235,10 @@ class Mxfp8Mainloop:
             self.wait_stage(ab_pipeline, read_state, dec_mbar)
             idx = read_state.index
             for kb in cutlass.range_constexpr(KB_PER_STAGE):
-                if const_expr(self.turns):
-                    cute.arch.barrier(barrier_id=TURN_BARRIER_ID + wg, number_of_threads=256)
                 warpgroup.fence()
                 cute.gemm(tiled_mma, P, tCrA[(None, None, kb, idx)], tCrB[(None, None, kb, idx)], P)
                 cute.gemm(scale_mma, S, tCrSA[(None, None, 0, kb, idx)], tCrSB[(None, None, 0, kb, idx)], S)
                 warpgroup.commit_group()
-                if const_expr(self.turns):
-                    cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_ID + 1 - wg, number_of_threads=256)
                 warpgroup.wait_group(0)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] + P[i] * S[i]

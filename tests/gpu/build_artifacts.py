@@ -50,8 +50,6 @@ MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None)
     "fc1_fp8d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
     "fc1_bf16d_c11": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
                       Config(tile_n=128, cluster_m=1)),
-    "fc1_bf16d_turns": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
-                        Config(tile_n=128, cluster_m=2, warpgroup_turns=True)),
     "fc2_bf16d": ("fc2", Epilogue(d_dtype="bfloat16", compute_amax=True), None),
     "fc2_fp8d": ("fc2", Epilogue(d_dtype=E4M3, generate_sfd=True), None),
     "small_bf16d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
@@ -80,9 +78,8 @@ def mxfp8_cases():
          Config(tile_n=128, cluster_m=1)),
         ("mxcfg_c22_swiglu_fp8d", mk("glu", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, **fp8d),
                                      n=1024), Config(tile_n=128, cluster_m=2, cluster_n=2)),
-        ("mxcfg_turns_srelu", mk("srelu", Epilogue(act="srelu", c_dtype="bfloat16", d_dtype="bfloat16",
-                                                   compute_amax=True), k=1024),
-         Config(tile_n=128, cluster_m=2, warpgroup_turns=True)),
+        ("mxedge_k1024_srelu", mk("srelu", Epilogue(act="srelu", c_dtype="bfloat16", d_dtype="bfloat16",
+                                                    compute_amax=True), k=1024), None),
     ]
 
 

@@ -2,12 +2,12 @@
 
 Inputs are real MXFP8 operands: fp32 data with per-32-block magnitudes 2^U(-20, 20) (plus all-zero blocks)
 quantized by the independent numpy quantizer (tests/np_formats.py: e8m0 RCEIL, vec 32) -- so the e8m0 scales of A
-and B span ~2^-27..2^14 across blocks -- or, for the "uniform_b" kind, B scales equal across N within each K block
-(the kernel's one-FFMA promotion path), varying along K. e4m3 and e5m2 operands per artifact.
+and B span ~2^-27..2^14 across blocks -- or, for the "uniform_b" kind, B scales equal across N within each K block,
+varying along K. e4m3 and e5m2 operands per artifact.
 
 The oracle dequantizes exactly in float64, runs the grouped GEMM and the fused epilogue of tests/gpu/harness.py
 (`harness.oracle`, fed the accumulator through an identity weight). What the kernel may differ by is bounded per
-element: the FP8 wgmma partial sums (K blocks of 32 products, each promoted exactly) may lose low-order bits, so
+element: the FP8 wgmma partial sums (K blocks of 32 products, each scaled exactly) may lose low-order bits, so
 |acc - acc64| <= E_acc = 2^-10 * sum_k |a_k b_k| + 2^-20 |acc64|; E_acc is pushed through the epilogue by finite
 differences (gate and up separately for GLU), plus 2^-20 relative for the epilogue's fp32 / approximate math.
 Then:
@@ -92,7 +92,7 @@ def make_inputs(p: dict, m: int, offsets, kind: str, seed: int):
     a_codes, sa = nf.np_quantize_rows(_blocks(rng, m, k, 20, 0.1), ab)
     b_codes, sb = [], []
     for g in range(L):
-        if kind == "uniform_b":  # B scales equal across N in every K block (the one-FFMA promotion path)
+        if kind == "uniform_b":  # B scales equal across N in every K block
             x = rng.standard_normal((n, k)).astype(np.float32) * np.float32(64.0)
             codes = nf.np_fp8_encode(x, ab)
             s = np.broadcast_to(110 + (np.arange(nkb) * 7 + 3 * g) % 21, (n, nkb)).astype(np.uint8)
