@@ -16,7 +16,7 @@ for s in $steps; do
       echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
       grep -E "^FAILED" "$OUT/gpu_tests.log" | head -30 ;;
     bench)
-      timeout -s KILL ${BENCH_TIMEOUT:-170} python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+      timeout -s KILL ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"; tail -12 "$OUT/bench.log" ;;
     ncu)
       specs=${NCU_SPECS:-"ours:bench_fc1_t256c21:^kernel_cutlass_kernel_ ours:bench_fc2_t256c21:^kernel_cutlass_kernel_ torch:fc2:^(?!prepare)"}
@@ -35,7 +35,7 @@ for s in $steps; do
       # nothing passed (a hang or a crash of every case): the timing steps would only burn device time
       grep -q " PASSED" "$OUT/mxfp8_tests.log" || skip="no MXFP8 test passed" ;;
     mxbench)
-      timeout -s KILL ${MXBENCH_TIMEOUT:-150} python3 benchmarks/bench_grouped_gemm.py --mxfp8 --out "$OUT/bench" \
+      timeout -s KILL ${MXBENCH_TIMEOUT:-240} python3 benchmarks/bench_grouped_gemm.py --mxfp8 --out "$OUT/bench" \
         > "$OUT/mxfp8_bench.log" 2>&1
       echo "mxbench rc=$?"; grep -vE "^\s*$" "$OUT/mxfp8_bench.log" | cut -c1-300 | tail -40 ;;
     mxncu)  # where the time goes: pipe utilisation and warp stalls of an MXFP8 kernel. Own process group, killed
