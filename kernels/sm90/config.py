@@ -32,6 +32,9 @@ class Config:
     epi_pin: re-read alpha from shared memory every epilogue step (keeps ptxas from hoisting all steps' math
       above the step barriers: fewer registers, less overlap);
     group_m: M blocks per raster swizzle group (L2 reuse);
+    mx_split_n: MXFP8 only: run each 32-K block's data and scale wgmmas per 64-column half so one half is folded
+      while the other computes (mainloop_mxfp8.Mxfp8Mainloop.mma_tile_halves). Off by default: compiled and
+      CPU-checked in session 2, not yet run on a GPU;
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. With 4-CTA clusters not all 33 clusters may be
       co-resident (GPC sizes), so those configs may want 128.
     """
@@ -45,6 +48,7 @@ class Config:
     epi_pin: bool = False
     group_m: int = 8
     num_sms: int = H200_SMS
+    mx_split_n: bool = False
 
     def __post_init__(self):
         if self.tile_m != 128:

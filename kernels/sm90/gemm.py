@@ -92,6 +92,7 @@ class GroupedGemmSm90:
         self.max_clusters = cfg.num_sms // self.cluster_size
         # MXFP8: FP8 wgmma + scale-product wgmma per 32-wide K block (mainloop_mxfp8); FP8 D: SFD row/col outputs
         self.block_scaled = problem.block_scaled
+        self.mx_split_n = cfg.mx_split_n
         self.quant_d = epi.generate_sfd
         self.discrete_col_sfd = epi.discrete_col_sfd
         self.has_norm_const = self.quant_d
@@ -99,7 +100,8 @@ class GroupedGemmSm90:
         self.tile_k = mx.TILE_K if self.block_scaled else TILE_K
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         if self.block_scaled:
-            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k)
+            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
+                                             cfg.mx_split_n)
         else:
             self.mainloop = WgmmaMainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
 
@@ -526,15 +528,27 @@ class GroupedGemmSm90:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        scale_mma = P = S = tCrSA = tCrSB = None
+        data_mma = scale_mma = P = S = tCrSA = tCrSB = None
         if const_expr(self.block_scaled):
-            # per 32-K block: data partial P and scale products S, same accumulator layout (mainloop_mxfp8)
-            scale_mma = mx.Mxfp8Mainloop.make_scale_tiled_mma(self.tile_n)
+            # per 32-K block: data partial P and scale products S, same accumulator layout (mainloop_mxfp8);
+            # `split_n`: both per 64-column half (two P/S pairs of half the size), acc keeps the tile's layout
+            mma_n = self.tile_n // 2 if self.mx_split_n else self.tile_n
+            data_mma = tiled_mma
+            if const_expr(self.mx_split_n):
+                data_mma = mx.Mxfp8Mainloop.make_tiled_mma(self.ab_dtype, mma_n)
+                thr_data = data_mma.get_slice(wg * 128)
+                tCrA = data_mma.make_fragment_A(thr_data.partition_A(sA))
+                tCrB = data_mma.make_fragment_B(thr_data.partition_B(sB))
+            scale_mma = mx.Mxfp8Mainloop.make_scale_tiled_mma(mma_n)
             thr_scale = scale_mma.get_slice(wg * 128)
             tCrSA = scale_mma.make_fragment_A(thr_scale.partition_A(sSA))
             tCrSB = scale_mma.make_fragment_B(thr_scale.partition_B(sSB))
-            P = cute.make_rmem_tensor(acc.shape, Float32)
-            S = cute.make_rmem_tensor(acc.shape, Float32)
+            half = thr_scale.partition_shape_C((self.tile_m, mma_n))
+            P = cute.make_rmem_tensor(half, Float32)
+            S = cute.make_rmem_tensor(half, Float32)
+            if const_expr(self.mx_split_n):
+                P = (P, cute.make_rmem_tensor(half, Float32))
+                S = (S, cute.make_rmem_tensor(half, Float32))
 
         # epilogue partitions: register fragments follow the stmatrix source layout of the accumulator
         copy_atom_layout = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
@@ -621,7 +635,7 @@ class GroupedGemmSm90:
 
             if const_expr(self.block_scaled):
                 read_state, release_state = self.mainloop.mma_tile(
-                    ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA, tCrB,
+                    ab_pipeline, dec_mbar, read_state, release_state, data_mma, scale_mma, acc, P, S, tCrA, tCrB,
                     tCrSA, tCrSB, k_count
                 )
             else:

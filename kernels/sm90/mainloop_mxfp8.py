@@ -95,7 +95,8 @@ def sf_view(sf: cute.Tensor) -> cute.Tensor:
 class Mxfp8Mainloop:
     """Producer / decoder / consumer k-loops of one output tile (128 x 128) with per-32 e8m0 scales."""
 
-    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int):
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, split_n: bool = False):
+        self.split_n = split_n
         if tile_m != 128 or tile_n != 128:
             raise NotImplementedError("the MXFP8 mainloop runs 128 x 128 tiles (two 64 x 128 warpgroups)")
         self.ab_dtype = ab_dtype
@@ -231,6 +232,9 @@ class Mxfp8Mainloop:
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         scale_mma.set(warpgroup.Field.ACCUMULATE, False)
+        if const_expr(self.split_n):
+            return self.mma_tile_halves(ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc,
+                                        P, S, tCrA, tCrB, tCrSA, tCrSB, k_count)
         for _s in cutlass.range(k_count, unroll=1):
             self.wait_stage(ab_pipeline, read_state, dec_mbar)
             idx = read_state.index
@@ -242,6 +246,46 @@ class Mxfp8Mainloop:
                 warpgroup.wait_group(0)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] + P[i] * S[i]
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def issue_half(self, tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h: cutlass.Constexpr,
+                   kb: cutlass.Constexpr, idx: Int32):
+        """Data + scale wgmma of 64-column half h of block kb, one commit group."""
+        warpgroup.fence()
+        # B / B' of the half keep a unit N mode (gemm wants A and B of equal rank)
+        cute.gemm(tiled_mma, P[h], tCrA[(None, None, kb, idx)], cute.append_ones(tCrB[(None, h, kb, idx)]), P[h])
+        cute.gemm(scale_mma, S[h], tCrSA[(None, None, 0, kb, idx)], cute.append_ones(tCrSB[(None, h, 0, kb, idx)]),
+                  S[h])
+        warpgroup.commit_group()
+
+    @cute.jit
+    def mma_tile_halves(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S,
+                        tCrA, tCrB, tCrSA, tCrSB, k_count: Int32):
+        """`split_n` (Config.mx_split_n): the block's wgmmas per 64-column half (m64 n64), so one half is folded
+        while the other is on the tensor core: issue lo(0), hi(0); per block: wait lo, fold lo, issue lo(next),
+        wait hi, fold hi, issue hi(next). Same 192 registers (two half-size P/S pairs); each half re-reads the
+        A / A' operand (32 instead of 24 KB of wgmma operand reads per block and CTA). The stage is drained at its
+        end: no wgmma in flight across the stage loop's back-edge (ptxas would serialize every wgmma).
+        acc's first half of values is the tile's columns 0..63 (wgmma C layout: value v0 + 2 v1 + 4 j is column
+        2 quad + v0 + 8 j), the second half 64..127."""
+        nh = cute.size(P[0])
+        for _s in cutlass.range(k_count, unroll=1):
+            self.wait_stage(ab_pipeline, read_state, dec_mbar)
+            idx = read_state.index
+            self.issue_half(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, 0, 0, idx)
+            self.issue_half(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, 1, 0, idx)
+            for kb in cutlass.range_constexpr(KB_PER_STAGE):
+                for h in cutlass.range_constexpr(2):
+                    last = kb == KB_PER_STAGE - 1
+                    warpgroup.wait_group(0 if last and h == 1 else 1)
+                    for i in cutlass.range_constexpr(nh):
+                        acc[h * nh + i] = acc[h * nh + i] + P[h][i] * S[h][i]
+                    if const_expr(not last):
+                        self.issue_half(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h, kb + 1, idx)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
