@@ -92,7 +92,6 @@ class GroupedGemmSm90:
         self.max_clusters = cfg.num_sms // self.cluster_size
         # MXFP8: FP8 wgmma + scale-product wgmma per 32-wide K block (mainloop_mxfp8); FP8 D: SFD row/col outputs
         self.block_scaled = problem.block_scaled
-        self.mx_split_n = cfg.mx_split_n
         self.quant_d = epi.generate_sfd
         self.discrete_col_sfd = epi.discrete_col_sfd
         self.has_norm_const = self.quant_d
@@ -359,15 +358,8 @@ class GroupedGemmSm90:
             self.sched.load_group_ends(mOffsets, m_rows, sEnds, sValid)
         sSA = sSB = sSA16 = sSB16 = None
         if const_expr(self.block_scaled):
-            # bf16 scale operands of the scale wgmma (mainloop_mxfp8): zeroed once, the decoder fills k = 0
-            sSA = storage.sSA.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
-            sSB = storage.sSB.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
-            sSA16 = cute.make_tensor(cute.recast_ptr(storage.sSA.data_ptr(), dtype=cutlass.Int16),
-                                     cute.make_layout(cute.cosize(sa_layout)))
-            sSB16 = cute.make_tensor(cute.recast_ptr(storage.sSB.data_ptr(), dtype=cutlass.Int16),
-                                     cute.make_layout(cute.cosize(sb_layout)))
-            mx.Mxfp8Mainloop.zero_scale_operands(sSA16, sSB16, tidx, NUM_THREADS)
-            cute.arch.fence_proxy("async.shared", space="cta")
+            sSA, sSB, sSA16, sSB16 = mx.Mxfp8Mainloop.scale_operands(storage.sSA, storage.sSB, sa_layout, sb_layout,
+                                                                     tidx, NUM_THREADS)
         cute.arch.sync_threads()
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
 
@@ -530,25 +522,8 @@ class GroupedGemmSm90:
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         data_mma = scale_mma = P = S = tCrSA = tCrSB = None
         if const_expr(self.block_scaled):
-            # per 32-K block: data partial P and scale products S, same accumulator layout (mainloop_mxfp8);
-            # `split_n`: both per 64-column half (two P/S pairs of half the size), acc keeps the tile's layout
-            mma_n = self.tile_n // 2 if self.mx_split_n else self.tile_n
-            data_mma = tiled_mma
-            if const_expr(self.mx_split_n):
-                data_mma = mx.Mxfp8Mainloop.make_tiled_mma(self.ab_dtype, mma_n)
-                thr_data = data_mma.get_slice(wg * 128)
-                tCrA = data_mma.make_fragment_A(thr_data.partition_A(sA))
-                tCrB = data_mma.make_fragment_B(thr_data.partition_B(sB))
-            scale_mma = mx.Mxfp8Mainloop.make_scale_tiled_mma(mma_n)
-            thr_scale = scale_mma.get_slice(wg * 128)
-            tCrSA = scale_mma.make_fragment_A(thr_scale.partition_A(sSA))
-            tCrSB = scale_mma.make_fragment_B(thr_scale.partition_B(sSB))
-            half = thr_scale.partition_shape_C((self.tile_m, mma_n))
-            P = cute.make_rmem_tensor(half, Float32)
-            S = cute.make_rmem_tensor(half, Float32)
-            if const_expr(self.mx_split_n):
-                P = (P, cute.make_rmem_tensor(half, Float32))
-                S = (S, cute.make_rmem_tensor(half, Float32))
+            data_mma, scale_mma, tCrA, tCrB, tCrSA, tCrSB, P, S = self.mainloop.consumer_operands(
+                tiled_mma, tCrA, tCrB, sA, sB, sSA, sSB, wg)
 
         # epilogue partitions: register fragments follow the stmatrix source layout of the accumulator
         copy_atom_layout = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)

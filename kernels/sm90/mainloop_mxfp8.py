@@ -170,14 +170,21 @@ class Mxfp8Mainloop:
     # ------------------------------------------------------------------------------------------ decoder
     @staticmethod
     @cute.jit
-    def zero_scale_operands(sSA16: cute.Tensor, sSB16: cute.Tensor, tid: Int32, nthreads: cutlass.Constexpr):
-        """Zero A' and B' (all stages) once per CTA; the decoder only ever writes the scale elements. Followed
-        (by the caller) by an async-proxy fence and a CTA barrier."""
-        for t in (sSA16, sSB16):
-            words = cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Int32),
-                                     cute.make_layout(cute.cosize(t.layout) // 2))
+    def scale_operands(mem_a, mem_b, sa_layout, sb_layout, tid: Int32, nthreads: cutlass.Constexpr):
+        """(A', B') as wgmma operand tensors and as flat Int16 views for the decoder, zeroed by all threads once
+        per CTA (the decoder only ever writes the scale elements). The caller's CTA barrier follows."""
+        sSA = mem_a.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+        sSB = mem_b.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        flat = []
+        for mem, layout in ((mem_a, sa_layout), (mem_b, sb_layout)):
+            flat.append(cute.make_tensor(cute.recast_ptr(mem.data_ptr(), dtype=cutlass.Int16),
+                                         cute.make_layout(cute.cosize(layout))))
+            words = cute.make_tensor(cute.recast_ptr(mem.data_ptr(), dtype=Int32),
+                                     cute.make_layout(cute.cosize(layout) // 2))
             for i in cutlass.range(tid, cute.size(words), nthreads, unroll=1):
                 words[i] = Int32(0)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the wgmma reads them through the async proxy
+        return sSA, sSB, flat[0], flat[1]
 
     @cute.jit
     def decode_stage(self, sRaw32: cute.Tensor, sS16: cute.Tensor, operand: cutlass.Constexpr,
@@ -213,6 +220,30 @@ class Mxfp8Mainloop:
         cute.arch.fence_proxy("async.shared", space="cta")
 
     # ------------------------------------------------------------------------------------------ consumer
+    @cute.jit
+    def consumer_operands(self, tiled_mma, tCrA, tCrB, sA, sB, sSA, sSB, wg: Int32):
+        """(data mma, scale mma, tCrA, tCrB, tCrSA, tCrSB, P, S) of consumer warpgroup `wg`: the data partial P and
+        the scale products S share the accumulator layout; with `split_n` both are per 64-column half (pairs of
+        half-size P / S; the data mma and its A / B fragments are the n64 ones), while acc keeps the tile's."""
+        mma_n = self.tile_n // 2 if self.split_n else self.tile_n
+        data_mma = tiled_mma
+        if const_expr(self.split_n):
+            data_mma = Mxfp8Mainloop.make_tiled_mma(self.ab_dtype, mma_n)
+            thr_data = data_mma.get_slice(wg * 128)
+            tCrA = data_mma.make_fragment_A(thr_data.partition_A(sA))
+            tCrB = data_mma.make_fragment_B(thr_data.partition_B(sB))
+        scale_mma = Mxfp8Mainloop.make_scale_tiled_mma(mma_n)
+        thr_scale = scale_mma.get_slice(wg * 128)
+        tCrSA = scale_mma.make_fragment_A(thr_scale.partition_A(sSA))
+        tCrSB = scale_mma.make_fragment_B(thr_scale.partition_B(sSB))
+        half = thr_scale.partition_shape_C((self.tile_m, mma_n))
+        P = cute.make_rmem_tensor(half, Float32)
+        S = cute.make_rmem_tensor(half, Float32)
+        if const_expr(self.split_n):
+            P = (P, cute.make_rmem_tensor(half, Float32))
+            S = (S, cute.make_rmem_tensor(half, Float32))
+        return data_mma, scale_mma, tCrA, tCrB, tCrSA, tCrSB, P, S
+
     @cute.jit
     def wait_stage(self, ab_pipeline, state, dec_mbar):
         ab_pipeline.consumer_wait(state)
