@@ -55,7 +55,6 @@ SF_VEC = 32
 KB_PER_STAGE = TILE_K // SF_VEC
 SF_ATOM_ROWS = 128  # one 512-byte SF atom: 128 rows x 4 k-blocks
 SF_ATOM_BYTES = 512
-SCALE_K = 16  # K of the bf16 scale wgmma
 CHUNK = 64  # bf16 elements of one core matrix (8 rows x 16 B)
 SA_GROUP = 2 * CHUNK  # A' per 8-row group: [D Z]
 SB_GROUP = (KB_PER_STAGE + 1) * CHUNK  # B' per 8-row group: [c0 c1 c2 c3 Z]
@@ -117,7 +116,8 @@ class Mxfp8Mainloop:
 
     @staticmethod
     def make_scale_tiled_mma(tile_n: int) -> cute.TiledMma:
-        """The bf16 m64 n128 k16 wgmma of the scale products (same thread -> accumulator map as the data wgmma)."""
+        """The bf16 m64 n{tile_n} k16 wgmma of the scale products (same thread -> accumulator map as the data
+        wgmma of the same N)."""
         return sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (2, 1, 1), tiler_mn=(64, tile_n))
