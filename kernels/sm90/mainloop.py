@@ -48,6 +48,14 @@ def make_ab_smem_layouts(ab_dtype, tile_m: int, tile_n: int, stages: int):
     return tuple(layouts)
 
 
+
+@cute.jit
+def copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k: Int32, s: Int32,
+                  a_mcast_mask, b_mcast_mask):
+    """TMA of K tile `k` of A and B into stage `s` on the stage's barriers (both mainloops' producers)."""
+    cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, s)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+    cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+
 class WgmmaMainloop:
     """Producer and consumer k-loops over one tile. Pipeline states are returned (loop-carried by the caller)."""
 
@@ -76,20 +84,8 @@ class WgmmaMainloop:
         for _k in cutlass.range(k_count, unroll=1):
             ab_pipeline.producer_acquire(prod_state)
             bar = ab_pipeline.producer_get_barrier(prod_state)
-            cute.copy(
-                tma_atom_a,
-                tAgA[(None, prod_state.count)],
-                tAsA[(None, prod_state.index)],
-                tma_bar_ptr=bar,
-                mcast_mask=a_mcast_mask,
-            )
-            cute.copy(
-                tma_atom_b,
-                tBgB[(None, prod_state.count)],
-                tBsB[(None, prod_state.index)],
-                tma_bar_ptr=bar,
-                mcast_mask=b_mcast_mask,
-            )
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, prod_state.count, prod_state.index,
+                          a_mcast_mask, b_mcast_mask)
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state

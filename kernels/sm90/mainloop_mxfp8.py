@@ -50,6 +50,8 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from .mainloop import copy_ab_stage
+
 TILE_K = 128  # fp8: 128 B per row = one SW128 atom = 4 scale blocks
 SF_VEC = 32
 KB_PER_STAGE = TILE_K // SF_VEC
@@ -157,8 +159,7 @@ class Mxfp8Mainloop:
             bar = ab_pipeline.producer_get_barrier(prod_state)
             k = prod_state.count
             s = prod_state.index
-            cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, s)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-            cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask)
             cute.copy(tma_atom_sfa, tSAg[(None, 0, sfa_atom0 + k)], tSAs[(None, s)], tma_bar_ptr=bar,
                       mcast_mask=a_mcast_mask)
             cute.copy(tma_atom_sfb, tSBg[(None, 0, sfb_atom0 + k)], tSBs[(None, s)], tma_bar_ptr=bar,
