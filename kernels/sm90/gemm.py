@@ -342,12 +342,12 @@ class GroupedGemmSm90:
         )
         dec_mbar = None
         if const_expr(self.block_scaled):
-            # decoded-scales barrier per stage: the 96 lanes of the three decoder warps arrive
+            # decoded-scales barrier per stage: every lane of the decoder warps arrives
             dec_mbar = storage.dec_mbar.data_ptr()
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.ab_stages):
-                        cute.arch.mbarrier_init(dec_mbar + s, 96)
+                        cute.arch.mbarrier_init(dec_mbar + s, 32 * len(mx.DECODER_WARPS))
             cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
@@ -378,12 +378,10 @@ class GroupedGemmSm90:
                 self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
                               tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF)
             if const_expr(self.block_scaled):
-                if warp_idx == 1:
-                    self.decoder(ab_pipeline, dec_mbar, sSF, sSA16, 0, (0, 1, 2, 3), sValid, m_rows)
-                if warp_idx == 2:
-                    self.decoder(ab_pipeline, dec_mbar, sSF, sSB16, 1, (0, 1), sValid, m_rows)
-                if warp_idx == 3:
-                    self.decoder(ab_pipeline, dec_mbar, sSF, sSB16, 1, (2, 3), sValid, m_rows)
+                for w, operand, quarters in mx.DECODER_WARPS:
+                    if warp_idx == w:
+                        self.decoder(ab_pipeline, dec_mbar, sSF, (sSA16, sSB16)[operand], operand, quarters,
+                                     sValid, m_rows)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)

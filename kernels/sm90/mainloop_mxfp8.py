@@ -62,6 +62,8 @@ SA_GROUP = 2 * CHUNK  # A' per 8-row group: [D Z]
 SB_GROUP = (KB_PER_STAGE + 1) * CHUNK  # B' per 8-row group: [c0 c1 c2 c3 Z]
 SA_STAGE = SF_ATOM_ROWS // 8 * SA_GROUP  # bf16 elements per stage
 SB_STAGE = SF_ATOM_ROWS // 8 * SB_GROUP
+# (warp of the producer warpgroup, operand 0 = A' / 1 = B', row quarters i: rows lane + 32 i) -- decode_stage
+DECODER_WARPS = ((1, 0, (0, 1, 2, 3)), (2, 1, (0, 1)), (3, 1, (2, 3)))
 
 
 def ab_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
