@@ -124,7 +124,7 @@ def _check_sass(sass: str, block_scaled: bool) -> None:
         # per 32-K block: the data QGMMA and the scale-product HGMMA are issued back to back (two commit groups,
         # waited for one after the other). ptxas serializes wgmma (C7514) when it cannot prove the accumulators
         # retired: then a wait follows every wgmma, also between a QGMMA and its HGMMA
-        events = re.findall(r"\b(QGMMA|HGMMA\.64x(?:64|128)x16\.F32\.BF16|WARPGROUP\.DEPBAR)\b", sass)
+        events = re.findall(r"\b(QGMMA|HGMMA\.64x(?:32|64|128)x16\.F32\.BF16|WARPGROUP\.DEPBAR)\b", sass)
         n_q = events.count("QGMMA")
         assert n_q == sum(e.startswith("HGMMA") for e in events) > 0, "one scale HGMMA per data QGMMA"
         after_q = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "QGMMA"]
@@ -157,11 +157,12 @@ E4M3, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
 
 @pytest.mark.parametrize("cfg", [sm90_config.Config(tile_n=128, cluster_m=1),
                                  sm90_config.Config(tile_n=128, cluster_m=2, cluster_n=2),
-                                 sm90_config.Config(tile_n=128, cluster_m=2, mx_split_n=True)],
-                         ids=["mxfp8-1x1", "mxfp8-2x2", "mxfp8-split-n"])
+                                 sm90_config.Config(tile_n=128, cluster_m=2, mx_n_parts=4)],
+                         ids=["mxfp8-1x1-whole-n", "mxfp8-2x2-whole-n", "mxfp8-4-parts"])
 def test_other_mxfp8_configs_compile(cfg):
-    """MXFP8 with the other schedules (no multicast / A and B multicast); K = 208: a
-    partial last stage (K blocks past K get scale 0) and a half-filled last K block."""
+    """MXFP8 with the other schedules (no multicast / A and B multicast, one wgmma pair per block over the whole
+    tile N, four column parts); K = 208: a partial last stage (K blocks past K get scale 0) and a half-filled last
+    K block."""
     problem = GroupedGemmProblem(op="glu", m=2048, n=384, k=208, num_groups=4, ab_dtype=E4M3, sf_dtype=E8M0,
                                  sf_vec_size=32, epilogue=Epilogue(act="swiglu", c_dtype="bfloat16",
                                                                    d_dtype=E4M3, generate_sfd=True))

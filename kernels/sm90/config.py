@@ -32,9 +32,8 @@ class Config:
     epi_pin: re-read alpha from shared memory every epilogue step (keeps ptxas from hoisting all steps' math
       above the step barriers: fewer registers, less overlap);
     group_m: M blocks per raster swizzle group (L2 reuse);
-    mx_split_n: MXFP8 only: run each 32-K block's data and scale wgmmas per 64-column half so one half is folded
-      while the other computes (mainloop_mxfp8.Mxfp8Mainloop.mma_tile_halves). Off by default: compiled and
-      CPU-checked in session 2, not yet run on a GPU;
+    mx_n_parts: MXFP8 only: run each 32-K block's data and scale wgmmas per column part (1, 2 or 4 parts of the
+      128-column tile) so a part is folded while the others compute (mainloop_mxfp8.Mxfp8Mainloop.mma_tile_parts);
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. With 4-CTA clusters not all 33 clusters may be
       co-resident (GPC sizes), so those configs may want 128.
     """
@@ -48,7 +47,7 @@ class Config:
     epi_pin: bool = False
     group_m: int = 8
     num_sms: int = H200_SMS
-    mx_split_n: bool = False
+    mx_n_parts: int = 1
 
     def __post_init__(self):
         if self.tile_m != 128:
@@ -61,6 +60,8 @@ class Config:
             raise ValueError("cluster_n must be 1 or 2")
         if self.epi_stages not in (None, 1, 2, 4):
             raise ValueError("epi_stages must be None, 1, 2 or 4")
+        if self.mx_n_parts not in (1, 2, 4):
+            raise ValueError("mx_n_parts must be 1, 2 or 4")
         if self.group_m < 1:
             raise ValueError("group_m must be >= 1")
 
@@ -123,10 +124,11 @@ def default_config(problem) -> Config:
     -5% on fc1/fc2; swizzle group 4/8/16 within noise; one barrier per epilogue step -8..13%. ncu, one launch:
     fc1 1.25 ms (torch CUTLASS 1.24), fc2 645 us (652), small 192 us (171, DRAM-bound).
     MXFP8 runs 128 x 128 tiles (acc + the data and scale-product partials, 3 x 64 registers, leave no room for
-    256); measured there: cluster 2x1 597-600 vs 1x1 591 TFLOP/s on fc1 (RESULTS.md runs 12-13).
+    256); measured there (RESULTS.md runs 12-15, fc1 TFLOP/s): cluster 2x1 597-600 vs 1x1 591; the block's wgmmas
+    in two 64-column parts 624-631 vs 592-600 whole (fc2 572 vs 545), in four parts 473 (shared-memory bound).
     """
     if problem.block_scaled:
-        return Config(tile_n=128, cluster_m=2)
+        return Config(tile_n=128, cluster_m=2, mx_n_parts=2)
     return Config()
 
 

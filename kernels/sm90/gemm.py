@@ -100,7 +100,7 @@ class GroupedGemmSm90:
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         if self.block_scaled:
             self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
-                                             cfg.mx_split_n)
+                                             cfg.mx_n_parts)
         else:
             self.mainloop = WgmmaMainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
 

@@ -32,13 +32,17 @@ Pipeline per CTA (stage = 128 K elements = 4 scale blocks = one 512-byte SF atom
   decoder warps   (1: A', 2-3: B') wait for the stage, write the e8m0 bytes as bf16 2^(e-127) (NaN for 0xFF, 0.0
                   for e = 0 and for K blocks past K) into A' / B', fence them for the async proxy and arrive on the
                   stage's decode barrier;
-  consumers       two warpgroups x 64 rows: per block, both wgmmas (one commit group), wait, 64 FFMAs.
+  consumers       two warpgroups x 64 rows: per block and 64-column part (Config.mx_n_parts, default 2), both
+                  wgmmas (one commit group), then wait for the oldest part, fold it, issue it for the next block.
 
-Measured (H200, fc1 MXFP8 SwiGLU, RESULTS.md runs 10-13): 490 TFLOP/s with one decoder warp and 26 KB of scale
-operands per stage (2 stages fit); 597-600 with this layout (3 stages) and 2-3 decoder warps. What bounds it now:
-the tensor core does 2 x 128 cycles per block per CTA and idles while both warpgroups fold (timing-only variants
-of the run-11 kernel: without the fold 852, without the data or the scale wgmma 704); making the warpgroups take
-turns measured slower (561-568).
+Measured (H200, fc1 MXFP8 SwiGLU, device-timed, RESULTS.md runs 10-18): 490 TFLOP/s with one decoder warp and
+26 KB of scale operands per stage; 597-600 with this layout and 2-3 decoder warps; 620-631 with two column parts
+(the default; fc2 557-575). Where the time goes (runs 14-17): timing-only variants of the two-part kernel run at
+1252 without the fold (the two wgmmas, the pipeline and the epilogue), 966 with the same number of FFMAs reading
+only acc, 759 with acc += P, 624 with acc += P * S: a fold instruction's cost grows with the wgmma-written
+registers it reads. ncu PC sampling: FFMAs take 56% of the consumer warps' k-loop samples, stalled mostly on
+"dispatch"; permuting S so that P[i] and S[i] sit in other register banks changed nothing (607-627). Four column
+parts (deeper pipeline, A / A' read four times): 473, shared-memory bound; two stages per k-loop iteration: 578.
 """
 
 from __future__ import annotations
@@ -98,8 +102,10 @@ def sf_view(sf: cute.Tensor) -> cute.Tensor:
 class Mxfp8Mainloop:
     """Producer / decoder / consumer k-loops of one output tile (128 x 128) with per-32 e8m0 scales."""
 
-    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, split_n: bool = False):
-        self.split_n = split_n
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, n_parts: int = 1):
+        if n_parts not in (1, 2, 4):
+            raise ValueError("n_parts must be 1, 2 or 4")
+        self.n_parts = n_parts
         if tile_m != 128 or tile_n != 128:
             raise NotImplementedError("the MXFP8 mainloop runs 128 x 128 tiles (two 64 x 128 warpgroups)")
         self.ab_dtype = ab_dtype
@@ -226,11 +232,11 @@ class Mxfp8Mainloop:
     @cute.jit
     def consumer_operands(self, tiled_mma, tCrA, tCrB, sA, sB, sSA, sSB, wg: Int32):
         """(data mma, scale mma, tCrA, tCrB, tCrSA, tCrSB, P, S) of consumer warpgroup `wg`: the data partial P and
-        the scale products S share the accumulator layout; with `split_n` both are per 64-column half (pairs of
-        half-size P / S; the data mma and its A / B fragments are the n64 ones), while acc keeps the tile's."""
-        mma_n = self.tile_n // 2 if self.split_n else self.tile_n
+        the scale products S share the accumulator layout; with `n_parts` > 1 both are per column part (tuples of
+        part-size P / S; the data mma and its A / B fragments are the part-wide ones), while acc keeps the tile's."""
+        mma_n = self.tile_n // self.n_parts
         data_mma = tiled_mma
-        if const_expr(self.split_n):
+        if const_expr(self.n_parts > 1):
             data_mma = Mxfp8Mainloop.make_tiled_mma(self.ab_dtype, mma_n)
             thr_data = data_mma.get_slice(wg * 128)
             tCrA = data_mma.make_fragment_A(thr_data.partition_A(sA))
@@ -239,12 +245,12 @@ class Mxfp8Mainloop:
         thr_scale = scale_mma.get_slice(wg * 128)
         tCrSA = scale_mma.make_fragment_A(thr_scale.partition_A(sSA))
         tCrSB = scale_mma.make_fragment_B(thr_scale.partition_B(sSB))
-        half = thr_scale.partition_shape_C((self.tile_m, mma_n))
-        P = cute.make_rmem_tensor(half, Float32)
-        S = cute.make_rmem_tensor(half, Float32)
-        if const_expr(self.split_n):
-            P = (P, cute.make_rmem_tensor(half, Float32))
-            S = (S, cute.make_rmem_tensor(half, Float32))
+        part = thr_scale.partition_shape_C((self.tile_m, mma_n))
+        P = cute.make_rmem_tensor(part, Float32)
+        S = cute.make_rmem_tensor(part, Float32)
+        if const_expr(self.n_parts > 1):
+            P = tuple(cute.make_rmem_tensor(part, Float32) for _ in range(self.n_parts))
+            S = tuple(cute.make_rmem_tensor(part, Float32) for _ in range(self.n_parts))
         return data_mma, scale_mma, tCrA, tCrB, tCrSA, tCrSB, P, S
 
     @cute.jit
@@ -258,16 +264,16 @@ class Mxfp8Mainloop:
                  tCrB: cute.Tensor, tCrSA: cute.Tensor, tCrSB: cute.Tensor, k_count: Int32):
         """acc = sum over k_count stages of P * S per 32-wide K block (zeros when k_count == 0).
 
-        No wgmma stays in flight across a block: acc + P + S fill 192 of the 232 registers. Both warpgroups issue
-        their pairs together and fold together (the tensor core idles during the folds); making them take turns
-        (named barriers, the turn handed over at issue or once the data wgmma retired) measured slower (561 / 568
-        vs 597-600 TFLOP/s on fc1, RESULTS.md run 12).
+        No wgmma stays in flight across a stage: acc + P + S fill 192 of the 232 registers. n_parts == 1: both
+        warpgroups issue their pairs together and fold together (the tensor core idles during the folds; making
+        them take turns measured slower, 561 / 568 vs 597-600 TFLOP/s on fc1, RESULTS.md run 12). n_parts > 1:
+        mma_tile_parts.
         """
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         scale_mma.set(warpgroup.Field.ACCUMULATE, False)
-        if const_expr(self.split_n):
-            return self.mma_tile_halves(ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc,
+        if const_expr(self.n_parts > 1):
+            return self.mma_tile_parts(ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc,
                                         P, S, tCrA, tCrB, tCrSA, tCrSB, k_count)
         for _s in cutlass.range(k_count, unroll=1):
             self.wait_stage(ab_pipeline, read_state, dec_mbar)
@@ -286,43 +292,57 @@ class Mxfp8Mainloop:
         return read_state, release_state
 
     @cute.jit
-    def issue_half(self, tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h: cutlass.Constexpr,
+    def issue_part(self, tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h: cutlass.Constexpr,
                    kb: cutlass.Constexpr, idx: Int32):
-        """Data + scale wgmma of 64-column half h of block kb, one commit group."""
+        """Data + scale wgmma of column part h of block kb, one commit group."""
         warpgroup.fence()
-        # B / B' of the half keep a unit N mode (gemm wants A and B of equal rank)
+        # B / B' of the part keep a unit N mode (gemm wants A and B of equal rank)
         cute.gemm(tiled_mma, P[h], tCrA[(None, None, kb, idx)], cute.append_ones(tCrB[(None, h, kb, idx)]), P[h])
         cute.gemm(scale_mma, S[h], tCrSA[(None, None, 0, kb, idx)], cute.append_ones(tCrSB[(None, h, 0, kb, idx)]),
                   S[h])
         warpgroup.commit_group()
 
     @cute.jit
-    def mma_tile_halves(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S,
-                        tCrA, tCrB, tCrSA, tCrSB, k_count: Int32):
-        """`split_n` (Config.mx_split_n): the block's wgmmas per 64-column half (m64 n64), so one half is folded
-        while the other is on the tensor core: issue lo(0), hi(0); per block: wait lo, fold lo, issue lo(next),
-        wait hi, fold hi, issue hi(next). Same 192 registers (two half-size P/S pairs); each half re-reads the
-        A / A' operand (32 instead of 24 KB of wgmma operand reads per block and CTA). The stage is drained at its
-        end: no wgmma in flight across the stage loop's back-edge (ptxas would serialize every wgmma).
-        acc's first half of values is the tile's columns 0..63 (wgmma C layout: value v0 + 2 v1 + 4 j is column
-        2 quad + v0 + 8 j), the second half 64..127."""
-        nh = cute.size(P[0])
+    def mma_tile_parts(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S,
+                       tCrA, tCrB, tCrSA, tCrSB, k_count: Int32):
+        """`n_parts` > 1 (Config.mx_n_parts): the block's wgmmas per column part (m64 n(128 / parts)), so a part is
+        folded while the others are on the tensor core: issue every part of the stage's first block; per block and
+        part: wait for it, fold it, issue it for the next block. Same 192 registers (parts of P / S); each part
+        re-reads the A / A' operand. The stage is drained at its end: no wgmma in flight across the stage loop's
+        back-edge (ptxas would serialize every wgmma). Two stages per iteration (the second one waited for while
+        the first one's last block computes; half the drains) measured slower: 578 vs 620 TFLOP/s on fc1
+        (RESULTS.md run 18). acc's values are the parts' in order (wgmma C layout: value v0 + 2 v1 + 4 j is
+        column 2 quad + v0 + 8 j, so part h holds columns h * 128 / parts onwards)."""
         for _s in cutlass.range(k_count, unroll=1):
-            self.wait_stage(ab_pipeline, read_state, dec_mbar)
-            idx = read_state.index
-            self.issue_half(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, 0, 0, idx)
-            self.issue_half(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, 1, 0, idx)
-            for kb in cutlass.range_constexpr(KB_PER_STAGE):
-                for h in cutlass.range_constexpr(2):
-                    last = kb == KB_PER_STAGE - 1
-                    warpgroup.wait_group(0 if last and h == 1 else 1)
-                    for i in cutlass.range_constexpr(nh):
-                        acc[h * nh + i] = acc[h * nh + i] + P[h][i] * S[h][i]
-                    if const_expr(not last):
-                        self.issue_half(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h, kb + 1, idx)
-            ab_pipeline.consumer_release(release_state)
-            release_state.advance()
-            read_state.advance()
+            read_state, release_state = self.stage_parts(
+                ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA, tCrB, tCrSA,
+                tCrSB)
+        return read_state, release_state
+
+    def stage_parts(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S,
+                    tCrA, tCrB, tCrSA, tCrSB):
+        """One stage, pipelined part by part (mma_tile_parts); returns both states advanced (the caller's loop
+        carries them). Plain Python, traced inline into the caller's loop body."""
+        nh = cute.size(P[0])
+        parts = self.n_parts
+        self.wait_stage(ab_pipeline, read_state, dec_mbar)
+        idx = read_state.index
+        read_state.advance()
+        for h in range(parts):
+            self.issue_part(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h, 0, idx)
+        for kb in range(KB_PER_STAGE):
+            last = kb == KB_PER_STAGE - 1
+            for h in range(parts):
+                # groups issued after part h: the later parts of this block, and (not last) the earlier parts of
+                # the next
+                warpgroup.wait_group(parts - 1 - h if last else parts - 1)
+                for i in range(nh):
+                    acc[h * nh + i] = acc[h * nh + i] + P[h][i] * S[h][i]
+                if not last:
+                    self.issue_part(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h, kb + 1, idx)
+        # every wgmma reading this stage has retired (its last block is folded)
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
         return read_state, release_state
 
 

@@ -45,16 +45,12 @@ BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>] [p: epi_p
 
 
 E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
-MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None)
+MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default)
     "fc1_bf16d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True), None),
     "fc1_fp8d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
-    "fc1_bf16d_c11": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
-                      Config(tile_n=128, cluster_m=1)),
-    "fc1_bf16d_splitn": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
-                         Config(tile_n=128, cluster_m=2, mx_split_n=True)),
+    "fc1_bf16d_p1": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
+                     Config(tile_n=128, cluster_m=2, mx_n_parts=1)),
     "fc2_bf16d": ("fc2", Epilogue(d_dtype="bfloat16", compute_amax=True), None),
-    "fc2_bf16d_splitn": ("fc2", Epilogue(d_dtype="bfloat16", compute_amax=True),
-                         Config(tile_n=128, cluster_m=2, mx_split_n=True)),
     "fc2_fp8d": ("fc2", Epilogue(d_dtype=E4M3, generate_sfd=True), None),
     "small_bf16d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
                     None),
@@ -84,11 +80,14 @@ def mxfp8_cases():
                                      n=1024), Config(tile_n=128, cluster_m=2, cluster_n=2)),
         ("mxedge_k1024_srelu", mk("srelu", Epilogue(act="srelu", c_dtype="bfloat16", d_dtype="bfloat16",
                                                     compute_amax=True), k=1024), None),
-        ("mxcfg_splitn_k1024_swiglu_fp8d", mk("glu", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3,
-                                                              **fp8d), k=1024),
-         Config(tile_n=128, cluster_m=2, mx_split_n=True)),
-        ("mxcfg_splitn_k208_quant", mk("quant", Epilogue(d_dtype="bfloat16", compute_amax=True), n=384, k=208),
-         Config(tile_n=128, cluster_m=1, mx_split_n=True)),
+        ("mxcfg_p4_k1024_geglu_fp8d", mk("glu", Epilogue(act="geglu", c_dtype="bfloat16", d_dtype=E4M3,
+                                                         **fp8d), k=1024),
+         Config(tile_n=128, cluster_m=2, mx_n_parts=4)),
+        ("mxcfg_p1_k1024_swiglu_fp8d", mk("glu", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3,
+                                                          **fp8d), k=1024),
+         Config(tile_n=128, cluster_m=2, mx_n_parts=1)),
+        ("mxcfg_p1_k208_quant", mk("quant", Epilogue(d_dtype="bfloat16", compute_amax=True), n=384, k=208),
+         Config(tile_n=128, cluster_m=1, mx_n_parts=1)),
     ]
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, benchmark, compute-sanitizer subset. Writes logs/results to $OUT.
 #   run (carry .runtime .out/kgpu):  bash tests/gpu/run_device.sh [tests|bench|ncu|sanitize ...]
-#   MXFP8:  bash tests/gpu/run_device.sh mxtests mxbench mxncu mxsanitize
+#   MXFP8:  bash tests/gpu/run_device.sh mxtests mxbench mxncu mxsrc mxsanitize
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/kgpu_out}; mkdir -p "$OUT"
 steps=${*:-tests bench ncu sanitize}
@@ -48,6 +48,17 @@ for s in $steps; do
       # ncu needed > 40 s to reach its first replay pass of the fc1 kernel (run 6); give it ~100 s
       grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible|Active" \
         "$OUT/ncu_mx.log" | cut -c1-140 | head -45 ;;
+    mxsrc)  # per-instruction warp stalls (PC sampling) of one MXFP8 kernel: which SASS line the warps wait on
+      setsid ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" --launch-skip 2 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats --import-source no \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -o "$OUT/mxsrc" -f \
+        python3 benchmarks/profile_one.py mx ${MXNCU_TARGET:-mxbench_fc1_bf16d} > "$OUT/ncu_mxsrc.log" 2>&1 &
+      pid=$!; ( sleep ${MXNCU_TIMEOUT:-100}; kill -KILL -$pid 2>/dev/null ) & killer=$!
+      wait $pid; echo "mxsrc rc=$?"; kill $killer 2>/dev/null
+      ncu -i "$OUT/mxsrc.ncu-rep" --page raw --csv --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        > "$OUT/mxsrc_stalls.csv" 2>&1
+      ncu -i "$OUT/mxsrc.ncu-rep" --page source --csv --print-source sass > "$OUT/mxsrc_sass.csv" 2>&1
+      echo "source page rc=$? $(wc -l < "$OUT/mxsrc_sass.csv") lines" ;;
     mxsanitize)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${MXSAN_TIMEOUT:-50} compute-sanitizer --tool memcheck \
         --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tests/gpu/sanitize_mxfp8.py \
