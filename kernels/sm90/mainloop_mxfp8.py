@@ -37,12 +37,13 @@ Pipeline per CTA (stage = 128 K elements = 4 scale blocks = one 512-byte SF atom
 
 Measured (H200, fc1 MXFP8 SwiGLU, device-timed, RESULTS.md runs 10-18): 490 TFLOP/s with one decoder warp and
 26 KB of scale operands per stage; 597-600 with this layout and 2-3 decoder warps; 620-631 with two column parts
-(the default; fc2 557-575). Where the time goes (runs 14-17): timing-only variants of the two-part kernel run at
-1252 without the fold (the two wgmmas, the pipeline and the epilogue), 966 with the same number of FFMAs reading
-only acc, 759 with acc += P, 624 with acc += P * S: a fold instruction's cost grows with the wgmma-written
-registers it reads. ncu PC sampling: FFMAs take 56% of the consumer warps' k-loop samples, stalled mostly on
-"dispatch"; permuting S so that P[i] and S[i] sit in other register banks changed nothing (607-627). Four column
-parts (deeper pipeline, A / A' read four times): 473, shared-memory bound; two stages per k-loop iteration: 578.
+(the default; fc2 557-575). Where the time goes (runs 14-17; ptxas deletes a wgmma whose result is never read, so
+timing variants must keep P and S alive): the scale wgmma costs the data wgmma's tensor time, 2 x 128 cycles per
+block and CTA (~950 TFLOP/s ceiling at 1.75 GHz); without any tensor work the TMA / decode pipeline and the
+epilogue run at 1252, with the fold's FFMAs added 966; the data wgmma with acc += P 759; the full kernel 624.
+ncu PC sampling: FFMAs hold 56% of the consumer k-loop samples ("dispatch" stalls); moving S to other register
+banks changed nothing (607-627). Four column parts (A / A' read four times per block): 473, shared-memory bound;
+two stages per k-loop iteration: 578.
 """
 
 from __future__ import annotations
