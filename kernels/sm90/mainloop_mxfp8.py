@@ -275,7 +275,7 @@ class Mxfp8Mainloop:
         scale_mma.set(warpgroup.Field.ACCUMULATE, False)
         if const_expr(self.n_parts > 1):
             return self.mma_tile_parts(ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc,
-                                        P, S, tCrA, tCrB, tCrSA, tCrSB, k_count)
+                                       P, S, tCrA, tCrB, tCrSA, tCrSB, k_count)
         for _s in cutlass.range(k_count, unroll=1):
             self.wait_stage(ab_pipeline, read_state, dec_mbar)
             idx = read_state.index
