@@ -1,0 +1,107 @@
+"""Timing-only MXFP8 modules (wrong results): the default fc1 kernel with its fold replaced, to split tensor time
+from the fold's cost. Added to the `mxfp8_bench` section of the manifest as `mxbench_fc1_timing_<variant>`, so
+`run_device.sh mxbench` (or `bench_grouped_gemm.py --mxfp8 --shapes fc1`) times them beside the real kernel.
+
+    python tests/gpu/build_timing_variants.py [VARIANT ...]      # after build_artifacts.py --only mxfp8_bench
+
+ptxas deletes a wgmma whose result is never read (it leaves a placeholder `HGMMA.64x8x16.F16 RZ`), so every variant
+reads at least one value of each wgmma it means to keep (kernels/NOTES.md, MXFP8 history 5). Each variant is
+exported in its own process: modules are cached per (problem, config), which a replaced fold does not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import build_artifacts as ba  # noqa: E402
+
+import cutlass.cute as cute  # noqa: E402
+
+from cudnn_moe_jax._problem import GroupedGemmProblem  # noqa: E402
+from cudnn_moe_jax.kernels.sm90 import default_config  # noqa: E402
+from cudnn_moe_jax.kernels.sm90 import mainloop_mxfp8 as mx  # noqa: E402
+
+
+def _keep(acc, P, S, base: int):  # both wgmmas kept, no fold: tensor work + pipeline + epilogue
+    acc[base] = acc[base] + P[0] + S[0]
+
+
+def _keep_p(acc, P, S, base: int):  # data wgmma only (the scale wgmma is deleted), no fold
+    acc[base] = acc[base] + P[0]
+
+
+def _fadd(acc, P, S, base: int):  # data wgmma only, one FADD per value reading P
+    for i in range(cute.size(P)):
+        acc[base + i] = acc[base + i] + P[i]
+
+
+def _ffma_s0(acc, P, S, base: int):  # both wgmmas, one FFMA per value reading P only (S[0] for every value)
+    for i in range(cute.size(P)):
+        acc[base + i] = acc[base + i] + P[i] * S[0]
+
+
+VARIANTS = {"keep": _keep, "keep_p": _keep_p, "fadd": _fadd, "ffma_s0": _ffma_s0}
+KEEPS_SCALE_WGMMA = {"keep": True, "keep_p": False, "fadd": False, "ffma_s0": True}
+
+
+def _check_sass(variant: str, problem, config) -> None:
+    """The variant's SASS has the data wgmmas, the scale wgmmas iff intended, and no placeholder wgmma."""
+    sys.path.insert(0, str(HERE.parent))
+    from test_kernels_compile import _cuobjdump, compile_module, sass_of
+
+    tool = _cuobjdump()
+    if tool is None:
+        print(f"warn {variant}: cuobjdump not found, SASS not checked", flush=True)
+        return
+    sass = sass_of(compile_module(problem, config), tool)
+    has_q = "QGMMA.64x" in sass
+    has_s = re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", sass) is not None
+    if not has_q or has_s != KEEPS_SCALE_WGMMA[variant] or "HGMMA.64x8x16.F16 RZ" in sass:
+        raise SystemExit(f"{variant}: unexpected wgmmas in the SASS (data {has_q}, scale {has_s})")
+
+
+def _build_one(variant: str) -> None:
+    fold = VARIANTS[variant]
+    mx.Mxfp8Mainloop.fold = staticmethod(lambda acc, P, S, base: fold(acc, P, S, base))
+    m, n, k, L, op, _ = ba.BENCH_SHAPES["fc1"]
+    _, epi, _ = ba.MXFP8_BENCH["fc1_bf16d"]
+    problem = GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=L, ab_dtype=ba.E4M3, sf_dtype=ba.E8M0,
+                                 sf_vec_size=32, epilogue=epi)
+    config = default_config(problem)
+    _check_sass(variant, problem, config)
+    out = ba.REPO / ".out" / "kgpu"
+    name = f"mxbench_fc1_timing_{variant}"
+    (out / f"{name}.jaxexp").write_bytes(ba.export(problem, config, False).serialize())
+    man_path = out / "manifest.json"
+    man = json.loads(man_path.read_text())
+    man.setdefault("mxfp8_bench", {})[name] = {"problem": dataclasses.asdict(problem),
+                                                "config": dataclasses.asdict(config), "symbolic_m": False}
+    man_path.write_text(json.dumps(man, indent=1, sort_keys=True))
+    print(f"ok   {name}", flush=True)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--one"]:
+        _build_one(argv[1])
+        return 0
+    names = argv or list(VARIANTS)
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    failed = 0
+    for name in names:
+        failed += subprocess.call([sys.executable, __file__, "--one", name]) != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
