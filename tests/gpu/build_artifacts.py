@@ -52,6 +52,8 @@ MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default)
                      Config(tile_n=128, cluster_m=2, mx_n_parts=1)),
     "fc1_bf16d_c22": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
                       Config(tile_n=128, cluster_m=2, cluster_n=2, mx_n_parts=2)),
+    "fc1_bf16d_e1": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
+                     Config(tile_n=128, cluster_m=2, epi_stages=1, mx_n_parts=2)),
     "fc2_bf16d": ("fc2", Epilogue(d_dtype="bfloat16", compute_amax=True), None),
     "fc2_fp8d": ("fc2", Epilogue(d_dtype=E4M3, generate_sfd=True), None),
     "small_bf16d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
