@@ -142,6 +142,20 @@ def _name(p: GroupedGemmProblem) -> str:
                      "lim" if e.glu_limit else "", "tanh" if e.tanh_clamp_scale else ""]).rstrip("_")
 
 
+def mxfp8_bench_problem(name: str) -> GroupedGemmProblem:
+    """The problem of MXFP8_BENCH[name] (e4m3 + e8m0 per 32 on its bench shape)."""
+    shape_name, epi, _ = MXFP8_BENCH[name]
+    m, n, k, L, op, _ = BENCH_SHAPES[shape_name]
+    return GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=L, ab_dtype=E4M3, sf_dtype=E8M0, sf_vec_size=32,
+                              epilogue=epi)
+
+
+def manifest_entry(problem, config, symbolic_m: bool) -> dict:
+    return {"problem": dataclasses.asdict(problem),
+            "config": dataclasses.asdict(config if config is not None else default_config(problem)),
+            "symbolic_m": symbolic_m}
+
+
 def export(problem, config, symbolic_m: bool):
     import cutlass
 
@@ -190,11 +204,8 @@ def main(argv=None) -> int:
         for name, p, cfg in mxfp8_cases():
             todo.append(("mxfp8", name, p, cfg, True))
     if args.only in (None, "mxfp8_bench"):
-        for name, (shape_name, epi, cfg) in MXFP8_BENCH.items():
-            m, n, k, L, op, _ = BENCH_SHAPES[shape_name]
-            p = GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=L, ab_dtype=E4M3, sf_dtype=E8M0,
-                                   sf_vec_size=32, epilogue=epi)
-            todo.append(("mxfp8_bench", f"mxbench_{name}", p, cfg, False))
+        for name, (_, _, cfg) in MXFP8_BENCH.items():
+            todo.append(("mxfp8_bench", f"mxbench_{name}", mxfp8_bench_problem(name), cfg, False))
     failed = 0
     for kind, name, p, cfg, sym in todo:
         t0 = time.perf_counter()
@@ -205,9 +216,7 @@ def main(argv=None) -> int:
             failed += 1
             continue
         (out / f"{name}.jaxexp").write_bytes(exp.serialize())
-        man[kind][name] = {"problem": dataclasses.asdict(p),
-                           "config": dataclasses.asdict(cfg if cfg is not None else default_config(p)),
-                           "symbolic_m": sym}
+        man[kind][name] = manifest_entry(p, cfg, sym)
         print(f"ok   {name:<44} {time.perf_counter() - t0:5.1f} s", flush=True)
     man_path.write_text(json.dumps(man, indent=1, sort_keys=True))
     print(f"{len(todo) - failed}/{len(todo)} artifacts in {out}")

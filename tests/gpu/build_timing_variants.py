@@ -11,7 +11,6 @@ exported in its own process: modules are cached per (problem, config), which a r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -25,7 +24,6 @@ import build_artifacts as ba  # noqa: E402
 
 import cutlass.cute as cute  # noqa: E402
 
-from cudnn_moe_jax._problem import GroupedGemmProblem  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import default_config  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import mainloop_mxfp8 as mx  # noqa: E402
 
@@ -48,8 +46,8 @@ def _ffma_s0(acc, P, S, base: int):  # both wgmmas, one FFMA per value reading P
         acc[base + i] = acc[base + i] + P[i] * S[0]
 
 
-VARIANTS = {"keep": _keep, "keep_p": _keep_p, "fadd": _fadd, "ffma_s0": _ffma_s0}
-KEEPS_SCALE_WGMMA = {"keep": True, "keep_p": False, "fadd": False, "ffma_s0": True}
+# name -> (fold, whether the scale wgmma is kept)
+VARIANTS = {"keep": (_keep, True), "keep_p": (_keep_p, False), "fadd": (_fadd, False), "ffma_s0": (_ffma_s0, True)}
 
 
 def _check_sass(variant: str, problem, config) -> None:
@@ -64,17 +62,13 @@ def _check_sass(variant: str, problem, config) -> None:
     sass = sass_of(compile_module(problem, config), tool)
     has_q = "QGMMA.64x" in sass
     has_s = re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", sass) is not None
-    if not has_q or has_s != KEEPS_SCALE_WGMMA[variant] or "HGMMA.64x8x16.F16 RZ" in sass:
+    if not has_q or has_s != VARIANTS[variant][1] or "HGMMA.64x8x16.F16 RZ" in sass:
         raise SystemExit(f"{variant}: unexpected wgmmas in the SASS (data {has_q}, scale {has_s})")
 
 
 def _build_one(variant: str) -> None:
-    fold = VARIANTS[variant]
-    mx.Mxfp8Mainloop.fold = staticmethod(lambda acc, P, S, base: fold(acc, P, S, base))
-    m, n, k, L, op, _ = ba.BENCH_SHAPES["fc1"]
-    _, epi, _ = ba.MXFP8_BENCH["fc1_bf16d"]
-    problem = GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=L, ab_dtype=ba.E4M3, sf_dtype=ba.E8M0,
-                                 sf_vec_size=32, epilogue=epi)
+    mx.Mxfp8Mainloop.fold = staticmethod(VARIANTS[variant][0])
+    problem = ba.mxfp8_bench_problem("fc1_bf16d")
     config = default_config(problem)
     _check_sass(variant, problem, config)
     out = ba.REPO / ".out" / "kgpu"
@@ -82,8 +76,7 @@ def _build_one(variant: str) -> None:
     (out / f"{name}.jaxexp").write_bytes(ba.export(problem, config, False).serialize())
     man_path = out / "manifest.json"
     man = json.loads(man_path.read_text())
-    man.setdefault("mxfp8_bench", {})[name] = {"problem": dataclasses.asdict(problem),
-                                                "config": dataclasses.asdict(config), "symbolic_m": False}
+    man.setdefault("mxfp8_bench", {})[name] = ba.manifest_entry(problem, config, False)
     man_path.write_text(json.dumps(man, indent=1, sort_keys=True))
     print(f"ok   {name}", flush=True)
 
