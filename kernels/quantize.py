@@ -17,7 +17,9 @@ Fragment helpers work on the sm90 epilogue's per-thread D fragment of one 128 x 
 `i = v0 + 2*v1 + 4*v2 + 8*v3` at (row + 8*v1, col + v0 + 8*v2 + 16*v3) where the thread's base row is
 `16*warp + lane//4` (+64 for the second warpgroup) and its base column `2*(lane % 4)` (checked at trace time by
 `check_fragment_layout`). So a row's 32 columns live in the 4 lanes of a quad (8 values each) and a column's 16
-rows of a warp in the 8 lanes `lane % 4 == c`; a 32-row column block spans warps 2b and 2b+1.
+rows of a warp in the 8 lanes `lane % 4 == c`; a 32-row column block spans warps 2b and 2b+1. |x| bits are taken
+once per value (row and column maxima share them) and flushed once per block maximum; a column block's code and
+scale are computed once per lane (lane c: column c) and shuffled to the threads holding that column.
 """
 
 from __future__ import annotations
@@ -75,9 +77,14 @@ def mul_ftz(a: Float32, b: Float32) -> Float32:
 
 
 @cute.jit
-def abs_bits(x: Float32) -> Int32:
-    """|x| as bits with fp32 subnormals flushed to 0 (monotone in |x|, NaN above +inf)."""
-    b = x.bitcast(Int32) & Int32(0x7FFFFFFF)
+def abs_raw(x: Float32) -> Int32:
+    """Bits of |x| (not flushed: block maxima are flushed once, `flush_bits`)."""
+    return x.bitcast(Int32) & Int32(0x7FFFFFFF)
+
+
+@cute.jit
+def flush_bits(b: Int32) -> Int32:
+    """|x| bits with fp32 subnormals as 0. Monotone, so the flushed max of a block is the flush of its max."""
     return Int32(cutlass.select_(b < Int32(0x00800000), Int32(0), b))
 
 
@@ -125,16 +132,18 @@ def column_max(v: Int32) -> Int32:
 
 
 @cute.jit
-def quantize_rows(rVal: cute.Tensor, rQ: cute.Tensor, rcp_limit: cutlass.Constexpr, norm_const: Float32):
-    """rQ (FP8, 16) <- row-quantized rVal (f32, 16); returns the e8m0 codes of the thread's two rows."""
+def quantize_rows(rVal: cute.Tensor, rAbs: list, rQ: cute.Tensor, rcp_limit: cutlass.Constexpr,
+                  norm_const: Float32):
+    """rQ (FP8, 16) <- row-quantized rVal (f32, 16); rAbs: `abs_raw` of each value. Returns the e8m0 codes of the
+    thread's two rows."""
     codes = []
     scales = []
     for r in cutlass.range_constexpr(2):
         m = Int32(0)
         for i in cutlass.range_constexpr(FRAG):
             if const_expr(row_of(i) == r):
-                m = cutlass.max(m, abs_bits(rVal[i]))
-        code, scale = block_code_scale(quad_max(m), rcp_limit, norm_const)
+                m = cutlass.max(m, rAbs[i])
+        code, scale = block_code_scale(flush_bits(quad_max(m)), rcp_limit, norm_const)
         codes.append(code)
         scales.append(scale)
     rY = cute.make_rmem_tensor(rVal.shape, Float32)
@@ -145,13 +154,14 @@ def quantize_rows(rVal: cute.Tensor, rQ: cute.Tensor, rcp_limit: cutlass.Constex
 
 
 @cute.jit
-def column_partial_max(rVal: cute.Tensor, sColMax: cute.Tensor, warp: Int32, lane: Int32):
-    """Per column of the subtile: max |x| over this warp's 16 rows -> sColMax[(col, warp)] (lanes 0..3 write)."""
+def column_partial_max(rAbs: list, sColMax: cute.Tensor, warp: Int32, lane: Int32):
+    """Per column of the subtile: max |x| bits (unflushed) over this warp's 16 rows -> sColMax[(col, warp)]
+    (lanes 0..3 write)."""
     for slot in cutlass.range_constexpr(8):
         m = Int32(0)
         for i in cutlass.range_constexpr(FRAG):
             if const_expr(col_slot(i) == slot):
-                m = cutlass.max(m, abs_bits(rVal[i]))
+                m = cutlass.max(m, rAbs[i])
         m = column_max(m)
         if lane < 4:
             sColMax[(2 * lane + slot_col(slot), warp)] = m
@@ -161,20 +171,19 @@ def column_partial_max(rVal: cute.Tensor, sColMax: cute.Tensor, warp: Int32, lan
 def quantize_cols(rVal: cute.Tensor, rQ: cute.Tensor, sColMax: cute.Tensor, warp: Int32, lane: Int32,
                   rcp_limit: cutlass.Constexpr, norm_const: Float32):
     """rQ <- column-quantized rVal (32-row blocks = this warp and its partner warp ^ 1; call after the barrier
-    that follows `column_partial_max`). Returns the 8 e8m0 codes of the thread's columns (slot order)."""
+    that follows `column_partial_max`). Lane c computes the code and scale of subtile column c once (both warps
+    of the pair do); each thread takes its 8 columns' scales by shuffle. Returns the e8m0 code of column `lane`."""
+    m = cutlass.max(sColMax[(lane, warp)], sColMax[(lane, warp ^ 1)])
+    code, scale = block_code_scale(flush_bits(m), rcp_limit, norm_const)
     base = 2 * (lane % 4)
-    codes = []
     rY = cute.make_rmem_tensor(rVal.shape, Float32)
     for slot in cutlass.range_constexpr(8):
-        col = base + slot_col(slot)
-        m = cutlass.max(sColMax[(col, warp)], sColMax[(col, warp ^ 1)])
-        code, scale = block_code_scale(m, rcp_limit, norm_const)
-        codes.append(code)
+        s = cute.arch.shuffle_sync(scale, base + slot_col(slot))
         for i in cutlass.range_constexpr(FRAG):
             if const_expr(col_slot(i) == slot):
-                rY[i] = mul_ftz(rVal[i], scale)
+                rY[i] = mul_ftz(rVal[i], s)
     rQ.store(rY.load().to(rQ.element_type))
-    return codes
+    return code
 
 
 def sf_offset(r, kb, kb_atoms):

@@ -700,8 +700,9 @@ class GroupedGemmSm90:
                 if const_expr(recipe.compute_amax):
                     amax_bits = cutlass.max(amax_bits, abs_bits(rVal[i]))
             if const_expr(self.quant_d):
-                code_r0, code_r1 = q8.quantize_rows(rVal, tRS_rD, self.rcp_limit, norm_const)
-                q8.column_partial_max(rVal, sColMax, warp_e, lane)
+                rAbs = [q8.abs_raw(rVal[i]) for i in range(q8.FRAG)]  # shared by the row and column maxima
+                code_r0, code_r1 = q8.quantize_rows(rVal, rAbs, tRS_rD, self.rcp_limit, norm_const)
+                q8.column_partial_max(rAbs, sColMax, warp_e, lane)
             else:
                 tRS_rD.store(rVal.load().to(self.d_dtype))
             if not is_compute:  # rows past valid_m: zeros
@@ -716,9 +717,9 @@ class GroupedGemmSm90:
                 store_pipeline.producer_acquire()
             epi_barrier.arrive_and_wait()
             if const_expr(self.quant_d):
-                codes_c = q8.quantize_cols(rVal, tRS_rDcol, sColMax, warp_e, lane, self.rcp_limit, norm_const)
+                code_c = q8.quantize_cols(rVal, tRS_rDcol, sColMax, warp_e, lane, self.rcp_limit, norm_const)
                 if is_compute:
-                    self._store_sf_bytes(code_r0, code_r1, codes_c, mSfdRow, mSfdCol, sEnds, m_rows,
+                    self._store_sf_bytes(code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows,
                                          m_tile, n_tile, step, g, warp_e, lane)
                 else:
                     tRS_rDcol.fill(0.0)
@@ -761,10 +762,10 @@ class GroupedGemmSm90:
                     cute.arch.atomic_max(ptr, amax_bits)
 
     @cute.jit
-    def _store_sf_bytes(self, code_r0, code_r1, codes_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
+    def _store_sf_bytes(self, code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
                         step: cutlass.Constexpr, g, warp_e, lane):
-        """SFD_row bytes of the thread's two rows (quad leaders) and SFD_col bytes of its 8 columns (lanes 0-3 of
-        the first warp of each 32-row pair), at their §2 / §2.6 byte offsets. The offset arithmetic is split into
+        """SFD_row bytes of the thread's two rows (quad leaders) and the SFD_col byte of subtile column `lane`
+        (the first warp of each 32-row pair), at their §2 / §2.6 byte offsets. The offset arithmetic is split into
         tile terms and small per-thread terms (rows r, r+8 sit 128 bytes apart; a lane's columns 16 bytes apart) so
         that few per-thread invariants stay live across the mainloop."""
         n_out = self.problem.n_out
@@ -779,18 +780,15 @@ class GroupedGemmSm90:
             mSfdRow[row_off] = code_r0.to(cutlass.Uint8)
             mSfdRow[row_off + 128] = code_r1.to(cutlass.Uint8)
         if warp_e % 2 == 0:
-            if lane < 4:
-                rb32 = ((m_tile * self.tile_m) >> 5) + (r_in >> 5)  # global 32-row block (SFD_col k-block)
-                atoms = m_rows // 128
-                if const_expr(self.discrete_col_sfd):
-                    start = Int32(0)
-                    if g > 0:
-                        start = sEnds[g - 1]
-                    atoms = (sEnds[g] - start) // 128
-                    rb32 = rb32 - (start >> 5)
-                col_off = ((col_block >> 2) * atoms + (rb32 >> 2)) * 512 + (col_block & 3) * 4 + (rb32 & 3) \
-                    + 32 * lane
-                if const_expr(self.discrete_col_sfd):
-                    col_off = col_off + 4 * ((n_out + 127) // 128) * start
-                for slot in cutlass.range_constexpr(8):
-                    mSfdCol[col_off + 16 * q8.slot_col(slot)] = codes_c[slot].to(cutlass.Uint8)
+            rb32 = ((m_tile * self.tile_m) >> 5) + (r_in >> 5)  # global 32-row block (SFD_col k-block)
+            atoms = m_rows // 128
+            if const_expr(self.discrete_col_sfd):
+                start = Int32(0)
+                if g > 0:
+                    start = sEnds[g - 1]
+                atoms = (sEnds[g] - start) // 128
+                rb32 = rb32 - (start >> 5)
+            col_off = ((col_block >> 2) * atoms + (rb32 >> 2)) * 512 + (col_block & 3) * 4 + (rb32 & 3) + 16 * lane
+            if const_expr(self.discrete_col_sfd):
+                col_off = col_off + 4 * ((n_out + 127) // 128) * start
+            mSfdCol[col_off] = code_c.to(cutlass.Uint8)
