@@ -124,14 +124,6 @@ def quad_max(v: Int32) -> Int32:
 
 
 @cute.jit
-def column_max(v: Int32) -> Int32:
-    """Max over the 8 lanes with the same lane % 4 (one column's 16 rows of a warp)."""
-    v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=4))
-    v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=8))
-    return cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=16))
-
-
-@cute.jit
 def quantize_rows(rVal: cute.Tensor, rAbs: list, rQ: cute.Tensor, rcp_limit: cutlass.Constexpr,
                   norm_const: Float32):
     """rQ (FP8, 16) <- row-quantized rVal (f32, 16); rAbs: `abs_raw` of each value. Returns the e8m0 codes of the
@@ -155,16 +147,29 @@ def quantize_rows(rVal: cute.Tensor, rAbs: list, rQ: cute.Tensor, rcp_limit: cut
 
 @cute.jit
 def column_partial_max(rAbs: list, sColMax: cute.Tensor, warp: Int32, lane: Int32):
-    """Per column of the subtile: max |x| bits (unflushed) over this warp's 16 rows -> sColMax[(col, warp)]
-    (lanes 0..3 write)."""
+    """Per column of the subtile: max |x| bits (unflushed) over this warp's 16 rows -> sColMax[(col, warp)].
+    A reduce-scatter over the 8 lanes t + 4q that hold the same 8 columns (slots): each round keeps half of the
+    remaining slots and takes the partner's other half (7 shuffles in all), so lane t + 4q ends with the max of
+    its slot q and stores it."""
+    m = []
     for slot in cutlass.range_constexpr(8):
-        m = Int32(0)
+        v = Int32(0)
         for i in cutlass.range_constexpr(FRAG):
             if const_expr(col_slot(i) == slot):
-                m = cutlass.max(m, rAbs[i])
-        m = column_max(m)
-        if lane < 4:
-            sColMax[(2 * lane + slot_col(slot), warp)] = m
+                v = cutlass.max(v, rAbs[i])
+        m.append(v)
+    q = lane // 4
+    for bit, xor in ((4, 16), (2, 8), (1, 4)):  # q's bits 2, 1, 0 = lane bits 4, 3, 2
+        n = len(m) // 2
+        upper = (q & Int32(bit)) != Int32(0)  # this lane keeps the upper half of the remaining slots
+        kept = []
+        for j in cutlass.range_constexpr(n):
+            give = Int32(cutlass.select_(upper, m[j], m[j + n]))
+            mine = Int32(cutlass.select_(upper, m[j + n], m[j]))
+            kept.append(cutlass.max(mine, cute.arch.shuffle_sync_bfly(give, offset=xor)))
+        m = kept
+    # slot q's column offset (slot_col): v0 + 8 v2 + 16 v3 for q = v0 + 2 v2 + 4 v3
+    sColMax[(2 * (lane % 4) + (q & Int32(1)) + 4 * (q & Int32(6)), warp)] = m[0]
 
 
 @cute.jit
