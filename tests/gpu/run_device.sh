@@ -42,12 +42,13 @@ for s in $steps; do
             # whole at the deadline: a killed ncu otherwise leaves its profiled python holding the GPU.
       setsid ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section MemoryWorkloadAnalysis \
         python3 benchmarks/profile_one.py mx ${MXNCU_TARGET:-mxbench_fc1_bf16d} > "$OUT/ncu_mx.log" 2>&1 &
       pid=$!; ( sleep ${MXNCU_TIMEOUT:-100}; kill -KILL -$pid 2>/dev/null ) & killer=$!
       wait $pid; echo "mxncu rc=$?"; kill $killer 2>/dev/null
       # ncu needed > 40 s to reach its first replay pass of the fc1 kernel (run 6); give it ~100 s
-      grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible|Active" \
-        "$OUT/ncu_mx.log" | cut -c1-140 | head -45 ;;
+      grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible|Active|Shared|Bank|L1|L2" \
+        "$OUT/ncu_mx.log" | cut -c1-140 | head -70 ;;
     mxsrc)  # per-instruction warp stalls (PC sampling) of one MXFP8 kernel: which SASS line the warps wait on
       setsid ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" --launch-skip 2 --launch-count 1 \
         --section SourceCounters --section WarpStateStats --import-source no \
