@@ -770,16 +770,19 @@ class GroupedGemmSm90:
         that few per-thread invariants stay live across the mainloop."""
         n_out = self.problem.n_out
         col_block = n_tile * (self.tile_n // self.c_per_step // EPI_N) + step  # D 32-column block
+        kb_atoms = (-(-n_out // EPI_N) + 3) // 4
         # this thread's first row in the tile (0..127; = its fragment's row, checked by check_fragment_layout);
         # its second row is r_in + 8
         r_in = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4
-        if lane % 4 == 0:
-            kb_atoms = (-(-n_out // EPI_N) + 3) // 4
+        # a 2-CTA cluster along N over an odd number of N tiles runs one tile wholly past N (it still loads and
+        # multicasts its half of A): its blocks lie past the SF buffers' padded width, nothing to store
+        in_n = col_block < 4 * kb_atoms
+        if (lane % 4 == 0) & in_n:
             row_off = (((m_tile * self.tile_m) >> 7) * kb_atoms + (col_block >> 2)) * 512 + (col_block & 3) \
                 + (r_in & 31) * 16 + ((r_in >> 5) & 3) * 4
             mSfdRow[row_off] = code_r0.to(cutlass.Uint8)
             mSfdRow[row_off + 128] = code_r1.to(cutlass.Uint8)
-        if warp_e % 2 == 0:
+        if (warp_e % 2 == 0) & in_n:
             rb32 = ((m_tile * self.tile_m) >> 5) + (r_in >> 5)  # global 32-row block (SFD_col k-block)
             atoms = m_rows // 128
             if const_expr(self.discrete_col_sfd):
