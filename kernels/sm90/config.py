@@ -17,6 +17,9 @@ BIAS_DTYPES = ("bfloat16", "float16", "float32")
 MAX_GROUPS = 1024
 SMEM_CAPACITY = 232448  # sm_90 opt-in dynamic shared memory per CTA (227 KiB)
 H200_SMS = 132
+# 4-CTA clusters (2 x 2) co-resident on an H200: 24 run at once, 32 do not (the rest ran as a second wave of the
+# persistent grid at half speed; RESULTS.md run 23)
+H200_4CTA_CLUSTERS = 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +37,8 @@ class Config:
     group_m: M blocks per raster swizzle group (L2 reuse);
     mx_n_parts: MXFP8 only: run each 32-K block's data and scale wgmmas per column part (1, 2 or 4 parts of the
       128-column tile) so a part is folded while the others compute (mainloop_mxfp8.Mxfp8Mainloop.mma_tile_parts);
-    num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. With 4-CTA clusters not all 33 clusters may be
-      co-resident (GPC sizes), so those configs may want 128.
+    num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. 2 x 2 clusters use at most H200_4CTA_CLUSTERS
+      of them (GroupedGemmSm90.max_clusters).
     """
 
     tile_m: int = 128
@@ -119,13 +122,15 @@ def default_config(problem) -> Config:
     """Measured choice (benchmarks/RESULTS.md, H200): 128x256 tiles, 2x1 cluster multicasting B, 2 epilogue
     buffers (GLU with a 16-bit C then has 3 A/B stages, everything else 4).
 
-    Measured alternatives: no cluster -12% (fc1); 2x2 clusters -45%; 1x2 -5..10%; one epilogue buffer (4 A/B
-    stages for GLU) -7% on fc1 but maybe +7% on `small` (host-timed, within noise in the last run); tile 128x128
-    -5% on fc1/fc2; swizzle group 4/8/16 within noise; one barrier per epilogue step -8..13%. ncu, one launch:
-    fc1 1.25 ms (torch CUTLASS 1.24), fc2 645 us (652), small 192 us (171, DRAM-bound).
+    Measured alternatives: no cluster -12% (fc1); 2x2 clusters -45% (with 33 clusters, of which only ~24 are
+    co-resident: now capped at 24); 1x2 -5..10%; one epilogue buffer (4 A/B stages for GLU) -7% on fc1 but maybe
+    +7% on `small` (host-timed, within noise in the last run); tile 128x128 -5% on fc1/fc2; swizzle group 4/8/16
+    within noise; one barrier per epilogue step -8..13%. ncu, one launch: fc1 1.25 ms (torch CUTLASS 1.24), fc2
+    645 us (652), small 192 us (171, DRAM-bound).
     MXFP8 runs 128 x 128 tiles (acc + the data and scale-product partials, 3 x 64 registers, leave no room for
     256); measured there (RESULTS.md runs 12-15, fc1 TFLOP/s): cluster 2x1 597-600 vs 1x1 591; the block's wgmmas
-    in two 64-column parts 624-631 vs 592-600 whole (fc2 572 vs 545), in four parts 473 (shared-memory bound).
+    in two 64-column parts 624-631 vs 592-600 whole (fc2 572 vs 545), in four parts 473 (shared-memory bound);
+    runs 19-23: 4 A/B stages 607 vs 617, 2x2 clusters per SM no better (626 from 24 clusters on 96 SMs).
     """
     if problem.block_scaled:
         return Config(tile_n=128, cluster_m=2, mx_n_parts=2)

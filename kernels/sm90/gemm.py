@@ -41,7 +41,7 @@ from .. import quantize as q8
 from ..epilogue import EpilogueRecipe, abs_bits, warp_max_i32
 from ..scheduler import GroupedTileScheduler
 from . import mainloop_mxfp8 as mx
-from .config import SMEM_CAPACITY, Config, default_config, supports
+from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
 from .mainloop import TILE_K, WgmmaMainloop, ab_stage_bytes, make_ab_smem_layouts, make_tiled_mma
 
 _DTYPES = {
@@ -90,6 +90,8 @@ class GroupedGemmSm90:
         self.epi_tile = (self.tile_m, EPI_N)
         self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
         self.max_clusters = cfg.num_sms // self.cluster_size
+        if self.cluster_size == 4:
+            self.max_clusters = min(self.max_clusters, H200_4CTA_CLUSTERS)
         # MXFP8: FP8 wgmma + scale-product wgmma per 32-wide K block (mainloop_mxfp8); FP8 D: SFD row/col outputs
         self.block_scaled = problem.block_scaled
         self.quant_d = epi.generate_sfd

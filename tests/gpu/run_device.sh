@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, benchmark, compute-sanitizer subset. Writes logs/results to $OUT.
-#   run (carry .runtime .out/kgpu):  bash tests/gpu/run_device.sh [tests|bench|ncu|sanitize ...]
+#   run (carry .runtime .out/kgpu .bundle):  bash tests/gpu/run_device.sh [tests|bench|ncu|sanitize ...]
+#   (.bundle: `python -m cudnn_moe_jax.aot build ...` from tests/gpu/public_ops_cases.py, for the public-ops tests)
 #   MXFP8:  bash tests/gpu/run_device.sh mxtests mxbench mxncu mxsrc mxsanitize
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/kgpu_out}; mkdir -p "$OUT"

@@ -19,6 +19,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import cudnn_moe_jax as cmj  # noqa: E402
+from cudnn_moe_jax import _runtime  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import public_ops_cases as cases  # noqa: E402
@@ -36,6 +37,9 @@ def _has_gpu():
 
 if not _has_gpu():
     pytest.skip("no GPU", allow_module_level=True)
+if not any(d.is_dir() for d in _runtime.bundle_dirs()):
+    pytest.skip("no kernel bundle: build one with the command in public_ops_cases.py (and carry `.bundle` to the "
+                "GPU machine) -- without it every case would fall back to the reference", allow_module_level=True)
 
 
 def _run(op, options, x, kernels: bool):
