@@ -17,7 +17,7 @@ program's host-side dispatch and completion (~1-2 ms per program, RESULTS.md run
 kernels (device_timer.py). The host wall time to block_until_ready of the same execution is kept as host_ms.
 Without torch or CUPTI, JAX is timed on the host, and the header and the table footnote say so. torch: rotating
 3 input sets, CUDA events. TFLOP/s = 2 * valid_m * N * K / t (t = device time where measured).
-Writes results.json, table.md and plot.png to --out; RESULTS.md is appended on the CPU machine. Per row of
+Writes results.json, table.md and plot.png (MXFP8: mxfp8_*) to --out; RESULTS.md is appended on the CPU machine. Per row of
 results.json, by implementation: ms (median, device time where measured), host_ms (JAX), timing ("cupti",
 "host" or "cuda_events"), samples_ms / host_samples_ms (per round) and device_events (device events per
 program, CUPTI; one value when every round saw the same program).
@@ -299,6 +299,28 @@ def table(results, device, out: Path, json_name: str, last_header: str, last_cel
     return impls, lines
 
 
+def plot(results, impls, title: str, path: Path):
+    """Grouped bars: TFLOP/s per shape and implementation (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4))
+        w = 0.8 / len(impls)
+        for i, k in enumerate(impls):
+            ax.bar([j + i * w for j in range(len(results))], [r["tflops"].get(k, 0) for r in results], w, label=k)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(results))], [r["shape"] for r in results])
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(title)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    except Exception as e:  # noqa: BLE001
+        print(f"no plot: {e}")
+
+
 def _best_over_torch(r):
     best = max(v for k, v in r["tflops"].items() if k.startswith("ours"))
     return f"{best / r['tflops']['torch._grouped_mm']:.2f}" if "torch._grouped_mm" in r["tflops"] else "-"
@@ -312,24 +334,7 @@ def write(results, device, out: Path):
                                       for k, v in r["check"].items()) for r in results))
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(10, 4))
-        w = 0.8 / len(impls)
-        for i, k in enumerate(impls):
-            ax.bar([j + i * w for j in range(len(results))], [r["tflops"].get(k, 0) for r in results], w, label=k)
-        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(results))], [r["shape"] for r in results])
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"grouped GEMM, bf16, {device}")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(out / "plot.png", dpi=120)
-    except Exception as e:  # noqa: BLE001
-        print(f"no plot: {e}")
+    plot(results, impls, f"grouped GEMM, bf16, {device}", out / "plot.png")
 
 
 MX_SHAPES = {"fc1": [2048] * 8, "fc2": [2048] * 8, "small": [256] * 64}
@@ -427,6 +432,14 @@ def write_mxfp8(results, device, out: Path):
               + "; ".join(errs)]
     (out / "mxfp8_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot_mxfp8(results, device, out / "mxfp8_plot.png")
+
+
+def plot_mxfp8(results, device, path: Path):
+    """The library's default kernels (bf16 D, FP8 D) beside the peers; config probes and data variants left out."""
+    keep = [k for k in ("ours[bf16d]", "ours[fp8d]", "ragged_dot(fp8)+jnp", "torch._scaled_grouped_mm(fp8,rowwise)")
+            if any(k in r["tflops"] for r in results)]
+    plot(results, keep, f"grouped GEMM, MXFP8 inputs (e4m3 + e8m0 / 32), {device}", path)
 
 
 def main(argv=None):
@@ -435,7 +448,12 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--configs", default="", help="comma-separated subset of the compiled configs")
     ap.add_argument("--mxfp8", action="store_true", help="MXFP8 inputs (mxbench_* artifacts)")
+    ap.add_argument("--replot", metavar="MXFP8_JSON", help="only redraw the MXFP8 plot of a saved mxfp8_results.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        plot_mxfp8(saved["results"], saved["device"], Path(args.out))
+        return
     if args.mxfp8:
         results, device = run_mxfp8(args)
         write_mxfp8(results, device, Path(args.out))
