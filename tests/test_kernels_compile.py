@@ -232,6 +232,10 @@ def test_supports_reasons():
                            epilogue=Epilogue(act="swiglu")),
         GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
                            epilogue=Epilogue(d_dtype="float8_e4m3fn")),  # FP8 D always comes with SFD
+        GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
+                           epilogue=Epilogue(d_dtype=E4M3, generate_sfd=True)),  # FP8 out: MXFP8 inputs only
+        GroupedGemmProblem(op="glu", m=512, n=256, k=128, num_groups=2, ab_dtype="float16",
+                           epilogue=Epilogue(act="swiglu", c_dtype=E4M3, d_dtype="float16")),
         GroupedGemmProblem(op="quant", m=512, n=200, k=128, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
                            sf_vec_size=32, epilogue=Epilogue(d_dtype=E4M3, generate_sfd=True)),
     ]
