@@ -1,7 +1,7 @@
 """CPU self-test of the MXFP8 GPU checks (tests/gpu/test_mxfp8_gpu.py): the pure-jnp reference backend, run through
-the public ops with the kernels' argument order, must pass every check, and corrupted outputs (one e8m0 byte, one
-FP8 code, a nonzero padding byte, a value in a row outside every group) must be caught. The GPU run has no
-second chance, so the checker is validated here.
+the public ops with the kernels' argument order (MXFP8 and bf16 / fp16 inputs), must pass every check, and corrupted
+outputs (one e8m0 byte, one FP8 code, a nonzero padding byte, a value in a row outside every group) must be caught.
+The GPU run has no second chance, so the checker is validated here.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ def _p(op, epi, n=256, k=96, L=3, ab=E4M3):
                                                  sf_dtype=E8M0, sf_vec_size=32, epilogue=epi))
 
 
+def _h(op, epi, n=256, k=96, L=3, ab="bfloat16"):
+    """bf16 / fp16 inputs: the checker's other input path (FP8 epilogue from half-precision A / B)."""
+    return dataclasses.asdict(GroupedGemmProblem(op=op, m=1024, n=n, k=k, num_groups=L, ab_dtype=ab, epilogue=epi))
+
+
 CASES = {
     "swiglu_fp8d": _p("glu", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True)),
     "geglu_fp8d_seg_e5m2": _p("glu", Epilogue(act="geglu", has_bias=True, bias_dtype="float32", c_dtype=E5M2,
@@ -33,6 +38,10 @@ CASES = {
                               n=320, ab=E5M2),
     "quant_bf16": _p("quant", Epilogue(d_dtype="bfloat16", compute_amax=True)),
     "srelu_f16": _p("srelu", Epilogue(act="srelu", c_dtype="float32", d_dtype="float16", tanh_clamp_scale=4.0)),
+    "bf16in_quant_fp8d": _h("quant", Epilogue(d_dtype=E4M3, has_bias=True, bias_dtype="bfloat16",
+                                              generate_sfd=True)),
+    "f16in_swiglu_fp8c_fp8d_seg": _h("glu", Epilogue(act="swiglu", c_dtype=E4M3, d_dtype=E5M2, generate_sfd=True,
+                                                     discrete_col_sfd=True), n=320, ab="float16"),
 }
 
 
