@@ -56,10 +56,6 @@ MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default)
                     None),
     "small_fp8d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
 }
-# 2 x 2 clusters on fewer SMs: runs 19 / 21 measured 2 x 2 at half speed with 33 and 32 clusters; if only some 4-CTA
-# clusters are co-resident, the rest run as a second wave of the persistent grid (timing probe, fc1 only)
-MXFP8_BENCH.update({f"fc1_bf16d_c22n{sms}": (*MXFP8_BENCH["fc1_bf16d"][:2], Config(
-    tile_n=128, cluster_m=2, cluster_n=2, mx_n_parts=2, num_sms=sms)) for sms in (64, 96)})
 
 
 def mxfp8_cases():
