@@ -172,6 +172,21 @@ def test_other_mxfp8_configs_compile(cfg):
         _check_sass(sass_of(module, tool), True)
 
 
+@pytest.mark.parametrize("tile_n", [256, 128])
+def test_fp8_outputs_from_bf16_inputs_compile(tile_n):
+    """FP8 C and D (SFD_row / D_col / SFD_col) from bf16 inputs: built for the GPU suite although the runtime does
+    not route users to them yet (supports(..., gpu_validated=False)); no spills."""
+    problem = GroupedGemmProblem(op="glu", m=2048, n=640, k=256, num_groups=4, ab_dtype="bfloat16",
+                                 epilogue=Epilogue(act="swiglu", c_dtype=E4M3, d_dtype=E4M3, generate_sfd=True,
+                                                   discrete_col_sfd=True))
+    assert sm90_config.supports(problem) is not None
+    assert sm90_config.supports(problem, gpu_validated=False) is None
+    module = compile_module(problem, sm90_config.Config(tile_n=tile_n))
+    tool = _cuobjdump()
+    if tool is not None:
+        _check_sass(sass_of(module, tool), False)
+
+
 def test_mxfp8_k_loop_is_not_serialized():
     """K = 1024 (8 stages: a real k-loop with a back-edge, unlike the 2-stage test shapes, which LLVM unrolls).
     ptxas serialized every wgmma of the previous MXFP8 kernel for any real k-loop (C7514, a prefetched wgmma in
