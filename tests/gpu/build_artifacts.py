@@ -41,6 +41,7 @@ BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>] [p: epi_p
     "t256c21e1p": Config(tile_n=256, cluster_m=2, epi_stages=1, epi_pin=True),
     "t128c21": Config(tile_n=128, cluster_m=2),
     "t128c21e1": Config(tile_n=128, cluster_m=2, epi_stages=1),
+    "t256c22": Config(tile_n=256, cluster_m=2, cluster_n=2),  # 24 co-resident clusters (config.H200_4CTA_CLUSTERS)
 }
 
 
