@@ -51,6 +51,12 @@ MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default)
     "fc1_fp8d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
     "fc1_bf16d_p1": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
                      Config(tile_n=128, cluster_m=2, mx_n_parts=1)),
+    # not measured yet for MXFP8: raster group (L2 reuse of 128 x 128 tiles) and A multicast instead of B
+    **{f"fc1_bf16d_{tag}": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
+                            cfg) for tag, cfg in (("g4", Config(tile_n=128, cluster_m=2, mx_n_parts=2, group_m=4)),
+                                                  ("g16", Config(tile_n=128, cluster_m=2, mx_n_parts=2, group_m=16)),
+                                                  ("c12", Config(tile_n=128, cluster_m=1, cluster_n=2,
+                                                                 mx_n_parts=2)))},
     "fc2_bf16d": ("fc2", Epilogue(d_dtype="bfloat16", compute_amax=True), None),
     "fc2_fp8d": ("fc2", Epilogue(d_dtype=E4M3, generate_sfd=True), None),
     "small_bf16d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
