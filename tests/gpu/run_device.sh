@@ -6,7 +6,7 @@
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/kgpu_out}; mkdir -p "$OUT"
 steps=${*:-tests bench ncu sanitize}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
+nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader  # uuid: same physical GPU as another run?
 [ -n "${SKIP_INFO:-}" ] || python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
 skip=
 for s in $steps; do
