@@ -17,8 +17,8 @@ program's host-side dispatch and completion (~1-2 ms per program, RESULTS.md run
 kernels (device_timer.py). The host wall time to block_until_ready of the same execution is kept as host_ms.
 Without torch or CUPTI, JAX is timed on the host, and the header and the table footnote say so. torch: rotating
 3 input sets, CUDA events. TFLOP/s = 2 * valid_m * N * K / t (t = device time where measured).
-Writes results.json, table.md and plot.png (MXFP8: mxfp8_*) to --out; RESULTS.md is appended on the CPU machine. Per row of
-results.json, by implementation: ms (median, device time where measured), host_ms (JAX), timing ("cupti",
+Writes results.json, table.md and plot.png (MXFP8: mxfp8_*) to --out; RESULTS.md is appended on the CPU machine.
+Per row of results.json, by implementation: ms (median, device time where measured), host_ms (JAX), timing ("cupti",
 "host" or "cuda_events"), samples_ms / host_samples_ms (per round) and device_events (device events per
 program, CUPTI; one value when every round saw the same program).
 
@@ -27,8 +27,9 @@ program, CUPTI; one value when every round saw the same program).
 MXFP8 mode: the same fc1 / fc2 / small shapes with A, B quantized from N(0,1) data per 32-wide K block
 (cudnn_moe_jax.formats.to_block_scaled on the GPU: realistic, non-uniform scales); ours with bf16 D (+ C for
 SwiGLU, + amax) and with FP8 D (D, D_col, SFD_row, SFD_col, norm_const), and fc1 once more on B operands whose
-scales are equal across N per K block (`uniformB`: a data pattern some kernels special-case; ours does not). Peers on the same FP8 bytes: torch._scaled_grouped_mm with per-row scales (GEMM only)
-and jax.lax.ragged_dot on fp8 data (no block scales) + the jnp epilogue.
+scales are equal across N per K block (`uniformB`: a data pattern some kernels special-case; ours does not).
+Peers on the same FP8 bytes: torch._scaled_grouped_mm with per-row scales (GEMM only) and jax.lax.ragged_dot on fp8
+data (no block scales) + the jnp epilogue.
 """
 
 from __future__ import annotations

@@ -46,33 +46,28 @@ BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>] [p: epi_p
 
 
 E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
+SWIGLU_BF16D = Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True)
+SWIGLU_FP8D = Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True)
 MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default)
-    "fc1_bf16d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True), None),
-    "fc1_fp8d": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
-    "fc1_bf16d_p1": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
-                     Config(tile_n=128, cluster_m=2, mx_n_parts=1)),
+    "fc1_bf16d": ("fc1", SWIGLU_BF16D, None),
+    "fc1_fp8d": ("fc1", SWIGLU_FP8D, None),
+    "fc1_bf16d_p1": ("fc1", SWIGLU_BF16D, Config(tile_n=128, cluster_m=2, mx_n_parts=1)),
     # not measured yet for MXFP8: raster group (L2 reuse of 128 x 128 tiles) and A multicast instead of B
-    **{f"fc1_bf16d_{tag}": ("fc1", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
-                            cfg) for tag, cfg in (("g4", Config(tile_n=128, cluster_m=2, mx_n_parts=2, group_m=4)),
-                                                  ("g16", Config(tile_n=128, cluster_m=2, mx_n_parts=2, group_m=16)),
-                                                  ("c12", Config(tile_n=128, cluster_m=1, cluster_n=2,
-                                                                 mx_n_parts=2)))},
+    "fc1_bf16d_g4": ("fc1", SWIGLU_BF16D, Config(tile_n=128, cluster_m=2, mx_n_parts=2, group_m=4)),
+    "fc1_bf16d_g16": ("fc1", SWIGLU_BF16D, Config(tile_n=128, cluster_m=2, mx_n_parts=2, group_m=16)),
+    "fc1_bf16d_c12": ("fc1", SWIGLU_BF16D, Config(tile_n=128, cluster_m=1, cluster_n=2, mx_n_parts=2)),
     "fc2_bf16d": ("fc2", Epilogue(d_dtype="bfloat16", compute_amax=True), None),
     "fc2_fp8d": ("fc2", Epilogue(d_dtype=E4M3, generate_sfd=True), None),
-    "small_bf16d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True),
-                    None),
-    "small_fp8d": ("small", Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True), None),
+    "small_bf16d": ("small", SWIGLU_BF16D, None),
+    "small_fp8d": ("small", SWIGLU_FP8D, None),
 }
 
 
 def mxfp8_cases():
     """(name, problem, config) of the MXFP8 GPU tests: the default MXFP8 variants plus odd shapes and configs."""
-    def mk(op, epi, n=512, k=256, L=4, ab=E4M3):
-        return GroupedGemmProblem(op=op, m=2048, n=n, k=k, num_groups=L, ab_dtype=ab, sf_dtype=E8M0,
-                                  sf_vec_size=32, epilogue=epi)
-
-    def mh(op, epi, n=512, k=256, L=4, ab="bfloat16"):  # bf16 / fp16 inputs with FP8 C / D (same checker)
-        return GroupedGemmProblem(op=op, m=2048, n=n, k=k, num_groups=L, ab_dtype=ab, epilogue=epi)
+    def mk(op, epi, n=512, k=256, L=4, ab=E4M3):  # MXFP8 inputs; bf16 / fp16 `ab`: no scales (FP8 C / D cases)
+        sf = dict(sf_dtype=E8M0, sf_vec_size=32) if ab in (E4M3, E5M2) else {}
+        return GroupedGemmProblem(op=op, m=2048, n=n, k=k, num_groups=L, ab_dtype=ab, epilogue=epi, **sf)
 
     fp8d = dict(generate_sfd=True)
     cases = [(f"mx{i}_{_name(p)}" + ("_seg" if p.epilogue.discrete_col_sfd else ""), p, None)
@@ -92,14 +87,14 @@ def mxfp8_cases():
          Config(tile_n=128, cluster_m=2, cluster_n=2)),
         # FP8 C / D from bf16 / fp16 inputs: built here (supports(..., gpu_validated=False)), routed to users only
         # once these pass (kernels/NOTES.md)
-        ("h16_quant_bias_fp8d_n384", mh("quant", Epilogue(d_dtype=E4M3, has_bias=True, bias_dtype="bfloat16",
-                                                          **fp8d), n=384), None),
-        ("h16_swiglu_fp8c_e5m2d_seg_n640", mh("glu", Epilogue(act="swiglu", c_dtype=E4M3, d_dtype=E5M2,
+        ("h16_quant_bias_fp8d_n384", mk("quant", Epilogue(d_dtype=E4M3, has_bias=True, bias_dtype="bfloat16",
+                                                          **fp8d), n=384, ab="bfloat16"), None),
+        ("h16_swiglu_fp8c_e5m2d_seg_n640", mk("glu", Epilogue(act="swiglu", c_dtype=E4M3, d_dtype=E5M2,
                                                               discrete_col_sfd=True, **fp8d), n=640, ab="float16"),
          None),
-        ("h16_srelu_fp8d_t128_k1024", mh("srelu", Epilogue(act="srelu", c_dtype="bfloat16", d_dtype=E4M3, **fp8d),
-                                         k=1024), Config(tile_n=128)),
-        ("h16_quant_fp8d_c12_n384", mh("quant", Epilogue(d_dtype=E4M3, **fp8d), n=384),
+        ("h16_srelu_fp8d_t128_k1024", mk("srelu", Epilogue(act="srelu", c_dtype="bfloat16", d_dtype=E4M3, **fp8d),
+                                         k=1024, ab="bfloat16"), Config(tile_n=128)),
+        ("h16_quant_fp8d_c12_n384", mk("quant", Epilogue(d_dtype=E4M3, **fp8d), n=384, ab="bfloat16"),
          Config(tile_n=128, cluster_m=1, cluster_n=2)),
         ("mxedge_k1024_srelu", mk("srelu", Epilogue(act="srelu", c_dtype="bfloat16", d_dtype="bfloat16",
                                                     compute_amax=True), k=1024), None),

@@ -6,7 +6,9 @@
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/kgpu_out}; mkdir -p "$OUT"
 steps=${*:-tests bench ncu sanitize}
-nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader  # uuid: same physical GPU as another run?
+# uuid: whether two runs shared a physical GPU
+nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+  --format=csv,noheader
 [ -n "${SKIP_INFO:-}" ] || python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
 skip=
 for s in $steps; do
@@ -48,8 +50,9 @@ for s in $steps; do
       pid=$!; ( sleep ${MXNCU_TIMEOUT:-100}; kill -KILL -$pid 2>/dev/null ) & killer=$!
       wait $pid; echo "mxncu rc=$?"; kill $killer 2>/dev/null
       # ncu needed > 40 s to reach its first replay pass of the fc1 kernel (run 6); give it ~100 s
-      grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible|Active|Shared|Bank|L1|L2" \
-        "$OUT/ncu_mx.log" | cut -c1-140 | head -70 ;;
+      grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible|Active" \
+        "$OUT/ncu_mx.log" | cut -c1-140 | head -45
+      grep -E "Shared|Bank|L1|L2" "$OUT/ncu_mx.log" | cut -c1-140 | head -25 ;;
     mxsrc)  # per-instruction warp stalls (PC sampling) of one MXFP8 kernel: which SASS line the warps wait on
       setsid ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" --launch-skip 2 --launch-count 1 \
         --section SourceCounters --section WarpStateStats --import-source no \
