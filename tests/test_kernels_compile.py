@@ -9,6 +9,7 @@ Skipped when the CuTe DSL compiler is not installed. ~24 bf16/fp16 variants x ~2
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
@@ -152,6 +153,19 @@ def test_other_configs_compile(cfg):
     assert fatbins(compile_module(problem, cfg))
 
 
+@pytest.mark.parametrize("ab", ["bfloat16", "float16"])
+def test_many_experts_glu_default_compiles_without_spills(ab):
+    """GLU with >= 64 experts defaults to one epilogue buffer (4 A/B stages at 128 x 256, config.default_config)."""
+    problem = GroupedGemmProblem(op="glu", m=2048, n=512, k=256, num_groups=64, ab_dtype=ab,
+                                 epilogue=Epilogue(act="swiglu", has_bias=True, bias_dtype=ab, c_dtype=ab,
+                                                   d_dtype=ab, compute_amax=True))
+    assert sm90_config.default_config(problem).epi_stages == 1
+    module = compile_module(problem)
+    tool = _cuobjdump()
+    if tool is not None:
+        _check_sass(sass_of(module, tool), False)
+
+
 E4M3, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
 
 
@@ -174,13 +188,12 @@ def test_other_mxfp8_configs_compile(cfg):
 
 @pytest.mark.parametrize("tile_n", [256, 128])
 def test_fp8_outputs_from_bf16_inputs_compile(tile_n):
-    """FP8 C and D (SFD_row / D_col / SFD_col) from bf16 inputs: built for the GPU suite although the runtime does
-    not route users to them yet (supports(..., gpu_validated=False)); no spills."""
+    """FP8 C and D (SFD_row / D_col / SFD_col) from bf16 inputs at both tile widths: supported, no spills (GPU:
+    the `h16_*` cases of tests/gpu/test_mxfp8_gpu.py)."""
     problem = GroupedGemmProblem(op="glu", m=2048, n=640, k=256, num_groups=4, ab_dtype="bfloat16",
                                  epilogue=Epilogue(act="swiglu", c_dtype=E4M3, d_dtype=E4M3, generate_sfd=True,
                                                    discrete_col_sfd=True))
-    assert sm90_config.supports(problem) is not None
-    assert sm90_config.supports(problem, gpu_validated=False) is None
+    assert sm90_config.supports(problem) is None
     module = compile_module(problem, sm90_config.Config(tile_n=tile_n))
     tool = _cuobjdump()
     if tool is not None:
@@ -232,6 +245,12 @@ def test_public_mxfp8_op_lowers_to_the_kernel():
 def test_supports_reasons():
     ok = GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16")
     assert sm90_config.supports(ok) is None
+    # FP8 C / D from half inputs (GPU-validated: RESULTS.md run 24)
+    assert sm90_config.supports(GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
+                                                   epilogue=Epilogue(d_dtype=E4M3, generate_sfd=True))) is None
+    assert sm90_config.supports(GroupedGemmProblem(op="glu", m=512, n=256, k=128, num_groups=2, ab_dtype="float16",
+                                                   epilogue=Epilogue(act="swiglu", c_dtype=E4M3,
+                                                                     d_dtype="float16"))) is None
     bad = [
         GroupedGemmProblem(op="dglu", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
                            epilogue=Epilogue(act="dswiglu")),
@@ -247,10 +266,6 @@ def test_supports_reasons():
                            epilogue=Epilogue(act="swiglu")),
         GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
                            epilogue=Epilogue(d_dtype="float8_e4m3fn")),  # FP8 D always comes with SFD
-        GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
-                           epilogue=Epilogue(d_dtype=E4M3, generate_sfd=True)),  # FP8 out: MXFP8 inputs only
-        GroupedGemmProblem(op="glu", m=512, n=256, k=128, num_groups=2, ab_dtype="float16",
-                           epilogue=Epilogue(act="swiglu", c_dtype=E4M3, d_dtype="float16")),
         GroupedGemmProblem(op="quant", m=512, n=200, k=128, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
                            sf_vec_size=32, epilogue=Epilogue(d_dtype=E4M3, generate_sfd=True)),
     ]
@@ -258,6 +273,10 @@ def test_supports_reasons():
                             sf_vec_size=32, epilogue=Epilogue(d_dtype=E4M3, generate_sfd=True))
     assert sm90_config.supports(mx) is None
     assert sm90_config.default_config(mx).tile_n == 128
+    many = GroupedGemmProblem(op="glu", m=512, n=256, k=128, num_groups=64, ab_dtype="bfloat16",
+                              epilogue=Epilogue(act="swiglu", c_dtype="bfloat16"))
+    assert sm90_config.default_config(many).epi_stages == 1
+    assert sm90_config.default_config(dataclasses.replace(many, num_groups=8)).epi_stages is None
     assert sm90_config.config_from_hints(mx, mma_tiler_mn=(256, 256)).tile_n == 128
     for p in bad:
         reason = sm90_config.supports(p)

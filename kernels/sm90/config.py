@@ -69,10 +69,8 @@ class Config:
             raise ValueError("group_m must be >= 1")
 
 
-def supports(problem, gpu_validated: bool = True) -> Optional[str]:
-    """None if `GroupedGemmSm90` implements `problem`, else the reason it does not. `gpu_validated=False`: what the
-    kernel builds, including paths no GPU suite has passed yet (the GPU test builds use it); the runtime routes
-    users only to validated ones."""
+def supports(problem) -> Optional[str]:
+    """None if `GroupedGemmSm90` implements `problem`, else the reason it does not."""
     epi = problem.epilogue
     if problem.op not in SUPPORTED_OPS:
         return f"op {problem.op!r} is not implemented by the sm90 kernel (only {SUPPORTED_OPS})"
@@ -90,10 +88,6 @@ def supports(problem, gpu_validated: bool = True) -> Optional[str]:
         return "FP8 D comes with SFD_row/D_col/SFD_col (generate_sfd) and only then discrete_col_sfd"
     if epi.d_dtype not in OUT_DTYPES + FP8_OUT_DTYPES:
         return f"d_dtype {epi.d_dtype!r} not in {OUT_DTYPES + FP8_OUT_DTYPES}"
-    fp8_out = epi.d_dtype in FP8_OUT_DTYPES or epi.c_dtype in FP8_OUT_DTYPES
-    if gpu_validated and not problem.block_scaled and fp8_out:
-        return ("FP8 C / D from bf16 / fp16 inputs: the FP8 epilogue is GPU-tested with MXFP8 inputs (128-column tiles)"
-                " only; these run on the reference until a GPU suite covers them")
     if epi.generate_sfd and problem.n_out % 16:
         return "FP8 D needs N_out % 16 == 0 (16-byte rows)"
     if problem.op == "quant":
@@ -126,20 +120,25 @@ def supports(problem, gpu_validated: bool = True) -> Optional[str]:
 
 def default_config(problem) -> Config:
     """Measured choice (benchmarks/RESULTS.md, H200): 128x256 tiles, 2x1 cluster multicasting B, 2 epilogue
-    buffers (GLU with a 16-bit C then has 3 A/B stages, everything else 4).
+    buffers (GLU with a 16-bit C then has 3 A/B stages, everything else 4), except GLU with >= 64 experts: one.
 
-    Measured alternatives: no cluster -12% (fc1); 2x2 clusters -45% (with 33 clusters, of which only ~24 are
-    co-resident: now capped at 24); 1x2 -5..10%; one epilogue buffer (4 A/B stages for GLU) -7% on fc1 but maybe
-    +7% on `small` (host-timed, within noise in the last run); tile 128x128 -5% on fc1/fc2; swizzle group 4/8/16
+    Measured alternatives: no cluster -12% (fc1); 2x2 clusters -45% with 33 clusters (only ~24 are co-resident),
+    -30% with the cap of 24 (run 25: 547 vs 779 on fc1; per SM no better); 1x2 -5..10%; one epilogue buffer (4 A/B
+    stages for GLU) -12% on fc1, +9% on `small` (run 25); tile 128x128 -5% on fc1/fc2; swizzle group 4/8/16
     within noise; one barrier per epilogue step -8..13%. ncu, one launch: fc1 1.25 ms (torch CUTLASS 1.24), fc2
     645 us (652), small 192 us (171, DRAM-bound).
     MXFP8 runs 128 x 128 tiles (acc + the data and scale-product partials, 3 x 64 registers, leave no room for
     256); measured there (RESULTS.md runs 12-15, fc1 TFLOP/s): cluster 2x1 597-600 vs 1x1 591; the block's wgmmas
     in two 64-column parts 624-631 vs 592-600 whole (fc2 572 vs 545), in four parts 473 (shared-memory bound);
-    runs 19-23: 4 A/B stages 607 vs 617, 2x2 clusters per SM no better (626 from 24 clusters on 96 SMs).
+    runs 19-23: 4 A/B stages 607 vs 617, 2x2 clusters per SM no better (626 from 24 clusters on 96 SMs); run 24:
+    raster group 4 / 16 603 / 602, 1x2 cluster 602 vs 615.
     """
     if problem.block_scaled:
         return Config(tile_n=128, cluster_m=2, mx_n_parts=2)
+    if problem.op == "glu" and problem.epilogue.c_dtype in AB_DTYPES and problem.num_groups >= 64:
+        # many experts (few rows each): B streams from DRAM, so 4 A/B stages (one epilogue buffer) beat 3 stages
+        # with two: `small` (64 experts) 593 vs 546 (run 25) and 571 vs 535 (run 10); with 8 experts -3..-12%
+        return Config(epi_stages=1)
     return Config()
 
 

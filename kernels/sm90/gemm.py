@@ -66,7 +66,7 @@ class GroupedGemmSm90:
     """`acc[r, :] = A[r, :] @ B[g(r)]^T` for the rows of every group, with the problem's epilogue fused."""
 
     def __init__(self, problem, config: Optional[Config] = None):
-        reason = supports(problem, gpu_validated=False)
+        reason = supports(problem)
         if reason is not None:
             raise NotImplementedError(reason)
         self.problem = problem

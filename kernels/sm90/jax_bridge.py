@@ -98,7 +98,7 @@ def output_shape_dtypes(problem, m):
 def make_call(problem, config=None):
     """A function `(a, b, [sfa, sfb], padded_offsets, alpha, [prob], [bias], [norm_const]) -> tuple(c?, d,
     d_col?, amax?, sfd_row?, sfd_col?)` for use under jit."""
-    reason = supports(problem, gpu_validated=False)
+    reason = supports(problem)
     if reason is not None:
         raise NotImplementedError(reason)
     kernel = GroupedGemmSm90(problem, config)

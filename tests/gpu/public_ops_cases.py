@@ -21,7 +21,8 @@ M, K, N, L = 2048, 256, 512, 4
 # Expert 1 empty, expert 3 skewed; rows 1792.. are outside every group (m > valid_m).
 OFFSETS = (512, 512, 1024, 1792)
 
-# (name, op, options): every public forward op the sm90 kernel covers, bf16 in.
+# (name, op, options): every public forward op the sm90 kernel covers, bf16 in (FP8 D: with norm_const, D_col and
+# the SFD outputs).
 CASES = [
     ("quant_bias", cmj.grouped_gemm_quant, dict(bias=True, d_dtype="bfloat16")),
     ("quant_fp16_out_f32", cmj.grouped_gemm_quant, dict(bias=False, d_dtype="float32")),
@@ -31,6 +32,9 @@ CASES = [
     ("swiglu", cmj.grouped_gemm_glu, dict(bias=True, act_func="swiglu", c_dtype="bfloat16", d_dtype="bfloat16")),
     ("geglu_limit", cmj.grouped_gemm_glu, dict(bias=False, act_func="geglu", c_dtype="bfloat16",
                                                d_dtype="bfloat16", glu_limit=3.0, glu_alpha=0.5)),
+    ("quant_fp8d", cmj.grouped_gemm_quant, dict(bias=True, d_dtype="float8_e4m3fn", norm_const=True)),
+    ("swiglu_fp8c_e5m2d", cmj.grouped_gemm_glu, dict(bias=False, act_func="swiglu", c_dtype="float8_e4m3fn",
+                                                     d_dtype="float8_e5m2", norm_const=True)),
 ]
 
 
@@ -43,14 +47,16 @@ def inputs(seed: int = 0):
         alpha=jax.random.uniform(keys[3], (L,), minval=0.5, maxval=2.0),
         bias=jax.random.normal(keys[4], (L, N)).astype(jnp.bfloat16),
         offsets=jnp.asarray(OFFSETS, jnp.int32),
+        norm_const=jnp.asarray([0.75], jnp.float32),
     )
 
 
 def call(op, options, x):
     options = dict(options)
     bias = x["bias"] if options.pop("bias") else None
+    norm_const = x["norm_const"] if options.pop("norm_const", False) else None
     return op(x["a"], x["b"], padded_offsets=x["offsets"], alpha_tensor=x["alpha"], prob_tensor=x["prob"],
-              bias_tensor=bias, **options)
+              bias_tensor=bias, norm_const_tensor=norm_const, **options)
 
 
 def example_step():

@@ -13,7 +13,9 @@ import harness  # noqa: E402
 import test_mxfp8_gpu as t  # noqa: E402
 
 CASES = [("mx2_e4m3_geglu_bias_ce4m3_de4m3_lim_seg", "m_gt_valid", 1024, "adversarial"),
-         ("mxedge_k208_n384_quant_fp8d", "unsanitized", 1024, "uniform_b")]
+         ("mxedge_k208_n384_quant_fp8d", "unsanitized", 1024, "uniform_b"),
+         # FP8 C / D from half inputs (256-column tiles, discrete SFD_col)
+         ("h16_swiglu_fp8c_e5m2d_seg_n640", "m_gt_valid", 1024, "adversarial")]
 
 if __name__ == "__main__":
     print("runtime:", harness.register(), flush=True)
