@@ -12,6 +12,7 @@ exported in its own process: modules are cached per (problem, config), which a r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -23,7 +24,10 @@ sys.path.insert(0, str(HERE))
 
 import build_artifacts as ba  # noqa: E402
 
+import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
+from cutlass import Int32  # noqa: E402
+from cutlass.cute.nvgpu import warpgroup  # noqa: E402
 
 from cudnn_moe_jax.kernels.sm90 import default_config  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import mainloop_mxfp8 as mx  # noqa: E402
@@ -34,10 +38,45 @@ def _fadd(acc, P, S, base: int):  # data wgmma only (the scale wgmma is deleted)
         acc[base + i] = acc[base + i] + P[i]
 
 
-# name -> (fold, whether the scale wgmma is kept). Variants that read only some of P / S (no fold, or a fold on S[0])
-# were dropped: ptxas then waits for every wgmma right after its issue (serialized; run 19's `keep`, `keep_p`,
-# `ffma_s0`), so they timed a different schedule.
-VARIANTS = {"fadd": (_fadd, False)}
+@cute.jit
+def _plain_mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA,
+                    tCrB, tCrSA, tCrSB, k_count):
+    """No scales at all: the data wgmmas accumulate straight into acc (a per-tensor-scaled FP8 GEMM on the same tiles,
+    pipeline and epilogue), one stage's batch in flight while the next is issued (the bf16 mainloop's schedule)."""
+    acc.fill(0.0)
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.fence()
+    prologue = cutlass.min(k_count, Int32(1))
+    for _k in cutlass.range(prologue, unroll=1):
+        self.wait_stage(ab_pipeline, read_state, dec_mbar)
+        for kb in cutlass.range_constexpr(mx.KB_PER_STAGE):
+            crd = (None, None, kb, read_state.index)
+            cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+        warpgroup.commit_group()
+        read_state.advance()
+    for _k in cutlass.range(prologue, k_count, 1, unroll=1):
+        self.wait_stage(ab_pipeline, read_state, dec_mbar)
+        for kb in cutlass.range_constexpr(mx.KB_PER_STAGE):
+            crd = (None, None, kb, read_state.index)
+            cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
+        read_state.advance()
+    warpgroup.wait_group(0)
+    for _k in cutlass.range(prologue, unroll=1):
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
+    return read_state, release_state
+
+
+# name -> (fold, whether the scale wgmma is kept, replacement k-loop or None, Config changes). Variants that read only
+# some of P / S (no fold, or a fold on S[0]) were dropped: ptxas then waits for every wgmma right after its issue
+# (serialized; run 19's `keep`, `keep_p`, `ffma_s0`), so they timed a different schedule.
+VARIANTS = {"fadd": (_fadd, False, None, {}),
+            # the ceiling of this tile / pipeline / epilogue structure for FP8 data without per-block scales
+            "plain": (_fadd, False, _plain_mma_tile, {"mx_n_parts": 1})}
 
 
 def _check_sass(variant: str, problem, config) -> None:
@@ -61,9 +100,12 @@ def _check_sass(variant: str, problem, config) -> None:
 
 
 def _build_one(variant: str) -> None:
-    mx.Mxfp8Mainloop.fold = staticmethod(VARIANTS[variant][0])
+    fold, _, mma_tile, changes = VARIANTS[variant]
+    mx.Mxfp8Mainloop.fold = staticmethod(fold)
+    if mma_tile is not None:
+        mx.Mxfp8Mainloop.mma_tile = mma_tile
     problem = ba.mxfp8_bench_problem("fc1_bf16d")
-    config = default_config(problem)
+    config = dataclasses.replace(default_config(problem), **changes)
     _check_sass(variant, problem, config)
     out = ba.REPO / ".out" / "kgpu"
     name = f"mxbench_fc1_timing_{variant}"
