@@ -42,7 +42,8 @@ def _fadd(acc, P, S, base: int):  # data wgmma only (the scale wgmma is deleted)
 def _plain_mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA,
                     tCrB, tCrSA, tCrSB, k_count):
     """No scales at all: the data wgmmas accumulate straight into acc (a per-tensor-scaled FP8 GEMM on the same tiles,
-    pipeline and epilogue), one stage's batch in flight while the next is issued (the bf16 mainloop's schedule)."""
+    pipeline and epilogue), one stage's batch in flight while the next is issued. This is WgmmaMainloop.mma_tile's
+    schedule, copied because its stage wait must also wait for the decoder warps, as the real kernel's does."""
     acc.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.fence()
