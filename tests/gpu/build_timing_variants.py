@@ -24,13 +24,11 @@ sys.path.insert(0, str(HERE))
 
 import build_artifacts as ba  # noqa: E402
 
-import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Int32  # noqa: E402
-from cutlass.cute.nvgpu import warpgroup  # noqa: E402
 
 from cudnn_moe_jax.kernels.sm90 import default_config  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import mainloop_mxfp8 as mx  # noqa: E402
+from cudnn_moe_jax.kernels.sm90.mainloop import WgmmaMainloop  # noqa: E402
 
 
 def _fadd(acc, P, S, base: int):  # data wgmma only (the scale wgmma is deleted), one FADD per value reading P
@@ -38,38 +36,13 @@ def _fadd(acc, P, S, base: int):  # data wgmma only (the scale wgmma is deleted)
         acc[base + i] = acc[base + i] + P[i]
 
 
-@cute.jit
 def _plain_mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA,
                     tCrB, tCrSA, tCrSB, k_count):
     """No scales at all: the data wgmmas accumulate straight into acc (a per-tensor-scaled FP8 GEMM on the same tiles,
-    pipeline and epilogue), one stage's batch in flight while the next is issued. This is WgmmaMainloop.mma_tile's
-    schedule, copied because its stage wait must also wait for the decoder warps, as the real kernel's does."""
-    acc.fill(0.0)
-    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.fence()
-    prologue = cutlass.min(k_count, Int32(1))
-    for _k in cutlass.range(prologue, unroll=1):
-        self.wait_stage(ab_pipeline, read_state, dec_mbar)
-        for kb in cutlass.range_constexpr(mx.KB_PER_STAGE):
-            crd = (None, None, kb, read_state.index)
-            cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
-        warpgroup.commit_group()
-        read_state.advance()
-    for _k in cutlass.range(prologue, k_count, 1, unroll=1):
-        self.wait_stage(ab_pipeline, read_state, dec_mbar)
-        for kb in cutlass.range_constexpr(mx.KB_PER_STAGE):
-            crd = (None, None, kb, read_state.index)
-            cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
-        warpgroup.commit_group()
-        warpgroup.wait_group(1)
-        ab_pipeline.consumer_release(release_state)
-        release_state.advance()
-        read_state.advance()
-    warpgroup.wait_group(0)
-    for _k in cutlass.range(prologue, unroll=1):
-        ab_pipeline.consumer_release(release_state)
-        release_state.advance()
-    return read_state, release_state
+    pipeline and epilogue): the bf16 k-loop, one stage's batch in flight while the next is issued, with the MXFP8
+    stage wait (which also waits for the decoder warps, as the real kernel's does)."""
+    return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count,
+                                  dec_mbar)
 
 
 # name -> (fold, whether the scale wgmma is kept, replacement k-loop or None, Config changes). Variants that read only
