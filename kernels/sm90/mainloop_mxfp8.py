@@ -14,7 +14,8 @@ and each thread needs 32 distinct fp32 column scales per block (32 lanes x 4 B p
 256 wavefronts per block per SM, next to the wgmma operand reads and TMA writes of the same shared memory). That
 delivery bounded the FMUL + FFMA kernel at 367 TFLOP/s on fc1 (612 with the scale loads made free). The S wgmma
 costs tensor time equal to the data wgmma's (64 cycles per warpgroup per block) and 6 KB of operand reads, and no
-thread loads a scale.
+thread loads a scale. Taking half the tile's scale products from the FP32 pipe again (fp32 scales decoded into
+conflict-free shared memory, FMUL + FFMA) measured 29% slower on fc1 (RESULTS.md run 28).
 
 Scale operands (bf16, K-major, no swizzle: "interleaved" 8 x 16-byte core matrices of 128 B), per stage:
   A' (dense) per 8-row group: chunks [D Z]; row r of D = (sfa[r, 0..3], 0, 0, 0, 0), Z = zeros. Every block
