@@ -131,9 +131,17 @@ def set_kernels_enabled(enabled: bool) -> None:
     _kernels_enabled = bool(enabled)
 
 
+def _reference_on_gpu(ctx, *args, problem, input_names, config):
+    """The reference on CUDA: the same math with its GEMMs on the tensor cores (16-bit operands, fp32 sums)."""
+    from . import reference
+
+    with reference.tensor_core_operands():
+        return _reference_lowering(ctx, *args, problem=problem, input_names=input_names, config=config)
+
+
 def _cuda_lowering(ctx, *args, problem, input_names, config):
     if not _kernels_enabled:
-        return _reference_lowering(ctx, *args, problem=problem, input_names=input_names, config=config)
+        return _reference_on_gpu(ctx, *args, problem=problem, input_names=input_names, config=config)
     reason = None
     try:
         from . import _runtime
@@ -143,7 +151,7 @@ def _cuda_lowering(ctx, *args, problem, input_names, config):
         lowering, reason = None, f"{type(exc).__name__}: {exc}"
     if lowering is None:
         _warn_once(problem, reason or "not covered by a kernel yet")
-        return _reference_lowering(ctx, *args, problem=problem, input_names=input_names, config=config)
+        return _reference_on_gpu(ctx, *args, problem=problem, input_names=input_names, config=config)
     return lowering(ctx, *args)
 
 

@@ -5,6 +5,7 @@ returns a dict keyed by cuDNN's output names in cuDNN's order (absent outputs `N
 are dequantized exactly (decode * scale, SEMANTICS §3.3), every matmul runs at `Precision.HIGHEST` (XLA would use
 TF32 on a GPU otherwise) with fp32 accumulation, and outputs are rounded once (RNE; e8m0 scales RCEIL, §3.6).
 The scale-factor layout and all quantization rules live in `formats`; this module never re-derives them.
+On CUDA (no kernel for a call) the GEMMs are traced with 16-bit operands instead: `tensor_core_operands`.
 
 Device offsets are sanitized (NOTES.md): `end_g = running_max(floor256(clip(padded_offsets[g], 0, m)))`. Rows
 outside every group produce zeros everywhere (SF bytes 0, dprob 0) and add nothing to amax/dbias; an empty
@@ -16,6 +17,7 @@ definition each (`_glu`, `_srelu`) that returns the value and, on request, its d
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import jax
@@ -123,34 +125,112 @@ def dequantize_b(b, sfb, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size:
     return _dequant_rows(b, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
 
 
-def grouped_matmul(a_f32, b_f32, ends):
-    """acc[r, n] = sum_k a[r, k] * b[g(r), n, k] (fp32, HIGHEST); rows outside every group are 0.
+def grouped_matmul(a_op, b_op, ends):
+    """acc[r, n] = sum_k a[r, k] * b[g(r), n, k] (fp32 accumulation); rows outside every group are 0.
 
-    Sanitized group ends are multiples of 256, so every 256-row tile belongs to one group (or to none): a loop
-    over row tiles, each a (256, K) x (K, N) matmul with its group's weight, does exactly the useful work with
-    O(N*K) extra memory. (`lax.ragged_dot` lowers to an (L, m, K) masked operand on CPU.)
+    Operands are f32 (dequantized, multiplied at HIGHEST) or 16-bit (see `tensor_core_operands`). Sanitized group
+    ends are multiples of 256, so every 256-row tile belongs to one group (or to none): a loop over row tiles, each
+    a (256, K) x (K, N) matmul with its group's weight, does exactly the useful work with O(N*K) extra memory.
+    (`lax.ragged_dot` lowers to an (L, m, K) masked operand on CPU and to L x the work on a GPU.)
     """
-    m, k = a_f32.shape
-    num_groups = b_f32.shape[0]
+    m, k = a_op.shape
+    num_groups = b_op.shape[0]
     gid = row_groups(ends, m)
     if m % GROUP_ALIGN:                                     # not reachable through the public ops (A2)
         sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
-        return jax.lax.ragged_dot(a_f32, jnp.swapaxes(b_f32, 1, 2), sizes, precision=HIGHEST,
+        return jax.lax.ragged_dot(a_op, jnp.swapaxes(b_op, 1, 2), sizes, precision=HIGHEST,
                                   preferred_element_type=F32)
 
     def tile(args):
         a_tile, g = args
-        w = jax.lax.dynamic_index_in_dim(b_f32, jnp.minimum(g, num_groups - 1), keepdims=False)
+        w = jax.lax.dynamic_index_in_dim(b_op, jnp.minimum(g, num_groups - 1), keepdims=False)
         y = jnp.dot(a_tile, w.T, precision=HIGHEST, preferred_element_type=F32)
         return jnp.where(g < num_groups, y, 0.0)
 
-    out = jax.lax.map(tile, (a_f32.reshape(m // GROUP_ALIGN, GROUP_ALIGN, k), gid[::GROUP_ALIGN]))
-    return out.reshape(m, b_f32.shape[1])
+    out = jax.lax.map(tile, (a_op.reshape(m // GROUP_ALIGN, GROUP_ALIGN, k), gid[::GROUP_ALIGN]))
+    return out.reshape(m, b_op.shape[1])
+
+
+# Tokens per step of the expert-wise token contraction (wgrad): each step is one (m_w, TILE) x (TILE, n_w) matmul.
+TOKEN_TILE = 256
+
+
+def expert_token_matmul(a_op, b_op, ends):
+    """W[e] = a[:, T_e] @ b[:, T_e]^T (L, m_w, n_w) f32 for token ranges T_e = [start_e, end_e) (any alignment).
+
+    A scan over (token tile, expert) pairs sorted by expert: a tile that straddles expert boundaries is visited
+    once per expert it holds, with the other experts' tokens masked out. There are at most
+    cdiv(T, TOKEN_TILE) + L - 1 such pairs (each boundary adds one), so the work is the useful work plus at most
+    L - 1 tiles, not L x the whole product.
+    """
+    m_w, tokens = a_op.shape
+    n_w = b_op.shape[0]
+    num_groups = ends.shape[0]
+    n_tiles = _cdiv(tokens, TOKEN_TILE)
+    pad = n_tiles * TOKEN_TILE - tokens
+    a_op = jnp.pad(a_op, ((0, 0), (0, pad)))
+    b_op = jnp.pad(b_op, ((0, 0), (0, pad)))
+    starts = group_starts(ends)
+    first = starts // TOKEN_TILE
+    count = jnp.where(ends > starts, (ends + TOKEN_TILE - 1) // TOKEN_TILE - first, 0)
+    cum = jnp.cumsum(count)                                 # inclusive: pairs of experts 0..e
+    pair = jnp.arange(n_tiles + num_groups - 1, dtype=jnp.int32)
+    expert = jnp.searchsorted(cum, pair, side="right").astype(jnp.int32)   # L for unused pairs
+    used = expert < num_groups
+    expert = jnp.minimum(expert, num_groups - 1)
+    tile = jnp.where(used, first[expert] + pair - (cum[expert] - count[expert]), 0)
+
+    def step(acc, item):
+        e, t, use = item
+        a_t = jax.lax.dynamic_slice_in_dim(a_op, t * TOKEN_TILE, TOKEN_TILE, axis=1)
+        b_t = jax.lax.dynamic_slice_in_dim(b_op, t * TOKEN_TILE, TOKEN_TILE, axis=1)
+        token = t * TOKEN_TILE + jnp.arange(TOKEN_TILE, dtype=jnp.int32)
+        keep = use & (token >= starts[e]) & (token < ends[e])
+        a_t = jnp.where(keep[None, :], a_t, jnp.zeros((), a_t.dtype))
+        w = jnp.dot(a_t, b_t.T, precision=HIGHEST, preferred_element_type=F32)
+        return jax.lax.dynamic_update_index_in_dim(acc, acc[e] + w, e, axis=0), None
+
+    acc, _ = jax.lax.scan(step, jnp.zeros((num_groups, m_w, n_w), F32), (expert, tile, used))
+    return acc
+
+
+# Set while the CUDA fallback lowering traces the reference (`tensor_core_operands`).
+_tensor_core_operands = False
+
+
+@contextlib.contextmanager
+def tensor_core_operands():
+    """Trace the GEMMs with 16-bit operands and fp32 accumulation (for XLA on a GPU).
+
+    bf16/fp16 data stays as stored and block-scaled data is dequantized to bf16, which is exact: an FP8 or FP4 code
+    times an e8m0/e4m3 scale has at most 8 significant bits and bf16 has fp32's exponent range (only magnitudes
+    below 2^-126, which every backend flushes or ignores, can differ). The products and the fp32 sums are those
+    of the f32 path, but XLA runs them on the tensor cores instead of fp32 SIMT GEMMs (~50x slower on an H200).
+    """
+    global _tensor_core_operands
+    previous, _tensor_core_operands = _tensor_core_operands, True
+    try:
+        yield
+    finally:
+        _tensor_core_operands = previous
+
+
+def _mma_operand(x, dequantized_f32, ab_dtype: str):
+    """The GEMM operand: 16-bit under `tensor_core_operands`, else the dequantized f32 array."""
+    if not _tensor_core_operands:
+        return dequantized_f32()
+    if _is_block_scaled(ab_dtype):
+        return dequantized_f32().astype(jnp.bfloat16)
+    if isinstance(x, (tuple, list)):
+        return jnp.stack([jnp.asarray(xi) for xi in x])
+    return jnp.asarray(x)
 
 
 def _gemm(a, b, sfa, sfb, ends, *, ab_dtype, sf_dtype, sf_vec_size):
     kw = dict(ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
-    return grouped_matmul(dequantize_a(a, sfa, **kw), dequantize_b(b, sfb, **kw), ends)
+    a_op = _mma_operand(a, lambda: dequantize_a(a, sfa, **kw), ab_dtype)
+    b_op = _mma_operand(b, lambda: dequantize_b(b, sfb, **kw), ab_dtype)
+    return grouped_matmul(a_op, b_op, ends)
 
 
 def _prep(padded_offsets, m: int):
@@ -586,14 +666,8 @@ def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, g
         s = F.unpack_sf_segments(sf, x.shape[0], ends, tokens, sf_vec_size)
         return _dequant_rows(x, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
 
-    a32, b32 = deq(a, sfa), deq(b, sfb)
-    tid = row_groups(ends, tokens)
-
-    def expert(e):                                          # token ranges need no alignment: mask per expert
-        return jnp.dot(jnp.where((tid == e)[None, :], a32, 0.0), b32.T, precision=HIGHEST,
-                       preferred_element_type=F32)
-
-    w = jax.lax.map(expert, jnp.arange(num_groups, dtype=jnp.int32))
+    w = expert_token_matmul(_mma_operand(a, lambda: deq(a, sfa), ab_dtype),
+                            _mma_operand(b, lambda: deq(b, sfb), ab_dtype), ends)
     if global_scale_a is not None or global_scale_b is not None:
         gs = jnp.ones((num_groups,), F32)
         if global_scale_a is not None:

@@ -1,0 +1,92 @@
+"""The reference's GEMMs with 16-bit operands (the CUDA fallback) and its expert-wise token contraction (wgrad)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cudnn_moe_jax as cmj
+from cudnn_moe_jax import formats, nn, reference
+
+
+def _rand(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize("ends", [[300, 300, 700, 1000], [0, 256, 512, 1000], [999, 5, 1000, 1000], [64, 64, 64, 64]])
+def test_expert_token_matmul_matches_float64(ends):
+    """Every (token tile, expert) pair is visited, straddling tiles are masked, empty experts give exact zeros."""
+    rng = np.random.default_rng(len(ends) + ends[0])
+    a, b = rng.standard_normal((24, 1000)), rng.standard_normal((40, 1000))
+    sane = reference.sanitize_token_offsets(jnp.asarray(ends, jnp.int32), 1000)
+    got = np.asarray(jax.jit(reference.expert_token_matmul)(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
+                                                            sane))
+    lo = 0
+    for e, hi in enumerate(np.asarray(sane)):
+        want = a[:, lo:hi] @ b[:, lo:hi].T
+        np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-4 * np.sqrt(max(hi - lo, 1)))
+        if hi == lo:
+            assert not got[e].any()
+        lo = hi
+
+
+def test_tensor_core_operands_same_results():
+    """16-bit operands give the f32 path's products (dequantization to bf16 is exact) and fp32 sums."""
+    rng = np.random.default_rng(7)
+    m, n, k, L = 1024, 96, 160, 3
+    offsets = jnp.asarray([256, 256, 1024], jnp.int32)
+    x, w = _rand(rng, (m, k), jnp.bfloat16), _rand(rng, (L, n, k), jnp.bfloat16)
+    data, sf = formats.to_block_scaled(x.astype(jnp.float32), "float8_e4m3fn")
+    wdata, wsf = formats.to_block_scaled(w.astype(jnp.float32), "float8_e4m3fn")
+
+    def both(fn):
+        plain = fn()
+        with reference.tensor_core_operands():
+            fast = fn()
+        return np.asarray(plain, np.float32), np.asarray(fast, np.float32)
+
+    for a, b, kw in ((x, w, {}), (data, wdata, dict(sfa_tensor=sf, sfb_tensor=wsf))):
+        plain, fast = both(lambda: cmj.grouped_gemm_quant(a, b, padded_offsets=offsets, d_dtype="float32",
+                                                          **kw).d_tensor)
+        np.testing.assert_allclose(fast, plain, rtol=1e-6, atol=1e-5)
+    tok = jnp.asarray([100, 100, 900], jnp.int32)
+    plain, fast = both(lambda: cmj.grouped_gemm_wgrad(x.T[:, :912], x.T[:96, :912], tok,
+                                                      wgrad_dtype="float32").wgrad_tensor)
+    np.testing.assert_allclose(fast, plain, rtol=1e-6, atol=1e-5)
+
+
+def _dots(hlo: str):
+    """Operand element types of every dot / convolution in (stable)HLO text."""
+    return re.findall(r"stablehlo\.dot_general[^\n]*:\s*\(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", hlo)
+
+
+@pytest.mark.parametrize("act", ["swiglu", "srelu"])
+def test_cuda_fallback_step_has_no_fp32_gemm(act):
+    """The training step lowered for CUDA with the kernels off: every GEMM has 16-bit operands (tensor cores)."""
+    L, rows, H, I = 2, 256, 128, 64
+    n1 = I if act == "srelu" else 2 * I
+    off = jnp.asarray([rows, 2 * rows], jnp.int32)
+    sd = jax.ShapeDtypeStruct
+
+    def step(x, w1, w2, prob, dy):
+        y, vjp = jax.vjp(lambda x, w1, w2, prob: nn.moe_mlp(x, w1, w2, prob, None, off, act), x, w1, w2, prob)
+        return y, vjp(dy)
+
+    cmj.set_kernels_enabled(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hlo = jax.jit(step).trace(
+                sd((L * rows, H), jnp.bfloat16), sd((L, n1, H), jnp.bfloat16), sd((L, H, I), jnp.bfloat16),
+                sd((L * rows,), jnp.float32), sd((L * rows, H), jnp.bfloat16)).lower(
+                lowering_platforms=("cuda",)).as_text()
+    finally:
+        cmj.set_kernels_enabled(True)
+    dots = _dots(hlo)
+    assert len(dots) >= 4, hlo[:2000]   # fc1, fc2, dgrads, wgrads (functions of equal shapes are shared)
+    assert all(t in ("bf16", "f16") for pair in dots for t in pair), dots
