@@ -1,0 +1,192 @@
+"""Forward epilogue of the sm90 grouped GEMM (quant / srelu / glu): per 32-column step, fused math on the
+accumulator -> C / D subtiles (FP8 D: row/column quantization, SFD bytes) -> swizzled smem -> TMA store.
+
+A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): it reads the kernel's static attributes (tile shape, recipe,
+output dtypes) and is traced inside the consumer warpgroups' tile loop.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .. import quantize as q8
+from ..epilogue import abs_bits, warp_max_i32
+
+EPI_N = 32  # epilogue subtile width = one GLU block
+
+
+class ForwardEpilogue:
+    @cute.jit
+    def epilogue(
+        self, acc, tRS_rAcc, tRS_cD, frag_size: cutlass.Constexpr, alpha, prob_v, bias_v, sProb, sBias, sScalars,
+        is_compute, ctid,
+        r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
+        r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
+        store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC,
+    ):
+        """Fused epilogue of one tile: per step, one D subtile (and its one or two C subtiles).
+
+        FP8 D (`quant_d`): D row-quantized per 32 columns (the subtile), D_col per 32 rows (two warps' halves
+        combined through smem), SFD_row / SFD_col e8m0 bytes stored from registers (kernels/quantize.py)."""
+        recipe = self.recipe
+        bSG_gDcol, tRS_rDcol, sColMax, mSfdRow, mSfdCol, norm_const, sEnds, m_rows = fp8
+        # thread coordinates re-derived per tile from an opaque copy: otherwise every address computed from them is
+        # hoisted above the tile loop and held across the MXFP8 mainloop (192 accumulator registers) -> spills
+        warp_e = lane = None
+        if const_expr(self.quant_d or self.block_scaled):
+            ctid_o = q8.opaque(ctid)
+            warp_e = ctid_o // 32
+            lane = ctid_o % 32
+            # non-stmatrix smem stores (8-bit / 32-bit outputs) need 8 swizzled addresses per buffer: recomputed
+            # per tile instead of held across the MXFP8 mainloop
+            tRS_sD = r2s_d.get_slice(ctid_o).partition_D(sD)
+            if const_expr(recipe.has_c):
+                tRS_sC = r2s_c.get_slice(ctid_o).partition_D(sC)
+        # stage per-row prob and per-column bias in smem (previous tile's readers passed its last barrier)
+        if const_expr(recipe.has_prob):
+            if ctid < self.tile_m:
+                sProb[ctid] = prob_v
+        if ctid == 0:
+            sScalars[0] = alpha
+        if const_expr(recipe.has_bias):
+            if ctid < self.tile_n:
+                sBias[ctid] = bias_v
+        epi_barrier.arrive_and_wait()
+
+        amax_bits = Int32(0)
+        rVal = cute.make_rmem_tensor(tRS_cD.shape, Float32)
+        for step in cutlass.range_constexpr(self.epi_steps):
+            s0 = step * self.c_per_step
+            alpha_s = alpha
+            if const_expr(self.config.epi_pin):
+                # re-read from smem: the step's math then depends on a load issued after the last barrier, so
+                # ptxas cannot hoist every step's math above the barriers (less register pressure, less overlap)
+                alpha_s = sScalars[0]
+            # ---- math (fp32), one element at a time
+            for i in cutlass.range_constexpr(frag_size):
+                col = tRS_cD[i][1]
+                prob = Float32(1.0)
+                if const_expr(recipe.has_prob):
+                    prob = sProb[tRS_cD[i][0]]
+                if const_expr(self.is_glu):
+                    bias_g = Float32(0.0)
+                    bias_u = Float32(0.0)
+                    if const_expr(recipe.has_bias):
+                        bias_g = sBias[s0 * EPI_N + col]
+                        bias_u = sBias[(s0 + 1) * EPI_N + col]
+                    cg = recipe.c_value(tRS_rAcc[s0 * frag_size + i], alpha_s, bias_g)
+                    cu = recipe.c_value(tRS_rAcc[(s0 + 1) * frag_size + i], alpha_s, bias_u)
+                    if const_expr(recipe.has_c):
+                        tRS_rC0[i] = cg.to(self.c_dtype)
+                        tRS_rC1[i] = cu.to(self.c_dtype)
+                    rVal[i] = recipe.d_glu(cg, cu, prob)
+                else:
+                    bias = Float32(0.0)
+                    if const_expr(recipe.has_bias):
+                        bias = sBias[s0 * EPI_N + col]
+                    acc_i = tRS_rAcc[s0 * frag_size + i]
+                    c = recipe.c_value(acc_i, alpha_s, bias)
+                    if const_expr(recipe.has_c):
+                        tRS_rC0[i] = c.to(self.c_dtype)
+                    rVal[i] = recipe.d_value(acc_i, c, alpha_s, prob, bias)
+                if const_expr(recipe.compute_amax):
+                    amax_bits = cutlass.max(amax_bits, abs_bits(rVal[i]))
+            if const_expr(self.quant_d):
+                rAbs = [q8.abs_raw(rVal[i]) for i in range(q8.FRAG)]  # shared by the row and column maxima
+                code_r0, code_r1 = q8.quantize_rows(rVal, rAbs, tRS_rD, self.rcp_limit, norm_const)
+                q8.column_partial_max(rAbs, sColMax, warp_e, lane)
+            else:
+                tRS_rD.store(rVal.load().to(self.d_dtype))
+            if not is_compute:  # rows past valid_m: zeros
+                tRS_rD.fill(0.0)
+                if const_expr(recipe.has_c):
+                    tRS_rC0.fill(0.0)
+                    tRS_rC1.fill(0.0)
+            # ---- registers -> smem, once the TMA store `epi_stages` steps back has read this buffer. (Measured:
+            # one barrier per step with the store warp draining the previous store first was 8-13% slower.)
+            buf = step % self.epi_stages
+            if is_store_warp:
+                store_pipeline.producer_acquire()
+            epi_barrier.arrive_and_wait()
+            if const_expr(self.quant_d):
+                code_c = q8.quantize_cols(rVal, tRS_rDcol, sColMax, warp_e, lane, self.rcp_limit, norm_const)
+                if is_compute:
+                    self._store_sf_bytes(code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows,
+                                         m_tile, n_tile, step, g, warp_e, lane)
+                else:
+                    tRS_rDcol.fill(0.0)
+                cute.copy(r2s_d, tRS_rDcol, tRS_sD[(None, None, None, self.epi_stages + buf)])
+            cute.copy(r2s_d, tRS_rD, tRS_sD[(None, None, None, buf)])
+            if const_expr(recipe.has_c):
+                cute.copy(r2s_c, tRS_rC0, tRS_sC[(None, None, None, buf * self.c_per_step)])
+                if const_expr(self.is_glu):
+                    cute.copy(r2s_c, tRS_rC1, tRS_sC[(None, None, None, buf * self.c_per_step + 1)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            # ---- smem -> global (TMA clips columns past N)
+            if is_store_warp:
+                subtiles_per_tile = self.tile_n // EPI_N
+                cute.copy(
+                    tma_atom_d,
+                    bSG_sD[(None, buf)],
+                    bSG_gD[(None, (m_tile, n_tile * (subtiles_per_tile // self.c_per_step) + step))],
+                )
+                if const_expr(self.quant_d):
+                    cute.copy(
+                        tma_atom_dcol,
+                        bSG_sD[(None, self.epi_stages + buf)],
+                        bSG_gDcol[(None, (m_tile, n_tile * (subtiles_per_tile // self.c_per_step) + step))],
+                    )
+                if const_expr(recipe.has_c):
+                    for j in cutlass.range_constexpr(self.c_per_step):
+                        cute.copy(
+                            tma_atom_c,
+                            bSG_sC[(None, buf * self.c_per_step + j)],
+                            bSG_gC[(None, (m_tile, n_tile * subtiles_per_tile + s0 + j))],
+                        )
+                store_pipeline.producer_commit()
+
+        if const_expr(recipe.compute_amax):
+            amax_bits = warp_max_i32(amax_bits)
+            if is_compute:
+                if cute.arch.lane_idx() == 0:
+                    ptr = cute.recast_ptr(mAmax.iterator + g, dtype=Int32)
+                    cute.arch.atomic_max(ptr, amax_bits)
+
+    @cute.jit
+    def _store_sf_bytes(self, code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
+                        step: cutlass.Constexpr, g, warp_e, lane):
+        """SFD_row bytes of the thread's two rows (quad leaders) and the SFD_col byte of subtile column `lane`
+        (the first warp of each 32-row pair), at their §2 / §2.6 byte offsets. The offset arithmetic is split into
+        tile terms and small per-thread terms (rows r, r+8 sit 128 bytes apart; a lane's columns 16 bytes apart) so
+        that few per-thread invariants stay live across the mainloop."""
+        n_out = self.problem.n_out
+        col_block = n_tile * (self.tile_n // self.c_per_step // EPI_N) + step  # D 32-column block
+        kb_atoms = (-(-n_out // EPI_N) + 3) // 4
+        # this thread's first row in the tile (0..127; = its fragment's row, checked by check_fragment_layout);
+        # its second row is r_in + 8
+        r_in = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4
+        # a 2-CTA cluster along N over an odd number of N tiles runs one tile wholly past N (it still loads and
+        # multicasts its half of A): its blocks lie past the SF buffers' padded width, nothing to store
+        in_n = col_block < 4 * kb_atoms
+        if (lane % 4 == 0) & in_n:
+            row_off = (((m_tile * self.tile_m) >> 7) * kb_atoms + (col_block >> 2)) * 512 + (col_block & 3) \
+                + (r_in & 31) * 16 + ((r_in >> 5) & 3) * 4
+            mSfdRow[row_off] = code_r0.to(cutlass.Uint8)
+            mSfdRow[row_off + 128] = code_r1.to(cutlass.Uint8)
+        if (warp_e % 2 == 0) & in_n:
+            rb32 = ((m_tile * self.tile_m) >> 5) + (r_in >> 5)  # global 32-row block (SFD_col k-block)
+            atoms = m_rows // 128
+            if const_expr(self.discrete_col_sfd):
+                start = Int32(0)
+                if g > 0:
+                    start = sEnds[g - 1]
+                atoms = (sEnds[g] - start) // 128
+                rb32 = rb32 - (start >> 5)
+            col_off = ((col_block >> 2) * atoms + (rb32 >> 2)) * 512 + (col_block & 3) * 4 + (rb32 & 3) + 16 * lane
+            if const_expr(self.discrete_col_sfd):
+                col_off = col_off + 4 * ((n_out + 127) // 128) * start
+            mSfdCol[col_off] = code_c.to(cutlass.Uint8)
+
