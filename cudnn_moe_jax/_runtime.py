@@ -548,8 +548,15 @@ def kernel_lowering(problem, input_names: Sequence[str], config, arch: str = DEF
     def lower(ctx, *args):
         from jax.interpreters import mlir
         _auto_register()
-        call = functools.partial(kernel_call, problem, config, out_avals=ctx.avals_out, input_names=input_names,
+        # backward ops: the launch writes partial sums, reduced by `finish` in a fixed order
+        out_avals, finish = kernels_package().launch_outputs(problem, config, ctx.avals_out, ctx.avals_in[0].shape[0])
+        call = functools.partial(kernel_call, problem, config, out_avals=out_avals, input_names=input_names,
                                  arch=arch)
-        return mlir.lower_fun(lambda *xs: call(xs), multiple_results=True)(ctx, *args)
+
+        def run(*xs):
+            outs = call(xs)
+            return outs if finish is None else finish(outs, dict(zip(input_names, xs)))
+
+        return mlir.lower_fun(run, multiple_results=True)(ctx, *args)
 
     return lower

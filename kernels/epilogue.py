@@ -145,3 +145,78 @@ def warp_max_i32(v: Int32) -> Int32:
     for i in cutlass.range_constexpr(5):
         v = cutlass.max(v, cute.arch.shuffle_sync_bfly(v, offset=1 << (4 - i)))
     return v
+
+
+class DgradRecipe:
+    """Static recipe of a backward epilogue (dglu: dswiglu / dgeglu, dsrelu): the derivative of the forward
+    activation evaluated on the saved pre-activation x = beta * C, exactly as the reference's `_glu` / `_srelu`
+    (clamped inputs pass no gradient; the tanh-clamped sReLU uses 1 - t^2 = 4e / (1 + e)^2, e = exp(-2u))."""
+
+    def __init__(self, problem):
+        epi = problem.epilogue
+        self.op = problem.op
+        self.is_glu = problem.op == "dglu"
+        self.act = epi.act[1:] if epi.act.startswith("d") else epi.act      # dswiglu -> swiglu
+        self.has_prob = epi.has_prob
+        self.has_bias = False                                              # backward ops take no bias input
+        self.has_c = False                                                 # C is an input here, not an output
+        self.has_dbias = epi.dbias_dtype is not None
+        self.compute_amax = epi.compute_amax
+        self.glu_limit = epi.glu_limit
+        self.glu_alpha = epi.glu_alpha
+        self.tanh_clamp_scale = epi.tanh_clamp_scale
+
+    @cute.jit
+    def dsrelu(self, x: Float32):
+        """(relu(x)^2 or its tanh-clamped form, d/dx of it)."""
+        r = relu(x)
+        value = r * r
+        dvalue = Float32(2.0) * r
+        if const_expr(self.tanh_clamp_scale is not None):
+            s = Float32(self.tanh_clamp_scale)
+            u = r * Float32(1.0 / self.tanh_clamp_scale)
+            st = s * cute.arch.fmin(tanh_nonneg(u), Float32(1.0))
+            value = st * st
+            e = cute.math.exp2(u * Float32(-2.0 * LOG2_E), fastmath=True)
+            one_e = Float32(1.0) + e
+            dvalue = Float32(2.0) * st * (Float32(4.0) * e * cute.arch.rcp_approx(one_e * one_e))
+            dvalue = Float32(cutlass.select_(x > Float32(0.0), dvalue, Float32(0.0)))
+        return value, dvalue
+
+    @cute.jit
+    def _clamp(self, x: Float32, lo, hi):
+        """(clamped x, 1.0 where the gradient passes (inclusive bounds) else 0.0); None = unbounded."""
+        y = x
+        ok = Float32(1.0)
+        if const_expr(lo is not None):
+            ok = Float32(cutlass.select_(x >= Float32(lo), ok, Float32(0.0)))
+            y = cute.arch.fmax(y, Float32(lo))
+        if const_expr(hi is not None):
+            ok = Float32(cutlass.select_(x <= Float32(hi), ok, Float32(0.0)))
+            y = cute.arch.fmin(y, Float32(hi))
+        return y, ok
+
+    @cute.jit
+    def dglu(self, gate: Float32, up: Float32):
+        """(act(gate, up), d act / d gate, d act / d up)."""
+        glo = ghi = ulo = uhi = None
+        if const_expr(self.glu_limit is not None):
+            glo, ghi, ulo, uhi = -self.glu_limit, self.glu_limit, -self.glu_limit, self.glu_limit
+        elif const_expr(self.act == "geglu"):
+            ghi, ulo, uhi = GEGLU_DEFAULT_LIMIT, -GEGLU_DEFAULT_LIMIT, GEGLU_DEFAULT_LIMIT
+        g, g_ok = self._clamp(gate, glo, ghi)
+        u, u_ok = self._clamp(up, ulo, uhi)
+        k = 1.0
+        lin = u
+        sig = Float32(0.0)
+        if const_expr(self.act == "geglu"):
+            k = GEGLU_SCALE
+            lin = u + Float32(1.0)
+            sig = sigmoid(g * Float32(GEGLU_SCALE))
+        else:
+            sig = sigmoid(g)
+        gact = g * sig
+        value = lin * gact
+        d_gate = g_ok * (lin * sig * (Float32(1.0) + Float32(k) * g * (Float32(1.0) - sig)))
+        d_up = u_ok * gact
+        return value, d_gate, d_up

@@ -12,9 +12,10 @@ Importing `GroupedGemmSm90` imports cutlass (set CUTE_DSL_ARCH=sm_90a before the
 """
 
 from .config import Config, config_from_hints, default_config, supports
+from .operands import launch_outputs
 from .variants import default_variants
 
-__all__ = ["Config", "config_from_hints", "GroupedGemmSm90", "default_config", "default_variants", "supports", "tensor_specs",
+__all__ = ["Config", "config_from_hints", "GroupedGemmSm90", "default_config", "default_variants", "launch_outputs", "supports", "tensor_specs",
            "output_shape_dtypes"]
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-SUPPORTED_OPS = ("quant", "srelu", "glu")
+SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu")
+DGRAD_ACTS = {"dglu": ("dswiglu", "dgeglu"), "dsrelu": ("dsrelu",)}
+DGRAD_C_DTYPES = ("bfloat16", "float16", "float32")  # the saved forward C read by the backward epilogue
 AB_DTYPES = ("bfloat16", "float16")
 MXFP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # with e8m0 scales, vec 32 (mainloop_mxfp8)
 OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -82,6 +84,8 @@ def supports(problem) -> Optional[str]:
         return f"A/B dtype {problem.ab_dtype!r} not in {AB_DTYPES + MXFP8_DTYPES}"
     if problem.discrete_weights:
         return "discrete weights are not implemented on sm90 yet"
+    if problem.op in DGRAD_ACTS:
+        return _dgrad_support(problem)
     if epi.rht or epi.has_hadamard:
         return "RHT and Hadamard are not implemented on sm90 yet"
     if epi.generate_sfd != (epi.d_dtype in FP8_OUT_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
@@ -115,6 +119,26 @@ def supports(problem) -> Optional[str]:
         return "N, N_out and K must be multiples of 8 (16-byte TMA rows)"
     if problem.block_scaled and problem.k % 16:
         return "MXFP8 needs K % 16 == 0 (16-byte TMA rows)"
+    return None
+
+
+def _dgrad_support(problem) -> Optional[str]:
+    """The backward epilogue (epilogue_dgrad): bf16/fp16 dY and weight, C 16/32-bit, D_row 16/32-bit."""
+    epi = problem.epilogue
+    if problem.block_scaled or problem.ab_dtype not in AB_DTYPES:
+        return f"{problem.op} with {problem.ab_dtype} inputs: the sm90 backward epilogue takes bf16/fp16 A/B only"
+    if epi.act not in DGRAD_ACTS[problem.op]:
+        return f"{problem.op} act {epi.act!r} not in {DGRAD_ACTS[problem.op]}"
+    if epi.generate_sfd or epi.d_dtype not in OUT_DTYPES:
+        return f"{problem.op}: D_row {epi.d_dtype!r} (FP8 D_row with SFD is not implemented on sm90 yet)"
+    if epi.c_dtype not in DGRAD_C_DTYPES:
+        return f"{problem.op}: saved C dtype {epi.c_dtype!r} not in {DGRAD_C_DTYPES}"
+    if not 1 <= problem.num_groups <= MAX_GROUPS:
+        return f"num_groups must be in [1, {MAX_GROUPS}]"
+    if problem.m % 256:
+        return "m must be a multiple of 256"
+    if problem.k % 8 or problem.n % 32:
+        return "K must be a multiple of 8 and N (the dgrad output width per gate/up half) of 32"
     return None
 
 

@@ -38,11 +38,13 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from .. import quantize as q8
-from ..epilogue import EpilogueRecipe
+from ..epilogue import DgradRecipe, EpilogueRecipe
 from ..scheduler import GroupedTileScheduler
 from . import mainloop_mxfp8 as mx
+from .epilogue_dgrad import C_LOAD_BUFFERS, EPI_WARPS, DgradEpilogue
 from .epilogue_fwd import EPI_N, ForwardEpilogue
 from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
+from .operands import DGRAD_OPS, launcher_operands
 from .mainloop import TILE_K, WgmmaMainloop, ab_stage_bytes, make_ab_smem_layouts, make_tiled_mma
 
 _DTYPES = {
@@ -62,7 +64,7 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
 
-class GroupedGemmSm90(ForwardEpilogue):
+class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
     """`acc[r, :] = A[r, :] @ B[g(r)]^T` for the rows of every group, with the problem's epilogue fused."""
 
     def __init__(self, problem, config: Optional[Config] = None):
@@ -72,7 +74,11 @@ class GroupedGemmSm90(ForwardEpilogue):
         self.problem = problem
         self.config = config if config is not None else default_config(problem)
         cfg, epi = self.config, problem.epilogue
-        self.recipe = EpilogueRecipe(problem)
+        # backward ops (dglu / dsrelu): C is an input, each step stores d_per_step D_row subtiles
+        self.is_dgrad = problem.op in DGRAD_OPS
+        self.recipe = DgradRecipe(problem) if self.is_dgrad else EpilogueRecipe(problem)
+        self.cin_dtype = _DTYPES[epi.c_dtype] if self.is_dgrad else None
+        self.d_per_step = 2 if self.is_dgrad and self.recipe.is_glu else 1
 
         self.ab_dtype = _DTYPES[problem.ab_dtype]
         self.d_dtype = _DTYPES[epi.d_dtype]
@@ -83,11 +89,15 @@ class GroupedGemmSm90(ForwardEpilogue):
         self.n, self.k, self.num_groups = problem.n, problem.k, problem.num_groups
         self.n_tiles = -(-problem.n // self.tile_n)
         self.n_blocks = -(-self.n_tiles // self.cluster_n)  # cluster tiles along N
-        self.is_glu = self.recipe.is_glu
+        self.is_glu = self.recipe.is_glu and not self.is_dgrad
         # epilogue steps per tile: one D subtile each (GLU: from a gate/up pair of C subtiles)
         self.c_per_step = 2 if self.is_glu else 1
         self.epi_steps = self.tile_n // EPI_N // self.c_per_step
         self.epi_tile = (self.tile_m, EPI_N)
+        if self.is_dgrad:
+            self.cin_step_bytes = self.tile_m * EPI_N * self.cin_dtype.width // 8 * self.d_per_step
+            if self.epi_steps % (2 * C_LOAD_BUFFERS):  # the C-load mbarrier phases repeat per tile
+                raise NotImplementedError(f"dgrad epilogue needs tile_n % {2 * C_LOAD_BUFFERS * EPI_N} == 0")
         self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
         self.max_clusters = cfg.num_sms // self.cluster_size
         if self.cluster_size == 4:
@@ -115,6 +125,10 @@ class GroupedGemmSm90(ForwardEpilogue):
             d_bytes + (self.c_per_step * self.c_dtype.width // 8 if self.c_dtype else 0))
         if self.quant_d:
             epi += 4 * EPI_N * 8 + 1024  # per-warp column maxima (+ alignment)
+        if self.is_dgrad:  # D_row subtiles per step, C load buffers, dbias column partials (+ alignment)
+            epi = self.tile_m * EPI_N * self.d_per_step * (epi_stages * self.d_dtype.width // 8
+                                                           + C_LOAD_BUFFERS * self.cin_dtype.width // 8)
+            epi += 4 * EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS + 2048
         if self.block_scaled:
             return (SMEM_CAPACITY - header - epi) // mx.smem_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n)
         return (SMEM_CAPACITY - header - epi) // ab_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n)
@@ -150,24 +164,15 @@ class GroupedGemmSm90(ForwardEpilogue):
         return {"input_spec": tuple(ins), "output_spec": tuple(outs)}
 
     def _unpack(self, tensors):
-        it = iter([x for x in tensors if x is not None])  # absent tensors may arrive as None
-        named = {"a": next(it), "b": next(it)}
-        named["sfa"] = next(it) if self.block_scaled else None
-        named["sfb"] = next(it) if self.block_scaled else None
-        named["offsets"] = next(it)
-        named["alpha"] = next(it)
-        named["prob"] = next(it) if self.recipe.has_prob else None
-        named["bias"] = next(it) if self.recipe.has_bias else None
-        named["norm_const"] = next(it) if self.has_norm_const else None
-        named["c"] = next(it) if self.recipe.has_c else None
-        named["d"] = next(it)
-        named["d_col"] = next(it) if self.quant_d else None
-        named["amax"] = next(it) if self.recipe.compute_amax else None
-        named["sfd_row"] = next(it) if self.quant_d else None
-        named["sfd_col"] = next(it) if self.quant_d else None
-        rest = list(it)
-        if rest:
-            raise ValueError(f"{len(rest)} unexpected tensors")
+        """Launcher tensors by name (`operands.launcher_operands`); absent ones None."""
+        ins, outs = launcher_operands(self.problem)
+        present = [x for x in tensors if x is not None]  # absent tensors may arrive as None
+        names = [name for name, _ in ins + outs]
+        if len(present) != len(names):
+            raise ValueError(f"expected {len(names)} tensors ({names}), got {len(present)}")
+        named = dict.fromkeys(("sfa", "sfb", "prob", "bias", "norm_const", "c", "d_col", "amax", "sfd_row",
+                               "sfd_col", "beta", "dprob_parts", "dbias_parts"))
+        named.update(zip(names, present))
         return named
 
     @cute.jit
@@ -199,7 +204,7 @@ class GroupedGemmSm90(ForwardEpilogue):
             tma_atom_sfb, tma_sfb = self.mainloop.make_sf_tma(t["sfb"], self.cluster_m)
         # FP8 D: buffers [0, epi_stages) hold D, [epi_stages, 2 epi_stages) D_col (one partition serves both)
         d_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
-                                                   self.epi_stages * (2 if self.quant_d else 1))
+                                                   self.epi_stages * (2 if self.quant_d else self.d_per_step))
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(d_layout, (None, None, 0)), self.epi_tile
         )
@@ -219,6 +224,14 @@ class GroupedGemmSm90(ForwardEpilogue):
             )
             tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), t["c"], cute.slice_(c_layout, (None, None, 0)), self.epi_tile
+            )
+
+        cin_layout = tma_atom_cin = tma_cin = None
+        if const_expr(self.is_dgrad):
+            cin_layout = sm90_utils.make_smem_layout_epi(self.cin_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
+                                                         C_LOAD_BUFFERS * self.d_per_step)
+            tma_atom_cin, tma_cin = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), t["c"], cute.slice_(cin_layout, (None, None, 0)), self.epi_tile
             )
 
         @cute.struct
@@ -242,6 +255,11 @@ class GroupedGemmSm90(ForwardEpilogue):
                 sSB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sb_layout)], 128]
             if const_expr(self.quant_d):
                 col_max: cute.struct.Align[cute.struct.MemRange[Int32, EPI_N * 8], 16]
+            if const_expr(self.is_dgrad):
+                cin_mbar: cute.struct.MemRange[cutlass.Int64, C_LOAD_BUFFERS]
+                sCin: cute.struct.Align[cute.struct.MemRange[self.cin_dtype, cute.cosize(cin_layout)], 1024]
+                col_sum: cute.struct.Align[cute.struct.MemRange[
+                    Float32, EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS], 16]
 
         self.shared_storage = SharedStorage
         self._check_smem(SharedStorage.size_in_bytes())
@@ -259,10 +277,11 @@ class GroupedGemmSm90(ForwardEpilogue):
             tiled_mma,
             tma_atom_a, tma_a, tma_atom_b, tma_b,
             tma_atom_c, tma_c, tma_atom_d, tma_d,
-            t["offsets"], t["alpha"], t["prob"], t["bias"], t["amax"],
+            t["padded_offsets"], t["alpha"], t["prob"], t["bias"], t["amax"],
             a_layout, b_layout, c_layout, d_layout, sa_layout, sb_layout,
             tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb,
             tma_atom_dcol, tma_dcol, mSfdRow, mSfdCol, t["norm_const"],
+            tma_atom_cin, tma_cin, cin_layout, t["beta"], t["dprob_parts"], t["dbias_parts"],
         ).launch(
             grid=[self.cluster_m, self.cluster_n, num_clusters],
             block=[NUM_THREADS, 1, 1],
@@ -283,7 +302,8 @@ class GroupedGemmSm90(ForwardEpilogue):
     def zero_amax_kernel(self, mAmax: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         if tidx < self.num_groups:
-            mAmax[tidx, 0] = Float32(0.0)
+            for j in cutlass.range_constexpr(self.d_per_step):  # dglu: (L, 2)
+                mAmax[tidx, j] = Float32(0.0)
 
     @cute.kernel
     def zero_bytes_kernel(self, mX: cute.Tensor, mY: cute.Tensor):
@@ -311,6 +331,7 @@ class GroupedGemmSm90(ForwardEpilogue):
         mOffsets: cute.Tensor, mAlpha: cute.Tensor, mProb, mBias, mAmax,
         a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, c_layout, d_layout: cute.ComposedLayout,
         sa_layout, sb_layout, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
+        tma_atom_cin, mCin, cin_layout, mBeta, mDprobParts, mDbiasParts,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -325,6 +346,8 @@ class GroupedGemmSm90(ForwardEpilogue):
                 cpasync.prefetch_descriptor(tma_atom_sfb)
             if const_expr(self.quant_d):
                 cpasync.prefetch_descriptor(tma_atom_dcol)
+            if const_expr(self.is_dgrad):
+                cpasync.prefetch_descriptor(tma_atom_cin)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -350,6 +373,15 @@ class GroupedGemmSm90(ForwardEpilogue):
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.ab_stages):
                         cute.arch.mbarrier_init(dec_mbar + s, 32 * len(mx.DECODER_WARPS))
+            cute.arch.mbarrier_init_fence()
+        cin_bars = None
+        if const_expr(self.is_dgrad):
+            # one mbarrier per C load buffer: the store warp's lane 0 arrives with the expected bytes
+            cin_bars = storage.cin_mbar.data_ptr()
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for s in cutlass.range_constexpr(C_LOAD_BUFFERS):
+                        cute.arch.mbarrier_init(cin_bars + s, 1)
             cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
@@ -396,10 +428,16 @@ class GroupedGemmSm90(ForwardEpilogue):
             sColMax = None
             if const_expr(self.quant_d):
                 sColMax = storage.col_max.get_tensor(cute.make_layout((EPI_N, 8)))
+            dgrad = None
+            if const_expr(self.is_dgrad):
+                sCin = storage.sCin.get_tensor(cin_layout.outer, swizzle=cin_layout.inner)
+                sColSum = storage.col_sum.get_tensor(
+                    cute.make_layout((EPI_N, EPI_WARPS, self.d_per_step, C_LOAD_BUFFERS)))
+                dgrad = (tma_atom_cin, mCin, sCin, cin_bars, mBeta, mDprobParts, mDbiasParts, sColSum)
             self.consumer(
                 ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
                 tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, tidx - 128, warp_idx,
-                dec_mbar, sSA, sSB, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
+                dec_mbar, sSA, sSB, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad,
             )
 
     # ------------------------------------------------------------------------------------------ roles
@@ -511,7 +549,7 @@ class GroupedGemmSm90(ForwardEpilogue):
     def consumer(
         self, ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
         tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, ctid: Int32, warp_idx: Int32,
-        dec_mbar, sSA, sSB, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
+        dec_mbar, sSA, sSB, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad,
     ):
         """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA."""
         rank_m, rank_n = self._cluster_coord()
@@ -584,6 +622,12 @@ class GroupedGemmSm90(ForwardEpilogue):
             )
             norm_const = mNormConst[0]
         fp8 = (bSG_gDcol, tRS_rDcol, sColMax, mSfdRow, mSfdCol, norm_const, sEnds, m_rows)
+        bSG_sCin = bSG_gCin = None
+        if const_expr(self.is_dgrad):
+            tma_atom_cin, mCin, sCin, cin_bars, mBeta, mDprobParts, mDbiasParts, sColSum = dgrad
+            bSG_sCin, bSG_gCin = cpasync.tma_partition(
+                tma_atom_cin, 0, cute.make_layout(1), cute.group_modes(sCin, 0, 2), cute.zipped_divide(mCin, self.epi_tile)
+            )
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
 
@@ -607,6 +651,10 @@ class GroupedGemmSm90(ForwardEpilogue):
                 col = n_tile * self.tile_n + ctid
                 if ctid < self.tile_n and col < self.n:
                     bias_v = mBias[g, col].to(Float32)
+            beta = Float32(1.0)
+            if const_expr(self.is_dgrad):
+                beta = mBeta[g]
+                self.prefetch_c(tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, is_store_warp, m_tile, n_tile)
 
             if const_expr(self.block_scaled):
                 read_state, release_state = self.mainloop.mma_tile(
@@ -617,11 +665,20 @@ class GroupedGemmSm90(ForwardEpilogue):
                 read_state, release_state = self.mainloop.mma_tile(
                     ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
                 )
-            self.epilogue(
-                acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute, ctid,
-                r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
-                r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
-                store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC,
-            )
+            if const_expr(self.is_dgrad):
+                self.dgrad_epilogue(
+                    tRS_rAcc, tRS_cD, frag_size, alpha, beta, prob_v, sProb, is_compute, ctid,
+                    r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
+                    sCin, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
+                    store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax,
+                )
+            else:
+                self.epilogue(
+                    acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute,
+                    ctid, r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
+                    r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
+                    store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD,
+                    sC,
+                )
             t += stride
         store_pipeline.producer_tail()

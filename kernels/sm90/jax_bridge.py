@@ -17,13 +17,14 @@ from cutlass.jax import TensorSpec, cutlass_call
 
 from .config import supports
 from .gemm import GroupedGemmSm90
+from .operands import DGRAD_OPS, dgrad_kernel_shape_dtypes, launcher_operands
 
 M_ALIGN = 256
 
 
 def _has(problem):
     epi = problem.epilogue
-    has_c = epi.c_dtype is not None and problem.op != "quant"
+    has_c = epi.c_dtype is not None and problem.op in ("srelu", "glu")
     return epi.has_prob, epi.has_bias, has_c, epi.compute_amax
 
 
@@ -32,43 +33,32 @@ def _sf_kb(cols: int) -> int:
     return -(-(-(-cols // 32)) // 4)
 
 
+def _spec(problem, name: str, kind: str) -> TensorSpec:
+    if kind == "rows":  # (m, cols): m dynamic
+        cols = {"a": problem.k, "c": problem.n_out if problem.op in DGRAD_OPS else problem.n}.get(name, problem.n_out)
+        return TensorSpec(divisibility=(M_ALIGN, cols))
+    if kind == "weights":
+        return TensorSpec(mode=(1, 2, 0), static=True)  # B (L, N, K) -> (N, K, L)
+    if kind == "sf_rows":
+        return TensorSpec(divisibility=(1, M_ALIGN // 128, 1, 32, 4, 4))  # m/128 row blocks (dynamic)
+    if kind == "sf_cols":
+        return TensorSpec(divisibility=(1, 1, M_ALIGN // 128, 32, 4, 4))
+    if kind == "sf_segments":
+        return TensorSpec(divisibility=(512,))
+    if kind == "m_vector":
+        return TensorSpec(divisibility=(M_ALIGN,))
+    if kind == "tiles_by_m":
+        return TensorSpec(divisibility=(1, M_ALIGN))
+    if kind == "row_tiles":
+        return TensorSpec(divisibility=(M_ALIGN // 128, problem.n_out))
+    assert kind == "static", kind
+    return TensorSpec(static=True)
+
+
 def tensor_specs(problem):
-    """(input_spec, output_spec) lists for the present tensors, in launcher order."""
-    has_prob, has_bias, has_c, has_amax = _has(problem)
-    epi = problem.epilogue
-    n, k, n_out = problem.n, problem.k, problem.n_out
-    ins = [
-        TensorSpec(divisibility=(M_ALIGN, k)),  # a
-        TensorSpec(mode=(1, 2, 0), static=True),  # b -> (N, K, L)
-    ]
-    if problem.block_scaled:
-        ins.append(TensorSpec(divisibility=(1, M_ALIGN // 128, 1, 32, 4, 4)))  # sfa: m/128 row blocks (dynamic)
-        ins.append(TensorSpec(static=True))  # sfb
-    ins += [
-        TensorSpec(static=True),  # padded_offsets
-        TensorSpec(static=True),  # alpha
-    ]
-    if has_prob:
-        ins.append(TensorSpec(divisibility=(M_ALIGN,)))
-    if has_bias:
-        ins.append(TensorSpec(static=True))
-    if epi.generate_sfd:
-        ins.append(TensorSpec(static=True))  # norm_const
-    outs = []
-    if has_c:
-        outs.append(TensorSpec(divisibility=(M_ALIGN, n)))
-    outs.append(TensorSpec(divisibility=(M_ALIGN, n_out)))
-    if epi.generate_sfd:
-        outs.append(TensorSpec(divisibility=(M_ALIGN, n_out)))  # d_col
-    if has_amax:
-        outs.append(TensorSpec(static=True))
-    if epi.generate_sfd:
-        outs.append(TensorSpec(divisibility=(1, M_ALIGN // 128, 1, 32, 4, 4)))  # sfd_row
-        if epi.discrete_col_sfd:
-            outs.append(TensorSpec(divisibility=(512,)))
-        else:
-            outs.append(TensorSpec(divisibility=(1, 1, M_ALIGN // 128, 32, 4, 4)))
-    return ins, outs
+    """(input_spec, output_spec) lists for the present tensors, in launcher order (`operands.launcher_operands`)."""
+    ins, outs = launcher_operands(problem)
+    return [_spec(problem, *x) for x in ins], [_spec(problem, *x) for x in outs]
 
 
 def output_shape_dtypes(problem, m):
@@ -108,7 +98,8 @@ def make_call(problem, config=None):
         m = arrays[0].shape[0]
         fn = cutlass_call(
             kernel,
-            output_shape_dtype=tuple(output_shape_dtypes(problem, m)),
+            output_shape_dtype=tuple(dgrad_kernel_shape_dtypes(problem, kernel.config, m) if problem.op in DGRAD_OPS
+                                     else output_shape_dtypes(problem, m)),
             input_spec=tuple(ins),
             output_spec=tuple(outs),
             compile_key=kernel.cache_key,

@@ -10,6 +10,7 @@ import itertools
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 
 from .config import default_config
+from .operands import DGRAD_OPS, launcher_operands
 
 # name: (m, N, K, L): fc1 = SwiGLU FC1 (N interleaves gate/up), fc2 = FC2 (quant), small = many small experts
 SHAPES = {
@@ -101,14 +102,18 @@ def input_avals(problem):
         avals["bias"] = jax.ShapeDtypeStruct((L, n), jnp.dtype(epi.bias_dtype))
     if epi.generate_sfd:
         avals["norm_const"] = jax.ShapeDtypeStruct((1,), jnp.float32)
-    return avals
+    if problem.op in DGRAD_OPS:
+        avals["c"] = jax.ShapeDtypeStruct((m, problem.n_out), jnp.dtype(epi.c_dtype))
+        avals["beta"] = jax.ShapeDtypeStruct((L,), jnp.float32)
+    ins, _ = launcher_operands(problem)
+    return {name: avals[name] for name, _ in ins}
 
 
 def symbolic_avals(problem, m):
     """input_avals with the row count `m` (symbolic under jax.export; m % 256 == 0)."""
     out = {}
     for name, a in input_avals(problem).items():
-        if name in ("a", "prob"):
+        if name in ("a", "prob", "c"):
             a = jax_sds((m,) + a.shape[1:], a.dtype)
         elif name == "sfa":
             a = jax_sds((1, m // 128) + a.shape[2:], a.dtype)

@@ -1,0 +1,69 @@
+"""Backward-op cases (grouped_gemm_dglu / grouped_gemm_dsrelu through the public ops) for the GPU suite, and the
+bundle items that record their kernel modules on the CPU machine:
+
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.dgrad_cases:bundle_items
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import cudnn_moe_jax as cmj
+
+M, H, I, L = 2048, 256, 512, 4     # dY (M, H), W2^T (L, I, H); dglu C / D_row (M, 2I), dsrelu (M, I)
+PATTERNS = {
+    "empty_and_tail": (512, 512, 1024, 1792),   # expert 1 empty, rows 1792.. outside every group (m > valid_m)
+    "skewed": (1536, 1536, 1792, 2048),          # one expert holds 3/4 of the rows, two empty
+    "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048 (not multiples of 256, > m, < 0)
+}
+
+# (name, op, act, options, ab dtype, C dtype)
+CASES = [
+    ("dswiglu_bias_amax", "dglu", "dswiglu", dict(generate_dbias=True, dbias_dtype="float32", compute_amax=True),
+     "bfloat16", "bfloat16"),
+    ("dgeglu_limit_alpha", "dglu", "dgeglu", dict(glu_limit=3.0, glu_alpha=1.702, d_dtype="float32"),
+     "bfloat16", "float32"),
+    ("dswiglu_fp16_bf16dbias", "dglu", "dswiglu", dict(generate_dbias=True, dbias_dtype="bfloat16",
+                                                       d_dtype="float16"), "float16", "float16"),
+    ("dsrelu_bias_amax", "dsrelu", None, dict(generate_dbias=True, dbias_dtype="float32", compute_amax=True),
+     "bfloat16", "bfloat16"),
+    ("dsrelu_tanh_noprob", "dsrelu", None, dict(tanh_clamp_scale=2.0, no_prob=True), "bfloat16", "float32"),
+]
+
+
+def inputs(case, pattern: str = "empty_and_tail", seed: int = 0):
+    _, op, _, _, ab, c_dtype = case
+    width = 2 * I if op == "dglu" else I
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+    return dict(
+        a=jax.random.normal(keys[0], (M, H)).astype(ab),
+        b=(jax.random.normal(keys[1], (L, I, H)) / 8).astype(ab),
+        c=(2.0 * jax.random.normal(keys[2], (M, width))).astype(c_dtype),
+        prob=jax.random.uniform(keys[3], (M,), minval=0.1, maxval=1.0),
+        alpha=jax.random.uniform(keys[4], (L,), minval=0.5, maxval=2.0),
+        beta=jax.random.uniform(keys[5], (L,), minval=0.5, maxval=1.5),
+        offsets=jnp.asarray(PATTERNS[pattern], jnp.int32),
+    )
+
+
+def call(case, x):
+    _, op, act, options, _, _ = case
+    options = dict(options)
+    prob = None if options.pop("no_prob", False) else x["prob"]
+    kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], beta_tensor=x["beta"], prob_tensor=prob,
+              **options)
+    if op == "dglu":
+        return cmj.grouped_gemm_dglu(x["a"], x["b"], x["c"], act_func=act, **kw)
+    return cmj.grouped_gemm_dsrelu(x["a"], x["b"], x["c"], **kw)
+
+
+def bundle_items():
+    items = []
+    for case in CASES:
+        fn = jax.jit(functools.partial(call, case))
+        x = inputs(case)
+        items.append(lambda fn=fn, x=x: fn.trace(x).lower(lowering_platforms=("cuda",)))
+    return items
