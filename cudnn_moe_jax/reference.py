@@ -151,8 +151,12 @@ def grouped_matmul(a_op, b_op, ends):
     return out.reshape(m, b_op.shape[1])
 
 
-# Tokens per step of the expert-wise token contraction (wgrad): each step is one (m_w, TILE) x (TILE, n_w) matmul.
-TOKEN_TILE = 256
+def token_tile(tokens: int, num_groups: int) -> int:
+    """Tokens per step of the expert-wise contraction: about one expert's share (a power of two in [256, 2048]).
+    Larger steps mean fewer read-modify-writes of the (m_w, n_w) fp32 accumulator, smaller ones less masked work
+    in the steps that straddle expert boundaries (at most L - 1 of them)."""
+    share = max(tokens // max(num_groups, 1), 1)
+    return min(max(1 << (share.bit_length() - 1), 256), 2048)
 
 
 def expert_token_matmul(a_op, b_op, ends):
@@ -160,12 +164,13 @@ def expert_token_matmul(a_op, b_op, ends):
 
     A scan over (token tile, expert) pairs sorted by expert: a tile that straddles expert boundaries is visited
     once per expert it holds, with the other experts' tokens masked out. There are at most
-    cdiv(T, TOKEN_TILE) + L - 1 such pairs (each boundary adds one), so the work is the useful work plus at most
+    cdiv(T, tile) + L - 1 such pairs (each boundary adds one), so the work is the useful work plus at most
     L - 1 tiles, not L x the whole product.
     """
     m_w, tokens = a_op.shape
     n_w = b_op.shape[0]
     num_groups = ends.shape[0]
+    TOKEN_TILE = token_tile(tokens, num_groups)  # noqa: N806 - a constant of this call
     n_tiles = _cdiv(tokens, TOKEN_TILE)
     pad = n_tiles * TOKEN_TILE - tokens
     a_op = jnp.pad(a_op, ((0, 0), (0, pad)))
