@@ -1,7 +1,10 @@
 """cudnn_moe_jax.formats vs the independent numpy oracle (tests/np_formats.py): codes and scale bytes bit-exact."""
 
+import doctest
 import math
+import re
 import zlib
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -210,6 +213,37 @@ def spec_segment_offset(n, m, start, T_g, N_out):
     return (seg_base + (n // 128) * (T_g // 128) * 512 + ((mm // 32) // 4) * 512
             + (n % 32) * 16 + ((n // 32) % 4) * 4 + (mm // 32) % 4)
 
+
+
+DOCS_FORMATS = Path(__file__).resolve().parents[1] / "docs" / "formats.md"
+
+
+def test_docs_formats_examples():
+    """docs/formats.md: its worked examples hold (byte offsets asserted here) and its ```python snippets run as
+    doctests, so the documented numbers cannot drift from the code."""
+    # scale-factor layout: 200 rows, K = 640, vec 32 -> 20 k-blocks, Rb = 2, Kb = 5, 5120 bytes
+    assert F.sf_physical_shape(200, 640, 32) == (1, 2, 5, 32, 4, 4)
+    assert [F.sf_offset(165, 13, 0, 200, 20), F.sf_offset(37, 2, 0, 200, 20), F.sf_offset(165, 13, 1, 200, 20)] \
+        == [4181, 86, 9301]
+    assert O.np_sf_offset(165, 13, 0, 200, 20) == 4181 and O.np_sf_offset(37, 2, 0, 200, 20) == 86
+    s = np.zeros((2, 200, 20), np.uint8)
+    s[0, 165, 13], s[0, 37, 2], s[1, 165, 13] = 0x81, 0x7F, 0x42
+    flat = u8(J.pack_sf(s)).reshape(-1)
+    assert flat.size == 10240 and np.flatnonzero(flat).tolist() == [86, 4181, 9301]
+    # segmented layout: SFD_col of N_out = 256, m = 1024, group ends 256 / 768 / 1024; column 130, k-block 9
+    sc = np.zeros((256, 32), np.uint8)
+    sc[130, 9] = 0x90
+    seg = np.asarray(J.pack_sf_segments(sc, jnp.asarray([256, 768, 1024], jnp.int32), vec=32))
+    assert seg.size == 8192 and np.flatnonzero(seg).tolist() == [4129]
+    assert np.flatnonzero(u8(J.pack_sf(sc)).reshape(-1)).tolist() == [5153]
+    assert spec_segment_offset(130, 288, 256, 512, 256) == 4129
+    # the snippets themselves
+    blocks = re.findall(r"```python\n(.*?)```", DOCS_FORMATS.read_text(), re.S)
+    assert blocks, "docs/formats.md lost its examples"
+    test = doctest.DocTestParser().get_doctest("\n".join(blocks), {}, "docs/formats.md", str(DOCS_FORMATS), 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries >= 20, runner.summarize()
 
 @pytest.mark.parametrize("R,T,vec,ends", [
     (300, 1024, 32, [256, 256, 768, 1024]),          # empty expert in the middle
