@@ -83,7 +83,7 @@ def test_e8m0_encode_all_classes():
                                     np.finfo(np.float32).max, np.finfo(np.float32).tiny])])
     got = J.e8m0_encode(x)
     assert_bits_equal(got, O.np_e8m0_encode(x), "e8m0")
-    # hand-written spot values (§3.6)
+    # hand-written spot values (docs/formats.md#rounding)
     spot = {0.0: 0, -0.0: 0, -1.0: 0, 2.0 ** -127: 0, float(np.nextafter(np.float32(2.0 ** -127), 1)): 1,
             2.0 ** -126: 1, 1.0: 127, float(np.nextafter(np.float32(1), 2)): 128, 1.5: 128, 3.0: 129, 2.0 ** 127: 254,
             3e38: 254, math.inf: 254, math.nan: 255}
@@ -207,7 +207,7 @@ def test_pack_unpack_sf(L, R, nkb):
 
 
 def spec_segment_offset(n, m, start, T_g, N_out):
-    """§2.6 verbatim (vec 32, T_g a multiple of 128)."""
+    """The segmented-layout offset written out in one formula (vec 32, T_g a multiple of 128; docs/formats.md)."""
     seg_base = 4 * -(-N_out // 128) * start
     mm = m - start
     return (seg_base + (n // 128) * (T_g // 128) * 512 + ((mm // 32) // 4) * 512
@@ -268,12 +268,12 @@ def test_sf_segments(R, T, vec, ends):
     for g, (a, b) in enumerate(zip(starts, ends)):
         if b == a:
             continue
-        # each segment is the plain §2 layout of its own SF(R, T_g) block at rup(R,128)*start/vec
+        # each segment is the plain MMA-tiled layout of its own SF(R, T_g) block at rup(R,128)*start/vec
         base = -(-R // 128) * 128 * a // vec
         blk = np.asarray(J.pack_sf(s[:, a // vec:-(-b // vec)])).reshape(-1)
         if g == len(ends) - 1 or (b - a) % (4 * vec) == 0:
             assert_bits_equal(flat[base:base + blk.size], blk, f"segment {g}")
-        if vec == 32 and (b - a) % 128 == 0:                             # §2.6's literal formula
+        if vec == 32 and (b - a) % 128 == 0:                             # the one-formula offset
             n, m = np.meshgrid(np.arange(R), np.arange(a, b, 32), indexing="ij")
             off = spec_segment_offset(n, m, a, b - a, R)
             assert np.array_equal(flat[off], s[n, m // 32])
@@ -389,7 +389,7 @@ def test_quantize_cols_bitexact(d, norm_const):
     assert s.shape == (C, -(-R // 32))
     assert_bits_equal(s, want_s, "col scales")
     assert_bits_equal(codes, want_codes, "col codes")
-    # §3.5 is row quantization of the transpose (e8m0, 32)
+    # column quantization is row quantization of the transpose (e8m0, 32)
     codes_t, s_t = J.quantize_rows(x.T, d, F.E8M0, 32, norm_const)
     assert_bits_equal(s_t, s, "transpose rule")
     if d != F.E2M1:
