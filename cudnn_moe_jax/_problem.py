@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-# Expert groups along M are padded to this many rows (cuDNN's m_aligned / FIX_PAD_SIZE, SEMANTICS §1.2): every
+# Expert groups along M are padded to this many rows (cuDNN's m_aligned / FIX_PAD_SIZE, docs/offsets.md): every
 # group end is a multiple of it, so no 128/256-row tile, SF row block or 32-row column-quant block spans two groups.
 GROUP_ALIGN = 256
 
@@ -117,12 +117,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 def sf_shape(rows: int, cols: int, vec: int) -> tuple:
-    """Physical MMA-tiled scale-factor shape of one (rows, cols) operand, L = 1 (SEMANTICS §2.2)."""
+    """Physical MMA-tiled scale-factor shape of one (rows, cols) operand, L = 1 (docs/formats.md, scale-factor
+    layout)."""
     return (1, cdiv(rows, 128), cdiv(cdiv(cols, vec), 4), 32, 4, 4)
 
 
 def sf_segment_bytes(rows: int, tokens: int, vec: int) -> int:
-    """Bytes of a per-expert segmented SF buffer (SEMANTICS §2.6): equal to the contiguous buffer's size."""
+    """Bytes of a per-expert segmented SF buffer (docs/formats.md#segmented-layout): equal to the contiguous
+    buffer's size."""
     return cdiv(rows, 128) * 128 * cdiv(cdiv(tokens, vec), 4) * 4
 
 

@@ -1,9 +1,10 @@
 """Block-scaled number formats, quantization rules and the MMA-tiled scale-factor layout.
 
-This module is the only home of (spec = ``shared/spec/SEMANTICS.md``):
-  * the element codecs of Part B §3.1 / §3.6 (e8m0 RCEIL, e4m3 / e5m2 / e2m1 RNE-satfinite),
-  * the block quantization rules of §3.4 (rows), §3.5 (columns) and A9 (NVFP4, e4m3 scale factors),
-  * the scale-factor byte layout of §2 (the 512-byte 128x4 atoms) and the per-expert segment layout of §2.6.
+This module is the only home of (documented in ``docs/formats.md``):
+  * the element codecs (e8m0 RCEIL, e4m3 / e5m2 / e2m1 RNE-satfinite; #element-formats, #rounding),
+  * the block quantization rules: rows, columns and NVFP4 with e4m3 scale factors (#quantization),
+  * the scale-factor byte layout (the 512-byte 128x4 atoms, #scale-factor-layout) and the per-expert segment
+    layout (#segmented-layout).
 
 Everything is pure jnp and jit-able on any backend; dtype names and block sizes are static Python values.
 Scale factors are handled as **uint8 bit patterns** (e8m0 code = biased exponent, e4m3 code = fp8 bits); inputs
@@ -48,7 +49,7 @@ from jax import lax
 E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
 BF16, F16, F32 = "bfloat16", "float16", "float32"
 
-# Spec A8: e5m2 outputs use the documented q_max 57344 (cuDNN's code uses 128).
+# e5m2 outputs use the documented q_max 57344 (cuDNN's code uses 128); docs/formats.md#quantization.
 Q_MAX = {E4M3: 448.0, E5M2: 57344.0, E2M1: 6.0}
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -69,7 +70,8 @@ def cdiv(a, b):
 
 
 def rcp_limit(d_dtype) -> float:
-    """float32(1 / q_max) for the low-precision data formats, 1.0 for bf16/fp16/fp32 (spec §3.4 table + A8)."""
+    """float32(1 / q_max) for the low-precision data formats, 1.0 for bf16/fp16/fp32
+    (docs/formats.md#quantization)."""
     if d_dtype in Q_MAX:
         return float(np.float32(1.0) / np.float32(Q_MAX[d_dtype]))
     return 1.0
@@ -114,11 +116,11 @@ def as_u8(x):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Element codecs (§3.1, §3.6)
+# Element codecs (docs/formats.md#element-formats, #rounding)
 # --------------------------------------------------------------------------------------------------------------------
 
 def e8m0_encode(x_f32):
-    """fp32 -> e8m0 code (uint8), round toward +inf ("RCEIL"), the closed form of §3.6.
+    """fp32 -> e8m0 code (uint8), round toward +inf ("RCEIL"), the closed form of docs/formats.md#rounding.
 
     x <= 2^-127 (incl. +-0 and every negative value) -> 0x00; NaN -> 0xFF; otherwise min(E + (M != 0), 254),
     E/M = exponent/mantissa fields (subnormals in (2^-127, 2^-126) -> 0x01, +inf and huge values -> 0xFE).
@@ -199,7 +201,8 @@ def e2m1_decode(codes_u8):
 
 
 def pack_fp4(codes):
-    """(..., K) nibble codes -> (..., K//2) uint8: element 2j in the low nibble, 2j+1 in the high nibble (§3.1)."""
+    """(..., K) nibble codes -> (..., K//2) uint8: element 2j in the low nibble, 2j+1 in the high nibble
+    (docs/formats.md#fp4-packing)."""
     codes = jnp.asarray(codes).astype(jnp.uint8)
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4: last dimension {codes.shape[-1]} must be even")
@@ -226,7 +229,7 @@ def decode(data, data_dtype):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Scale-factor layout (§2)
+# Scale-factor layout (docs/formats.md#scale-factor-layout)
 # --------------------------------------------------------------------------------------------------------------------
 
 def sf_physical_shape(rows, k, vec, num_groups=1) -> tuple:
@@ -235,7 +238,8 @@ def sf_physical_shape(rows, k, vec, num_groups=1) -> tuple:
 
 
 def sf_offset(r, kb, l, rows, n_kblocks):
-    """§2.3 normative byte offset of logical S[l, r, kb] (Python ints, numpy or jnp integer arrays)."""
+    """Byte offset of logical S[l, r, kb] (docs/formats.md#scale-factor-layout); Python ints, numpy or jnp integer
+    arrays."""
     rb_n, kb_n = cdiv(rows, 128), cdiv(n_kblocks, 4)
     return (l * (rb_n * kb_n * 512) + (r // 128) * (kb_n * 512) + (kb // 4) * 512
             + (r % 32) * 16 + ((r // 32) % 4) * 4 + (kb % 4))
@@ -270,7 +274,7 @@ def unpack_sf(buf, rows, n_kblocks, num_groups=1):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Per-expert segment layout (§2.6: discrete_col_sfd, wgrad operands, colwise SFRHT)
+# Per-expert segment layout (docs/formats.md#segmented-layout: discrete_col_sfd, wgrad operands, colwise SFRHT)
 # --------------------------------------------------------------------------------------------------------------------
 
 def _segments(ends, max_token, rows, vec):
@@ -289,9 +293,10 @@ def _segments(ends, max_token, rows, vec):
 
 
 def pack_sf_segments(s, ends, vec):
-    """Logical scales (R, cdiv(T, vec)) over all T tokens -> flat uint8 per-expert segment layout (§2.6).
+    """Logical scales (R, cdiv(T, vec)) over all T tokens -> flat uint8 per-expert segment layout
+    (docs/formats.md#segmented-layout).
 
-    Segment g (tokens [start_g, end_g)) is the §2 layout of SF(R, T_g) (L = 1) starting at byte
+    Segment g (tokens [start_g, end_g)) is the MMA-tiled layout of SF(R, T_g) (L = 1) starting at byte
     rup(R,128) * start_g // vec; its local k-block j holds s[:, start_g // vec + j]. Total bytes
     rup(R,128) * rup(cdiv(T,vec), 4). `ends` is device data: it is sanitized (clip to [0, T'], running max; the
     identity for valid ends) and the buffer is built by a gather, so no value can index out of bounds.
@@ -315,7 +320,7 @@ def pack_sf_segments(s, ends, vec):
     q = p - base[g]                                      # byte offset inside the owner's SF(R, T_g) block
     atom_row = jnp.maximum(kb_n[g], 1) * 512             # bytes per 128-row block of the segment
     rb, ka, w = q // atom_row, (q % atom_row) // 512, q % 512
-    r = rb * 128 + ((w // 4) % 4) * 32 + w // 16        # inverse of §2.3 inside one atom
+    r = rb * 128 + ((w // 4) % 4) * 32 + w // 16        # inverse of the byte offset inside one atom
     j = ka * 4 + w % 4
     valid = (owner >= 0) & (rb < rb_n) & (r < rows) & (j < nkb[g])
     col = starts[g] // vec + j
@@ -346,7 +351,7 @@ def unpack_sf_segments(flat, rows, ends, total_tokens, vec):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Block quantization (§3.4 rows, §3.5 columns, A9 NVFP4)
+# Block quantization (docs/formats.md#quantization: rows, columns, NVFP4)
 # --------------------------------------------------------------------------------------------------------------------
 
 def _encode(y, d_dtype):
@@ -361,9 +366,9 @@ def _encode(y, d_dtype):
 def _scaled_rows(x, d_dtype, sf_dtype, vec, norm_const):
     """Shared core of the row and column rules: returns (x * scale (..., R, C) fp32, s codes (..., R, nkb) uint8).
 
-    pv = (amax * rcp_limit) * norm_const in this fp32 order (the kernel's, §3.4); scale = min(norm_const * 1/val(s),
-    FLT_MAX) with the correctly rounded reciprocal (1/0 = inf: scale FLT_MAX); NaN propagates through max,
-    multiply and min. Subnormal intermediates flush to zero (module docstring).
+    pv = (amax * rcp_limit) * norm_const in this fp32 order (the kernel's, docs/formats.md#row-quantization);
+    scale = min(norm_const * 1/val(s), FLT_MAX) with the correctly rounded reciprocal (1/0 = inf: scale FLT_MAX);
+    NaN propagates through max, multiply and min. Subnormal intermediates flush to zero (module docstring).
     """
     _check("d_dtype", d_dtype, {E4M3, E5M2, E2M1})
     _check("sf_dtype", sf_dtype, {E8M0, E4M3})
@@ -373,8 +378,8 @@ def _scaled_rows(x, d_dtype, sf_dtype, vec, norm_const):
     # Zero padding leaves amax unchanged (|x| >= 0), so a partial last block is the max over its existing columns.
     xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nkb * vec - cols)])
     blocks = jnp.abs(xp.reshape(*x.shape[:-1], nkb, vec))
-    # NaN must win (§3.4). XLA:CPU's vectorised reduce-max drops NaN depending on its position (measured), so
-    # propagate it explicitly instead of trusting the reduction.
+    # NaN must win (docs/formats.md#special-values). XLA:CPU's vectorised reduce-max drops NaN depending on its
+    # position (measured), so propagate it explicitly instead of trusting the reduction.
     amax = jnp.where(jnp.isnan(blocks).any(axis=-1), jnp.float32(jnp.nan), jnp.max(blocks, axis=-1))
     pv = _flush(amax * jnp.float32(rcp_limit(d_dtype)))
     nc = None if norm_const is None else jnp.asarray(norm_const, jnp.float32).reshape(())
@@ -397,7 +402,8 @@ def _scaled_rows(x, d_dtype, sf_dtype, vec, norm_const):
 
 
 def quantize_rows(x_f32, d_dtype, sf_dtype=E8M0, vec=32, norm_const=None):
-    """§3.4 / A9 row quantization of x (R, C) (leading batch dims allowed) in blocks of `vec` columns.
+    """Row quantization (docs/formats.md#row-quantization, #nvfp4) of x (R, C) (leading batch dims allowed) in
+    blocks of `vec` columns.
 
     Returns (codes, s): codes float8 (R, C) or packed uint8 (R, C//2) for e2m1; s uint8 codes (R, cdiv(C, vec)).
     norm_const None means 1.0 (standard MX / NVFP4 input quantization). Dequantize: val(codes)*val(s)/norm_const.
@@ -409,7 +415,8 @@ def quantize_rows(x_f32, d_dtype, sf_dtype=E8M0, vec=32, norm_const=None):
 
 
 def quantize_cols(x_f32, d_dtype, norm_const=None):
-    """§3.5 column quantization of x (R, C): blocks of 32 consecutive rows per column, always e8m0.
+    """Column quantization (docs/formats.md#column-quantization) of x (R, C): blocks of 32 consecutive rows per
+    column, always e8m0.
 
     Returns (codes (R, C) [e2m1: packed along C, (R, C//2)], s uint8 (C, cdiv(R, 32))). The spec's
     scale = (val(s) == 0) ? 0 : min(norm_const / val(s), FLT_MAX) equals the row rule's norm_const * (1/val(s)) here:
@@ -445,7 +452,7 @@ def to_block_scaled(x, data_dtype, sf_dtype=E8M0, vec=32):
     """x (R, K) -> (codes, sf (1, Rb, Kb, 32, 4, 4)); x (L, N, K) -> (codes, sf (L, Rb, Kb, 32, 4, 4)).
 
     Standard MXFP8 / MXFP4 / NVFP4 input quantization (norm_const 1). sf is uint8 e8m0 bit patterns for E8M0 (the
-    ops read uint8 scales as e8m0, SEMANTICS A2) and a float8_e4m3fn array for E4M3, so neither can be misread.
+    ops read uint8 scales as e8m0, docs/formats.md) and a float8_e4m3fn array for E4M3, so neither can be misread.
     """
     x = jnp.asarray(x, jnp.float32)
     if x.ndim not in (2, 3):

@@ -2,17 +2,18 @@
 
 Every function takes the op's *canonical* arrays (NOTES.md "Layer contracts") plus static keyword options and
 returns a dict keyed by cuDNN's output names in cuDNN's order (absent outputs `None`). All math is fp32: operands
-are dequantized exactly (decode * scale, SEMANTICS §3.3), every matmul runs at `Precision.HIGHEST` (XLA would use
-TF32 on a GPU otherwise) with fp32 accumulation, and outputs are rounded once (RNE; e8m0 scales RCEIL, §3.6).
+are dequantized exactly (decode * scale, docs/numerics.md), every matmul runs at `Precision.HIGHEST` (XLA would use
+TF32 on a GPU otherwise) with fp32 accumulation, and outputs are rounded once (RNE; e8m0 scales RCEIL,
+docs/formats.md#rounding).
 The scale-factor layout and all quantization rules live in `formats`; this module never re-derives them.
 On CUDA (no kernel for a call) the GEMMs are traced with 16-bit operands instead: `tensor_core_operands`.
 
-Device offsets are sanitized (NOTES.md): `end_g = running_max(floor256(clip(padded_offsets[g], 0, m)))`. Rows
-outside every group produce zeros everywhere (SF bytes 0, dprob 0) and add nothing to amax/dbias; an empty
-group's amax and dbias are 0 (A4).
+Device offsets are sanitized (docs/offsets.md): `end_g = running_max(floor256(clip(padded_offsets[g], 0, m)))`.
+Rows outside every group produce zeros everywhere (SF bytes 0, dprob 0) and add nothing to amax/dbias; an empty
+group's amax and dbias are 0 (docs/offsets.md#rows-outside-every-group).
 
-Backward ops follow A10 (exact gradients of our forward ops). Forward/backward activations share one
-definition each (`_glu`, `_srelu`) that returns the value and, on request, its derivatives.
+Backward ops are the exact gradients of our forward ops (docs/ops.md, docs/activations.md). Forward/backward
+activations share one definition each (`_glu`, `_srelu`) that returns the value and, on request, its derivatives.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from ._problem import GROUP_ALIGN
 
 HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
-GLU_BLOCK = 32        # GLU pairing block width (A5): even 32-col blocks gate, odd blocks up
-COL_VEC = 32          # D_col quantization block (32 rows, §3.5)
-NVFP4_VEC = 16        # Hadamard op: NVFP4 outputs, vec 16, e4m3 scales (A9)
+GLU_BLOCK = 32        # GLU pairing block width (docs/activations.md#glu-layout): even 32-col blocks gate, odd up
+COL_VEC = 32          # D_col quantization block (32 rows, docs/formats.md#column-quantization)
+NVFP4_VEC = 16        # Hadamard op: NVFP4 outputs, vec 16, e4m3 scales (docs/formats.md#nvfp4)
 FP8_OUT = (F.E4M3, F.E5M2)
 HALF_OR_F32 = ("bfloat16", "float16", "float32")
 
@@ -44,7 +45,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def sanitize_offsets(padded_offsets, m: int, align: int = GROUP_ALIGN):
-    """(L,) int32 group ends: clip to [0, m], round down to a multiple of `align`, running max (NOTES.md)."""
+    """(L,) int32 group ends: clip to [0, m], round down to a multiple of `align`, running max (docs/offsets.md)."""
     ends = jnp.clip(jnp.asarray(padded_offsets).astype(jnp.int32), 0, m)
     if align > 1:
         ends = (ends // align) * align
@@ -52,7 +53,7 @@ def sanitize_offsets(padded_offsets, m: int, align: int = GROUP_ALIGN):
 
 
 def sanitize_token_offsets(offsets, total_tokens: int):
-    """wgrad token ends: running_max(clip(offsets, 0, T)), no alignment (A10)."""
+    """wgrad token ends: running_max(clip(offsets, 0, T)), no alignment (docs/offsets.md#wgrad-token-offsets)."""
     return sanitize_offsets(offsets, total_tokens, align=1)
 
 
@@ -71,7 +72,7 @@ def _per_row(values, gid):
 
 
 def _group_max(x, gid, num_groups: int):
-    """(L,) max over in-group rows of x (m,) >= 0; empty groups 0.0 (A4); NaN propagates."""
+    """(L,) max over in-group rows of x (m,) >= 0; empty groups 0.0 (docs/offsets.md); NaN propagates."""
     mx = jax.ops.segment_max(x, gid, num_segments=num_groups + 1)[:num_groups]
     return jnp.where(jnp.isnan(mx), mx, jnp.maximum(mx, 0.0))
 
@@ -112,7 +113,8 @@ def dequantize_a(a, sfa, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size:
 
 
 def dequantize_b(b, sfb, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size: Optional[int]):
-    """B (L, N, K) or a tuple of L (N, K) arrays (A11) [+ sfb (L, ...) or tuple of (1, ...)] -> (L, N, K) f32."""
+    """B (L, N, K) or a tuple of L (N, K) arrays (discrete weights) [+ sfb (L, ...) or tuple of (1, ...)]
+    -> (L, N, K) f32."""
     if isinstance(b, (tuple, list)):
         sfbs = sfb if isinstance(sfb, (tuple, list)) else (None,) * len(b)
         return jnp.concatenate([dequantize_b(bi[None], si, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
@@ -136,7 +138,7 @@ def grouped_matmul(a_op, b_op, ends):
     m, k = a_op.shape
     num_groups = b_op.shape[0]
     gid = row_groups(ends, m)
-    if m % GROUP_ALIGN:                                     # not reachable through the public ops (A2)
+    if m % GROUP_ALIGN:                                     # not reachable through the public ops (m % 256 == 0)
         sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
         return jax.lax.ragged_dot(a_op, jnp.swapaxes(b_op, 1, 2), sizes, precision=HIGHEST,
                                   preferred_element_type=F32)
@@ -264,7 +266,8 @@ def _norm_const(norm_const, what: str = "norm_const"):
 
 
 def cast(x, dtype: str):
-    """fp32 -> storage dtype, RNE; FP8 saturating (satfinite, §3.6). FP8 results are jnp float8 arrays."""
+    """fp32 -> storage dtype, RNE; FP8 saturating (satfinite, docs/formats.md#rounding). FP8 results are jnp
+    float8 arrays."""
     if dtype in HALF_OR_F32:
         return x.astype(dtype)
     if dtype == F.E4M3:
@@ -277,8 +280,9 @@ def cast(x, dtype: str):
 def store_d(dfp, ends, *, d_dtype: str, norm_const=None, discrete_col_sfd: bool = False):
     """D (and for FP8 D: D_col, SFD_row, SFD_col) from the fp32 D (m, N_out), already zero outside groups.
 
-    SFD_row: §3.4 rows, e8m0 vec 32, physical (1, Rb, Kb, 32, 4, 4). D_col/SFD_col: §3.5, 32-row blocks;
-    SFD_col is the §2 layout of D^T or, with `discrete_col_sfd`, the per-group segments (§2.6) of the sanitized
+    SFD_row: row quantization (docs/formats.md#row-quantization), e8m0 vec 32, physical (1, Rb, Kb, 32, 4, 4).
+    D_col/SFD_col: column quantization, 32-row blocks; SFD_col is the MMA-tiled layout of D^T or, with
+    `discrete_col_sfd`, the per-group segments (docs/formats.md#segmented-layout) of the sanitized
     group ends. Zero data quantizes to code 0 with SF byte 0, so rows outside every group stay zero.
     """
     out = dict(d=None, d_col=None, sfd_row=None, sfd_col=None)
@@ -317,7 +321,8 @@ def _fwd_outputs(c, dfp, ends, gid, *, c_dtype, d_dtype, norm_const, compute_ama
 
 
 def glu_split(x):
-    """(m, N) interleaved in 32-col blocks -> gate (m, N/2) from even blocks, up (m, N/2) from odd blocks (A5)."""
+    """(m, N) interleaved in 32-col blocks -> gate (m, N/2) from even blocks, up (m, N/2) from odd blocks
+    (docs/activations.md#glu-layout)."""
     m, n = x.shape
     x = x.reshape(m, n // (2 * GLU_BLOCK), 2, GLU_BLOCK)
     return x[:, :, 0, :].reshape(m, n // 2), x[:, :, 1, :].reshape(m, n // 2)
@@ -332,7 +337,8 @@ def glu_interleave(gate, up):
 
 
 def _glu_clamps(act: str, glu_limit):
-    """(gate_lo, gate_hi, up_lo, up_hi); None = unbounded. glu_limit replaces the GeGLU defaults (A5)."""
+    """(gate_lo, gate_hi, up_lo, up_hi); None = unbounded. glu_limit replaces the GeGLU defaults
+    (docs/activations.md#glu)."""
     if glu_limit is not None:
         lim = float(glu_limit)
         return -lim, lim, -lim, lim
@@ -379,7 +385,8 @@ def _glu(gate, up, act: str, glu_limit=None, grad: bool = False):
 
 
 def _srelu(x, tanh_clamp_scale=None, grad: bool = False):
-    """relu(x)^2, or (s * min(tanh(relu(x)/s), 1))^2 with s = tanh_clamp_scale (A6); grad: also d/dx."""
+    """relu(x)^2, or (s * min(tanh(relu(x)/s), 1))^2 with s = tanh_clamp_scale; grad: also d/dx
+    (docs/activations.md#srelu)."""
     pos = x > 0
     r = jnp.where(pos, x, 0.0)
     if tanh_clamp_scale is None:
@@ -404,7 +411,8 @@ def _srelu(x, tanh_clamp_scale=None, grad: bool = False):
 def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *,
                        ab_dtype: str, sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
                        d_dtype: str, compute_amax: bool = False, discrete_col_sfd: bool = False):
-    """D = prob*alpha*acc, or with bias D = alpha*acc + prob*bias (A7). D (m, N); FP8 D adds D_col and SFD."""
+    """D = prob*alpha*acc, or with bias D = alpha*acc + prob*bias (docs/ops.md#grouped_gemm_quant). D (m, N);
+    FP8 D adds D_col and SFD."""
     m = a.shape[0]
     ends, gid, _ = _prep(padded_offsets, m)
     acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
@@ -419,7 +427,7 @@ def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, n
 
 
 def _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, *, ab_dtype, sf_dtype, sf_vec_size):
-    """C = alpha*acc (+ bias): the pre-activation of srelu/glu/hadamard (A5, A6)."""
+    """C = alpha*acc (+ bias): the pre-activation of srelu/glu/hadamard (docs/ops.md)."""
     m = a.shape[0]
     ends, gid, _ = _prep(padded_offsets, m)
     acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
@@ -444,7 +452,8 @@ def grouped_gemm_srelu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, n
                        ab_dtype: str, sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
                        c_dtype: str = "bfloat16", d_dtype: str, tanh_clamp_scale: Optional[float] = None,
                        compute_amax: bool = False, discrete_col_sfd: bool = False):
-    """C = alpha*acc (+ bias), D = prob * relu(C)^2 (or the tanh-clamped form) (A6). C, D (m, N)."""
+    """C = alpha*acc (+ bias), D = prob * relu(C)^2 (or the tanh-clamped form) (docs/ops.md#grouped_gemm_srelu).
+    C, D (m, N)."""
     c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
                            sf_vec_size=sf_vec_size)
     dfp = _activation(c, prob, act="srelu", tanh_clamp_scale=tanh_clamp_scale)
@@ -457,7 +466,8 @@ def grouped_gemm_glu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, nor
                      act_func: str = "swiglu", c_dtype: str = "bfloat16", d_dtype: str,
                      glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
                      compute_amax: bool = False, discrete_col_sfd: bool = False):
-    """C = alpha*acc (+ bias) (m, N) stored pre-clamp; D = glu_alpha * prob * act(gate, up) (m, N/2) (§4.5, A5)."""
+    """C = alpha*acc (+ bias) (m, N) stored pre-clamp; D = glu_alpha * prob * act(gate, up) (m, N/2)
+    (docs/ops.md#grouped_gemm_glu, docs/activations.md)."""
     c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
                            sf_vec_size=sf_vec_size)
     dfp = _activation(c, prob, act=act_func, glu_limit=glu_limit, glu_alpha=glu_alpha)
@@ -471,7 +481,8 @@ def grouped_gemm_swiglu(*args, **kwargs):
 
 
 def hadamard16(dtype=F32):
-    """Orthonormal Sylvester Hadamard H16/4, H[i][o] = (-1)^popcount(i & o) / 4 (A9)."""
+    """Orthonormal Sylvester Hadamard H16/4, H[i][o] = (-1)^popcount(i & o) / 4
+    (docs/ops.md#grouped_gemm_glu_hadamard_quant)."""
     i = jnp.arange(16, dtype=jnp.int32)
     x = i[:, None] & i[None, :]
     parity = jnp.zeros_like(x)
@@ -488,13 +499,14 @@ def _rht_rows(x, p):
 
 
 def _nvfp4(x, norm_const):
-    """NVFP4 quantization (A9): codes uint8 (R, C/2) packed, e4m3 SF logical (R, C/16)."""
+    """NVFP4 quantization (docs/formats.md#nvfp4): codes uint8 (R, C/2) packed, e4m3 SF logical (R, C/16)."""
     codes, s = F.quantize_rows(x, F.E2M1, F.E4M3, NVFP4_VEC, norm_const)
     return codes, s
 
 
 def pack_token_segments(packed, ends):
-    """(R, T/2) packed FP4 rows -> flat R*T/2 bytes, per-group transposed segments (A9, §4.6.2).
+    """(R, T/2) packed FP4 rows -> flat R*T/2 bytes, per-group transposed segments
+    (docs/ops.md#grouped_gemm_glu_hadamard_quant).
 
     Segment g is `packed[:, start_g/2 : end_g/2]` flattened row-major (tokens contiguous), starting at byte
     R*start_g/2. Bytes past the last group are 0. Group bounds are even (multiples of 256).
@@ -520,12 +532,13 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
                                     rht: Optional[str] = None, rht_dtype: Optional[str] = None,
                                     glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
                                     tanh_clamp_scale: Optional[float] = None, compute_amax: bool = False):
-    """A9 / §4.6.2. D = activation output: bf16 (m, N_out), or NVFP4 uint8 (m, N_out/2) + e4m3 `sfd_tensor`.
+    """docs/ops.md#grouped_gemm_glu_hadamard_quant. D = activation output: bf16 (m, N_out), or NVFP4 uint8
+    (m, N_out/2) + e4m3 `sfd_tensor`.
 
     RHT = 16-wide transform (P = `hadamard` or H16/4, out = blk @ P^T) of bf16(D):
       rowwise: per 16-column block -> bf16 (m, N_out) or NVFP4 (m, N_out/2) + sfrht (1, Rb, Kb, 32, 4, 4);
       colwise: per 16-token block of each column -> NVFP4 in per-group transposed segments (flat m*N_out/2
-               bytes) + sfrht flat per-group segments (§2.6, vec 16).
+               bytes) + sfrht flat per-group segments (docs/formats.md#segmented-layout, vec 16).
     amax: per-group max |D| of the fp32 activation output.
     """
     c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
@@ -565,7 +578,7 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Backward ops (A10: exact gradients of the forward ops above)
+# Backward ops (exact gradients of the forward ops above; docs/ops.md)
 
 
 def _load_c(c, c_dtype):
@@ -606,7 +619,8 @@ def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm
                       c_dtype: Optional[str] = None, act_func: str = "dswiglu", glu_limit: Optional[float] = None,
                       glu_alpha: Optional[float] = None, d_dtype: str, dbias_dtype: Optional[str] = None,
                       compute_amax: bool = False, discrete_col_sfd: bool = False):
-    """GLU backward (A10). a = dY (m, H), b = W2^T (L, I, H), c = saved C (m, 2I) with dequant scale beta.
+    """GLU backward (docs/ops.md#grouped_gemm_dglu). a = dY (m, H), b = W2^T (L, I, H), c = saved C (m, 2I) with
+    dequant scale beta.
 
     dD = alpha*acc (m, I); gate/up = beta*C; dC (m, 2I) interleaved like C = dD*prob*glu_alpha*d act (zero
     where clamped); dprob = sum_n dD*glu_alpha*act; dbias = per-group column sums of dC; amax (L, 2) =
@@ -638,7 +652,8 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
                         c_dtype: Optional[str] = None, tanh_clamp_scale: Optional[float] = None, d_dtype: str,
                         dbias_dtype: Optional[str] = None, compute_amax: bool = False,
                         discrete_col_sfd: bool = False):
-    """sReLU backward (A10, mirrors dglu). a = dY (m, H), b = W2^T (L, I, H), c = saved pre-activation (m, I).
+    """sReLU backward (docs/ops.md#grouped_gemm_dsrelu, mirrors dglu). a = dY (m, H), b = W2^T (L, I, H), c = saved
+    pre-activation (m, I).
 
     x = beta*C; dC = dD*prob*d/dx srelu(x); dprob = sum_n dD*srelu(x); dbias = per-group column sums of dC.
     """
@@ -655,9 +670,10 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
 def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, global_scale_b=None,
                        wgrad_tensor=None, *, ab_dtype: str, sf_dtype: Optional[str] = None,
                        sf_vec_size: Optional[int] = None, wgrad_dtype: str = "bfloat16"):
-    """W[e] = gsa[e]*gsb[e] * A[:, T_e] @ B[:, T_e]^T (L, m_w, n_w) (§5.3, A10).
+    """W[e] = gsa[e]*gsb[e] * A[:, T_e] @ B[:, T_e]^T (L, m_w, n_w) (docs/ops.md#grouped_gemm_wgrad).
 
-    a (m_w, T), b (n_w, T) token-contiguous (FP4: uint8 (., T/2)); sfa/sfb flat per-expert SF segments (§2.6);
+    a (m_w, T), b (n_w, T) token-contiguous (FP4: uint8 (., T/2)); sfa/sfb flat per-expert SF segments
+    (docs/formats.md#segmented-layout);
     token ends sanitized as running_max(clip(offsets, 0, T)); `wgrad_tensor` given: out = cast(W_in + W) (fp32 add).
     """
     fp4 = ab_dtype == F.E2M1

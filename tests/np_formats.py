@@ -1,4 +1,4 @@
-"""Independent numpy / ml_dtypes oracle for the block-scaled formats (spec SEMANTICS.md §2, §3, A8, A9).
+"""Independent numpy / ml_dtypes oracle for the block-scaled formats (docs/formats.md).
 
 Written from the spec, not from cudnn_moe_jax.formats (which it must never import), so that tests of formats.py
 and of every op output can compare against it. Element rounding is done on float64 values (exact images of the
@@ -154,7 +154,8 @@ def np_sf_decode(s, sf_dtype):
 # ---------------------------------------------------------------------------------------------------------------------
 
 def np_quantize_rows(x, d_dtype, sf_dtype=E8M0, vec=32, norm_const=None):
-    """§3.4 (A9 for e4m3 scales) on x (R, C): returns (codes, s uint8 (R, cdiv(C, vec))).
+    """Row quantization (docs/formats.md#row-quantization; e4m3 scales: #nvfp4) on x (R, C): returns
+    (codes, s uint8 (R, cdiv(C, vec))).
 
     codes: ml_dtypes fp8 (R, C) or packed uint8 (R, C//2) for e2m1. scale = min(nc * (1/val(s)), FLT_MAX) with
     1/0 = inf (e4m3 scale 0 -> scale FLT_MAX).
@@ -192,7 +193,8 @@ def _np_encode(y, d_dtype):
 
 
 def np_quantize_cols(x, d_dtype, norm_const=None):
-    """§3.5: 32-row blocks per column, e8m0, scale = val(s) == 0 ? 0 : min(nc / val(s), FLT_MAX).
+    """Column quantization (docs/formats.md#column-quantization): 32-row blocks per column, e8m0,
+    scale = val(s) == 0 ? 0 : min(nc / val(s), FLT_MAX).
 
     Returns (codes (R, C) [e2m1 packed along C, (R, C//2)], s uint8 (C, cdiv(R, 32))).
     """
@@ -211,7 +213,7 @@ def np_quantize_cols(x, d_dtype, norm_const=None):
 
 
 def _np_col_scaled(x, s, norm_const):
-    """x * scale with §3.5's scale = val(s) == 0 ? 0 : min(nc / val(s), FLT_MAX); e8m0 val is never 0, and
+    """x * scale with the column rule's scale = val(s) == 0 ? 0 : min(nc / val(s), FLT_MAX); e8m0 val is never 0, and
     nc / 2^(e-127) = nc * 2^(127-e) exactly (then rounded once, flushed)."""
     nc = np.float32(1.0 if norm_const is None else np.asarray(norm_const, np.float32).reshape(()))
     scale = _scale_from_e8m0(s, nc)                                 # (C, nb)
@@ -228,7 +230,7 @@ def np_dequantize(codes, s, data_dtype, sf_dtype, vec):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# scale-factor layout (§2.3 formula applied element by element; no reshape tricks)
+# scale-factor layout (docs/formats.md byte-offset formula applied element by element; no reshape tricks)
 # ---------------------------------------------------------------------------------------------------------------------
 
 def np_sf_offset(r, kb, l, rows, n_kblocks):
@@ -269,7 +271,8 @@ def np_segment_bounds(ends):
 
 
 def np_pack_sf_segments(s, ends, vec):
-    """§2.6: segment g = SF(R, T_g) at byte rup(R,128)*start_g//vec, local block j <- s[:, start_g//vec + j].
+    """Segmented layout (docs/formats.md#segmented-layout): segment g = SF(R, T_g) at byte rup(R,128)*start_g//vec,
+    local block j <- s[:, start_g//vec + j].
 
     Sequential writes in group order with the spec's per-segment offset formula. Meant for valid ends (non-
     decreasing, in [0, T]); with overlapping segments later groups overwrite earlier ones.
@@ -291,7 +294,7 @@ def np_unpack_sf_segments(flat, rows, ends, total_tokens, vec):
 
 
 def _np_segment_places(rows, ends, vec):
-    """Per non-empty group: (row, logical k-block column, byte offset) grids of its §2.6 segment."""
+    """Per non-empty group: (row, logical k-block column, byte offset) grids of its segment."""
     Rp = np_cdiv(rows, 128) * 128
     starts, ends = np_segment_bounds(ends)
     for g in range(len(ends)):

@@ -1,9 +1,9 @@
-"""Independent float64 numpy oracle of every op (SEMANTICS.md Part A + B §4, §5; NOTES.md offsets rule).
+"""Independent float64 numpy oracle of every op (docs/ops.md, docs/activations.md; offsets rule docs/offsets.md).
 
-Written from the spec text, not from cudnn_moe_jax.reference: explicit Python loops over the groups derived from
-the raw offsets, float64 GEMMs per expert, explicit derivative formulas for the backward activations, and the
-per-expert segment layouts built by concatenating per-group §2 blocks (not through a segment helper).
-Element formats, block quantization and the §2 byte layout come from tests/np_formats.py (also independent).
+Written from the documented semantics, not from cudnn_moe_jax.reference: explicit Python loops over the groups
+derived from the raw offsets, float64 GEMMs per expert, explicit derivative formulas for the backward activations,
+and the per-expert segment layouts built by concatenating per-group MMA-tiled blocks (not through a segment helper).
+Element formats, block quantization and the scale-factor byte layout come from tests/np_formats.py (also independent).
 
 Each op has the signature and output keys of its `reference` twin. Every result also carries `"_pre"`: the
 float64 values fed to each rounding step; `"_mag"`: for each of them a first-order *condition magnitude* (the
@@ -110,7 +110,8 @@ def np_cast(x, dtype):
 
 
 def np_segments_sf(s, groups, vec):
-    """Per-group §2 blocks SF(R, T_g) concatenated at byte rup(R,128)*start_g/vec (§2.6), built group by group."""
+    """Per-group MMA-tiled blocks SF(R, T_g) concatenated at byte rup(R,128)*start_g/vec (docs/formats.md,
+    segmented layout), built group by group."""
     rows, nblk = s.shape
     rows_pad = np_cdiv(rows, 128) * 128
     buf = np.zeros(rows_pad * np_cdiv(nblk, 4) * 4, np.uint8)
@@ -129,7 +130,8 @@ def _phys(s):
 
 
 def np_fp8_outputs(dfp, groups, d_dtype, norm_const, discrete_col_sfd):
-    """§3.4/§3.5: D, D_col (fp8), SFD_row (physical), SFD_col (physical or flat segments) from float64 D."""
+    """Row / column quantization (docs/formats.md#quantization): D, D_col (fp8), SFD_row (physical), SFD_col (physical
+    or flat segments) from float64 D."""
     d, s_row = np_quantize_rows(dfp, d_dtype, E8M0, 32, norm_const)
     d_col, s_col = np_quantize_cols(dfp, d_dtype, norm_const)
     sfd_col = np_segments_sf(s_col, groups, 32) if discrete_col_sfd else _phys(s_col)
@@ -137,7 +139,7 @@ def np_fp8_outputs(dfp, groups, d_dtype, norm_const, discrete_col_sfd):
 
 
 def np_nvfp4(x, norm_const):
-    """A9 NVFP4: (packed e2m1 codes (R, C/2), e4m3 SF logical (R, C/16))."""
+    """NVFP4 (docs/formats.md#nvfp4): (packed e2m1 codes (R, C/2), e4m3 SF logical (R, C/16))."""
     return np_quantize_rows(x, E2M1, E4M3, 16, norm_const)
 
 
@@ -149,7 +151,7 @@ def _d_outputs(dfp, groups, d_dtype, norm_const, discrete_col_sfd):
 
 
 def _amax(x, groups):
-    """(L, 1): per-group max |x| over the group's rows; empty group 0.0 (A4)."""
+    """(L, 1): per-group max |x| over the group's rows; empty group 0.0 (docs/ops.md#amax)."""
     return np.array([[np.abs(x[s:e]).max() if e > s else 0.0] for s, e in groups], np.float32)
 
 
@@ -294,7 +296,7 @@ def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, n
     p, alpha, bias = _prob(prob, m), _f64(alpha), _f64(bias)
     dfp, mag = np.zeros_like(acc), np.zeros_like(acc)
     for g, (s, e) in enumerate(groups):
-        if bias is None:                                   # A7
+        if bias is None:                                   # docs/ops.md#grouped_gemm_quant
             dfp[s:e] = p[s:e, None] * alpha[g] * acc[s:e]
             mag[s:e] = np.abs(p[s:e, None] * alpha[g]) * acc_mag[s:e]
         else:
@@ -346,7 +348,8 @@ def np_rht_colwise(x, groups, p):
 
 
 def np_rht_colwise_outputs(y_t, groups, rht_norm_const):
-    """Colwise NVFP4 (A9): data segment g = packed (N_out, T_g) at byte N_out*start/2; SF segments vec 16."""
+    """Colwise NVFP4 (docs/ops.md#grouped_gemm_glu_hadamard_quant): data segment g = packed (N_out, T_g) at byte
+    N_out*start/2; SF segments vec 16."""
     n_out, m = y_t.shape
     data = np.zeros(n_out * m // 2, np.uint8)
     codes, s = np_nvfp4(y_t, rht_norm_const)
@@ -491,7 +494,7 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
 
 
 def _segment_operand(x, flat, groups, ab_dtype, sf_dtype, vec):
-    """Token-contiguous (R, T) operand with per-expert SF segments: each segment read as its own §2 block."""
+    """Token-contiguous (R, T) operand with per-expert SF segments: each segment read as its own MMA-tiled block."""
     vals = np_decode(x, ab_dtype).astype(np.float64) if ab_dtype in BLOCK_SCALED else np.asarray(x, np.float64)
     if ab_dtype not in BLOCK_SCALED:
         return vals

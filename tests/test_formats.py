@@ -1,7 +1,10 @@
 """cudnn_moe_jax.formats vs the independent numpy oracle (tests/np_formats.py): codes and scale bytes bit-exact."""
 
+import doctest
 import math
+import re
 import zlib
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -80,7 +83,7 @@ def test_e8m0_encode_all_classes():
                                     np.finfo(np.float32).max, np.finfo(np.float32).tiny])])
     got = J.e8m0_encode(x)
     assert_bits_equal(got, O.np_e8m0_encode(x), "e8m0")
-    # hand-written spot values (§3.6)
+    # hand-written spot values (docs/formats.md#rounding)
     spot = {0.0: 0, -0.0: 0, -1.0: 0, 2.0 ** -127: 0, float(np.nextafter(np.float32(2.0 ** -127), 1)): 1,
             2.0 ** -126: 1, 1.0: 127, float(np.nextafter(np.float32(1), 2)): 128, 1.5: 128, 3.0: 129, 2.0 ** 127: 254,
             3e38: 254, math.inf: 254, math.nan: 255}
@@ -204,12 +207,43 @@ def test_pack_unpack_sf(L, R, nkb):
 
 
 def spec_segment_offset(n, m, start, T_g, N_out):
-    """§2.6 verbatim (vec 32, T_g a multiple of 128)."""
+    """The segmented-layout offset written out in one formula (vec 32, T_g a multiple of 128; docs/formats.md)."""
     seg_base = 4 * -(-N_out // 128) * start
     mm = m - start
     return (seg_base + (n // 128) * (T_g // 128) * 512 + ((mm // 32) // 4) * 512
             + (n % 32) * 16 + ((n // 32) % 4) * 4 + (mm // 32) % 4)
 
+
+
+DOCS_FORMATS = Path(__file__).resolve().parents[1] / "docs" / "formats.md"
+
+
+def test_docs_formats_examples():
+    """docs/formats.md: its worked examples hold (byte offsets asserted here) and its ```python snippets run as
+    doctests, so the documented numbers cannot drift from the code."""
+    # scale-factor layout: 200 rows, K = 640, vec 32 -> 20 k-blocks, Rb = 2, Kb = 5, 5120 bytes
+    assert F.sf_physical_shape(200, 640, 32) == (1, 2, 5, 32, 4, 4)
+    assert [F.sf_offset(165, 13, 0, 200, 20), F.sf_offset(37, 2, 0, 200, 20), F.sf_offset(165, 13, 1, 200, 20)] \
+        == [4181, 86, 9301]
+    assert O.np_sf_offset(165, 13, 0, 200, 20) == 4181 and O.np_sf_offset(37, 2, 0, 200, 20) == 86
+    s = np.zeros((2, 200, 20), np.uint8)
+    s[0, 165, 13], s[0, 37, 2], s[1, 165, 13] = 0x81, 0x7F, 0x42
+    flat = u8(J.pack_sf(s)).reshape(-1)
+    assert flat.size == 10240 and np.flatnonzero(flat).tolist() == [86, 4181, 9301]
+    # segmented layout: SFD_col of N_out = 256, m = 1024, group ends 256 / 768 / 1024; column 130, k-block 9
+    sc = np.zeros((256, 32), np.uint8)
+    sc[130, 9] = 0x90
+    seg = np.asarray(J.pack_sf_segments(sc, jnp.asarray([256, 768, 1024], jnp.int32), vec=32))
+    assert seg.size == 8192 and np.flatnonzero(seg).tolist() == [4129]
+    assert np.flatnonzero(u8(J.pack_sf(sc)).reshape(-1)).tolist() == [5153]
+    assert spec_segment_offset(130, 288, 256, 512, 256) == 4129
+    # the snippets themselves
+    blocks = re.findall(r"```python\n(.*?)```", DOCS_FORMATS.read_text(), re.S)
+    assert blocks, "docs/formats.md lost its examples"
+    test = doctest.DocTestParser().get_doctest("\n".join(blocks), {}, "docs/formats.md", str(DOCS_FORMATS), 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries >= 20, runner.summarize()
 
 @pytest.mark.parametrize("R,T,vec,ends", [
     (300, 1024, 32, [256, 256, 768, 1024]),          # empty expert in the middle
@@ -234,12 +268,12 @@ def test_sf_segments(R, T, vec, ends):
     for g, (a, b) in enumerate(zip(starts, ends)):
         if b == a:
             continue
-        # each segment is the plain §2 layout of its own SF(R, T_g) block at rup(R,128)*start/vec
+        # each segment is the plain MMA-tiled layout of its own SF(R, T_g) block at rup(R,128)*start/vec
         base = -(-R // 128) * 128 * a // vec
         blk = np.asarray(J.pack_sf(s[:, a // vec:-(-b // vec)])).reshape(-1)
         if g == len(ends) - 1 or (b - a) % (4 * vec) == 0:
             assert_bits_equal(flat[base:base + blk.size], blk, f"segment {g}")
-        if vec == 32 and (b - a) % 128 == 0:                             # §2.6's literal formula
+        if vec == 32 and (b - a) % 128 == 0:                             # the one-formula offset
             n, m = np.meshgrid(np.arange(R), np.arange(a, b, 32), indexing="ij")
             off = spec_segment_offset(n, m, a, b - a, R)
             assert np.array_equal(flat[off], s[n, m // 32])
@@ -355,7 +389,7 @@ def test_quantize_cols_bitexact(d, norm_const):
     assert s.shape == (C, -(-R // 32))
     assert_bits_equal(s, want_s, "col scales")
     assert_bits_equal(codes, want_codes, "col codes")
-    # §3.5 is row quantization of the transpose (e8m0, 32)
+    # column quantization is row quantization of the transpose (e8m0, 32)
     codes_t, s_t = J.quantize_rows(x.T, d, F.E8M0, 32, norm_const)
     assert_bits_equal(s_t, s, "transpose rule")
     if d != F.E2M1:

@@ -1,6 +1,6 @@
 """cudnn_moe_jax.reference vs the independent float64 oracle (tests/np_ops.py), every op and every output.
 
-Tolerances (A13). The oracle gives, with every float64 pre-rounding value x, its condition magnitude `mag`
+Tolerances (docs/numerics.md). The oracle gives, with every float64 pre-rounding value x, its condition magnitude `mag`
 (sum |a||b| through the same epilogue, first order); the reference's fp32 noise is bounded by
 NOISE = 2^-20 * mag + 2^-15 * |x|: the first term covers the fp32 GEMM/epilogue arithmetic (measured max
 2^-24.7 * mag for C), the second the relative error of XLA's fp32 exp/tanh (measured up to 2^-15.7 * |x| deep in
@@ -13,7 +13,7 @@ the sigmoid tail, where values are tiny and harmless).
     byte) that differs between the two is a near-tie and is excluded; the excluded fraction must stay tiny.
 Operands use random data codes and random scale-factor bytes (never all-equal scales), random SF padding bytes,
 alpha of both signs, prob in (0.2, 1), and group patterns with empty experts, one giant expert, everything in the
-last expert, m > valid_m, and invalid offsets (which must follow the sanitized-offsets rule of NOTES.md).
+last expert, m > valid_m, and invalid offsets (which must follow the sanitized-offsets rule of docs/offsets.md).
 The reference runs eagerly (op-by-op compile caches are shared between cases), plus one jit run per op.
 """
 

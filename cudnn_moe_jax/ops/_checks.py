@@ -1,4 +1,4 @@
-"""Validation and canonicalisation shared by the public ops (SEMANTICS A2, A3, A12).
+"""Validation and canonicalisation shared by the public ops (docs/ops.md, docs/formats.md#block-scaled-inputs).
 
 Every static rule is checked here, once, before anything is bound or lowered; errors name the argument and the
 rule. What leaves this module is canonical: A `(m, K)`, B `(L, N, K)`, SF as uint8 physical 6-D arrays, prob
@@ -77,7 +77,7 @@ def logical_k(x, ab_dtype: str) -> int:
 
 
 def check_k_alignment(k: int, ab_dtype: str, arg: str):
-    # The contiguous extent of A and B must be a multiple of 16 bytes (TMA), SEMANTICS §1.1.
+    # The contiguous extent of A and B must be a multiple of 16 bytes (TMA), docs/ops.md#errors.
     need = {FP4: 32, "float8_e4m3fn": 16, "float8_e5m2": 16}.get(ab_dtype, 8)
     if k % need:
         raise ValueError(f"{arg}: K={k} must be a multiple of {need} for {ab_dtype} (16-byte rows)")
@@ -138,7 +138,7 @@ def sf_bytes(x, expected_shape: tuple, arg: str, flat_ok_shape: Optional[tuple] 
 
 
 def sf_dtype_of(named) -> Optional[str]:
-    """The one SF dtype of `named` [(buffer, arg)]. uint8 buffers hold e8m0 bit patterns (SEMANTICS A2): e4m3
+    """The one SF dtype of `named` [(buffer, arg)]. uint8 buffers hold e8m0 bit patterns (docs/formats.md): e4m3
     scales must arrive typed as float8_e4m3fn, so they can never be misread as exponents."""
     names = set()
     for t, arg in named:
@@ -154,7 +154,8 @@ def sf_dtype_of(named) -> Optional[str]:
 
 
 def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "sfb_tensor"):
-    """Checks A3 (which data dtype goes with which SF dtype and vec size); returns (sf_dtype, vec) or (None, None).
+    """Checks which data dtype goes with which SF dtype and vec size (docs/formats.md#block-scaled-inputs);
+    returns (sf_dtype, vec) or (None, None).
 
     `sfb` is one buffer, or (discrete weights, `sfb_arg="sfb_tensors"`) a sequence of per-expert buffers.
     """

@@ -1,4 +1,4 @@
-"""Explicit fused backward ops (SEMANTICS A10): exact gradients of the forward ops.
+"""Explicit fused backward ops (docs/ops.md): exact gradients of the forward ops.
 
 dglu / dsrelu: the FC2 dgrad GEMM (A = dY (m, H), B = FC2 weight transposed to (L, I, H)) fused with the
 activation derivative evaluated on the saved forward pre-activation C. wgrad: per-expert A[:, T_e] B[:, T_e]^T.
@@ -107,7 +107,7 @@ def grouped_gemm_dsrelu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None,
                         norm_const_tensor=None, *, b_tensors=None, sfb_tensors=None, d_dtype="bfloat16",
                         sf_vec_size=None, discrete_col_sfd=False, compute_amax=None, generate_dbias: bool = False,
                         dbias_dtype=None, tanh_clamp_scale: Optional[float] = None, **cudnn_static) -> OpResult:
-    """FC2 dgrad fused with the squared-ReLU derivative (mirrors dglu, SEMANTICS A10).
+    """FC2 dgrad fused with the squared-ReLU derivative (mirrors dglu, docs/ops.md#grouped_gemm_dsrelu).
 
     a_tensor = dY (m, H); b_tensor = FC2 weight as (L, I, H); c_tensor = forward pre-activation (m, I) (x = beta*C).
     dC = alpha*acc * prob * d/dx relu(x)^2 (or its tanh-clamped form); dprob = sum_n dD * relu(x)^2.
@@ -129,9 +129,9 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
     """Per-expert weight gradient: W[e] = gsa[e] * gsb[e] * A[:, T_e] @ B[:, T_e]^T.
 
     a_tensor (m, T) and b_tensor (n, T), tokens contiguous; offsets_tensor (L,) cumulative token ends (no 256
-    rule; empty experts legal); sfa/sfb: per-expert segment SF buffers (flat, SEMANTICS §2.6), their segments
-    tile exactly when every |T_e| is a multiple of 4 * sf_vec_size. With accumulate_on_output the result is
-    wgrad_tensor + W (added in fp32, rounded once). Returns wgrad_tensor (L, m, n).
+    rule; empty experts legal); sfa/sfb: per-expert segment SF buffers (flat, docs/formats.md#segmented-layout),
+    their segments tile exactly when every |T_e| is a multiple of 4 * sf_vec_size. With accumulate_on_output the
+    result is wgrad_tensor + W (added in fp32, rounded once). Returns wgrad_tensor (L, m, n).
     """
     config = ck.check_static_kwargs(**cudnn_static)
     a = ck.squeeze_unit(ck.array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, T)")

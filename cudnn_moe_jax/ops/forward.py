@@ -1,4 +1,4 @@
-"""Forward ops: grouped GEMM fused with the MoE epilogues (SEMANTICS §4, Part A).
+"""Forward ops: grouped GEMM fused with the MoE epilogues (docs/ops.md).
 
 Keyword names follow cuDNN's JAX contract. Every op validates its arguments here (nothing below re-validates),
 builds a `GroupedGemmProblem`, binds the primitive and returns an `OpResult` in cuDNN key order.
@@ -88,7 +88,7 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
                                     padded_offsets, sf_vec_size)
     d_dtype = ck.out_dtype(d_dtype, "d_dtype", _D_DTYPES)
-    if op != "quant":                      # srelu/glu always produce C (SEMANTICS §6): None is not "no C"
+    if op != "quant":                      # srelu/glu always produce C (docs/ops.md): None is not "no C"
         c_dtype = ck.out_dtype(c_dtype, "c_dtype", _C_DTYPES)
     n_out = output_width(act, dims)
     if d_dtype in FP8_DTYPES and n_out % 16:
@@ -113,7 +113,7 @@ def grouped_gemm_quant(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None
 
     a_tensor (m, K); b_tensor (L, N, K) or b_tensors [L x (N, K)]; padded_offsets (L,) int32 group ends;
     alpha (L,) f32 (default ones); prob (m,) (default ones); bias (L, N).
-    D = prob * alpha * acc, or alpha * acc + prob * bias with a bias (SEMANTICS A7).
+    D = prob * alpha * acc, or alpha * acc + prob * bias with a bias (docs/ops.md#grouped_gemm_quant).
     Returns d_tensor, d_col_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
     """
     return _forward("quant", None, a_tensor=a_tensor, b_tensor=b_tensor, b_tensors=b_tensors,

@@ -1,4 +1,7 @@
-"""`grouped_gemm_glu_hadamard_quant`: FC1 + activation + NVFP4 output + 16-wide Hadamard (RHT) output (SEMANTICS A9)."""
+"""`grouped_gemm_glu_hadamard_quant`: FC1 + activation + NVFP4 output + 16-wide Hadamard (RHT) output.
+
+Semantics: docs/ops.md#grouped_gemm_glu_hadamard_quant, NVFP4 quantization docs/formats.md#nvfp4.
+"""
 
 from __future__ import annotations
 

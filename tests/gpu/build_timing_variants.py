@@ -6,7 +6,7 @@ from the fold's cost. Added to the `mxfp8_bench` section of the manifest as `mxb
 
 ptxas deletes a wgmma whose result is never read (it leaves a placeholder `HGMMA.64x8x16.F16 RZ`), and serializes the
 wgmmas (a full wait after each) when only some of a wgmma's results are read, so every variant reads all of each
-wgmma it keeps, and the SASS is checked for both (kernels/NOTES.md, MXFP8 history 5-6). Each variant is
+wgmma it keeps, and the SASS is checked for both (docs/history/kernels.md, MXFP8 items 5-6). Each variant is
 exported in its own process: modules are cached per (problem, config), which a replaced fold does not change.
 """
 

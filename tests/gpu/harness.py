@@ -9,8 +9,8 @@ On the GPU machine `load(name)` deserializes an artifact and `register()` regist
 (`cudnn_moe_jax._runtime.register_runtime`, else the same ~30 lines inline). Cases are described in
 `.out/kgpu/manifest.json` (problem fields, config, group patterns, shapes) so the GPU side needs no cutlass.
 
-Also here: the independent float64 numpy oracle of the forward fusions (SEMANTICS §4.1-4.5, §4.7, NOTES.md
-sanitized offsets) and the sanitize rule itself.
+Also here: the independent float64 numpy oracle of the forward fusions (docs/ops.md, docs/activations.md;
+docs/offsets.md sanitized offsets) and the sanitize rule itself.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def load(name: str):
 
 
 def sanitize(offsets, m: int) -> np.ndarray:
-    """NOTES.md device rule: clip to [0, m], round down to 256, running max."""
+    """docs/offsets.md device rule: clip to [0, m], round down to 256, running max."""
     s = np.clip(np.asarray(offsets, np.int64), 0, m) // M_ALIGN * M_ALIGN
     return np.maximum.accumulate(s)
 

@@ -14,7 +14,7 @@ Then:
   * bf16 / fp16 / fp32 / FP8 C and D: |got - ref| <= E + half an ulp of the output format at ref (saturating
     formats clip ref first) -- i.e. the correctly rounded value, or its neighbour only when ref is within E of the
     rounding midpoint;
-  * FP8 D with SFD (SEMANTICS §3.4 / §3.5, norm_const): every e8m0 byte of SFD_row / SFD_col equals RCEIL of
+  * FP8 D with SFD (docs/formats.md#quantization, norm_const): every e8m0 byte of SFD_row / SFD_col equals RCEIL of
     pv = amax * rcp_limit * norm_const unless a power-of-two boundary lies within the block's error interval
     (then the neighbouring byte is accepted), and every D / D_col code is the RNE-satfinite code of ref * scale
     (scale from the kernel's own byte) up to the same midpoint rule; the packed layouts (contiguous or
@@ -22,7 +22,8 @@ Then:
   * amax per group within the max E of the group; rows outside every group exactly zero; two runs bit-identical.
 The same checks take problems with bf16 / fp16 inputs (no sf_dtype): A / B with per-(row, 32-block) magnitudes
 2^U(-3, 3), E_acc = max(K, 32) * 2^-23 * sum_k |a_k b_k| (exact products, fp32 sums) -- for FP8 C / D from
-half-precision inputs, which `supports` keeps on the reference until such cases run here (kernels/NOTES.md).
+half-precision inputs, which `supports` routes to the kernel since they passed here (run 24,
+docs/history/kernels.md).
 Needs the artifacts of tests/gpu/build_artifacts.py (manifest key "mxfp8") and a Hopper GPU; skipped otherwise.
 """
 
@@ -248,7 +249,8 @@ def check_values(name, got, ref, err, fmt, valid_rows):
 
 
 def check_block_quant(name, codes, sf_logical, ref, err, d_dtype, valid_rows):
-    """Row-direction §3.4 check of FP8 codes (R, C) + e8m0 bytes (R, cdiv(C, 32)) against float64 ref (R, C)."""
+    """Row-direction (docs/formats.md#row-quantization) check of FP8 codes (R, C) + e8m0 bytes (R, cdiv(C, 32)) against
+    float64 ref (R, C)."""
     errs = []
     R, C = ref.shape
     nb = -(-C // 32)
