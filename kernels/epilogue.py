@@ -1,6 +1,6 @@
 """Epilogue device functions, composed per problem (one recipe object per compiled variant).
 
-Semantics (SEMANTICS.md Part A + §4.1-4.5, §4.7; fp32 math on the fp32 accumulator, RNE output conversion):
+Semantics (docs/ops.md, docs/activations.md, docs/ops.md#amax; fp32 math on the fp32 accumulator, RNE output conversion):
 
 =========  ===================================  ==========================================================
 op         C (pre-activation, stored if c)      D
@@ -13,7 +13,7 @@ glu        alpha*acc (+ bias), interleaved      prob * glu_alpha * act(gate, up)
                                                 u' = clamp(up, -7, 7); glu_limit L replaces both clamps by +-L
 =========  ===================================  ==========================================================
 
-amax (per group, §4.7): max |D| in fp32 before conversion, merged as a max over the *bit patterns* of |D|
+amax (per group, docs/ops.md#amax): max |D| in fp32 before conversion, merged as a max over the *bit patterns* of |D|
 (non-negative floats order like their bits, and a NaN (0x7fc00000 after abs) beats +inf, so NaN wins as the
 spec asks). The kernel reduces per thread -> per warp, then one `atomicMax` per warp and tile; the result does
 not depend on the order of the atomics (max is exact), so it is deterministic.

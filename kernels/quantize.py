@@ -1,17 +1,17 @@
-"""FP8 output quantization device functions (SEMANTICS §3.4 rows, §3.5 columns, §3.6 rounding), bit-exact with
+"""FP8 output quantization device functions (docs/formats.md#row-quantization, #column-quantization, #rounding), bit-exact with
 `cudnn_moe_jax.formats.quantize_rows` / `quantize_cols` (e8m0 scales, vec 32).
 
 Per block of 32 values (a row's 32 columns, or a column's 32 rows):
   amax   max |x| taken on the bit patterns of |x| (integer max: NaN (0x7fc00000) beats +inf, as the spec's
          NaN-propagating max), x flushed: fp32 subnormals count as 0 (formats flushes its input);
   pv     (amax * rcp_limit) * norm_const, each product flushed to zero when subnormal (`mul.ftz`, formats' fixed
-         flush points), in this operand order (§3.4);
-  s      e8m0 RCEIL by the closed form of §3.6 on the bits of pv: 0 -> 0x00, NaN -> 0xFF,
+         flush points), in this operand order (docs/formats.md#row-quantization);
+  s      e8m0 RCEIL by the closed form of docs/formats.md#rounding on the bits of pv: 0 -> 0x00, NaN -> 0xFF,
          min(E + (M != 0), 254) otherwise (inf and huge -> 0xFE);
   scale  norm_const * 2^(127 - s) as an exact power-of-two product (2^-127 applied as 2^-126 * 0.5), flushed,
          clamped to FLT_MAX; NaN for s = 0xFF;
   q      RNE-satfinite FP8 of x * scale (`F2FP.SATFINITE`, x flushed).
-rcp_limit is formats.rcp_limit(d_dtype): float32(1/448) for e4m3, float32(1/57344) for e5m2 (Part A, A8).
+rcp_limit is formats.rcp_limit(d_dtype): float32(1/448) for e4m3, float32(1/57344) for e5m2 (docs/formats.md#quantization).
 
 Fragment helpers work on the sm90 epilogue's per-thread D fragment of one 128 x 32 subtile: 16 values, flat index
 `i = v0 + 2*v1 + 4*v2 + 8*v3` at (row + 8*v1, col + v0 + 8*v2 + 16*v3) where the thread's base row is
@@ -190,8 +190,3 @@ def quantize_cols(rVal: cute.Tensor, rQ: cute.Tensor, sColMax: cute.Tensor, warp
     rQ.store(rY.load().to(rQ.element_type))
     return code
 
-
-def sf_offset(r, kb, kb_atoms):
-    """§2.3 byte offset of logical S[r, kb] in an L = 1 packed SF buffer with `kb_atoms` = Kb atoms per
-    128-row block (device Int32 arithmetic or Python ints)."""
-    return ((r >> 7) * kb_atoms + (kb >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (kb & 3)

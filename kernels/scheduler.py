@@ -123,7 +123,3 @@ class GroupedTileScheduler:
             n_tile = z % n_tiles
         return m_block, n_tile, is_compute
 
-
-def total_cluster_tiles(m_rows, block_m: int, n_tiles: int):
-    """Work items of one launch: every M block (compute or zero) times every N tile."""
-    return (m_rows // block_m) * n_tiles

@@ -159,7 +159,7 @@ class ForwardEpilogue:
     def _store_sf_bytes(self, code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
                         step: cutlass.Constexpr, g, warp_e, lane):
         """SFD_row bytes of the thread's two rows (quad leaders) and the SFD_col byte of subtile column `lane`
-        (the first warp of each 32-row pair), at their §2 / §2.6 byte offsets. The offset arithmetic is split into
+        (the first warp of each 32-row pair), at their docs/formats.md#scale-factor-layout / #segmented-layout byte offsets. The offset arithmetic is split into
         tile terms and small per-thread terms (rows r, r+8 sit 128 bytes apart; a lane's columns 16 bytes apart) so
         that few per-thread invariants stay live across the mainloop."""
         n_out = self.problem.n_out

@@ -54,10 +54,9 @@ _DTYPES = {
     "float8_e4m3fn": cutlass.Float8E4M3FN,
     "float8_e5m2": cutlass.Float8E5M2,
 }
-# float32(1 / q_max) of FP8 D (SEMANTICS §3.4, A8: e5m2 q_max 57344); = cudnn_moe_jax.formats.rcp_limit
+# float32(1 / q_max) of FP8 D (docs/formats.md#quantization: e5m2 q_max 57344); = cudnn_moe_jax.formats.rcp_limit
 _RCP_LIMIT = {"float8_e4m3fn": float.fromhex("0x1.24924a0000000p-9"), "float8_e5m2": float.fromhex("0x1.24924a0000000p-16")}
 
-DEBUG_LAYOUTS = False
 EPI_BARRIER_ID = 1
 NUM_THREADS = 384
 PRODUCER_REGS = 40
@@ -597,8 +596,6 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
             c_frag_shape = thr_r2s_c.partition_S(cute.make_identity_tensor(self.epi_tile)).shape
             tRS_rC0 = cute.make_rmem_tensor(c_frag_shape, self.c_dtype)
             tRS_rC1 = cute.make_rmem_tensor(c_frag_shape, self.c_dtype)
-            if const_expr(DEBUG_LAYOUTS):
-                print("D coords", tRS_cD.layout, "C coords", thr_r2s_c.partition_S(cute.make_identity_tensor(self.epi_tile)).layout)
             gC = cute.zipped_divide(mC, self.epi_tile)
             bSG_sC, bSG_gC = cpasync.tma_partition(
                 tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC

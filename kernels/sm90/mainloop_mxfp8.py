@@ -1,7 +1,7 @@
 """MXFP8 (block-scaled FP8) mainloop of the sm90 grouped GEMM: per 32-wide K block, an FP8 wgmma for the data and a
 bf16 wgmma for the scale products, folded with one FFMA per accumulator element.
 
-Hopper has no block-scaled MMA (SEMANTICS §10). For every 32-wide K block `kb` each consumer warpgroup runs
+Hopper has no block-scaled MMA (docs/numerics.md#sm90-kernels). For every 32-wide K block `kb` each consumer warpgroup runs
   P = A[:, kb] . B[:, kb]^T              FP8 wgmma m64 n128 k32 (e4m3/e5m2, fp32 partial accumulator)
   S = sfa[:, kb] (x) sfb[:, kb]          bf16 wgmma m64 n128 k16 of two scale operands (below): the rank-1 matrix
                                          of scale products, delivered by the tensor core in the accumulator layout
@@ -27,7 +27,7 @@ same row r or column n, or 0). A NaN scale (e8m0 0xFF) can reach other blocks of
 which the reference makes NaN anyway. 14 KB per stage; the zeros are written once per CTA; per stage the decoder
 warps write one 8-byte row of A' per row and 4 bf16 of B' per column.
 
-Pipeline per CTA (stage = 128 K elements = 4 scale blocks = one 512-byte SF atom per 128 rows, SEMANTICS §2.3):
+Pipeline per CTA (stage = 128 K elements = 4 scale blocks = one 512-byte SF atom per 128 rows, docs/formats.md#scale-factor-layout):
   producer warp   TMA: A (128 x 128 B), B[g] (128 x 128 B), the SFA atom and the SFB atom of the stage (512 B each,
                   contiguous in the packed layout), all on the stage's mbarrier; SFA multicast with A, SFB with B;
   decoder warps   (1: A', 2-3: B') wait for the stage, write the e8m0 bytes as bf16 2^(e-127) (NaN for 0xFF, 0.0
@@ -206,7 +206,7 @@ class Mxfp8Mainloop:
         half of B' each (four 2-byte stores per column).
 
         sRaw32: (4 words, 32 lanes, 2 operands, stages) Int32 view of the raw atoms -- lane l's 16 bytes are
-        rows (A) / columns (B) l + 32 i, i = 0..3, each word holding k-blocks 0..3 (§2.3 atom layout);
+        rows (A) / columns (B) l + 32 i, i = 0..3, each word holding k-blocks 0..3 (atom layout, docs/formats.md#scale-factor-layout);
         sS16: flat Int16 view of A' (operand 0) or B' (operand 1)."""
         group, stage = (SA_GROUP, SA_STAGE) if operand == 0 else (SB_GROUP, SB_STAGE)
         w = sRaw32[(None, lane, operand, idx)].load()
