@@ -133,7 +133,9 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
         return (SMEM_CAPACITY - header - epi) // ab_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n)
 
     def _choose_stages(self, cfg: Config):
-        candidates = [cfg.epi_stages] if cfg.epi_stages is not None else [2]
+        # dgrad with 32-bit C and D_row: two store buffers would leave < 2 A/B stages, so one may be chosen
+        default = [2, 1] if self.is_dgrad else [2]
+        candidates = [cfg.epi_stages] if cfg.epi_stages is not None else default
         candidates = [s for s in candidates if self.epi_steps % s == 0]
         if not candidates:
             raise NotImplementedError(f"epi_stages must divide the {self.epi_steps} epilogue steps of a tile")
