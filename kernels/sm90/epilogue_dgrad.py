@@ -42,13 +42,15 @@ class DgradEpilogue:
 
     @cute.jit
     def _load_c_step(self, tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, m_tile, n_tile, step: cutlass.Constexpr):
+        """Whole store warp: the TMA copy is warp-collective (it elects its issuing lane and ends in a WARPSYNC.ALL,
+        so a copy under a one-lane branch never returns); only the expect-tx arrival is one lane's."""
         buf = step % C_LOAD_BUFFERS
-        if cute.arch.lane_idx() == 0:
+        with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(cin_bars + buf, self.cin_step_bytes)
-            for j in cutlass.range_constexpr(self.d_per_step):
-                col = (n_tile * self.epi_steps + step) * self.d_per_step + j   # 32-column block of C / D_row
-                cute.copy(tma_atom_cin, bSG_gCin[(None, (m_tile, col))], bSG_sCin[(None, buf * self.d_per_step + j)],
-                          tma_bar_ptr=cin_bars + buf)
+        for j in cutlass.range_constexpr(self.d_per_step):
+            col = (n_tile * self.epi_steps + step) * self.d_per_step + j   # 32-column block of C / D_row
+            cute.copy(tma_atom_cin, bSG_gCin[(None, (m_tile, col))], bSG_sCin[(None, buf * self.d_per_step + j)],
+                      tma_bar_ptr=cin_bars + buf)
 
     @cute.jit
     def dgrad_epilogue(
