@@ -74,7 +74,7 @@ def plain_step(offsets, act, ragged_dot):
     sizes = jnp.asarray(np.diff(np.concatenate([[0], offsets])).astype(np.int32))
 
     def mlp(x, w1, w2, prob):
-        c = ragged_dot(x, jnp.swapaxes(w1, 1, 2), sizes)
+        c = ragged_dot(x, jnp.swapaxes(w1, 1, 2), sizes).astype(jnp.float32)
         if act == "srelu":
             h = jnp.square(jnp.maximum(c, 0.0))
         else:
@@ -192,6 +192,42 @@ def _torch_runner(sizes, h, i, act):
     return once
 
 
+def kernel_breakdown(step, avals, top=12):
+    """Device time per kernel name of one step of ours (CUPTI through torch.profiler), printed, largest first."""
+    import jax
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    x = _inputs(avals, 99)
+    f = jax.jit(step)
+    jax.block_until_ready(f(*x))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        jax.block_until_ready(f(*x))
+    total = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            total[e.name[:90]] = total.get(e.name[:90], 0.0) + e.time_range.elapsed_us()
+    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    for name, us in ranked:
+        print(f"    {us:10.1f} us  {name}", flush=True)
+    return dict(ranked)
+
+
+def transposes(step, avals):
+    """transpose / copy instructions on >= 1M-element arrays in the compiled (optimized) HLO of one step."""
+    import re
+
+    import jax
+
+    text = jax.jit(step).lower(*avals).compile().as_text()
+    found = []
+    for line in text.splitlines():
+        m = re.search(r"= (\w+)\[([\d,]+)\]\{[^}]*\} (transpose|copy)\(", line)
+        if m and np.prod([int(d) for d in m.group(2).split(",")]) >= 1 << 20:
+            found.append(f"{m.group(3)} {m.group(1)}[{m.group(2)}]")
+    return found
+
+
 def run(args):
     import jax
 
@@ -207,13 +243,14 @@ def run(args):
         m, offsets, avals = _problem(name, args.act)
         runners, notes = {}, {}
         runners["ours"], notes["ours"] = _jax_runner(ours_step(offsets, args.act), avals, timer, device_timer)
-        rd = lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jax.numpy.float32)  # noqa: E731
-        runners["ragged_dot+vjp"], _ = _jax_runner(plain_step(offsets, args.act, rd), avals, timer, device_timer)
+        # bf16 results (fp32 accumulation inside): tokamax's vjp takes no f32 cotangent of a bf16 product
+        runners["ragged_dot+vjp"], _ = _jax_runner(plain_step(offsets, args.act, jax.lax.ragged_dot), avals, timer,
+                                                   device_timer)
         try:
             import tokamax
 
-            tk = lambda a, b, g: tokamax.ragged_dot(a, b, g, preferred_element_type=jax.numpy.float32)  # noqa: E731
-            runners["tokamax+vjp"], _ = _jax_runner(plain_step(offsets, args.act, tk), avals, timer, device_timer)
+            runners["tokamax+vjp"], _ = _jax_runner(plain_step(offsets, args.act, tokamax.ragged_dot), avals, timer,
+                                                    device_timer)
         except Exception as e:  # noqa: BLE001 - a peer that does not import is reported, not fatal
             notes["tokamax"] = f"unavailable: {type(e).__name__}: {str(e)[:100]}"
         try:
@@ -232,6 +269,10 @@ def run(args):
             print(f"{name:7s} {k:28s} {med * 1e3:9.3f} ms {row['tflops'][k]:7.1f} TFLOP/s ({method})", flush=True)
         if notes:
             print(f"{name:7s} notes: {notes}", flush=True)
+        if args.breakdown:
+            row["ours_kernels_us"] = kernel_breakdown(ours_step(offsets, args.act), avals)
+            row["ours_transposes"] = transposes(ours_step(offsets, args.act), avals)
+            print(f"{name:7s} ours: optimized HLO transposes/copies of >= 1M elements: {row['ours_transposes']}")
         results.append(row)
     if args.out:
         out = Path(args.out)
@@ -245,6 +286,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--act", default="swiglu", choices=("swiglu", "srelu"))
+    ap.add_argument("--breakdown", action="store_true", help="ours: per-kernel device time and HLO transposes")
     run(ap.parse_args(argv))
 
 
