@@ -421,3 +421,28 @@ def test_validation_errors():
         F.quantize_rows(np.ones((4, 33), np.float32), F.E2M1)
     with pytest.raises(ValueError):
         F.unpack_sf(np.zeros(100, np.uint8), 128, 4)
+
+
+def test_every_dtype_spelling_the_ops_accept_works_here():
+    """formats and the public ops share one dtype normaliser: names, short aliases, jnp / numpy / ml_dtypes dtypes
+    and scalar types all mean the same format, and a wrong one is reported under the function's own argument."""
+    x = np.random.default_rng(3).standard_normal((128, 64)).astype(np.float32)
+    want_codes, want_sf = F.to_block_scaled(x, F.E4M3)
+    for spelling in ("float8_e4m3fn", "e4m3", jnp.float8_e4m3fn, jnp.dtype(jnp.float8_e4m3fn),
+                     np.dtype(ml_dtypes.float8_e4m3fn), ml_dtypes.float8_e4m3fn):
+        codes, sf = F.to_block_scaled(x, spelling, jnp.float8_e8m0fnu)
+        assert_bits_equal(codes, want_codes, f"codes {spelling!r}")
+        assert_bits_equal(sf, want_sf, f"sf {spelling!r}")
+        back = F.from_block_scaled(codes, sf, spelling, "e8m0", 32)
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(F.from_block_scaled(codes, sf, F.E4M3, F.E8M0,
+                                                                                       32)))
+    codes, sf = F.to_block_scaled(x, jnp.float4_e2m1fn, jnp.float8_e4m3fn, 16)
+    assert sf.dtype == jnp.float8_e4m3fn
+    assert F.rcp_limit(jnp.float8_e5m2) == F.rcp_limit(F.E5M2) and F.rcp_limit(jnp.bfloat16) == 1.0
+    with pytest.raises(ValueError) as info:
+        F.to_block_scaled(x, jnp.bfloat16)
+    assert "to_block_scaled: data_dtype" in str(info.value) and "float8_e4m3fn" in str(info.value)
+    with pytest.raises(ValueError, match="to_block_scaled: sf_dtype"):
+        F.to_block_scaled(x, F.E4M3, jnp.float8_e5m2)
+    with pytest.raises(TypeError, match="decode: data_dtype: 'e9m9' is not a dtype"):
+        F.decode(np.zeros(4, np.uint8), "e9m9")

@@ -324,7 +324,10 @@ def artifact_call(name: str):
 
 def reference_call(p: dict):
     """Stand-in for the kernel with the same arguments and output order: the public op on the JAX reference backend
-    (used by the CPU self-test of these checks, tests/test_mxfp8_gpu_checks.py)."""
+    (used by the CPU self-test of these checks, tests/test_mxfp8_gpu_checks.py). Jitted, so the offsets are device
+    data as for the kernel (sanitized; an eager call would reject the unsanitized patterns)."""
+    import jax
+
     import cudnn_moe_jax as cmj
 
     epi = p["epilogue"]
@@ -349,7 +352,7 @@ def reference_call(p: dict):
         keys = ("c_tensor", "d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tensor", "sfd_col_tensor")
         return [out[k] for k in keys if k in out.keys() and out[k] is not None]
 
-    return call
+    return jax.jit(call)
 
 
 def run_case(name: str, pattern: str, m: int, kind: str, problem=None, fn=None):
