@@ -80,12 +80,12 @@ def test_e8m0_encode_all_classes():
                                     np.finfo(np.float32).max, np.finfo(np.float32).tiny])])
     got = J.e8m0_encode(x)
     assert_bits_equal(got, O.np_e8m0_encode(x), "e8m0")
-    # hand-written spot values (§3.6)
-    spot = {0.0: 0, -0.0: 0, -1.0: 0, 2.0 ** -127: 0, float(np.nextafter(np.float32(2.0 ** -127), 1)): 1,
-            2.0 ** -126: 1, 1.0: 127, float(np.nextafter(np.float32(1), 2)): 128, 1.5: 128, 3.0: 129, 2.0 ** 127: 254,
-            3e38: 254, math.inf: 254, math.nan: 255}
-    got = np.asarray(J.e8m0_encode(np.float32(list(spot))))
-    assert got.tolist() == list(spot.values())
+    # hand-written spot values (§3.6); pairs, not a dict: -0.0 and 0.0 are the same dict key
+    spot = [(0.0, 0), (-0.0, 0), (-1.0, 0), (2.0 ** -127, 0), (float(np.nextafter(np.float32(2.0 ** -127), 1)), 1),
+            (2.0 ** -126, 1), (1.0, 127), (float(np.nextafter(np.float32(1), 2)), 128), (1.5, 128), (3.0, 129),
+            (2.0 ** 127, 254), (3e38, 254), (math.inf, 254), (math.nan, 255)]
+    got = np.asarray(J.e8m0_encode(np.float32([v for v, _ in spot])))
+    assert got.tolist() == [code for _, code in spot]
 
 
 def test_e8m0_decode_all_codes():

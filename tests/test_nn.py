@@ -208,7 +208,7 @@ def test_framework_modules_take_batched_tokens_and_read_well(framework):
         cls = nn.FlaxMoE
         model = cls(64, 64, 4, rngs=nnx.Rngs(0))
     else:
-        eqx = pytest.importorskip("equinox")
+        pytest.importorskip("equinox")
         cls = nn.EquinoxMoE
         model = cls(64, 64, 4, key=jax.random.PRNGKey(0))
         assert repr(model).startswith("EquinoxMoE(")

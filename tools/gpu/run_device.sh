@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, benchmark, compute-sanitizer subset. Writes logs/results to $OUT.
-#   run (carry .runtime .out/kgpu .bundle):  bash tests/gpu/run_device.sh [tests|bench|ncu|sanitize ...]
+#   run (carry .runtime .out/kgpu .bundle):  bash tools/gpu/run_device.sh [tests|bench|ncu|sanitize ...]
 #   (.bundle: `python -m cudnn_moe_jax.aot build ...` from tests/gpu/public_ops_cases.py, for the public-ops tests)
-#   MXFP8:  bash tests/gpu/run_device.sh mxtests mxbench mxncu mxsrc mxsanitize
+#   MXFP8:  bash tools/gpu/run_device.sh mxtests mxbench mxncu mxsrc mxsanitize
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/kgpu_out}; mkdir -p "$OUT"
 steps=${*:-tests bench ncu sanitize}
@@ -66,14 +66,14 @@ for s in $steps; do
       echo "source page rc=$? $(wc -l < "$OUT/mxsrc_sass.csv") lines" ;;
     mxsanitize)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${MXSAN_TIMEOUT:-50} compute-sanitizer --tool memcheck \
-        --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tests/gpu/sanitize_mxfp8.py \
+        --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tools/gpu/sanitize_mxfp8.py \
         > "$OUT/mxfp8_memcheck.log" 2>&1
       echo "mxsanitize rc=$?"; grep -E "ERROR SUMMARY|OK|Error|error" "$OUT/mxfp8_memcheck.log" | tail -6 ;;
     sanitize)
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
       for tool in memcheck racecheck; do
         timeout -s KILL 85 compute-sanitizer --tool $tool --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 \
-          python3 tests/gpu/sanitize_cases.py > "$OUT/$tool.log" 2>&1
+          python3 tools/gpu/sanitize_cases.py > "$OUT/$tool.log" 2>&1
         echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|OK|Error|error" "$OUT/$tool.log" | tail -6
       done ;;
   esac
