@@ -4,8 +4,9 @@
 
 Test cases are exported with a symbolic `m` (one module per variant, run at several m); benchmark cases with
 their concrete shapes and each candidate Config. Writes `<name>.jaxexp` + `manifest.json` (sections: tests, bench
-= bf16/fp16 kernels; mxfp8, mxfp8_bench = block-scaled FP8 inputs, tests/gpu/test_mxfp8_gpu.py and the lab
-benchmarks: benchmarks/profile_one.py, probe_launch_overhead.py).
+= bf16/fp16 kernels; mxfp8, mxfp8_bench = block-scaled FP8 inputs, tests/gpu/test_mxfp8_gpu.py). The bench sections
+are the lab's: `benchmarks/bench_grouped_gemm.py [--mxfp8] --artifacts` times them beside the public ops, and
+benchmarks/profile_one.py / probe_launch_overhead.py run them alone.
 """
 
 from __future__ import annotations

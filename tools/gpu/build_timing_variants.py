@@ -1,6 +1,7 @@
 """Timing-only MXFP8 modules (wrong results): the default fc1 kernel with its fold replaced, to split tensor time
 from the fold's cost. Added to the `mxfp8_bench` section of the manifest as `mxbench_fc1_timing_<variant>`, so
-`run_device.sh mxbench` (or `bench_grouped_gemm.py --mxfp8 --shapes fc1`) times them beside the real kernel.
+`run_device.sh mxbench` (or `bench_grouped_gemm.py --mxfp8 --artifacts --shapes fc1`) times them beside the real
+kernel.
 
     python tools/gpu/build_timing_variants.py [VARIANT ...]      # after build_artifacts.py --only mxfp8_bench
 
