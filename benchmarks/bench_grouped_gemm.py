@@ -1,11 +1,16 @@
-"""Grouped-GEMM benchmark on an H200: our fused sm90 kernel vs peers, one run, same process.
+"""Grouped-GEMM benchmark on an H200: the public fused ops (cudnn_moe_jax.grouped_gemm_*) vs peers, one run, same
+process.
 
-    python benchmarks/bench_grouped_gemm.py --out DIR        # GPU machine (artifacts from tests/gpu/build_artifacts.py)
+    python benchmarks/bench_grouped_gemm.py --out DIR        # a Hopper GPU; kernels compile at first use, or
+                                                             # come from a bundle (benchmarks/bench_cases.py)
 
-Shapes (bf16 in): fc1 = 8 experts x 2048 rows, K 7168, N 4096, SwiGLU fused (C and D written);
-fc2 = 8 x 2048, K 2048, N 7168, plain quant epilogue (D = prob*alpha*acc); small = 64 x 256, K 2048, N 1536,
-SwiGLU; skewed = the fc1 module on a skewed routing draw (half the rows in expert 0, two empty experts).
-Every op gets prob, alpha and per-group amax (the library's defaults for bf16 D).
+Shapes (cudnn_moe_jax/shapes.py; bf16 in): fc1 = 8 experts x 2048 rows, K 7168, N 4096, SwiGLU fused (C and D
+written); fc2 = 8 x 2048, K 2048, N 7168, plain quant epilogue (D = prob*alpha*acc); small = 64 x 256, K 2048,
+N 1536, SwiGLU; skewed = fc1 on a skewed routing draw (half the rows in expert 0, two empty experts).
+Every op gets prob, alpha and per-group amax (the library's defaults for bf16 D). `ours` is the public op with its
+default kernel configuration (benchmarks/bench_cases.py); it must lower to the kernel (a fallback to the reference
+stops the run). `--artifacts` (the lab) also times every exported kernel module of the shape in the manifest of
+tools/gpu/build_artifacts.py (other configurations, timing variants) as `kernel[NAME]`.
 
 Peers: jax.lax.ragged_dot + the same epilogue in jnp (jitted), torch._grouped_mm (GEMM only, if importable),
 tokamax ragged_dot (if importable). Timing (METHOD.md: device work is timed on the device): warm-up, then REPS
@@ -22,7 +27,7 @@ Per row of results.json, by implementation: ms (median, device time where measur
 "host" or "cuda_events"), samples_ms / host_samples_ms (per round) and device_events (device events per
 program, CUPTI; one value when every round saw the same program).
 
-    python benchmarks/bench_grouped_gemm.py --mxfp8 --out DIR     # MXFP8 inputs (e4m3 + e8m0 per 32, mxbench_*)
+    python benchmarks/bench_grouped_gemm.py --mxfp8 --out DIR     # MXFP8 inputs (e4m3 + e8m0 per 32)
 
 MXFP8 mode: the same fc1 / fc2 / small shapes with A, B quantized from N(0,1) data per 32-wide K block
 (cudnn_moe_jax.formats.to_block_scaled on the GPU: realistic, non-uniform scales); ours with bf16 D (+ C for
@@ -38,21 +43,15 @@ import argparse
 import json
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
-import harness  # noqa: E402
+import bench_cases  # benchmarks/, the script's folder
+import device_timer
+from cudnn_moe_jax import shapes
 
-import device_timer  # noqa: E402  (benchmarks/, the script's folder)
-
-SHAPES = {  # name -> (artifact shape, group sizes)
-    "fc1": ("fc1", [2048] * 8),
-    "fc2": ("fc2", [2048] * 8),
-    "small": ("small", [256] * 64),
-    "skewed": ("fc1", [8192, 2048, 2048, 0, 1024, 1024, 0, 2048]),
-}
 REPS, ITERS, SETS = 7, 20, 20  # JAX: 20 distinct input sets per program; torch rotates the first 3
 JAX_ON_DEVICE = f"JAX timed on device (CUPTI span of the {ITERS}-call program)"
 
@@ -140,17 +139,58 @@ def _record(row: dict, timed: dict, flops: float, width: int) -> None:
               f"(spread {100.0 * (hi - lo) / t:4.1f}%, {row['timing'][key]}){host}", flush=True)
 
 
-def _session():
-    """(manifest, GPU device, CUPTI timer or None, why not) after printing the run's header line."""
+BUNDLE_HINT = ("build the benchmark's kernel modules into a bundle: python -m cudnn_moe_jax.aot build --arch sm_90a "
+               "--out .bundle --variants benchmarks.bench_cases:bundle_items (CUDNN_MOE_JAX_BUNDLE=DIR if elsewhere), or "
+               "install the CuTe DSL compiler (pip install -e .[cuda])")
+
+
+def _session(artifacts: bool):
+    """(lab manifest or None, device, CUPTI timer or None, why not) after printing the run's header line."""
     import jax
 
-    how = harness.register()
-    man = harness.manifest()
-    dev = jax.devices("gpu")[0]
+    lab = _lab() if artifacts else None
+    man = lab.manifest() if lab else None
+    how = f"; artifacts runtime: {lab.register()}" if lab else ""
+    dev = jax.devices()[0]
     timer, why = device_timer.cupti_timer()
     jax_timing = JAX_ON_DEVICE if timer is not None else f"JAX timed on host (no CUPTI: {why})"
-    print(f"device: {dev.device_kind}; runtime: {how}; {jax_timing}", flush=True)
+    print(f"device: {dev.device_kind}{how}; {jax_timing}", flush=True)
     return man, dev, timer, why
+
+
+def _lab():
+    """tests/gpu/harness.py: the lab's exported kernel modules (--artifacts only; the public ops need none of it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+    import harness
+
+    return harness
+
+
+def public_op(fn, args, what: str):
+    """jax.jit(fn), checked to lower to the kernel: the ops fall back to the reference (with a RuntimeWarning) where
+    no kernel module is available, which would time XLA instead of the kernel."""
+    import jax
+
+    jitted = jax.jit(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        try:
+            jitted.lower(*args)
+        except RuntimeWarning as w:
+            raise SystemExit(f"{what}: {w}\n{BUNDLE_HINT}") from None
+    return jitted
+
+
+def lab_kernels(man, section: str, prefix: str, configs: str = "") -> dict:
+    """--artifacts: {label: jitted exported kernel} of the manifest section's modules named prefix + label."""
+    import jax
+
+    if not man or not man.get(section):
+        raise SystemExit(f"--artifacts: no {section!r} section in the manifest (run tools/gpu/build_artifacts.py)")
+    labels = sorted(k[len(prefix):] for k in man[section] if k.startswith(prefix))
+    if configs:
+        labels = [c for c in labels if c in configs.split(",")]
+    return {c: jax.jit(_lab().load(prefix + c).call) for c in labels}
 
 
 def timing_note(results) -> str:
@@ -189,17 +229,15 @@ def run(args):
     import jax
     import jax.numpy as jnp
 
-    man, dev, timer, why = _session()
+    man, dev, timer, why = _session(args.artifacts)
     results = []
     for shape_name in args.shapes.split(","):
-        art_shape, sizes = SHAPES[shape_name]
-        cfg_names = sorted((k.split("_", 2)[2] for k in man["bench"] if k.startswith(f"bench_{art_shape}_")),
-                           key=lambda c: (c != "t256c21", c))  # the default config first
-        if args.configs:
-            cfg_names = [c for c in cfg_names if c in args.configs.split(",")]
-        info = man["bench"][f"bench_{art_shape}_{cfg_names[0]}"]
-        p = info["problem"]
-        m, n, k, L = p["m"], p["n"], p["k"], p["num_groups"]
+        if shape_name not in shapes.GROUP_SIZES and shape_name not in shapes.ROUTINGS:
+            raise SystemExit(f"--shapes: unknown shape {shape_name!r}; known: "
+                             f"{sorted(shapes.GROUP_SIZES) + sorted(shapes.ROUTINGS)}")
+        art_shape, sizes = shapes.ROUTINGS.get(shape_name, (shape_name, shapes.GROUP_SIZES.get(shape_name)))
+        m, n, k, L = shapes.SHAPES[art_shape]
+        p = {"op": shapes.FUSION[art_shape][0]}
         assert sum(sizes) <= m and len(sizes) == L
         offsets_np = np.cumsum(sizes).astype(np.int32)
         valid_m = int(offsets_np[-1])
@@ -218,14 +256,13 @@ def run(args):
         if timer is None:
             row["cupti_unavailable"] = why
 
-        runners = {}
-        ours_fns = {}
-        for cfg in cfg_names:
-            name = f"bench_{art_shape}_{cfg}"
-            ours_fns[cfg] = jax.jit(harness.load(name).call)
-            runners[f"ours[{cfg}]"] = _jax_runner(ours_fns[cfg], sets, timer)
-        # the first config twice: the difference between the two is the run's noise floor
-        runners[f"ours[{cfg_names[0]}]#2"] = _jax_runner(ours_fns[cfg_names[0]], sets, timer)
+        ours = public_op(bench_cases.bf16_call(art_shape), sets[0], f"ours on {shape_name}")
+        runners = {"ours": _jax_runner(ours, sets, timer)}
+        # ours twice: the difference between the two is the run's noise floor
+        runners["ours#2"] = _jax_runner(ours, sets, timer)
+        if args.artifacts:
+            for cfg, fn in lab_kernels(man, "bench", f"bench_{art_shape}_", args.configs).items():
+                runners[f"kernel[{cfg}]"] = _jax_runner(fn, sets, timer)
 
         def ragged(a, b, offsets, alpha, prob, _p=p):
             bt = jnp.swapaxes(b, 1, 2)  # (L, K, N); layout change counted, as a user would have to do it
@@ -264,8 +301,8 @@ def run(args):
 
         _record(row, time_interleaved(runners, row), flops, 24)
 
-        # correctness spot check of ours (first config) against ragged_dot's fp32 result
-        ours_out = ours_fns[cfg_names[0]](*sets[0])
+        # correctness spot check of ours against ragged_dot's fp32 result
+        ours_out = ours(*sets[0])
         ref_d, ref_c = rf(*sets[0])
         got_d = ours_out[1] if p["op"] == "glu" else ours_out[0]
         rel = float(jnp.linalg.norm((got_d[:valid_m].astype(jnp.float32) - ref_d[:valid_m].astype(jnp.float32)))
@@ -277,7 +314,7 @@ def run(args):
                 jnp.float32)) / jnp.linalg.norm(ref_c[:valid_m].astype(jnp.float32)))
             row["check"]["c_rel_err_vs_ragged"] = relc
         print(f"{shape_name:7s} check {row['check']}", flush=True)
-        del ours_out, ref_d, ref_c, tsets, runners, ours_fns
+        del ours_out, ref_d, ref_c, tsets, runners, ours
         results.append(row)
         del sets
     return results, str(dev.device_kind)
@@ -338,10 +375,6 @@ def write(results, device, out: Path):
     plot(results, impls, f"grouped GEMM, bf16, {device}", out / "plot.png")
 
 
-MX_SHAPES = {"fc1": [2048] * 8, "fc2": [2048] * 8, "small": [256] * 64}
-MX_SETS = ITERS  # distinct A operands (XLA merges identical calls); B is shared
-
-
 def run_mxfp8(args):
     """MXFP8 benchmark rows (see the module docstring)."""
     import jax
@@ -349,18 +382,15 @@ def run_mxfp8(args):
 
     from cudnn_moe_jax import formats
 
-    man, dev, timer, why = _session()
+    man, dev, timer, why = _session(args.artifacts)
     quant = jax.jit(lambda x: formats.to_block_scaled(x, formats.E4M3))
     results = []
     for shape_name in args.shapes.split(","):
-        if shape_name not in MX_SHAPES:
+        if shape_name not in shapes.GROUP_SIZES:
             continue
-        names = sorted(k for k in man["mxfp8_bench"] if k.startswith(f"mxbench_{shape_name}_"))
-        if not names:
-            continue
-        p = man["mxfp8_bench"][names[0]]["problem"]
-        m, n, k, L = p["m"], p["n"], p["k"], p["num_groups"]
-        sizes = MX_SHAPES[shape_name]
+        m, n, k, L = shapes.SHAPES[shape_name]
+        p = {"op": shapes.FUSION[shape_name][0]}
+        sizes = shapes.GROUP_SIZES[shape_name]
         offsets = jnp.asarray(np.cumsum(sizes).astype(np.int32))
         valid_m = int(np.sum(sizes))
         flops = 2.0 * valid_m * n * k
@@ -373,23 +403,28 @@ def run_mxfp8(args):
         alpha = jnp.ones((L,), jnp.float32)
         prob = jax.random.uniform(jax.random.fold_in(key, 2), (m,), jnp.float32)
         nc = jnp.ones((1,), jnp.float32)
+        # distinct A operands (XLA merges identical calls); B is shared
         a_sets = [quant(jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32))
-                  for i in range(MX_SETS)]
+                  for i in range(ITERS)]
         jax.block_until_ready(a_sets)
         row = {"shape": shape_name, "valid_m": valid_m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {}}
         if timer is None:
             row["cupti_unavailable"] = why
         runners = {}
-        for name in names:
-            epi = man["mxfp8_bench"][name]["problem"]["epilogue"]
-            f = jax.jit(harness.load(name).call)
-            tail = (nc,) if epi["generate_sfd"] else ()
-            label = name.split("_", 2)[2]
-            runners[f"ours[{label}]"] = _jax_runner(
-                f, [(a, b_codes, sa, sfb, offsets, alpha, prob) + tail for a, sa in a_sets], timer)
-            if label.startswith("bf16d") and "_x" not in label and shape_name == "fc1":
+        for label, fp8_d in bench_cases.MXFP8_OUTPUTS.items():
+            tail = (nc,) if fp8_d else ()
+            sets = [(a, b_codes, sa, sfb, offsets, alpha, prob) + tail for a, sa in a_sets]
+            f = public_op(bench_cases.mxfp8_call(shape_name, fp8_d), sets[0], f"ours[{label}] on {shape_name}")
+            runners[f"ours[{label}]"] = _jax_runner(f, sets, timer)
+            if not fp8_d and shape_name == "fc1":
                 runners[f"ours[{label},uniformB]"] = _jax_runner(
                     f, [(a, b_codes, sa, sfb_uni, offsets, alpha, prob) for a, sa in a_sets], timer)
+        if args.artifacts:  # the lab: other configurations and timing variants of the exported modules
+            section = man.get("mxfp8_bench", {}) if man else {}
+            for label, f in lab_kernels(man, "mxfp8_bench", f"mxbench_{shape_name}_", args.configs).items():
+                tail = (nc,) if section[f"mxbench_{shape_name}_{label}"]["problem"]["epilogue"]["generate_sfd"] else ()
+                runners[f"kernel[{label}]"] = _jax_runner(
+                    f, [(a, b_codes, sa, sfb, offsets, alpha, prob) + tail for a, sa in a_sets], timer)
 
         def ragged(a, b, offsets, alpha, prob, _p=p):
             gs = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offsets]))
@@ -446,8 +481,10 @@ def plot_mxfp8(results, device, path: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--configs", default="", help="comma-separated subset of the compiled configs")
+    ap.add_argument("--shapes", default=",".join(list(shapes.SHAPES) + list(shapes.ROUTINGS)))
+    ap.add_argument("--artifacts", action="store_true",
+                    help="lab: also time the exported kernel modules of the manifest (tools/gpu/build_artifacts.py)")
+    ap.add_argument("--configs", default="", help="with --artifacts: comma-separated subset of the modules' labels")
     ap.add_argument("--mxfp8", action="store_true", help="MXFP8 inputs (mxbench_* artifacts)")
     ap.add_argument("--replot", metavar="MXFP8_JSON", help="only redraw the MXFP8 plot of a saved mxfp8_results.json")
     args = ap.parse_args(argv)

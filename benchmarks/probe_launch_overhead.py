@@ -3,7 +3,7 @@ command buffers (CUDA graphs re-recorded around our FFI custom call) or somethin
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/probe_launch_overhead.py [artifact]
 
-Times the exported artifact (tests/gpu/build_artifacts.py) 20 calls on 20 input sets inside one jit, median of 7,
+Times the exported artifact (tools/gpu/build_artifacts.py) 20 calls on 20 input sets inside one jit, median of 7,
 and prints per-call microseconds and TFLOP/s with the XLA_FLAGS it ran under. Compare two runs (flag on/off).
 """
 
@@ -20,7 +20,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 import harness  # noqa: E402
 
-SIZES = {"small": [256] * 64, "fc2": [2048] * 8, "fc1": [2048] * 8}
+from cudnn_moe_jax.shapes import GROUP_SIZES  # noqa: E402
+
 ITERS = 20
 
 
@@ -32,7 +33,7 @@ def setup(name: str):
     harness.register()
     p = harness.manifest()["bench"][name]["problem"]
     m, n, k, L = p["m"], p["n"], p["k"], p["num_groups"]
-    offsets = jnp.asarray(np.cumsum(SIZES[name.split("_")[1]]).astype(np.int32))
+    offsets = jnp.asarray(np.cumsum(GROUP_SIZES[name.split("_")[1]]).astype(np.int32))
     keys = jax.random.split(jax.random.PRNGKey(0), 3 * ITERS)
     sets = [(jax.random.normal(keys[3 * i], (m, k)).astype(jnp.bfloat16),
              (jax.random.normal(keys[3 * i + 1], (L, n, k)) / k ** 0.5).astype(jnp.bfloat16), offsets,

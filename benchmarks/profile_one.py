@@ -16,7 +16,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 import harness  # noqa: E402
 
-SHAPES = {"fc1": (16384, 4096, 7168, 8), "fc2": (16384, 7168, 2048, 8), "small": (16384, 1536, 2048, 64)}
+from cudnn_moe_jax.shapes import SHAPES  # noqa: E402
 
 if __name__ == "__main__":
     kind, what = sys.argv[1], sys.argv[2]

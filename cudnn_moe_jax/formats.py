@@ -58,6 +58,10 @@ _GRID = {E4M3: (3, -6, 448.0), E5M2: (2, -14, 57344.0), E2M1: (1, 0, 6.0)}
 _JNP_DTYPE = {E4M3: jnp.float8_e4m3fn, E5M2: jnp.float8_e5m2, E8M0: jnp.float8_e8m0fnu,
               BF16: jnp.bfloat16, F16: jnp.float16, F32: jnp.float32}
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# What each dtype argument accepts: storage formats that decode to fp32, block-quantized data, scale factors.
+_DECODABLE = (E4M3, E5M2, E2M1, E8M0, BF16, F16, F32)
+_BLOCK_DATA = (E4M3, E5M2, E2M1)
+_SF = (E8M0, E4M3)
 
 # Correctly rounded fp32 reciprocals of the 256 e4m3 codes (IEEE fp32 division done once here, so that no backend's
 # division mode can change a scale); 1/0 = inf so that min(norm_const * inf, FLT_MAX) gives the spec's FLT_MAX.
@@ -70,16 +74,41 @@ def cdiv(a, b):
 
 
 def rcp_limit(d_dtype) -> float:
-    """float32(1 / q_max) for the low-precision data formats, 1.0 for bf16/fp16/fp32
-    (docs/formats.md#quantization)."""
+    """float32(1 / q_max) for the low-precision data formats, 1.0 for bf16/fp16/fp32 (docs/formats.md#quantization)."""
+    d_dtype = dtype_name(d_dtype, "rcp_limit: d_dtype")
     if d_dtype in Q_MAX:
         return float(np.float32(1.0) / np.float32(Q_MAX[d_dtype]))
     return 1.0
 
 
-def _check(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: expected one of {sorted(allowed)}")
+_DTYPE_ALIASES = {"bf16": BF16, "fp16": F16, "fp32": F32, "e4m3": E4M3, "e5m2": E5M2, "e8m0": E8M0, "fp4": E2M1,
+                  "nvfp4": E2M1, "e2m1": E2M1}
+
+
+def dtype_name(dtype, arg: str) -> str:
+    """The canonical name ('float8_e4m3fn', 'bfloat16', ...) of any dtype spelling: a name or short alias ('e4m3',
+    'bf16'), a jnp / numpy / ml_dtypes dtype, or a scalar type such as jnp.float8_e4m3fn.
+
+    The one normaliser of dtype arguments, used by this module and by the public ops (`arg` names the argument in
+    the error), so both accept the same spellings.
+    """
+    if dtype is None:
+        raise TypeError(f"{arg}: a dtype is required")
+    if isinstance(dtype, str):
+        dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    try:
+        return jnp.dtype(dtype).name
+    except TypeError as exc:
+        raise TypeError(f"{arg}: {dtype!r} is not a dtype (pass a name such as 'float8_e4m3fn' or a dtype such as "
+                        "jnp.float8_e4m3fn)") from exc
+
+
+def _dtype_choice(fn: str, arg: str, value, allowed) -> str:
+    """dtype_name(value) if it is one of `allowed`, else a ValueError naming the function and the argument."""
+    name = dtype_name(value, f"{fn}: {arg}")
+    if name not in allowed:
+        raise ValueError(f"{fn}: {arg}={value!r} ({name}) is not supported: expected one of {sorted(allowed)}")
+    return name
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -218,7 +247,7 @@ def unpack_fp4(packed):
 
 def decode(data, data_dtype):
     """Storage array -> fp32 values. fp8 data may be typed or uint8 bits; fp4 is packed uint8 (..., K//2) -> (..., K)."""
-    _check("data_dtype", data_dtype, {E4M3, E5M2, E2M1, E8M0, BF16, F16, F32})
+    data_dtype = _dtype_choice("decode", "data_dtype", data_dtype, _DECODABLE)
     if data_dtype == E2M1:
         return e2m1_decode(unpack_fp4(data))
     if data_dtype == E8M0:
@@ -370,8 +399,6 @@ def _scaled_rows(x, d_dtype, sf_dtype, vec, norm_const):
     scale = min(norm_const * 1/val(s), FLT_MAX) with the correctly rounded reciprocal (1/0 = inf: scale FLT_MAX);
     NaN propagates through max, multiply and min. Subnormal intermediates flush to zero (module docstring).
     """
-    _check("d_dtype", d_dtype, {E4M3, E5M2, E2M1})
-    _check("sf_dtype", sf_dtype, {E8M0, E4M3})
     x = _flush(jnp.asarray(x, jnp.float32))
     cols = x.shape[-1]
     nkb = cdiv(cols, vec)
@@ -408,6 +435,8 @@ def quantize_rows(x_f32, d_dtype, sf_dtype=E8M0, vec=32, norm_const=None):
     Returns (codes, s): codes float8 (R, C) or packed uint8 (R, C//2) for e2m1; s uint8 codes (R, cdiv(C, vec)).
     norm_const None means 1.0 (standard MX / NVFP4 input quantization). Dequantize: val(codes)*val(s)/norm_const.
     """
+    d_dtype = _dtype_choice("quantize_rows", "d_dtype", d_dtype, _BLOCK_DATA)
+    sf_dtype = _dtype_choice("quantize_rows", "sf_dtype", sf_dtype, _SF)
     if d_dtype == E2M1 and jnp.shape(x_f32)[-1] % 2:
         raise ValueError("quantize_rows: e2m1 data needs an even number of columns (two values per byte)")
     y, s = _scaled_rows(x_f32, d_dtype, sf_dtype, vec, norm_const)
@@ -422,6 +451,7 @@ def quantize_cols(x_f32, d_dtype, norm_const=None):
     scale = (val(s) == 0) ? 0 : min(norm_const / val(s), FLT_MAX) equals the row rule's norm_const * (1/val(s)) here:
     val(s) is a power of two (never 0 for e8m0), so both are the correctly rounded norm_const * 2^(127-e).
     """
+    d_dtype = _dtype_choice("quantize_cols", "d_dtype", d_dtype, _BLOCK_DATA)
     x = jnp.asarray(x_f32, jnp.float32)
     if d_dtype == E2M1 and x.shape[-1] % 2:
         raise ValueError("quantize_cols: e2m1 data needs an even number of columns (two values per byte)")
@@ -435,7 +465,8 @@ def dequantize(codes, s_logical, data_dtype, sf_dtype, vec):
     Does not divide by norm_const. Exact whenever the result is a normal fp32 number (e8m0 0x00 = 2^-127 is applied
     as an exact power-of-two product, never as a subnormal operand); results below 2^-126 flush to 0.
     """
-    vals = decode(codes, data_dtype)
+    sf_dtype = _dtype_choice("dequantize", "sf_dtype", sf_dtype, _SF)
+    vals = decode(codes, _dtype_choice("dequantize", "data_dtype", data_dtype, _DECODABLE))
     rep = lambda a: jnp.repeat(a, vec, axis=-1)[..., :vals.shape[-1]]
     if sf_dtype == E4M3:
         return _flush(vals * rep(decode(s_logical, E4M3)))      # e4m3 scale values are normal fp32 numbers
@@ -453,7 +484,10 @@ def to_block_scaled(x, data_dtype, sf_dtype=E8M0, vec=32):
 
     Standard MXFP8 / MXFP4 / NVFP4 input quantization (norm_const 1). sf is uint8 e8m0 bit patterns for E8M0 (the
     ops read uint8 scales as e8m0, docs/formats.md) and a float8_e4m3fn array for E4M3, so neither can be misread.
+    Dtypes may be given in any spelling the ops accept ('float8_e4m3fn', 'e4m3', jnp.float8_e4m3fn, ...).
     """
+    data_dtype = _dtype_choice("to_block_scaled", "data_dtype", data_dtype, _BLOCK_DATA)
+    sf_dtype = _dtype_choice("to_block_scaled", "sf_dtype", sf_dtype, _SF)
     x = jnp.asarray(x, jnp.float32)
     if x.ndim not in (2, 3):
         raise ValueError(f"to_block_scaled: x must be (R, K) or (L, N, K), got shape {x.shape}")
@@ -464,6 +498,7 @@ def to_block_scaled(x, data_dtype, sf_dtype=E8M0, vec=32):
 
 def from_block_scaled(codes, sf_physical, data_dtype, sf_dtype, vec):
     """Inverse of to_block_scaled: fp32 with the leading shape of codes and the logical K."""
+    data_dtype = _dtype_choice("from_block_scaled", "data_dtype", data_dtype, _BLOCK_DATA)
     codes = jnp.asarray(codes)
     k = codes.shape[-1] * (2 if data_dtype == E2M1 else 1)
     rows = codes.shape[-2]

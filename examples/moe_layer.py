@@ -4,6 +4,11 @@ On a machine without a GPU every op runs on the pure-jnp reference; on a Hopper 
 kernels where one covers the call. Prints shapes, the loss, gradient norms and a timing line.
 
     python examples/moe_layer.py --tokens 512 --experts 8 --hidden 256 --intermediate 256 --dtype bfloat16
+    python examples/moe_layer.py --batch 4 --tokens 128 --gate-up-halves   # (B, S, H) input; checkpoint layout
+
+--gate-up-halves starts from W1 / b1 stored as a checkpoint usually stores them ([gate; up] halves, e.g. a fused
+gate_up_proj), converts them once with nn.interleave_glu_weights to the fused ops' 32-block interleave, and
+converts the W1 / b1 gradients back with nn.deinterleave_glu_weights (the checkpoint's layout).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from cudnn_moe_jax import nn  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=512, help="tokens T in the batch (default 512)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens T per sequence (default 512)")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="sequences B: x is (B, T, H) instead of (T, H) (default 0: unbatched)")
     parser.add_argument("--experts", type=int, default=8, help="number of experts L (default 8)")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     parser.add_argument("--hidden", type=int, default=256, help="model width H (default 256)")
@@ -34,6 +41,8 @@ def parse_args(argv=None):
     parser.add_argument("--act", choices=("swiglu", "geglu", "srelu"), default="swiglu",
                         help="expert activation (default swiglu)")
     parser.add_argument("--bias", action="store_true", help="give FC1 a per-expert bias")
+    parser.add_argument("--gate-up-halves", action="store_true",
+                        help="GLU: start from [gate; up] halves (checkpoint layout) and convert (see above)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the first (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -51,6 +60,10 @@ def init_params(key, args):
     }
     if args.bias:
         params["b1"] = (0.1 * jax.random.normal(k_b1, (args.experts, fc1_out))).astype(dtype)
+    if args.gate_up_halves:
+        # what a checkpoint holds: rows [0, I) of each expert's W1 (and b1) are the gate, rows [I, 2I) the up half
+        checkpoint = {k: params[k] for k in ("w1", "b1") if k in params}
+        params.update({k: nn.interleave_glu_weights(v, axis=1) for k, v in checkpoint.items()})
     return params
 
 
@@ -59,8 +72,9 @@ def make_step(args):
     key = jax.random.PRNGKey(args.seed)
     k_params, k_x, k_t = jax.random.split(key, 3)
     params = init_params(k_params, args)
-    x = jax.random.normal(k_x, (args.tokens, args.hidden), jnp.float32).astype(args.dtype)
-    target = jax.random.normal(k_t, (args.tokens, args.hidden), jnp.float32)
+    batch = (args.batch,) if args.batch else ()
+    x = jax.random.normal(k_x, batch + (args.tokens, args.hidden), jnp.float32).astype(args.dtype)
+    target = jax.random.normal(k_t, x.shape, jnp.float32)
 
     def loss_fn(params, x):
         y, aux = nn.moe_layer(x, params["router"], params["w1"], params["w2"], params.get("b1"),
@@ -79,16 +93,21 @@ def lower_step_for(args, platform: str = "cuda"):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.gate_up_halves and args.act == "srelu":
+        print("--gate-up-halves applies to the GLU activations (srelu has no gate)", file=sys.stderr)
+        return 2
     step, params, x = make_step(args)
     print(f"backend={jax.default_backend()} devices={jax.devices()}")
-    print(f"tokens={args.tokens} experts={args.experts} top_k={args.top_k} hidden={args.hidden} "
+    print(f"batch={args.batch or None} tokens={args.tokens} experts={args.experts} top_k={args.top_k} hidden={args.hidden} "
           f"intermediate={args.intermediate} act={args.act} dtype={args.dtype} bias={args.bias}")
     start = time.perf_counter()
     (loss, (y, aux)), (grads, dx) = step(params, x)
     jax.block_until_ready(grads)
     first = time.perf_counter() - start
+    if args.gate_up_halves:  # the gradients in the checkpoint's [gate; up] layout, ready to apply or save there
+        grads.update({k: nn.deinterleave_glu_weights(grads[k], axis=1) for k in ("w1", "b1") if k in grads})
     print(f"x {x.shape} {x.dtype} -> y {y.shape} {y.dtype}; permuted rows "
-          f"{nn.permuted_rows(args.tokens, args.top_k, args.experts)}; padded_offsets "
+          f"{nn.permuted_rows(x.size // args.hidden, args.top_k, args.experts)}; padded_offsets "
           f"{list(map(int, aux['padded_offsets']))}; expert load {list(map(int, aux['expert_load']))}")
     print(f"loss {float(loss):.6f}")
     for name, g in sorted(grads.items()):

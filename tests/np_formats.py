@@ -96,10 +96,6 @@ def np_e4m3_encode(x):
     return np_fp8_encode(x, E4M3)
 
 
-def np_e5m2_encode(x):
-    return np_fp8_encode(x, E5M2)
-
-
 def np_e2m1_encode(x):
     """Nearest value of the e2m1 table, ties to the even code (mantissa bit 0), saturate at 6, sign bit 0x8."""
     v = _f64(x)
@@ -239,13 +235,9 @@ def np_sf_offset(r, kb, l, rows, n_kblocks):
             + (r % 32) * 16 + ((r // 32) % 4) * 4 + (kb % 4))
 
 
-def np_sf_physical_shape(rows, k, vec, num_groups=1):
-    return (num_groups, np_cdiv(rows, 128), np_cdiv(np_cdiv(k, vec), 4), 32, 4, 4)
-
-
 def np_pack_sf(s):
     """(L, R, nkb) or (R, nkb) uint8 -> flat uint8 of L*Rb*Kb*512 bytes, zero padding (reshape to
-    np_sf_physical_shape for the 6-D physical array)."""
+    (L, cdiv(R, 128), cdiv(nkb, 4), 32, 4, 4) for the 6-D physical array)."""
     s = np.asarray(s).view(np.uint8)
     if s.ndim == 2:
         s = s[None]

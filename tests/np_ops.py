@@ -10,6 +10,9 @@ float64 values fed to each rounding step; `"_mag"`: for each of them a first-ord
 same computation on absolute values: sum |a||b| for a GEMM, |f'| times the input magnitude through an
 activation), which bounds the fp32 rounding noise of any implementation as (a few) 2^-24 * mag; and
 `"_groups"`: the sanitized [(start, end)] list.
+
+The GPU tests (tests/gpu) use the same oracle through `np_forward_oracle` / `np_forward_from_acc`: the float64
+C, D and amax of a forward problem described by its manifest dict, from the operands or from an accumulator.
 """
 
 from __future__ import annotations
@@ -31,16 +34,22 @@ BLOCK_SCALED = (E4M3, E5M2, E2M1)
 # groups
 
 
+def np_sanitized_ends(offsets, m, align=256) -> np.ndarray:
+    """Group ends from raw (possibly invalid) offsets, the NOTES.md device rule: clip to [0, m], floor to `align`,
+    running max."""
+    ends = np.clip(np.asarray(offsets, np.int64).reshape(-1), 0, m) // align * align
+    return np.maximum.accumulate(ends)
+
+
 def np_groups(offsets, m, align=256):
-    """[(start, end)] per group from raw (possibly invalid) offsets: clip to [0, m], floor to `align`, running max."""
-    out, run = [], 0
-    for o in np.asarray(offsets).reshape(-1).tolist():
-        e = min(max(int(o), 0), m)
-        e -= e % align
-        start = run
-        run = max(run, e)
-        out.append((start, run))
-    return out
+    """[(start, end)] per group: start_0 = 0, start_g = end_{g-1} of the sanitized ends."""
+    ends = np_sanitized_ends(offsets, m, align).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def np_group_of_rows(offsets, m) -> np.ndarray:
+    """(m,) group index of every row, L for rows past the last sanitized end (outside every group)."""
+    return np.searchsorted(np_sanitized_ends(offsets, m), np.arange(m), side="right")
 
 
 def _f64(x):
@@ -192,13 +201,13 @@ def np_glu_pairs(x):
         yield j, slice(64 * j, 64 * j + 32), slice(64 * j + 32, 64 * j + 64)
 
 
-def np_glu_value(gate, up, act, glu_limit):
+def np_glu_value(gate, up, act, glu_limit, sigmoid=np_sigmoid):
     glo, ghi, ulo, uhi = _limits(act, glu_limit)
     g = np.minimum(np.maximum(gate, glo), ghi)
     u = np.minimum(np.maximum(up, ulo), uhi)
     if act == "swiglu":
-        return u * g * np_sigmoid(g)
-    return (u + 1.0) * g * np_sigmoid(1.702 * g)
+        return u * g * sigmoid(g)
+    return (u + 1.0) * g * sigmoid(1.702 * g)
 
 
 def np_glu_derivatives(gate, up, act, glu_limit, masked=True):
@@ -252,21 +261,35 @@ def _srelu_forward(c, c_mag, prob, s):
     return d, np.abs(prob[:, None] * np_srelu_derivative(c, s)) * c_mag + np.abs(d)
 
 
+def _glu_d(c, prob, act, glu_limit, glu_alpha, sigmoid=np_sigmoid):
+    """D = glu_alpha * prob * act(gate, up) per 32-column pair."""
+    d = np.zeros((c.shape[0], c.shape[1] // 2))
+    for j, gs, us in np_glu_pairs(c):
+        d[:, 32 * j: 32 * j + 32] = prob[:, None] * np_glu_value(c[:, gs], c[:, us], act, glu_limit, sigmoid)
+    return d * (1.0 if glu_alpha is None else glu_alpha)
+
+
 def _glu_forward(c, c_mag, prob, act, glu_limit, glu_alpha):
     """(D, mag) of D = glu_alpha * prob * act(gate, up) per 32-column pair."""
-    d = np.zeros((c.shape[0], c.shape[1] // 2))
+    d = _glu_d(c, prob, act, glu_limit, glu_alpha)
     mag = np.zeros_like(d)
-    ga = 1.0 if glu_alpha is None else abs(glu_alpha)
     for j, gs, us in np_glu_pairs(c):
-        cols = slice(32 * j, 32 * j + 32)
-        d[:, cols] = prob[:, None] * np_glu_value(c[:, gs], c[:, us], act, glu_limit)
         dg, du = np_glu_derivative_mags(c[:, gs], c[:, us], act, glu_limit)
-        mag[:, cols] = np.abs(prob[:, None]) * (dg * c_mag[:, gs] + du * c_mag[:, us])
-    return d * (1.0 if glu_alpha is None else glu_alpha), ga * mag + np.abs(d) * ga
+        mag[:, 32 * j: 32 * j + 32] = np.abs(prob[:, None]) * (dg * c_mag[:, gs] + du * c_mag[:, us])
+    return d, (1.0 if glu_alpha is None else abs(glu_alpha)) * mag + np.abs(d)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # forward ops
+
+
+def _c_from_acc(acc, groups, alpha, bias):
+    """C = alpha * acc (+ bias) per group; rows outside every group 0."""
+    alpha, bias = _f64(alpha), _f64(bias)
+    c = np.zeros_like(acc)
+    for g, (s, e) in enumerate(groups):
+        c[s:e] = alpha[g] * acc[s:e] + (0.0 if bias is None else bias[g][None, :])
+    return c
 
 
 def _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size):
@@ -274,11 +297,10 @@ def _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_s
     groups = np_groups(padded_offsets, m)
     acc, acc_mag = _accumulate(a, b, sfa, sfb, groups, ab_dtype, sf_dtype, sf_vec_size)
     alpha, bias = _f64(alpha), _f64(bias)
-    c, mag = np.zeros_like(acc), np.zeros_like(acc)
+    mag = np.zeros_like(acc)
     for g, (s, e) in enumerate(groups):
-        c[s:e] = alpha[g] * acc[s:e] + (0.0 if bias is None else bias[g][None, :])
         mag[s:e] = abs(alpha[g]) * acc_mag[s:e] + (0.0 if bias is None else np.abs(bias[g])[None, :])
-    return c, _mask_rows(mag, groups), groups
+    return _c_from_acc(acc, groups, alpha, bias), _mask_rows(mag, groups), groups
 
 
 def _mask_rows(x, groups):
@@ -288,19 +310,29 @@ def _mask_rows(x, groups):
     return out
 
 
+def _quant_d(acc, groups, p, alpha, bias):
+    """D of the quant op (A7): prob * alpha * acc, or alpha * acc + prob * bias with a bias; rows outside 0."""
+    alpha, bias = _f64(alpha), _f64(bias)
+    dfp = np.zeros_like(acc)
+    for g, (s, e) in enumerate(groups):
+        if bias is None:
+            dfp[s:e] = p[s:e, None] * alpha[g] * acc[s:e]
+        else:
+            dfp[s:e] = alpha[g] * acc[s:e] + p[s:e, None] * bias[g][None, :]
+    return dfp
+
+
 def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *, ab_dtype,
                        sf_dtype=None, sf_vec_size=None, d_dtype, compute_amax=False, discrete_col_sfd=False):
     m = np.asarray(a).shape[0]
     groups = np_groups(padded_offsets, m)
     acc, acc_mag = _accumulate(a, b, sfa, sfb, groups, ab_dtype, sf_dtype, sf_vec_size)
     p, alpha, bias = _prob(prob, m), _f64(alpha), _f64(bias)
-    dfp, mag = np.zeros_like(acc), np.zeros_like(acc)
+    dfp, mag = _quant_d(acc, groups, p, alpha, bias), np.zeros_like(acc)
     for g, (s, e) in enumerate(groups):
-        if bias is None:                                   # docs/ops.md#grouped_gemm_quant
-            dfp[s:e] = p[s:e, None] * alpha[g] * acc[s:e]
+        if bias is None:
             mag[s:e] = np.abs(p[s:e, None] * alpha[g]) * acc_mag[s:e]
         else:
-            dfp[s:e] = alpha[g] * acc[s:e] + p[s:e, None] * bias[g][None, :]
             mag[s:e] = abs(alpha[g]) * acc_mag[s:e] + np.abs(p[s:e, None] * bias[g][None, :])
     return _forward_result(None, dfp, groups, None, d_dtype, norm_const, compute_amax, discrete_col_sfd,
                            dict(d=mag))
@@ -322,6 +354,35 @@ def grouped_gemm_glu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, nor
     dfp, d_mag = _glu_forward(c, c_mag, _prob(prob, c.shape[0]), act_func, glu_limit, glu_alpha)
     return _forward_result(c, _mask_rows(dfp, groups), groups, c_dtype, d_dtype, norm_const, compute_amax,
                            discrete_col_sfd, dict(c=c_mag, d=d_mag))
+
+
+def np_forward_from_acc(p: dict, acc, offsets, alpha, prob, bias, sigmoid=np_sigmoid) -> dict:
+    """float64 {"c", "d", "amax"} of the forward problem `p` (a GroupedGemmProblem as a dict, e.g. a GPU manifest
+    entry; quant / srelu / glu) from its accumulator acc (m, N): the GPU tests' oracle. Rows outside every
+    (sanitized) group are 0; c is None for quant; amax (L, 1) per group (0 for an empty one). `sigmoid` replaces
+    the activation's sigmoid (a GPU test models the kernel's flush of tiny values with it)."""
+    epi = p["epilogue"]
+    m = acc.shape[0]
+    groups = np_groups(offsets, m)
+    pr = _prob(prob, m)
+    if p["op"] == "quant":
+        c, d = None, _quant_d(acc, groups, pr, alpha, bias)
+    else:
+        c = _c_from_acc(acc, groups, alpha, bias)
+        if p["op"] == "srelu":
+            d = pr[:, None] * np_srelu_value(c, epi.get("tanh_clamp_scale"))
+        else:
+            d = _glu_d(c, pr, epi["act"], epi.get("glu_limit"), epi.get("glu_alpha"), sigmoid)
+        d = _mask_rows(d, groups)
+    amax = np.array([[np.abs(d[s:e]).max() if e > s else 0.0] for s, e in groups])
+    return {"c": c, "d": d, "amax": amax}
+
+
+def np_forward_oracle(p: dict, a, b, offsets, alpha, prob, bias) -> dict:
+    """np_forward_from_acc on a (m, K) times each group's expert b[g] (N, K) (bf16 / fp16 / float64 values)."""
+    groups = np_groups(offsets, np.asarray(a).shape[0])
+    acc, _ = _accumulate(a, b, None, None, groups, None, None, None)
+    return np_forward_from_acc(p, acc, offsets, alpha, prob, bias)
 
 
 def np_hadamard16():

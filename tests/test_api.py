@@ -307,3 +307,56 @@ def test_uint8_scale_factors_mean_e8m0_and_e4m3_scales_arrive_typed():
     assert bool(jnp.all(jnp.isfinite(out.d_tensor.astype(jnp.float32))))
     with pytest.raises(TypeError, match="share one scale-factor dtype"):
         cmj.grouped_gemm_quant(a, b, jax.lax.bitcast_convert_type(sfa, jnp.uint8), sfb, jnp.asarray(OFFSETS))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Concrete (eager) offsets are checked; errors name the argument, the index, the rule and the call that fixes it
+
+@pytest.mark.parametrize("bad, fragment", [
+    ([256, 300, 512], "padded_offsets[1]=300 is not a multiple of 256"),
+    ([512, 256, 512], "padded_offsets[1]=256 is smaller than padded_offsets[0]=512"),
+    ([256, 512, 768], "padded_offsets[2]=768 is outside [0, 512]"),
+    ([-256, 256, 512], "padded_offsets[0]=-256 is outside [0, 512]"),
+])
+def test_concrete_offsets_breaking_the_rules_raise(data, bad, fragment):
+    a, b = data["a"], data["b"]
+    c = jnp.ones((M, N), jnp.bfloat16)
+    calls = [lambda o: cmj.grouped_gemm_quant(a, b, padded_offsets=o),
+             lambda o: cmj.grouped_gemm_glu(a, b, padded_offsets=o),
+             lambda o: cmj.grouped_gemm_srelu(a, b, padded_offsets=o),
+             lambda o: cmj.grouped_gemm_glu_hadamard_quant(a, b, padded_offsets=o),
+             lambda o: cmj.grouped_gemm_dsrelu(a, b, c_tensor=c, padded_offsets=o)]
+    for call in calls:
+        for offsets in (bad, np.asarray(bad, np.int32), jnp.asarray(bad, jnp.int32)):
+            with pytest.raises(ValueError) as info:
+                call(offsets)
+            assert fragment in str(info.value) and "cudnn_moe_jax.nn.route" in str(info.value), str(info.value)
+
+
+def test_concrete_wgrad_token_offsets_are_checked(data):
+    a = data["a"]
+    for bad, fragment in (([256, 128, 512], "offsets_tensor[1]=128 is smaller than offsets_tensor[0]=256"),
+                          ([100, 200, 513], "offsets_tensor[2]=513 is outside [0, 512]")):
+        with pytest.raises(ValueError) as info:
+            cmj.grouped_gemm_wgrad(a.T, a.T, jnp.asarray(bad, jnp.int32))
+        assert fragment in str(info.value), str(info.value)
+    # token ends need no 256 rule, and traced ends are sanitized instead of checked
+    cmj.grouped_gemm_wgrad(a.T, a.T, jnp.asarray([100, 100, 512], jnp.int32))
+    jax.jit(lambda o: cmj.grouped_gemm_wgrad(a.T, a.T, o).wgrad_tensor)(jnp.asarray([256, 128, 999], jnp.int32))
+
+
+def test_scale_factor_errors_name_the_packer_that_fixes_them(mx, data):
+    with pytest.raises(ValueError) as info:
+        _quant(data, a_tensor=mx["a"], b_tensor=mx["b"], sfa_tensor=mx["sfa"][:, :1], sfb_tensor=mx["sfb"])
+    assert "formats.to_block_scaled" in str(info.value) and "formats.pack_sf" in str(info.value)
+    # wgrad takes per-expert segment scales: the hint is the segment packer, and following it works
+    x = jax.random.normal(jax.random.PRNGKey(11), (K, M))          # (rows, tokens): tokens contiguous
+    codes, s = formats.quantize_rows(x, formats.E4M3)
+    tiled = formats.pack_sf(s)
+    with pytest.raises(ValueError) as info:
+        cmj.grouped_gemm_wgrad(codes, codes, data["offsets"], tiled, tiled, sf_vec_size=32)
+    assert "formats.pack_sf_segments(s, offsets_tensor, sf_vec_size)" in str(info.value), str(info.value)
+    seg = formats.pack_sf_segments(s, data["offsets"], 32)
+    w = cmj.grouped_gemm_wgrad(codes, codes, data["offsets"], seg, seg, sf_vec_size=32, wgrad_dtype="float32")
+    deq = np.asarray(formats.dequantize(codes, s, formats.E4M3, formats.E8M0, 32))
+    np.testing.assert_allclose(np.asarray(w.wgrad_tensor[0]), deq[:, :256] @ deq[:, :256].T, rtol=1e-5, atol=1e-3)

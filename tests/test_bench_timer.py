@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+import bench_grouped_gemm as bench
+import device_timer as dt
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_grouped_gemm as bench  # noqa: E402
-import device_timer as dt  # noqa: E402
 
 CUDA, CPU = "cuda", "cpu"  # stand-ins for torch.autograd.DeviceType members (compared with ==)
 

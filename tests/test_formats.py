@@ -83,12 +83,12 @@ def test_e8m0_encode_all_classes():
                                     np.finfo(np.float32).max, np.finfo(np.float32).tiny])])
     got = J.e8m0_encode(x)
     assert_bits_equal(got, O.np_e8m0_encode(x), "e8m0")
-    # hand-written spot values (docs/formats.md#rounding)
-    spot = {0.0: 0, -0.0: 0, -1.0: 0, 2.0 ** -127: 0, float(np.nextafter(np.float32(2.0 ** -127), 1)): 1,
-            2.0 ** -126: 1, 1.0: 127, float(np.nextafter(np.float32(1), 2)): 128, 1.5: 128, 3.0: 129, 2.0 ** 127: 254,
-            3e38: 254, math.inf: 254, math.nan: 255}
-    got = np.asarray(J.e8m0_encode(np.float32(list(spot))))
-    assert got.tolist() == list(spot.values())
+    # hand-written spot values (docs/formats.md#rounding); pairs, not a dict: -0.0 and 0.0 are the same dict key
+    spot = [(0.0, 0), (-0.0, 0), (-1.0, 0), (2.0 ** -127, 0), (float(np.nextafter(np.float32(2.0 ** -127), 1)), 1),
+            (2.0 ** -126, 1), (1.0, 127), (float(np.nextafter(np.float32(1), 2)), 128), (1.5, 128), (3.0, 129),
+            (2.0 ** 127, 254), (3e38, 254), (math.inf, 254), (math.nan, 255)]
+    got = np.asarray(J.e8m0_encode(np.float32([v for v, _ in spot])))
+    assert got.tolist() == [code for _, code in spot]
 
 
 def test_e8m0_decode_all_codes():
@@ -455,3 +455,28 @@ def test_validation_errors():
         F.quantize_rows(np.ones((4, 33), np.float32), F.E2M1)
     with pytest.raises(ValueError):
         F.unpack_sf(np.zeros(100, np.uint8), 128, 4)
+
+
+def test_every_dtype_spelling_the_ops_accept_works_here():
+    """formats and the public ops share one dtype normaliser: names, short aliases, jnp / numpy / ml_dtypes dtypes
+    and scalar types all mean the same format, and a wrong one is reported under the function's own argument."""
+    x = np.random.default_rng(3).standard_normal((128, 64)).astype(np.float32)
+    want_codes, want_sf = F.to_block_scaled(x, F.E4M3)
+    for spelling in ("float8_e4m3fn", "e4m3", jnp.float8_e4m3fn, jnp.dtype(jnp.float8_e4m3fn),
+                     np.dtype(ml_dtypes.float8_e4m3fn), ml_dtypes.float8_e4m3fn):
+        codes, sf = F.to_block_scaled(x, spelling, jnp.float8_e8m0fnu)
+        assert_bits_equal(codes, want_codes, f"codes {spelling!r}")
+        assert_bits_equal(sf, want_sf, f"sf {spelling!r}")
+        back = F.from_block_scaled(codes, sf, spelling, "e8m0", 32)
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(F.from_block_scaled(codes, sf, F.E4M3, F.E8M0,
+                                                                                       32)))
+    codes, sf = F.to_block_scaled(x, jnp.float4_e2m1fn, jnp.float8_e4m3fn, 16)
+    assert sf.dtype == jnp.float8_e4m3fn
+    assert F.rcp_limit(jnp.float8_e5m2) == F.rcp_limit(F.E5M2) and F.rcp_limit(jnp.bfloat16) == 1.0
+    with pytest.raises(ValueError) as info:
+        F.to_block_scaled(x, jnp.bfloat16)
+    assert "to_block_scaled: data_dtype" in str(info.value) and "float8_e4m3fn" in str(info.value)
+    with pytest.raises(ValueError, match="to_block_scaled: sf_dtype"):
+        F.to_block_scaled(x, F.E4M3, jnp.float8_e5m2)
+    with pytest.raises(TypeError, match="decode: data_dtype: 'e9m9' is not a dtype"):
+        F.decode(np.zeros(4, np.uint8), "e9m9")

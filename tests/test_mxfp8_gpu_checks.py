@@ -7,16 +7,12 @@ The GPU run has no second chance, so the checker is validated here.
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+import test_mxfp8_gpu as g
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-import test_mxfp8_gpu as g  # noqa: E402
-
-from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
+from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 
 E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
 

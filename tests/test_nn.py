@@ -167,3 +167,133 @@ def test_moe_mlp_rejects_bad_static_options():
 def test_framework_module_class_is_created_once(name, package):
     pytest.importorskip(package)
     assert getattr(nn, name) is getattr(nn, name)       # isinstance checks and pytree treedefs rely on it
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a first user hits: batched tokens, errors in their own argument names, checkpoint gate/up layouts
+
+def _layer_params(key, num_experts=4, hidden=64, inter=64, act="swiglu"):
+    keys = jax.random.split(jax.random.PRNGKey(key), 3)
+    fc1_out = inter if act == "srelu" else 2 * inter
+    router = jax.random.normal(keys[0], (hidden, num_experts)) / 8
+    w1 = (jax.random.normal(keys[1], (num_experts, fc1_out, hidden)) / 8).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[2], (num_experts, hidden, inter)) / 8).astype(jnp.bfloat16)
+    return router, w1, w2
+
+
+def test_moe_layer_takes_batched_tokens_and_differentiates():
+    router, w1, w2 = _layer_params(5)
+    x = jax.random.normal(jax.random.PRNGKey(6), (2, 3, 16, 64)).astype(jnp.bfloat16)
+    y, aux = nn.moe_layer(x, router, w1, w2)
+    flat, flat_aux = nn.moe_layer(x.reshape(-1, 64), router, w1, w2)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(flat, np.float32).reshape(x.shape))
+    np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(flat_aux["expert_load"]))
+
+    def loss(x, w1):
+        return jnp.sum(nn.moe_layer(x, router, w1, w2)[0].astype(jnp.float32) ** 2)
+
+    dx, dw1 = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w1)
+    dx_flat, dw1_flat = jax.jit(jax.grad(loss, argnums=(0, 1)))(x.reshape(-1, 64), w1)
+    assert dx.shape == x.shape and dw1.shape == w1.shape
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_flat, np.float32).reshape(x.shape))
+    np.testing.assert_array_equal(np.asarray(dw1, np.float32), np.asarray(dw1_flat, np.float32))
+
+
+@pytest.mark.parametrize("framework", ["flax", "equinox"])
+def test_framework_modules_take_batched_tokens_and_read_well(framework):
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 24, 64)).astype(jnp.bfloat16)
+    if framework == "flax":
+        nnx = pytest.importorskip("flax.nnx")
+        cls = nn.FlaxMoE
+        model = cls(64, 64, 4, rngs=nnx.Rngs(0))
+    else:
+        pytest.importorskip("equinox")
+        cls = nn.EquinoxMoE
+        model = cls(64, 64, 4, key=jax.random.PRNGKey(0))
+        assert repr(model).startswith("EquinoxMoE(")
+    assert cls.__qualname__ == cls.__name__ and cls.__module__ == "cudnn_moe_jax.nn"
+    assert "(..., H)" in cls.__call__.__doc__
+    y = model(x)
+    assert y.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(model(x.reshape(-1, 64)), np.float32).reshape(x.shape))
+
+
+BAD_LAYER_ARGS = [
+    # (description, change to (x, router, w1, w2, b1), exception, fragments the message must contain)
+    ("x float32", lambda x, r, w1, w2, b1: (x.astype(jnp.float32), r, w1, w2, b1), TypeError,
+     ["x: dtype float32", "x.astype(jnp.bfloat16)"]),
+    ("x a vector", lambda x, r, w1, w2, b1: (x[0, 0], r, w1, w2, b1), ValueError, ["x must have shape (..., H)"]),
+    ("w1 wrong H", lambda x, r, w1, w2, b1: (x, r, w1[:, :, :32], w2, b1), ValueError,
+     ["w1 must have shape (L, 2I, H)", "interleave_glu_weights", "H=64"]),
+    ("w1 2I not a multiple of 64", lambda x, r, w1, w2, b1: (x, r, w1[:, :96], w2, b1), ValueError,
+     ["w1 (4, 96, 64)", "2I=96"]),
+    ("w2 transposed", lambda x, r, w1, w2, b1: (x, r, w1, jnp.swapaxes(w2, 1, 2)[:, :32], b1), ValueError,
+     ["w2 must have shape (L, H, I) = (4, 64, 64)"]),
+    ("w2 other dtype", lambda x, r, w1, w2, b1: (x, r, w1, w2.astype(jnp.float16), b1), TypeError,
+     ["w2 (float16) must have x's dtype (bfloat16)"]),
+    ("b1 halves", lambda x, r, w1, w2, b1: (x, r, w1, w2, b1[:, :64]), ValueError,
+     ["b1 must have shape (L, 2I) = (4, 128)"]),
+    ("router transposed", lambda x, r, w1, w2, b1: (x, r.T, w1, w2, b1), ValueError,
+     ["router_weight must have shape (H, L) = (64, 4)"]),
+]
+
+
+@pytest.mark.parametrize("case", BAD_LAYER_ARGS, ids=[c[0] for c in BAD_LAYER_ARGS])
+def test_nn_errors_name_the_users_arguments(case):
+    _, change, exc, fragments = case
+    router, w1, w2 = _layer_params(8)
+    x = jnp.zeros((2, 16, 64), jnp.bfloat16)
+    b1 = jnp.zeros((4, 128), jnp.bfloat16)
+    with pytest.raises(exc) as info:
+        nn.moe_layer(*change(x, router, w1, w2, b1))
+    message = str(info.value)
+    assert all(f in message for f in fragments), message
+    assert "a_tensor" not in message and "b_tensor" not in message, message
+
+
+def test_moe_mlp_errors_name_its_arguments():
+    router, w1, w2 = _layer_params(9)
+    x = jnp.zeros((512, 64), jnp.bfloat16)
+    prob, offsets = jnp.ones((512,)), jnp.array([256, 256, 512, 512], jnp.int32)
+    for args, fragment in (((x[:300], w1, w2, prob[:300], None, offsets), "x_perm must have shape (m, H) with m a "
+                                                                           "multiple of 256"),
+                           ((x, w1, w2, prob[:256], None, offsets), "prob must have shape (m,) = (512,)"),
+                           ((x, w1, w2, prob, None, offsets[:2]), "padded_offsets must have shape (L,) = (4,)"),
+                           ((x, w1[:, :, :32], w2, prob, None, offsets), "x_perm's last dimension")):
+        with pytest.raises(ValueError) as info:
+            nn.moe_mlp(*args)
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_glu_weight_interleave_roundtrip_and_meaning():
+    """A checkpoint's [gate; up] halves, interleaved, give the MLP the checkpoint means: silu(x Wg^T) * (x Wu^T)."""
+    num_experts, hidden, inter = 2, 64, 96
+    keys = jax.random.split(jax.random.PRNGKey(10), 5)
+    w_gate_up = (jax.random.normal(keys[0], (num_experts, 2 * inter, hidden)) / 8).astype(jnp.bfloat16)
+    b_gate_up = (jax.random.normal(keys[1], (num_experts, 2 * inter)) / 8).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[2], (num_experts, hidden, inter)) / 8).astype(jnp.bfloat16)
+    w1 = nn.interleave_glu_weights(w_gate_up)
+    b1 = nn.interleave_glu_weights(b_gate_up)
+    np.testing.assert_array_equal(np.asarray(nn.deinterleave_glu_weights(w1)), np.asarray(w_gate_up))
+    np.testing.assert_array_equal(np.asarray(nn.deinterleave_glu_weights(b1)), np.asarray(b_gate_up))
+    np.testing.assert_array_equal(np.asarray(w1[1, 32:64]), np.asarray(w_gate_up[1, inter:inter + 32]))  # up block 0
+    # other axes: one expert (2I, H) along 0, a transposed (L, H, 2I) store along -1
+    np.testing.assert_array_equal(np.asarray(nn.interleave_glu_weights(w_gate_up[0], axis=0)), np.asarray(w1[0]))
+    np.testing.assert_array_equal(np.asarray(nn.interleave_glu_weights(jnp.swapaxes(w_gate_up, 1, 2), axis=-1)),
+                                  np.asarray(jnp.swapaxes(w1, 1, 2)))
+    x = jax.random.normal(keys[3], (256 * num_experts, hidden)).astype(jnp.bfloat16)
+    offsets = jnp.array([256, 512], jnp.int32)
+    prob = jnp.ones((512,))
+    y = nn.moe_mlp(x, w1, w2, prob, b1, offsets)
+    f32 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    want = np.zeros((512, hidden))
+    for e in range(num_experts):
+        xe = f32(x[256 * e: 256 * (e + 1)])
+        pre = xe @ f32(w_gate_up[e]).T + f32(b_gate_up[e])
+        gate, up = pre[:, :inter], pre[:, inter:]
+        want[256 * e: 256 * (e + 1)] = (gate / (1 + np.exp(-gate)) * up) @ f32(w2[e]).T
+    assert _rel_err(y, want) < 2e-2
+    with pytest.raises(ValueError, match="multiple of 32"):
+        nn.interleave_glu_weights(w_gate_up[:, :100])

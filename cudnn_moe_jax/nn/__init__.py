@@ -5,9 +5,10 @@
 
 from .moe import moe_layer, moe_mlp
 from .routing import Routing, permute, permuted_rows, route, top_k_gating, unpermute
+from .weights import deinterleave_glu_weights, interleave_glu_weights
 
 __all__ = ["moe_mlp", "moe_layer", "Routing", "route", "permute", "unpermute", "permuted_rows", "top_k_gating",
-           "FlaxMoE", "EquinoxMoE"]
+           "interleave_glu_weights", "deinterleave_glu_weights", "FlaxMoE", "EquinoxMoE"]
 
 
 def __getattr__(name):

@@ -41,12 +41,13 @@ def _flax_module():
             self.top_k, self.act, self.glu_limit = top_k, act, glu_limit
 
         def __call__(self, x):
+            """x (..., H) bf16/fp16 tokens -> y with x's shape (see `cudnn_moe_jax.nn.moe_layer`)."""
             b1 = None if self.b1 is None else self.b1[...]
             y, _ = moe_layer(x, self.router[...], self.w1[...], self.w2[...], b1, top_k=self.top_k, act=self.act,
                              glu_limit=self.glu_limit)
             return y
 
-    return FlaxMoE
+    return _public_name(FlaxMoE)
 
 
 @functools.cache
@@ -72,8 +73,17 @@ def _equinox_module():
             self.top_k, self.act, self.glu_limit = top_k, act, glu_limit
 
         def __call__(self, x):
+            """x (..., H) bf16/fp16 tokens -> y with x's shape (see `cudnn_moe_jax.nn.moe_layer`)."""
             y, _ = moe_layer(x, self.router, self.w1, self.w2, self.b1, top_k=self.top_k, act=self.act,
                              glu_limit=self.glu_limit)
             return y
 
-    return EquinoxMoE
+    return _public_name(EquinoxMoE)
+
+
+def _public_name(cls):
+    """Name a class built inside a factory after where users find it: reprs read `EquinoxMoE(...)`, not
+    `_equinox_module.<locals>.EquinoxMoE(...)`, and pickle finds it as cudnn_moe_jax.nn.<name>."""
+    cls.__qualname__ = cls.__name__
+    cls.__module__ = "cudnn_moe_jax.nn"
+    return cls

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from .. import ops
 from . import routing as _routing
+from .weights import check_expert_mlp, check_permuted
 
 
 def _swap_last(w):
@@ -34,10 +35,8 @@ def moe_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act: str = "swiglu", glu_l
 
 
 def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
-    if act not in ("swiglu", "geglu", "srelu"):
-        raise ValueError(f"act={act!r} is not supported: allowed ('swiglu', 'geglu', 'srelu')")
-    if act == "srelu" and glu_limit is not None:
-        raise ValueError("glu_limit applies to act='swiglu' or 'geglu', not 'srelu'")
+    _check_options(act, glu_limit)
+    check_permuted(x_perm, prob, padded_offsets, check_expert_mlp(x_perm, w1, w2, b1, act, "x_perm")[0])
     dtype = x_perm.dtype
     if act == "srelu":
         fc1 = ops.grouped_gemm_srelu(x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
@@ -82,12 +81,29 @@ def _moe_mlp_bwd(act, glu_limit, residuals, dy):
 moe_mlp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)
 
 
+def _check_options(act, glu_limit):
+    if act not in ("swiglu", "geglu", "srelu"):
+        raise ValueError(f"act={act!r} is not supported: allowed ('swiglu', 'geglu', 'srelu')")
+    if act == "srelu" and glu_limit is not None:
+        raise ValueError("glu_limit applies to act='swiglu' or 'geglu', not 'srelu'")
+
+
 def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: int = 2, act: str = "swiglu",
               glu_limit: Optional[float] = None):
-    """A full MoE FFN on tokens x (T, H): softmax top-k router (router_weight (H, L)), permutation into
-    256-padded expert groups, the fused expert MLP, and the weighted sum back to tokens. Returns (y (T, H), aux)
-    with aux = {"padded_offsets", "expert_load"} for logging."""
-    num_experts = router_weight.shape[1]
+    """A full MoE FFN on tokens x (..., H), e.g. (T, H) or (batch, seq, H): softmax top-k router (router_weight
+    (H, L)), permutation into 256-padded expert groups, the fused expert MLP, and the weighted sum back to tokens.
+    w1 (L, 2I, H) gate/up interleaved in 32-row blocks (`interleave_glu_weights` converts [gate; up] halves) or
+    (L, I, H) for srelu; w2 (L, H, I); b1 (L, 2I or I). Returns (y with x's shape, aux) with
+    aux = {"padded_offsets", "expert_load"} for logging; leading dims of x are flattened into one token axis."""
+    _check_options(act, glu_limit)
+    num_experts, hidden, _ = check_expert_mlp(x, w1, w2, b1, act)
+    if tuple(router_weight.shape) != (hidden, num_experts):
+        raise ValueError(f"router_weight must have shape (H, L) = ({hidden}, {num_experts}) (H from x, L from w1); "
+                         f"got {tuple(router_weight.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, L={num_experts}]")
+    batch_shape = x.shape[:-1]
+    x = jnp.reshape(x, (-1, hidden))
     logits = jnp.dot(x.astype(jnp.float32), router_weight.astype(jnp.float32))
     experts, weights = _routing.top_k_gating(logits, top_k)
     plan = _routing.route(experts, num_experts)
@@ -95,4 +111,4 @@ def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: int = 2, act: str = "
     y_perm = moe_mlp(x_perm, w1, w2, prob, b1, plan.padded_offsets, act, glu_limit)
     y = _routing.unpermute(y_perm, plan, x.shape[0])
     load = jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
-    return y, {"padded_offsets": plan.padded_offsets, "expert_load": load}
+    return jnp.reshape(y, batch_shape + (hidden,)), {"padded_offsets": plan.padded_offsets, "expert_load": load}

@@ -12,28 +12,16 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._problem import FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, sf_segment_bytes, sf_shape  # noqa: F401 (re-exported)
+from ..formats import dtype_name  # noqa: F401 (re-exported: the one dtype normaliser of the ops and of formats)
 
 MAX_GROUPS = 1024
 M_ALIGN = GROUP_ALIGN
 SF_DTYPES = ("float8_e8m0fnu", "float8_e4m3fn")
 FLOAT_OUT_DTYPES = ("bfloat16", "float16", "float32")
 FP4 = "float4_e2m1fn"
-
-
-def dtype_name(dtype, arg: str) -> str:
-    """Normalise a dtype-like (jnp dtype, numpy dtype, string) to its name."""
-    if dtype is None:
-        raise TypeError(f"{arg}: a dtype is required")
-    if isinstance(dtype, str):
-        aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "e4m3": "float8_e4m3fn",
-                   "e5m2": "float8_e5m2", "e8m0": "float8_e8m0fnu", "fp4": FP4, "nvfp4": FP4, "e2m1": FP4}
-        dtype = aliases.get(dtype, dtype)
-    try:
-        return jnp.dtype(dtype).name
-    except TypeError as exc:
-        raise TypeError(f"{arg}: {dtype!r} is not a dtype") from exc
 
 
 def check_choice(value, allowed, arg: str, why: str = ""):
@@ -68,7 +56,8 @@ def operand_dtype(x, arg: str) -> str:
                         "e.g. cudnn_moe_jax.formats.pack_fp4(codes)")
     if name not in HALF_DTYPES + FP8_DTYPES:
         raise TypeError(f"{arg}: dtype {name} is not supported; use bfloat16, float16, float8_e4m3fn, "
-                        "float8_e5m2 or uint8 (packed FP4)")
+                        "float8_e5m2 or uint8 (packed FP4): cast with x.astype(jnp.bfloat16), or quantize with "
+                        "cudnn_moe_jax.formats.to_block_scaled(x, 'float8_e4m3fn')")
     return name
 
 
@@ -86,7 +75,8 @@ def check_k_alignment(k: int, ab_dtype: str, arg: str):
 def check_m(m: int, arg: str = "a_tensor"):
     if m <= 0 or m % M_ALIGN:
         raise ValueError(f"{arg}: rows m={m} must be a positive multiple of {M_ALIGN} (expert groups are "
-                         f"padded to {M_ALIGN} rows)")
+                         f"padded to {M_ALIGN} rows): cudnn_moe_jax.nn.route + nn.permute build that layout "
+                         "(nn.permuted_rows(T, top_k, L) rows), or pad with jnp.pad")
 
 
 def int_vector(x, length: int, arg: str):
@@ -95,8 +85,42 @@ def int_vector(x, length: int, arg: str):
     if x.ndim != 1 or x.shape[0] != length:
         raise ValueError(f"{arg} must have shape ({length},), got {tuple(x.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{arg} must be an integer array (int32), got {x.dtype}")
+        raise TypeError(f"{arg} must be an integer array (int32), got {x.dtype}: cast with .astype(jnp.int32)")
     return x.astype(jnp.int32)
+
+
+def concrete_value(x) -> Optional[np.ndarray]:
+    """x as numpy when its value is known now (an eager call, or a constant), None when it is traced (jit, grad,
+    export): only then can the host look at device data such as the group offsets."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def offsets_vector(x, length: int, limit: int, arg: str, align: int, rule: str):
+    """int_vector for group ends, plus the rules when the values are concrete: every end in [0, limit], a multiple
+    of `align`, non-decreasing. Traced ends cannot be checked: every backend sanitizes them (README, NOTES.md
+    "Device offsets"), which is the identity for valid ends."""
+    out = int_vector(x, length, arg)
+    values = concrete_value(x)
+    if values is None:
+        return out
+    values = values.reshape(-1).astype(np.int64)
+    running = np.maximum.accumulate(values)
+    bad = (values < 0) | (values > limit) | (values % align != 0) | (values < np.concatenate([[0], running[:-1]]))
+    if bad.any():
+        i = int(np.argmax(bad))
+        v = int(values[i])
+        if not 0 <= v <= limit:
+            reason = f"outside [0, {limit}]"
+        elif v % align:
+            reason = f"not a multiple of {align}"
+        else:
+            j = int(np.argmax(values[:i]))
+            reason = f"smaller than {arg}[{j}]={int(values[j])} (ends must be non-decreasing)"
+        raise ValueError(f"{arg}[{i}]={v} is {reason}: {arg} holds {rule}")
+    return out
 
 
 def float_vector(x, length: int, arg: str, default: Optional[float] = None):
@@ -120,8 +144,16 @@ def scalar_f32(x, arg: str):
     return jnp.reshape(x, (1,)).astype(jnp.float32)
 
 
-def sf_bytes(x, expected_shape: tuple, arg: str, flat_ok_shape: Optional[tuple] = None):
-    """A scale-factor buffer -> uint8 with `expected_shape` (accepts the physical array or its flat bytes)."""
+# How to build each kind of scale-factor buffer (the hint of a wrong one).
+SF_HINT_TILED = ("quantize the {what} with cudnn_moe_jax.formats.to_block_scaled({x}, data_dtype, sf_dtype, vec), or "
+                 "pack logical {logical} scales with cudnn_moe_jax.formats.pack_sf")
+SF_HINT_SEGMENTS = ("this op takes per-expert segment scales: pack the logical (rows, cdiv(T, sf_vec_size)) scales "
+                    "with cudnn_moe_jax.formats.pack_sf_segments(s, offsets_tensor, sf_vec_size)")
+
+
+def sf_bytes(x, expected_shape: tuple, arg: str, hint: str):
+    """A scale-factor buffer -> uint8 with `expected_shape` (accepts the physical array or its flat bytes); `hint`
+    says which call builds the right buffer."""
     x = array(x, arg)
     name = x.dtype.name
     if name not in SF_DTYPES + ("uint8",):
@@ -130,8 +162,7 @@ def sf_bytes(x, expected_shape: tuple, arg: str, flat_ok_shape: Optional[tuple] 
     size = math.prod(expected_shape)
     if math.prod(x.shape) != size or (x.ndim > 1 and tuple(x.shape) != tuple(expected_shape)):
         raise ValueError(f"{arg}: expected the packed MMA-tiled buffer of shape {tuple(expected_shape)} (or its "
-                         f"{size} flat bytes), got shape {tuple(x.shape)}; pack row-major scales with "
-                         "cudnn_moe_jax.formats.pack_sf")
+                         f"{size} flat bytes), got shape {tuple(x.shape)}; {hint}")
     if name != "uint8":
         x = jax.lax.bitcast_convert_type(x, jnp.uint8)
     return jnp.reshape(x, expected_shape)
@@ -168,7 +199,9 @@ def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "s
             raise ValueError(f"sf_vec_size={sf_vec_size!r} only applies to block-scaled inputs, not {ab_dtype}")
         return None, None
     if sfa is None or sfb is None:
-        raise TypeError(f"sfa_tensor and {sfb_arg} are required for block-scaled {ab_dtype} inputs")
+        raise TypeError(f"sfa_tensor and {sfb_arg} are required for block-scaled {ab_dtype} inputs: quantize "
+                        "operands with cudnn_moe_jax.formats.to_block_scaled(x, data_dtype), which returns "
+                        "(codes, scales)")
     named = [(sfa, "sfa_tensor")] + ([(t, f"{sfb_arg}[{i}]") for i, t in enumerate(sfbs)] if sfbs is not None
                                      else [(sfb, sfb_arg)])
     # uint8 bit patterns carry no dtype: e8m0.
@@ -286,13 +319,15 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         b = array(b_tensor, b_arg)
         if b.ndim != 3:
             raise ValueError(f"{b_arg} must have shape (L, N, K) (expert-major, K contiguous), got "
-                             f"{tuple(b.shape)}")
+                             f"{tuple(b.shape)}; per-expert (N, K) weights go in b_tensors=[...] (or jnp.stack "
+                             "them)")
         b_dtype = operand_dtype(b, b_arg)
         num_groups, n, b_k = b.shape[0], b.shape[1], logical_k(b, b_dtype)
         if sfb_tensors is not None:
             raise ValueError("sfb_tensors goes with b_tensors; with a dense b_tensor pass sfb_tensor")
     if b_dtype != ab_dtype:
-        raise TypeError(f"a_tensor ({ab_dtype}) and {b_arg} ({b_dtype}) must have the same dtype")
+        raise TypeError(f"a_tensor ({ab_dtype}) and {b_arg} ({b_dtype}) must have the same dtype: cast one "
+                        "with .astype(...)")
     if b_k != k:
         raise ValueError(f"{b_arg}: K={b_k} does not match a_tensor's K={k}")
     check_k_alignment(k, ab_dtype, "a_tensor")
@@ -300,7 +335,9 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         raise ValueError(f"{b_arg}: number of experts L={num_groups} must be in [1, {MAX_GROUPS}]")
     if n <= 0 or n % 8:
         raise ValueError(f"{b_arg}: N={n} must be a positive multiple of 8")
-    offsets = int_vector(padded_offsets, num_groups, "padded_offsets")
+    offsets = offsets_vector(padded_offsets, num_groups, m, "padded_offsets", M_ALIGN,
+                             f"the cumulative end row of each expert group: non-decreasing multiples of {M_ALIGN} "
+                             f"in [0, m={m}] (cudnn_moe_jax.nn.route builds them from expert choices)")
 
     if discrete and sfb_tensors is not None and len(sfb_tensors) != num_groups:
         raise ValueError(f"sfb_tensors must hold one buffer per expert ({num_groups}), got {len(sfb_tensors)}")
@@ -308,12 +345,17 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                                          sf_vec_size, "sfb_tensors" if discrete else "sfb_tensor")
     sfa = sfb = None
     if sf_dtype is not None:
-        sfa = sf_bytes(sfa_tensor, sf_shape(m, k, vec), "sfa_tensor")
+        sfa = sf_bytes(sfa_tensor, sf_shape(m, k, vec), "sfa_tensor",
+                       SF_HINT_TILED.format(what="(m, K) activations", x="a", logical="(m, cdiv(K, sf_vec_size))"))
         if discrete:
-            sfb = tuple(sf_bytes(s, sf_shape(n, k, vec), f"sfb_tensors[{i}]") for i, s in enumerate(sfb_tensors))
+            hint = SF_HINT_TILED.format(what="(N, K) weight of each expert", x="b_tensors[i]",
+                                        logical="(N, cdiv(K, sf_vec_size))")
+            sfb = tuple(sf_bytes(s, sf_shape(n, k, vec), f"sfb_tensors[{i}]", hint) for i, s in enumerate(sfb_tensors))
         else:
             shape = (num_groups,) + sf_shape(n, k, vec)[1:]
-            sfb = sf_bytes(sfb_tensor, shape, "sfb_tensor")
+            sfb = sf_bytes(sfb_tensor, shape, "sfb_tensor",
+                           SF_HINT_TILED.format(what="(L, N, K) weights", x="b",
+                                                logical="(L, N, cdiv(K, sf_vec_size))"))
     inputs = {"a": a, "b": b, "sfa": sfa, "sfb": sfb, "padded_offsets": offsets}
     dims = dict(m=m, n=n, k=k, num_groups=num_groups, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=vec,
                 discrete=discrete, b_arg="b_tensors" if discrete else b_arg)

@@ -148,12 +148,13 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
     num_groups = offsets.shape[0] if offsets.ndim else 0
     if not 1 <= num_groups <= ck.MAX_GROUPS:
         raise ValueError(f"offsets_tensor must have shape (L,) with 1 <= L <= {ck.MAX_GROUPS}")
-    offsets = ck.int_vector(offsets, num_groups, "offsets_tensor")
+    offsets = ck.offsets_vector(offsets, num_groups, tokens, "offsets_tensor", 1,
+                                f"the cumulative token end of each expert: non-decreasing in [0, T={tokens}]")
     sf_dtype, vec = ck.resolve_block_format(ab_dtype, sfa_tensor, sfb_tensor, sf_vec_size)
     sfa = sfb = None
     if sf_dtype is not None:
-        sfa = ck.sf_bytes(sfa_tensor, (ck.sf_segment_bytes(m, tokens, vec),), "sfa_tensor")
-        sfb = ck.sf_bytes(sfb_tensor, (ck.sf_segment_bytes(n, tokens, vec),), "sfb_tensor")
+        sfa = ck.sf_bytes(sfa_tensor, (ck.sf_segment_bytes(m, tokens, vec),), "sfa_tensor", ck.SF_HINT_SEGMENTS)
+        sfb = ck.sf_bytes(sfb_tensor, (ck.sf_segment_bytes(n, tokens, vec),), "sfb_tensor", ck.SF_HINT_SEGMENTS)
     nvfp4 = sf_dtype == "float8_e4m3fn"
     if nvfp4 and (global_scale_a is None or global_scale_b is None):
         raise ValueError("global_scale_a and global_scale_b are required for NVFP4 (e4m3-scaled) wgrad")

@@ -57,11 +57,13 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
     norm_const = rht_norm_const = None
     if d_dtype == _FP4:
         if norm_const_tensor is None:
-            raise ValueError("norm_const_tensor is required for an NVFP4 d_dtype (global encode scale)")
+            raise ValueError("norm_const_tensor is required for an NVFP4 d_dtype (global encode scale; pass "
+                             "jnp.ones((1,), jnp.float32) for none)")
         norm_const = ck.scalar_f32(norm_const_tensor, "norm_const_tensor")
     if rht_dtype == _FP4:
         if rht_norm_const_tensor is None:
-            raise ValueError("rht_norm_const_tensor is required for an NVFP4 Hadamard output")
+            raise ValueError("rht_norm_const_tensor is required for an NVFP4 Hadamard output (global encode scale; "
+                             "pass jnp.ones((1,), jnp.float32) for none)")
         rht_norm_const = ck.scalar_f32(rht_norm_const_tensor, "rht_norm_const_tensor")
     hadamard = None
     if hadamard_tensor is not None:

@@ -295,7 +295,7 @@ class Mxfp8Mainloop:
     @staticmethod
     def fold(acc, P, S, base: int):
         """acc[base + i] += P[i] * S[i] for every value of one part (plain Python, traced inline). The timing
-        variants of tests/gpu/build_timing_variants.py replace it (keeping P and S read, or ptxas deletes the
+        variants of tools/gpu/build_timing_variants.py replace it (keeping P and S read, or ptxas deletes the
         wgmmas)."""
         for i in range(cute.size(P)):
             acc[base + i] = acc[base + i] + P[i] * S[i]

@@ -8,16 +8,11 @@ from __future__ import annotations
 import itertools
 
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+from cudnn_moe_jax.shapes import SHAPES  # name: (m, N, K, L)
 
 from .config import default_config
 from .operands import DGRAD_OPS, launcher_operands
 
-# name: (m, N, K, L): fc1 = SwiGLU FC1 (N interleaves gate/up), fc2 = FC2 (quant), small = many small experts
-SHAPES = {
-    "fc1": (16384, 4096, 7168, 8),
-    "fc2": (16384, 7168, 2048, 8),
-    "small": (16384, 1536, 2048, 64),
-}
 INPUT_NAMES = ("a", "b", "sfa", "sfb", "padded_offsets", "alpha", "prob", "bias", "norm_const")
 E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
 

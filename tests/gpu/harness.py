@@ -1,16 +1,16 @@
-"""Shared pieces of the GPU tests and benchmarks of the sm90 kernels.
+"""Shared pieces of the GPU tests, tools and lab benchmarks of the sm90 kernels.
 
 The GPU machine has no CuTe DSL compiler, so kernels travel as `jax.export` artifacts built on a CPU machine:
 
-    python tests/gpu/build_artifacts.py            # CPU machine with nvidia-cutlass-dsl: writes .out/kgpu/
+    python tools/gpu/build_artifacts.py            # CPU machine with nvidia-cutlass-dsl: writes .out/kgpu/
     python tools/fetch_runtime.py                  # .runtime/libcute_dsl_runtime.so.xz (never committed)
 
 On the GPU machine `load(name)` deserializes an artifact and `register()` registers the runtime's FFI handlers
 (`cudnn_moe_jax._runtime.register_runtime`, else the same ~30 lines inline). Cases are described in
 `.out/kgpu/manifest.json` (problem fields, config, group patterns, shapes) so the GPU side needs no cutlass.
 
-Also here: the independent float64 numpy oracle of the forward fusions (docs/ops.md, docs/activations.md;
-docs/offsets.md sanitized offsets) and the sanitize rule itself.
+Also here: the routing patterns the GPU tests run and the tolerance check of a device result against the float64
+oracle, which is the CPU tests' own (tests/np_ops.py: np_forward_oracle, np_sanitized_ends, np_group_of_rows).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def runtime_or_skip(section: str) -> str:
     import pytest
 
     if not (manifest() or {}).get(section):
-        pytest.skip(f"no {section!r} GPU test artifacts in {ART_DIR} (run tests/gpu/build_artifacts.py on a CPU "
+        pytest.skip(f"no {section!r} GPU test artifacts in {ART_DIR} (run tools/gpu/build_artifacts.py on a CPU "
                     "machine)")
     if not gpu_available():
         pytest.skip("no GPU")
@@ -70,19 +70,7 @@ def load(name: str):
     return jax.export.deserialize(bytearray((ART_DIR / f"{name}.jaxexp").read_bytes()))
 
 
-# ------------------------------------------------------------------------------------------- offsets
-
-
-def sanitize(offsets, m: int) -> np.ndarray:
-    """docs/offsets.md device rule: clip to [0, m], round down to 256, running max."""
-    s = np.clip(np.asarray(offsets, np.int64), 0, m) // M_ALIGN * M_ALIGN
-    return np.maximum.accumulate(s)
-
-
-def group_of_rows(offsets, m: int) -> np.ndarray:
-    """(m,) group index per row, L for rows past the last sanitized end."""
-    ends = sanitize(offsets, m)
-    return np.searchsorted(ends, np.arange(m), side="right")
+# ------------------------------------------------------------------------------------------- routing patterns
 
 
 PATTERNS = {
@@ -110,71 +98,7 @@ def _skew_sizes(m: int, L: int):
     return (sizes * M_ALIGN).tolist()
 
 
-# ------------------------------------------------------------------------------------------- oracle (float64)
-
-
-def _sigmoid(x):
-    # 1/(1+e^-x), not 0.5*(1+tanh(x/2)): the tanh form rounds to exactly 0 below x ~ -37 in float64 (NOTES.md),
-    # where the kernel's fp32 sigmoid is still ~1e-16 (seen as "ref 0.0" failures in the MXFP8 GPU tests)
-    with np.errstate(over="ignore"):
-        return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
-
-
-def oracle(p: dict, a, b, offsets, alpha, prob, bias):
-    """float64 outputs {"c", "d", "amax"} of one forward problem (p: the problem dict of the manifest)."""
-    epi = p["epilogue"]
-    m = a.shape[0]
-    L, n, _ = b.shape
-    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    g_of = group_of_rows(offsets, m)
-    acc = np.zeros((m, n))
-    for g in range(L):
-        rows = g_of == g
-        if rows.any():
-            acc[rows] = a64[rows] @ b64[g].T
-    valid = g_of < L
-    gs = np.minimum(g_of, L - 1)
-    al = np.asarray(alpha, np.float64)[gs][:, None]
-    pr = (np.asarray(prob, np.float64) if prob is not None else np.ones(m))[:, None]
-    bi = np.asarray(bias, np.float64)[gs] if bias is not None else np.zeros((m, n))
-    op, act = p["op"], epi["act"]
-    c = None
-    if op == "quant":
-        d = al * acc + pr * bi if bias is not None else pr * (al * acc)
-    elif op == "srelu":
-        c = al * acc + bi
-        r = np.maximum(c, 0.0)
-        s = epi.get("tanh_clamp_scale")
-        if s is not None:
-            r = s * np.minimum(np.tanh(r / s), 1.0)
-        d = pr * r * r
-    else:
-        c = al * acc + bi
-        blocks = c.reshape(m, n // 64, 2, 32)
-        gate, up = blocks[:, :, 0, :].reshape(m, n // 2), blocks[:, :, 1, :].reshape(m, n // 2)
-        lim = epi.get("glu_limit")
-        if act == "swiglu":
-            if lim is not None:
-                gate, up = np.clip(gate, -lim, lim), np.clip(up, -lim, lim)
-            d = up * gate * _sigmoid(gate)
-        else:
-            if lim is not None:
-                gate, up = np.clip(gate, -lim, lim), np.clip(up, -lim, lim)
-            else:
-                gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
-            d = (up + 1.0) * gate * _sigmoid(1.702 * gate)
-        if epi.get("glu_alpha") is not None:
-            d = d * epi["glu_alpha"]
-        d = pr * d
-    d = np.where(valid[:, None], d, 0.0)
-    if c is not None:
-        c = np.where(valid[:, None], c, 0.0)
-    amax = np.zeros((L, 1))
-    for g in range(L):
-        rows = g_of == g
-        if rows.any():
-            amax[g, 0] = np.abs(d[rows]).max()
-    return {"c": c, "d": d, "amax": amax}
+# ------------------------------------------------------------------------------------------- tolerance
 
 
 RTOL = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 3e-5}

@@ -9,8 +9,8 @@ kernel module from a bundle -> XLA FFI custom call. Shared by the CPU bundle bui
 from __future__ import annotations
 
 import functools
-import os
-import sys
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +61,10 @@ def call(op, options, x):
 
 def example_step():
     """The main job's jitted forward+backward step (examples/moe_layer.py defaults)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-    import moe_layer
-
+    path = Path(__file__).resolve().parents[2] / "examples" / "moe_layer.py"
+    spec = importlib.util.spec_from_file_location("moe_layer_example", path)
+    moe_layer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe_layer)
     args = moe_layer.parse_args([])
     return moe_layer, args
 

@@ -5,8 +5,8 @@ quantized by the independent numpy quantizer (tests/np_formats.py: e8m0 RCEIL, v
 and B span ~2^-21..2^20 across blocks (the issue's 2^-20..2^20) -- or, for the "uniform_b" kind, B scales equal across N within each K block,
 varying along K. e4m3 and e5m2 operands per artifact.
 
-The oracle dequantizes exactly in float64, runs the grouped GEMM and the fused epilogue of tests/gpu/harness.py
-(`harness.oracle`, fed the accumulator through an identity weight). What the kernel may differ by is bounded per
+The oracle dequantizes exactly in float64, runs the grouped GEMM and the fused epilogue of the CPU tests' oracle
+(tests/np_ops.py, `np_forward_from_acc`). What the kernel may differ by is bounded per
 element: the FP8 wgmma partial sums (K blocks of 32 products, each scaled exactly) may lose low-order bits, so
 |acc - acc64| <= E_acc = 2^-10 * sum_k |a_k b_k| + 2^-20 |acc64|; E_acc is pushed through the epilogue by finite
 differences (gate and up separately for GLU), plus 2^-20 relative for the epilogue's fp32 / approximate math.
@@ -22,25 +22,19 @@ Then:
   * amax per group within the max E of the group; rows outside every group exactly zero; two runs bit-identical.
 The same checks take problems with bf16 / fp16 inputs (no sf_dtype): A / B with per-(row, 32-block) magnitudes
 2^U(-3, 3), E_acc = max(K, 32) * 2^-23 * sum_k |a_k b_k| (exact products, fp32 sums) -- for FP8 C / D from
-half-precision inputs, which `supports` routes to the kernel since they passed here (run 24,
-docs/history/kernels.md).
-Needs the artifacts of tests/gpu/build_artifacts.py (manifest key "mxfp8") and a Hopper GPU; skipped otherwise.
+half-precision inputs, which `supports` keeps on the reference until such cases run here (kernels/NOTES.md).
+Needs the artifacts of tools/gpu/build_artifacts.py (manifest key "mxfp8") and a Hopper GPU; skipped otherwise.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
-from pathlib import Path
 
-import ml_dtypes
+import harness
+import np_formats as nf
+import np_ops
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import harness  # noqa: E402
-import np_formats as nf  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +46,6 @@ FMT = {  # mantissa bits, smallest normal exponent, largest finite (saturating f
 # non-saturating formats: |x| rounds to inf from (largest finite + half its ulp) on
 OVERFLOW_AT = {f: 2.0 ** (e + 1) - 2.0 ** (e - FMT[f][0] - 1) for f, e in (("float16", 15), ("bfloat16", 127),
                                                                          ("float32", 127))}
-ML = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
 RCP = {E4M3: float(np.float32(1) / np.float32(448)), E5M2: float(np.float32(1) / np.float32(57344))}
 NORM_CONST = float(np.float32(0.01))  # what the kernel sees (fp32)
 MAN = harness.manifest()
@@ -160,17 +153,15 @@ def make_inputs(p: dict, m: int, offsets, kind: str, seed: int):
 # ------------------------------------------------------------------------------------------- oracle + bounds
 
 
-def oracle_from_acc(p, acc, offsets, host):
-    """harness.oracle on a given float64 accumulator (an identity weight per group leaves acc unchanged)."""
-    n = acc.shape[1]
-    eye = np.broadcast_to(np.eye(n), (p["num_groups"], n, n))
-    return harness.oracle(p, acc, eye, offsets, host["alpha"], host["prob"], host["bias"])
+def oracle_from_acc(p, acc, offsets, host, sigmoid=np_ops.np_sigmoid):
+    """The float64 forward oracle (np_ops) on a given float64 accumulator."""
+    return np_ops.np_forward_from_acc(p, acc, offsets, host["alpha"], host["prob"], host["bias"], sigmoid)
 
 
 def references(p, offsets, host):
     """float64 C, D, amax plus per-element error bounds E_c, E_d."""
     m, L = host["a64"].shape[0], p["num_groups"]
-    g_of = harness.group_of_rows(offsets, m)
+    g_of = np_ops.np_group_of_rows(offsets, m)
     n = host["b64"].shape[1]
     acc = np.zeros((m, n))
     mag = np.zeros((m, n))
@@ -185,12 +176,8 @@ def references(p, offsets, host):
     ref = oracle_from_acc(p, acc, offsets, host)
     # the kernel's sigmoid is rcp.approx(1 + ex2(-x log2 e)) in fp32: 0 where the true value is below FLT_MIN
     # (x < ~-87; the float64 oracle keeps ~1e-38..1e-44 there): allow that band
-    sig = harness._sigmoid
-    try:
-        harness._sigmoid = lambda x: np.where(sig(x) < 2.0 ** -125, 0.0, sig(x))
-        ref_ftz = oracle_from_acc(p, acc, offsets, host)
-    finally:
-        harness._sigmoid = sig
+    sig = np_ops.np_sigmoid
+    ref_ftz = oracle_from_acc(p, acc, offsets, host, sigmoid=lambda x: np.where(sig(x) < 2.0 ** -125, 0.0, sig(x)))
     if p["op"] == "glu":
         gate = (np.arange(n) // 32) % 2 == 0
         parts = [np.where(gate, e_acc, 0.0), np.where(gate, 0.0, e_acc)]
@@ -284,14 +271,14 @@ def check_fp8_outputs(p, outs, ref, e_d, offsets, m):
     epi = p["epilogue"]
     d_dtype, n_out = epi["d_dtype"], ref["d"].shape[1]
     L = p["num_groups"]
-    valid = harness.group_of_rows(offsets, m) < L
+    valid = np_ops.np_group_of_rows(offsets, m) < L
     d, d_col, sfd_row, sfd_col = outs["d"], outs["d_col"], outs["sfd_row"], outs["sfd_col"]
     errs = []
     s_row = nf.np_unpack_sf(sfd_row, m, -(-n_out // 32))[0]
     errs += check_block_quant("D", d, s_row, ref["d"], e_d, d_dtype, valid)
     if not np.array_equal(nf.np_pack_sf(s_row[None]), np.asarray(sfd_row).reshape(-1)):
         errs.append("SFD_row: nonzero padding bytes")
-    ends = harness.sanitize(offsets, m)
+    ends = np_ops.np_sanitized_ends(offsets, m)
     if epi["discrete_col_sfd"]:
         s_col = nf.np_unpack_sf_segments(sfd_col, n_out, ends, m, 32)
         packed = nf.np_pack_sf_segments(s_col, ends, 32)
@@ -326,7 +313,10 @@ def artifact_call(name: str):
 
 def reference_call(p: dict):
     """Stand-in for the kernel with the same arguments and output order: the public op on the JAX reference backend
-    (used by the CPU self-test of these checks, tests/test_mxfp8_gpu_checks.py)."""
+    (used by the CPU self-test of these checks, tests/test_mxfp8_gpu_checks.py). Jitted, so the offsets are device
+    data as for the kernel (sanitized; an eager call would reject the unsanitized patterns)."""
+    import jax
+
     import cudnn_moe_jax as cmj
 
     epi = p["epilogue"]
@@ -351,7 +341,7 @@ def reference_call(p: dict):
         keys = ("c_tensor", "d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tensor", "sfd_col_tensor")
         return [out[k] for k in keys if k in out.keys() and out[k] is not None]
 
-    return call
+    return jax.jit(call)
 
 
 def run_case(name: str, pattern: str, m: int, kind: str, problem=None, fn=None):

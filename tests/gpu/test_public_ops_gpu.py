@@ -19,10 +19,8 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import cudnn_moe_jax as cmj  # noqa: E402
-from cudnn_moe_jax import _runtime, formats  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import public_ops_cases as cases  # noqa: E402
+from cudnn_moe_jax import _runtime, formats  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, benchmark, compute-sanitizer subset. Writes logs/results to $OUT.
-#   run (carry .runtime .out/kgpu .bundle):  bash tests/gpu/run_device.sh [tests|bench|ncu|sanitize ...]
-#   (.bundle: `python -m cudnn_moe_jax.aot build ...` from tests/gpu/public_ops_cases.py, for the public-ops tests)
-#   MXFP8:  bash tests/gpu/run_device.sh mxtests mxbench mxncu mxsrc mxsanitize
+#   run (carry .runtime .out/kgpu .bundle):  bash tools/gpu/run_device.sh [tests|bench|ncu|sanitize ...]
+#   (.bundle: `python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants
+#    tests.gpu.public_ops_cases:bundle_items benchmarks.bench_cases:bundle_items`: the public-ops tests and the
+#    benchmark's public ops; .out/kgpu: tools/gpu/build_artifacts.py, the kernel tests and the lab's bench rows)
+#   MXFP8:  bash tools/gpu/run_device.sh mxtests mxbench mxncu mxsrc mxsanitize
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/kgpu_out}; mkdir -p "$OUT"
 steps=${*:-tests bench ncu sanitize}
@@ -19,7 +21,7 @@ for s in $steps; do
       echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
       grep -E "^FAILED" "$OUT/gpu_tests.log" | head -30 ;;
     bench)
-      timeout -s KILL ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_grouped_gemm.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+      timeout -s KILL ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_grouped_gemm.py --artifacts --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"; tail -12 "$OUT/bench.log" ;;
     ncu)
       specs=${NCU_SPECS:-"ours:bench_fc1_t256c21:^kernel_cutlass_kernel_ ours:bench_fc2_t256c21:^kernel_cutlass_kernel_ torch:fc2:^(?!prepare)"}
@@ -38,7 +40,7 @@ for s in $steps; do
       # nothing passed (a hang or a crash of every case): the timing steps would only burn device time
       grep -q " PASSED" "$OUT/mxfp8_tests.log" || skip="no MXFP8 test passed" ;;
     mxbench)
-      timeout -s KILL ${MXBENCH_TIMEOUT:-240} python3 benchmarks/bench_grouped_gemm.py --mxfp8 --out "$OUT/bench" \
+      timeout -s KILL ${MXBENCH_TIMEOUT:-240} python3 benchmarks/bench_grouped_gemm.py --mxfp8 --artifacts --out "$OUT/bench" \
         > "$OUT/mxfp8_bench.log" 2>&1
       echo "mxbench rc=$?"; grep -vE "^\s*$" "$OUT/mxfp8_bench.log" | cut -c1-300 | tail -40 ;;
     mxncu)  # where the time goes: pipe utilisation and warp stalls of an MXFP8 kernel. Own process group, killed
@@ -66,14 +68,14 @@ for s in $steps; do
       echo "source page rc=$? $(wc -l < "$OUT/mxsrc_sass.csv") lines" ;;
     mxsanitize)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${MXSAN_TIMEOUT:-50} compute-sanitizer --tool memcheck \
-        --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tests/gpu/sanitize_mxfp8.py \
+        --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tools/gpu/sanitize_mxfp8.py \
         > "$OUT/mxfp8_memcheck.log" 2>&1
       echo "mxsanitize rc=$?"; grep -E "ERROR SUMMARY|OK|Error|error" "$OUT/mxfp8_memcheck.log" | tail -6 ;;
     sanitize)
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
       for tool in memcheck racecheck; do
         timeout -s KILL 85 compute-sanitizer --tool $tool --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 \
-          python3 tests/gpu/sanitize_cases.py > "$OUT/$tool.log" 2>&1
+          python3 tools/gpu/sanitize_cases.py > "$OUT/$tool.log" 2>&1
         echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|OK|Error|error" "$OUT/$tool.log" | tail -6
       done ;;
   esac

@@ -1,8 +1,9 @@
 """Timing-only MXFP8 modules (wrong results): the default fc1 kernel with its fold replaced, to split tensor time
 from the fold's cost. Added to the `mxfp8_bench` section of the manifest as `mxbench_fc1_timing_<variant>`, so
-`run_device.sh mxbench` (or `bench_grouped_gemm.py --mxfp8 --shapes fc1`) times them beside the real kernel.
+`run_device.sh mxbench` (or `bench_grouped_gemm.py --mxfp8 --artifacts --shapes fc1`) times them beside the real
+kernel.
 
-    python tests/gpu/build_timing_variants.py [VARIANT ...]      # after build_artifacts.py --only mxfp8_bench
+    python tools/gpu/build_timing_variants.py [VARIANT ...]      # after build_artifacts.py --only mxfp8_bench
 
 ptxas deletes a wgmma whose result is never read (it leaves a placeholder `HGMMA.64x8x16.F16 RZ`), and serializes the
 wgmmas (a full wait after each) when only some of a wgmma's results are read, so every variant reads all of each
@@ -17,18 +18,15 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import _paths  # noqa: F401  (tools/gpu: the checkout and tests/ on sys.path)
+import build_artifacts as ba
 
-import build_artifacts as ba  # noqa: E402
+import cutlass.cute as cute
 
-import cutlass.cute as cute  # noqa: E402
-
-from cudnn_moe_jax.kernels.sm90 import default_config  # noqa: E402
-from cudnn_moe_jax.kernels.sm90 import mainloop_mxfp8 as mx  # noqa: E402
-from cudnn_moe_jax.kernels.sm90.mainloop import WgmmaMainloop  # noqa: E402
+from cudnn_moe_jax.kernels.sm90 import default_config
+from cudnn_moe_jax.kernels.sm90 import mainloop_mxfp8 as mx
+from cudnn_moe_jax.kernels.sm90.mainloop import WgmmaMainloop
 
 
 def _fadd(acc, P, S, base: int):  # data wgmma only (the scale wgmma is deleted), one FADD per value reading P
@@ -55,7 +53,6 @@ VARIANTS = {"fadd": (_fadd, False, None, {}),
 
 def _check_sass(variant: str, problem, config) -> None:
     """The variant's SASS has the data wgmmas, the scale wgmmas iff intended, and no placeholder wgmma."""
-    sys.path.insert(0, str(HERE.parent))
     from test_kernels_compile import _cuobjdump, compile_module, sass_of
 
     tool = _cuobjdump()

@@ -1,11 +1,12 @@
 """CPU side of the GPU tests/benchmarks: compile every case for sm_90a and `jax.export` it to .out/kgpu/.
 
-    python tests/gpu/build_artifacts.py [--only tests|bench|mxfp8|mxfp8_bench] [--out DIR]
+    python tools/gpu/build_artifacts.py [--only tests|bench|mxfp8|mxfp8_bench] [--out DIR]
 
 Test cases are exported with a symbolic `m` (one module per variant, run at several m); benchmark cases with
 their concrete shapes and each candidate Config. Writes `<name>.jaxexp` + `manifest.json` (sections: tests, bench
-= bf16/fp16 kernels; mxfp8, mxfp8_bench = block-scaled FP8 inputs, tests/gpu/test_mxfp8_gpu.py and the
-`--mxfp8` benchmark).
+= bf16/fp16 kernels; mxfp8, mxfp8_bench = block-scaled FP8 inputs, tests/gpu/test_mxfp8_gpu.py). The bench sections
+are the lab's: `benchmarks/bench_grouped_gemm.py [--mxfp8] --artifacts` times them beside the public ops, and
+benchmarks/profile_one.py / probe_launch_overhead.py run them alone.
 """
 
 from __future__ import annotations
@@ -19,21 +20,16 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from _paths import REPO  # noqa: E402  (tools/gpu: puts the checkout on sys.path)
 
 import jax  # noqa: E402
 
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
+from cudnn_moe_jax.shapes import FUSION, SHAPES  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import Config, default_config, variants  # noqa: E402
 
 TEST_SHAPE = (2048, 512, 256, 4)  # m (symbolic when exported), N, K, L
 
-BENCH_SHAPES = {  # name -> (m, N, K, L, op, act)
-    "fc1": (16384, 4096, 7168, 8, "glu", "swiglu"),
-    "fc2": (16384, 7168, 2048, 8, "quant", None),
-    "small": (16384, 1536, 2048, 64, "glu", "swiglu"),
-}
 BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>] [p: epi_pin]
     "t256c21": Config(tile_n=256, cluster_m=2),
     "t256c21e1": Config(tile_n=256, cluster_m=2, epi_stages=1),
@@ -164,9 +160,9 @@ def _name(p: GroupedGemmProblem) -> str:
 def mxfp8_bench_problem(name: str) -> GroupedGemmProblem:
     """The problem of MXFP8_BENCH[name] (e4m3 + e8m0 per 32 on its bench shape)."""
     shape_name, epi, _ = MXFP8_BENCH[name]
-    m, n, k, L, op, _ = BENCH_SHAPES[shape_name]
-    return GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=L, ab_dtype=E4M3, sf_dtype=E8M0, sf_vec_size=32,
-                              epilogue=epi)
+    m, n, k, L = SHAPES[shape_name]
+    return GroupedGemmProblem(op=FUSION[shape_name][0], m=m, n=n, k=k, num_groups=L, ab_dtype=E4M3, sf_dtype=E8M0,
+                              sf_vec_size=32, epilogue=epi)
 
 
 def manifest_entry(problem, config, symbolic_m: bool) -> dict:
@@ -213,7 +209,8 @@ def main(argv=None) -> int:
         for name, p, cfg in edge_cases():
             todo.append(("tests", name, p, cfg, True))
     if args.only in (None, "bench"):
-        for shape_name, (m, n, k, L, op, act) in BENCH_SHAPES.items():
+        for shape_name, (m, n, k, L) in SHAPES.items():
+            op, act = FUSION[shape_name]
             epi = Epilogue(act=act, c_dtype="bfloat16" if op == "glu" else None, d_dtype="bfloat16",
                            compute_amax=True)
             p = GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=L, ab_dtype="bfloat16", epilogue=epi)

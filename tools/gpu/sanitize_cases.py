@@ -1,16 +1,15 @@
 """A few small kernel runs for compute-sanitizer (memcheck / racecheck); exit status 1 on a wrong result.
 
-    compute-sanitizer --tool memcheck --kernel-name kns=GroupedGemmSm90 python tests/gpu/sanitize_cases.py
+    compute-sanitizer --tool memcheck --kernel-name kns=GroupedGemmSm90 python tools/gpu/sanitize_cases.py
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-import test_grouped_gemm_gpu as t  # noqa: E402
+import _paths  # noqa: F401  (tools/gpu: tests/gpu and tests/ on sys.path)
+import harness
+import test_grouped_gemm_gpu as t
 
 CASES = [("var_bf16_swiglu_bias_cbf16_dbf16", "unsanitized", 1024),
          ("cfg_c22_n640_swiglu", "skewed", 2048),

@@ -1,16 +1,15 @@
 """Small MXFP8 kernel runs for compute-sanitizer (memcheck); exit status 1 on a wrong result.
 
-    compute-sanitizer --tool memcheck --kernel-name kns=GroupedGemmSm90 python tests/gpu/sanitize_mxfp8.py
+    compute-sanitizer --tool memcheck --kernel-name kns=GroupedGemmSm90 python tools/gpu/sanitize_mxfp8.py
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-import test_mxfp8_gpu as t  # noqa: E402
+import _paths  # noqa: F401  (tools/gpu: tests/gpu and tests/ on sys.path)
+import harness
+import test_mxfp8_gpu as t
 
 CASES = [("mx2_e4m3_geglu_bias_ce4m3_de4m3_lim_seg", "m_gt_valid", 1024, "adversarial"),
          ("mxedge_k208_n384_quant_fp8d", "unsanitized", 1024, "uniform_b"),

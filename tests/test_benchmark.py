@@ -1,0 +1,93 @@
+"""The benchmark times the public ops: its whole flow (inputs, the public op beside ragged_dot, the spot check, the
+table) on the CPU reference with tiny shapes, and the kernel bundle it needs on a GPU machine without the CuTe DSL
+compiler covers exactly the kernels' problems."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import bench_cases
+import bench_grouped_gemm as bench
+import pytest
+
+from cudnn_moe_jax import _runtime, shapes
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """Two tiny named shapes (a GLU one with an empty expert and a quant one), one skewed routing, 2 calls a program."""
+    monkeypatch.setitem(shapes.SHAPES, "tiny", shapes.GemmShape(512, 128, 64, 2))
+    monkeypatch.setitem(shapes.FUSION, "tiny", ("glu", "swiglu"))
+    monkeypatch.setitem(shapes.GROUP_SIZES, "tiny", (256, 0))
+    monkeypatch.setitem(shapes.SHAPES, "tiny_fc2", shapes.GemmShape(512, 64, 128, 2))
+    monkeypatch.setitem(shapes.FUSION, "tiny_fc2", ("quant", None))
+    monkeypatch.setitem(shapes.GROUP_SIZES, "tiny_fc2", (256, 256))
+    monkeypatch.setitem(shapes.ROUTINGS, "tiny_skewed", ("tiny", (0, 512)))
+    for name, value in (("REPS", 1), ("ITERS", 2), ("SETS", 2)):
+        monkeypatch.setattr(bench, name, value)
+
+
+def test_benchmark_times_the_public_ops(tiny, tmp_path):
+    bench.main(["--out", str(tmp_path), "--shapes", "tiny,tiny_fc2,tiny_skewed"])
+    rows = {r["shape"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert set(rows) == {"tiny", "tiny_fc2", "tiny_skewed"}
+    for name, row in rows.items():
+        assert {"ours", "ours#2", "ragged_dot+jnp"} <= set(row["ms"]), name
+        assert row["check"]["d_rel_err_vs_ragged"] < 1e-2 and row["check"]["rows_past_valid_m_zero"], row["check"]
+    assert rows["tiny"]["valid_m"] == 256 and rows["tiny_skewed"]["valid_m"] == 512
+    assert "c_rel_err_vs_ragged" in rows["tiny"]["check"] and "c_rel_err_vs_ragged" not in rows["tiny_fc2"]["check"]
+    assert "| tiny |" in (tmp_path / "table.md").read_text()
+
+
+def test_mxfp8_benchmark_times_the_public_ops(tiny, tmp_path):
+    bench.main(["--mxfp8", "--out", str(tmp_path), "--shapes", "tiny,tiny_fc2"])
+    rows = json.loads((tmp_path / "mxfp8_results.json").read_text())["results"]
+    assert [r["shape"] for r in rows] == ["tiny", "tiny_fc2"]
+    for row in rows:
+        assert {"ours[bf16d]", "ours[fp8d]"} <= set(row["ms"]) and "fp8d_over_bf16d_pct" in row
+
+
+def test_unknown_shape_is_named():
+    with pytest.raises(SystemExit, match="unknown shape 'fc3'"):
+        bench.main(["--shapes", "fc3"])
+
+
+def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
+    """What `aot build --variants benchmarks.bench_cases:bundle_items` compiles: each call asks for one kernel
+    module, of a problem the sm90 kernels implement (recorded here instead of compiled)."""
+    asked = []
+
+    def record(problem, input_names, config):
+        asked.append((problem, tuple(input_names)))
+        return None  # no kernel here: the call lowers to the reference (with a warning) and is not compiled
+
+    monkeypatch.setattr(_runtime, "kernel_lowering", record)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for item in bench_cases.bundle_items():
+            item()
+    assert len(asked) == 3 * len(shapes.SHAPES)
+    kernels = _runtime.kernels_package()
+    for problem, names in asked:
+        assert kernels.supports(problem) is None, problem
+        assert (problem.m, problem.n, problem.k, problem.num_groups) in shapes.SHAPES.values()
+    fp8_d = [p for p, names in asked if p.epilogue.generate_sfd]
+    assert len(fp8_d) == len(shapes.SHAPES) and all(p.ab_dtype == "float8_e4m3fn" for p in fp8_d)
+
+
+def test_lab_artifacts_are_timed_beside_the_public_op(tiny, tmp_path, monkeypatch):
+    """--artifacts: every exported module of the shape in the manifest runs as kernel[label] (here a CPU export of
+    the same public op stands in for a kernel module)."""
+    import harness
+    import jax
+
+    exported = jax.export.export(jax.jit(bench_cases.bf16_call("tiny")))(*bench_cases.bf16_avals("tiny"))
+    (tmp_path / "bench_tiny_t1.jaxexp").write_bytes(exported.serialize())
+    (tmp_path / "manifest.json").write_text(json.dumps({"bench": {"bench_tiny_t1": {}, "bench_other_t1": {}}}))
+    monkeypatch.setattr(harness, "ART_DIR", tmp_path)
+    monkeypatch.setattr(harness, "register", lambda: "test")
+    out = tmp_path / "out"
+    bench.main(["--artifacts", "--out", str(out), "--shapes", "tiny"])
+    (row,) = json.loads((out / "results.json").read_text())["results"]
+    assert {"ours", "ours#2", "kernel[t1]"} <= set(row["ms"]) and not any("other" in k for k in row["ms"])
