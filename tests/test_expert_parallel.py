@@ -1,8 +1,9 @@
 """nn.moe_layer_ep (expert parallelism) against the single-device nn.moe_layer, on virtual CPU devices.
 
 The multi-device runs happen in subprocesses (tests/ep_worker.py) so this session keeps its own device count:
-one group of cases per process (4 virtual devices each) and a two-process `jax.distributed` run (2 devices each,
-local coordinator, gloo collectives). All of them start together when the first test here needs them.
+one group of cases per process (4 virtual devices each), a two-process `jax.distributed` run (2 devices each,
+local coordinator, gloo collectives) and examples/moe_expert_parallel.py on 4 devices. All of them start together
+when the first test here needs them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import pytest
 
 from cudnn_moe_jax import nn
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep_worker.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "ep_worker.py")
+EXAMPLE = os.path.join(HERE, "..", "examples", "moe_expert_parallel.py")
+EXAMPLE_ARGS = ("--tokens-per-device", "64", "--hidden", "64", "--intermediate", "64", "--steps", "1",
+                "--time-exchange", "--bias")
 GROUPS = ("d2,d4_skew_empty,d4_overflow", "d2x2_data_explicit_batched,errors,modules")
 TIMEOUT_S = 600
 
@@ -41,6 +46,9 @@ def _collect(procs):
             continue
         if proc.returncode:
             failures.append(f"{name}: exit {proc.returncode}\n{err[-3000:]}")
+        if name == "example":
+            results["example"] = {"returncode": proc.returncode, "stdout": out, "stderr": err[-3000:]}
+            continue
         for line in out.splitlines():
             if line.startswith("{"):
                 value = json.loads(line)
@@ -52,11 +60,13 @@ def _collect(procs):
 @pytest.fixture(scope="module")
 def runs():
     env = dict(os.environ, JAX_PLATFORMS="cpu")   # the worker appends its device count to XLA_FLAGS (last wins)
-    start = lambda *args: subprocess.Popen([sys.executable, WORKER, *args], env=env, text=True,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    start = lambda *args, env=env: subprocess.Popen([sys.executable, *args], env=env, text=True,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     port = str(_free_port())
-    procs = [(f"cases {g}", start("cases", g)) for g in GROUPS]
-    procs += [(f"process {i}", start("process", str(i), port)) for i in range(2)]
+    procs = [(f"cases {g}", start(WORKER, "cases", g)) for g in GROUPS]
+    procs += [(f"process {i}", start(WORKER, "process", str(i), port)) for i in range(2)]
+    flags = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    procs.append(("example", start(EXAMPLE, *EXAMPLE_ARGS, env=dict(env, XLA_FLAGS=flags))))
     results, failures = _collect(procs)
     return results, failures
 
@@ -160,3 +170,12 @@ def test_ep_capacity_rule():
     for bad in (0, -1.0, float("inf"), float("nan"), "1"):
         with pytest.raises(ValueError, match="capacity_factor"):
             nn.ep_capacity(64, 2, 8, 4, bad)
+
+
+def test_example_runs_on_four_cpu_devices(runs):
+    run = _case(runs, "example")
+    assert run["returncode"] == 0, run["stderr"]
+    out = run["stdout"]
+    for expected in ("mesh {'data': 1, 'expert': 4}", "loss ", "dropped 0 of 512", "grad w1", "grad x",
+                     "forward+backward step", "exchange alone"):
+        assert expected in out, out
