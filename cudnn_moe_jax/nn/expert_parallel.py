@@ -17,13 +17,17 @@ Capacity and overflow policy (`capacity_factor`)
 ------------------------------------------------
 The exchange has static shapes: every source device sends every destination device a block of C row slots
 (`ep_capacity`). With `capacity_factor=None` (the default) C is the largest number of assignments one device can
-ever send another, `T/S * min(k, L/D)`, so nothing is ever dropped and the layer equals `nn.moe_layer` exactly (at
-the cost of buffers sized for the worst case). With a factor f, `C = ceil(f * (T/S) * k / D)` (the mean load per
+ever send another, `T/S * min(k, L/D)`, so nothing is ever dropped and the layer equals `nn.moe_layer` (at the
+cost of buffers sized for the worst case; each row meets the same arithmetic, only sums over k > 2 choices and, with
+data axes, the psum of bf16 weight-gradient partials round differently). With a factor f, `C = ceil(f * (T/S) * k / D)` (the mean load per
 device pair under uniform routing, times f), capped at that maximum. Slots from one source to one destination are
 filled in priority order: every token's first choice (in token order), then every second choice, and so on. An
 assignment that finds its block full is *dropped*: it contributes zero to its token's output (the token's other
 choices still count, and their gate weights are not renormalized) and receives no gradient. `aux["dropped"]`
 counts the dropped assignments over the whole mesh.
+
+The fused ops' primitive carries no varying-manual-axes (vma) types, so a `shard_map` around them needs
+`check_vma=False` (as here); calling `nn.moe_mlp` or an op inside your own `shard_map` needs the same.
 
 `jax.lax.ragged_all_to_all` (exact, no capacity) is not used: XLA:CPU does not implement it (jaxlib 0.10.2:
 "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"), so it could not be tested here.
@@ -31,6 +35,7 @@ counts the dropped assignments over the whole mesh.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Sequence
 
@@ -200,14 +205,23 @@ def moe_layer_ep(x, router_weight, w1, w2, b1=None, *, mesh: jax.sharding.Mesh, 
     batch_shape, hidden = x.shape[:-1], x.shape[-1]
     num_tokens, num_experts = math.prod(batch_shape), router_weight.shape[1]
     num_devices, shards = _check_layout(mesh, expert_axis, data_axes, num_tokens, num_experts, top_k)
-    num_local = num_experts // num_devices
     capacity = ep_capacity(num_tokens // shards, top_k, num_experts, num_devices, capacity_factor)
+    layer = _sharded_layer(mesh, expert_axis, data_axes, top_k, act, glu_limit, capacity, b1 is not None)
+    y, load, dropped = layer(x.reshape(num_tokens, hidden), router_weight, w1, w2, *(() if b1 is None else (b1,)))
+    return y.reshape(*batch_shape, hidden), {"expert_load": load, "dropped": dropped}
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_layer(mesh, expert_axis, data_axes, top_k, act, glu_limit, capacity, has_bias):
+    """The jitted shard_map of the layer for one static configuration (cached: an eager call compiles once
+    instead of dispatching every op inside shard_map; under an outer jit it is inlined)."""
     token_axes = (*data_axes, expert_axis)
 
     def body(x_loc, router, w1_loc, w2_loc, *maybe_b1):
+        num_experts = router.shape[1]
         logits = jnp.dot(x_loc.astype(jnp.float32), router.astype(jnp.float32))
         experts, weights = _routing.top_k_gating(logits, top_k)
-        dispatch = ep_dispatch(x_loc, experts, weights, axis_name=expert_axis, num_local_experts=num_local,
+        dispatch = ep_dispatch(x_loc, experts, weights, axis_name=expert_axis, num_local_experts=w1_loc.shape[0],
                                capacity=capacity)
         y_recv = local_expert_mlp(dispatch, w1_loc, w2_loc, *maybe_b1, act=act, glu_limit=glu_limit)
         y_loc = ep_combine(y_recv, dispatch, axis_name=expert_axis)
@@ -215,15 +229,15 @@ def moe_layer_ep(x, router_weight, w1, w2, b1=None, *, mesh: jax.sharding.Mesh, 
         return y_loc, jax.lax.psum(load, token_axes), jax.lax.psum(dispatch.dropped, token_axes)
 
     x_spec, w_spec = P(token_axes), P(expert_axis)
-    args = [(x.reshape(num_tokens, hidden), x_spec), (router_weight, P()), (w1, w_spec), (w2, w_spec)]
-    if b1 is not None:
-        args.append((b1, w_spec))
+    specs = (x_spec, P(), w_spec, w_spec) + ((w_spec,) if has_bias else ())
     # check_vma=False: the fused ops' primitive does not propagate varying-manual-axes types (its abstract eval
     # returns plain avals), which the vma checker rejects inside custom_vjp. Without the checker shard_map's
     # transpose psums the cotangents of inputs replicated over an axis (the router), which is the right rule here.
-    y, load, dropped = jax.shard_map(body, mesh=mesh, in_specs=tuple(spec for _, spec in args),
-                                     out_specs=(x_spec, P(), P()), check_vma=False)(*(_place(a, mesh, s) for a, s in args))
-    return y.reshape(*batch_shape, hidden), {"expert_load": load, "dropped": dropped}
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(x_spec, P(), P()), check_vma=False)
+
+    def layer(*args):
+        return mapped(*(_place(a, mesh, spec) for a, spec in zip(args, specs)))
+    return jax.jit(layer)
 
 
 def expert_parallel_shardings(mesh: jax.sharding.Mesh, expert_axis: str = "expert",
