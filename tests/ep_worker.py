@@ -173,6 +173,7 @@ def errors():
         "bad_top_k": lambda: ep.moe_layer_ep(x, router[:, :4], w1[:4], w2[:4], mesh=mesh4, top_k=5),
         "not_a_mesh": lambda: ep.moe_layer_ep(x, router[:, :4], w1[:4], w2[:4], mesh=jax.devices()),
         "router_vs_w1": lambda: ep.moe_layer_ep(x, router[:, :4], w1, w2, mesh=mesh4),
+        "router_not_2d": lambda: ep.moe_layer_ep(x, router[None, :, :4], w1[:4], w2[:4], mesh=mesh4),
         "same_axes": lambda: ep.moe_layer_ep(x, router[:, :4], w1[:4], w2[:4], mesh=mesh4, data_axes="expert"),
     }
     found = {}

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cudnn_moe_jax import nn
@@ -129,6 +130,7 @@ def test_capacity_overflow_drops_as_documented(runs):
     ("bad_top_k", "ValueError", ["top_k=5"]),
     ("not_a_mesh", "TypeError", ["mesh must be a jax.sharding.Mesh"]),
     ("router_vs_w1", "ValueError", ["w1 (6, 128, 64)", "router_weight.shape[1]=4"]),
+    ("router_not_2d", "ValueError", ["router_weight must be (H, L)"]),
     ("same_axes", "ValueError", ["distinct mesh axes"]),
 ])
 def test_bad_layouts_raise(runs, name, kind, words):
@@ -167,7 +169,8 @@ def test_ep_capacity_rule():
     assert nn.ep_capacity(64, 2, 8, 4, 1.25) == 40
     assert nn.ep_capacity(64, 2, 8, 4, 100.0) == 128                # capped at the no-drop maximum
     assert nn.ep_capacity(3, 1, 8, 8, 0.01) == 1                    # at least one slot
-    for bad in (0, -1.0, float("inf"), float("nan"), "1"):
+    assert nn.ep_capacity(64, 2, 8, 4, np.float32(1.0)) == 32
+    for bad in (0, -1.0, float("inf"), float("nan"), "1", True):
         with pytest.raises(ValueError, match="capacity_factor"):
             nn.ep_capacity(64, 2, 8, 4, bad)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -67,7 +68,8 @@ def ep_capacity(tokens_per_shard: int, top_k: int, num_experts: int, num_devices
     most = tokens_per_shard * min(top_k, num_experts // num_devices)
     if capacity_factor is None:
         return most
-    if not (isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0):
+    if not (isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
+            and math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 (or None: no drops)")
     return max(1, min(most, math.ceil(capacity_factor * tokens_per_shard * top_k / num_devices)))
 
@@ -115,7 +117,8 @@ def ep_combine(y, dispatch: Dispatch, *, axis_name: str):
     back = jnp.concatenate([back, jnp.zeros((1, y.shape[-1]), y.dtype)], axis=0)
     picked = back[dispatch.slot]                                   # (T_loc, k, H); the zero row where dropped
     out = picked[:, 0]
-    for j in range(1, picked.shape[1]):                            # choice order, like moe_layer's scatter-add
+    # Choice order: for k = 2 the same bf16 sum as moe_layer's scatter-add; for k > 2 it may round differently.
+    for j in range(1, picked.shape[1]):
         out = out + picked[:, j]
     return out
 
@@ -157,7 +160,7 @@ def _check_layout(mesh, expert_axis, data_axes, num_tokens, num_experts, top_k):
     if num_tokens % shards:
         raise ValueError(f"the token count {num_tokens} (product of x.shape[:-1]) must be divisible by the "
                          f"number of token shards {shards} (axes {(*data_axes, expert_axis)})")
-    if not (isinstance(top_k, int) and 1 <= top_k <= num_experts):
+    if not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and 1 <= top_k <= num_experts):
         raise ValueError(f"top_k={top_k!r} must be an int in [1, num_experts={num_experts}]")
     return num_devices, shards
 
@@ -165,6 +168,8 @@ def _check_layout(mesh, expert_axis, data_axes, num_tokens, num_experts, top_k):
 def _check_shapes(x, router_weight, w1, w2, b1):
     if x.ndim < 2:
         raise ValueError(f"x must be (..., H) with at least one token dimension, got shape {x.shape}")
+    if router_weight.ndim != 2:
+        raise ValueError(f"router_weight must be (H, L), got shape {router_weight.shape}")
     hidden, num_experts = router_weight.shape
     if x.shape[-1] != hidden:
         raise ValueError(f"x.shape[-1]={x.shape[-1]} must equal router_weight.shape[0]={hidden} (H)")
