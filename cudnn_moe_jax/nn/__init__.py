@@ -3,12 +3,19 @@
 `FlaxMoE` (flax.nnx) and `EquinoxMoE` are created on first access, so neither framework is a dependency.
 """
 
+from .expert_parallel import (Dispatch, ep_capacity, ep_combine, ep_dispatch, expert_parallel_shardings,
+                              local_expert_mlp, moe_layer_ep)
 from .moe import moe_layer, moe_mlp
 from .routing import Routing, permute, permuted_rows, route, top_k_gating, unpermute
 from .weights import deinterleave_glu_weights, interleave_glu_weights
 
 __all__ = ["moe_mlp", "moe_layer", "Routing", "route", "permute", "unpermute", "permuted_rows", "top_k_gating",
+<<<<<<< HEAD
            "interleave_glu_weights", "deinterleave_glu_weights", "FlaxMoE", "EquinoxMoE"]
+=======
+           "moe_layer_ep", "ep_capacity", "ep_dispatch", "ep_combine", "local_expert_mlp", "Dispatch",
+           "expert_parallel_shardings", "FlaxMoE", "EquinoxMoE"]
+>>>>>>> ep
 
 
 def __getattr__(name):

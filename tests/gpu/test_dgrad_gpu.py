@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,12 +16,9 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-import cudnn_moe_jax as cmj  # noqa: E402
 from cudnn_moe_jax import _runtime  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dgrad_cases as cases  # noqa: E402
+import dgrad_cases as cases  # noqa: E402  (tests/conftest.py puts tests/ and tests/gpu/ on sys.path)
 import np_ops  # noqa: E402
 
 pytestmark = pytest.mark.gpu

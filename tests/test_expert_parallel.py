@@ -1,0 +1,184 @@
+"""nn.moe_layer_ep (expert parallelism) against the single-device nn.moe_layer, on virtual CPU devices.
+
+The multi-device runs happen in subprocesses (tests/ep_worker.py) so this session keeps its own device count:
+one group of cases per process (4 virtual devices each), a two-process `jax.distributed` run (2 devices each,
+local coordinator, gloo collectives) and examples/moe_expert_parallel.py on 4 devices. All of them start together
+when the first test here needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cudnn_moe_jax import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "ep_worker.py")
+EXAMPLE = os.path.join(HERE, "..", "examples", "moe_expert_parallel.py")
+EXAMPLE_ARGS = ("--tokens-per-device", "64", "--hidden", "64", "--intermediate", "64", "--steps", "1",
+                "--time-exchange", "--bias")
+GROUPS = ("d2,d4_skew_empty,d4_overflow", "d2x2_data_explicit_batched,errors,modules")
+TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _collect(procs):
+    """{case: values} from the JSON lines of every process; a failed process fails with its stderr tail."""
+    results, failures = {}, []
+    for name, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            failures.append(f"{name}: timed out after {TIMEOUT_S} s\n{err[-3000:]}")
+            continue
+        if proc.returncode:
+            failures.append(f"{name}: exit {proc.returncode}\n{err[-3000:]}")
+        if name == "example":
+            results["example"] = {"returncode": proc.returncode, "stdout": out, "stderr": err[-3000:]}
+            continue
+        for line in out.splitlines():
+            if line.startswith("{"):
+                value = json.loads(line)
+                key = value["case"] if value["case"] != "process" else f"process{value['process']}"
+                results[key] = value
+    return results, failures
+
+
+@pytest.fixture(scope="module")
+def runs():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")   # the worker appends its device count to XLA_FLAGS (last wins)
+    start = lambda *args, env=env: subprocess.Popen([sys.executable, *args], env=env, text=True,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    port = str(_free_port())
+    procs = [(f"cases {g}", start(WORKER, "cases", g)) for g in GROUPS]
+    procs += [(f"process {i}", start(WORKER, "process", str(i), port)) for i in range(2)]
+    flags = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    procs.append(("example", start(EXAMPLE, *EXAMPLE_ARGS, env=dict(env, XLA_FLAGS=flags))))
+    results, failures = _collect(procs)
+    return results, failures
+
+
+def _case(runs, name):
+    results, failures = runs
+    if name not in results:
+        pytest.fail(f"case {name!r} produced no result:\n" + "\n".join(failures))
+    return results[name]
+
+
+def _assert_close(case, y_tol, grad_tol):
+    assert case["y_err"] <= y_tol, case["y_err"]
+    for name, err in case["grad_err"].items():
+        assert err <= grad_tol, (name, err)
+        assert case["grad_norm"][name] > 0, name                    # random data: no vacuous zero gradients
+
+
+# Expert axis only and top_k 2: every row meets the same arithmetic as on one device (measured 0 for y, at most a
+# few fp32-order bf16 flips in the weight gradients).
+@pytest.mark.parametrize("name", ["d2", "d4_skew_empty"])
+def test_matches_single_device(runs, name):
+    case = _case(runs, name)
+    _assert_close(case, 1e-5, 1e-4)
+    assert case["dropped"] == 0 and case["load"] == case["load_ref"]
+    assert case["y_spec"] == "P('expert',)" and case["y_shape"] == [256, 64]
+
+
+def test_skewed_routing_and_an_empty_expert(runs):
+    case = _case(runs, "d4_skew_empty")
+    assert case["load"][0] >= 0.9 * 256 and case["load"][-1] == 0        # every token's first pick: expert 0
+    assert case["capacity"] == 64 * 2                                    # no-drop maximum: T/S * min(k, L/D)
+
+
+def test_data_axis_explicit_mesh_batched_top3(runs):
+    case = _case(runs, "d2x2_data_explicit_batched")
+    # top_k 3: the combine adds three bf16 outputs in choice order where moe_layer's scatter-add goes in row order
+    # (<= 1 bf16 ulp, 2^-8, per element); weight gradients are psummed over the data axis from bf16 partial sums
+    # (one more bf16 rounding than the single-device fp32 sum). Measured y 2.3e-3, dw 2.9e-3.
+    _assert_close(case, 8e-3, 8e-3)
+    assert case["grad_err"]["router"] <= 1e-5
+    assert case["dropped"] == 0 and case["load"] == case["load_ref"]
+    assert case["y_shape"] == [4, 64, 64] and case["y_spec"] == "P(('data', 'expert'), None, None)"
+
+
+def test_capacity_overflow_drops_as_documented(runs):
+    case = _case(runs, "d4_overflow")
+    assert case["capacity"] == 32                                        # ceil(1.0 * 64 tokens * 2 / 4 devices)
+    assert case["dropped"] == case["dropped_ref"] > 0                    # the policy simulated in numpy
+    # Against moe_layer's math with the dropped copies' gate weights zeroed: outputs and every gradient.
+    _assert_close(case, 1e-5, 1e-4)
+    assert case["all_dropped_tokens"] > 0 and case["all_dropped_max_abs"] == 0.0
+
+
+@pytest.mark.parametrize("name, kind, words", [
+    ("experts_not_divisible", "ValueError", ["num_experts=6", "divisible", "'expert' axis size 4"]),
+    ("tokens_not_divisible", "ValueError", ["token count 62", "token shards 4"]),
+    ("unknown_axis", "ValueError", ["'ep'", "not in the mesh axes"]),
+    ("bad_capacity", "ValueError", ["capacity_factor=0", "> 0"]),
+    ("bad_top_k", "ValueError", ["top_k=5"]),
+    ("not_a_mesh", "TypeError", ["mesh must be a jax.sharding.Mesh"]),
+    ("router_vs_w1", "ValueError", ["w1 (6, 128, 64)", "router_weight.shape[1]=4"]),
+    ("router_not_2d", "ValueError", ["router_weight must be (H, L)"]),
+    ("same_axes", "ValueError", ["distinct mesh axes"]),
+])
+def test_bad_layouts_raise(runs, name, kind, words):
+    got_kind, message = _case(runs, "errors")["errors"][name]
+    assert got_kind == kind, message
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize("framework", ["flax", "equinox"])
+def test_modules_with_a_mesh(runs, framework):
+    case = _case(runs, "modules")[framework]
+    without, with_mesh = case["values"]
+    assert abs(with_mesh - without) <= 1e-5 * abs(without)
+    assert case["w1_spec"] == "P('expert',)"                             # parameters created sharded
+    assert len(case["grad_err"]) >= 3 and max(case["grad_err"]) <= 1e-4
+
+
+def test_two_processes_span_one_mesh(runs):
+    procs = [_case(runs, f"process{i}") for i in range(2)]
+    assert [p["processes"] for p in procs] == [2, 2] and [p["devices"] for p in procs] == [4, 4]
+    assert [p["local_devices"] for p in procs] == [2, 2]
+    assert sorted(procs[0]["rows"] + procs[1]["rows"]) == [0, 64, 128, 192]   # each process holds its rows
+    for p in procs:
+        for name, err in p["errs"].items():
+            assert err <= 1e-4, (p["process"], name, err)
+        assert abs(p["loss"] - p["loss_ref"]) <= 1e-4 * abs(p["loss_ref"])
+        assert p["module_w1_spec"] == "P('expert',)" and p["module_w1_shards"] == 2
+    assert procs[0]["loss"] == procs[1]["loss"]
+
+
+def test_ep_capacity_rule():
+    assert nn.ep_capacity(64, 2, 8, 4) == 128                       # None: T/S * min(k, L/D)
+    assert nn.ep_capacity(64, 4, 8, 4) == 128                       # at most L/D = 2 copies of a token per device
+    assert nn.ep_capacity(64, 2, 8, 4, 1.0) == 32                   # ceil(f * T/S * k / D)
+    assert nn.ep_capacity(64, 2, 8, 4, 1.25) == 40
+    assert nn.ep_capacity(64, 2, 8, 4, 100.0) == 128                # capped at the no-drop maximum
+    assert nn.ep_capacity(3, 1, 8, 8, 0.01) == 1                    # at least one slot
+    assert nn.ep_capacity(64, 2, 8, 4, np.float32(1.0)) == 32
+    for bad in (0, -1.0, float("inf"), float("nan"), "1", True):
+        with pytest.raises(ValueError, match="capacity_factor"):
+            nn.ep_capacity(64, 2, 8, 4, bad)
+
+
+def test_example_runs_on_four_cpu_devices(runs):
+    run = _case(runs, "example")
+    assert run["returncode"] == 0, run["stderr"]
+    out = run["stdout"]
+    for expected in ("mesh {'data': 1, 'expert': 4}", "loss ", "dropped 0 of 512", "grad w1", "grad x",
+                     "forward+backward step", "exchange alone"):
+        assert expected in out, out
