@@ -10,12 +10,8 @@ from .routing import Routing, permute, permuted_rows, route, top_k_gating, unper
 from .weights import deinterleave_glu_weights, interleave_glu_weights
 
 __all__ = ["moe_mlp", "moe_layer", "Routing", "route", "permute", "unpermute", "permuted_rows", "top_k_gating",
-<<<<<<< HEAD
-           "interleave_glu_weights", "deinterleave_glu_weights", "FlaxMoE", "EquinoxMoE"]
-=======
-           "moe_layer_ep", "ep_capacity", "ep_dispatch", "ep_combine", "local_expert_mlp", "Dispatch",
-           "expert_parallel_shardings", "FlaxMoE", "EquinoxMoE"]
->>>>>>> ep
+           "interleave_glu_weights", "deinterleave_glu_weights", "moe_layer_ep", "ep_capacity", "ep_dispatch",
+           "ep_combine", "local_expert_mlp", "Dispatch", "expert_parallel_shardings", "FlaxMoE", "EquinoxMoE"]
 
 
 def __getattr__(name):
