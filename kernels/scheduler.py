@@ -28,7 +28,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 
 OFFSET_ALIGN = 256  # FIX_PAD_SIZE of cuDNN: group boundaries are multiples of 256 rows.
 
@@ -49,6 +49,7 @@ class GroupedTileScheduler:
             raise ValueError(f"block_m={self.block_m} must divide {OFFSET_ALIGN}")
         self.num_groups = num_groups
         self.group_m = group_m
+        self.align = OFFSET_ALIGN
         # ends are scanned by one warp: each lane owns a contiguous chunk of ceil(L/32) groups
         self.chunk = (num_groups + 31) // 32
         self.search_steps = [1 << s for s in reversed(range(max(1, math.ceil(math.log2(num_groups + 1)))))]
@@ -56,7 +57,8 @@ class GroupedTileScheduler:
     # ---------------------------------------------------------------------------------------- setup
     @cute.jit
     def load_group_ends(self, mOffsets: cute.Tensor, m_rows: Int32, sEnds: cute.Tensor, sValid: cute.Tensor):
-        """Warp-collective (call from one full warp). sEnds: (L,) Int32 smem; sValid: (1,) Int32 smem."""
+        """Warp-collective (call from one full warp). sEnds: (L,) Int32 smem; sValid: (1,) Int32 smem. Ends are
+        rounded down to `self.align` (256 rows; 1 for the token offsets of a K-grouped weight gradient)."""
         lane = cute.arch.lane_idx()
         L = self.num_groups
         run = Int32(0)
@@ -65,7 +67,8 @@ class GroupedTileScheduler:
             if j < L:
                 v = mOffsets[j]
                 v = cutlass.max(cutlass.min(v, m_rows), Int32(0))
-                v = v & Int32(~(OFFSET_ALIGN - 1))
+                if const_expr(self.align > 1):
+                    v = v & Int32(~(self.align - 1))
                 run = cutlass.max(run, v)
                 sEnds[j] = run
         # inclusive max-scan of the per-lane chunk maxima
@@ -123,3 +126,30 @@ class GroupedTileScheduler:
             n_tile = z % n_tiles
         return m_block, n_tile, is_compute
 
+
+class KGroupedTileScheduler(GroupedTileScheduler):
+    """The weight-gradient schedule: output tiles (expert e, M block, N block) of W (L, m_w, n_w), every expert's
+    tiles in turn (M fastest: consecutive clusters share B columns in L2); the reduction runs over the expert's
+    token range [end_{e-1}, end_e) of the sanitized token ends (`load_group_ends(..., align=1)`, m_rows = T). An
+    expert without tokens still owns its tiles: they store zeros."""
+
+    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, num_groups: int, m_blocks: int):
+        super().__init__(tile_m, tile_n, cluster_m, num_groups)
+        self.m_blocks = m_blocks
+        self.align = 1
+
+    @cute.jit
+    def decode_kgrouped(self, t: Int32, n_blocks: Int32):
+        """Linear cluster-tile index -> (expert, m_block, n_block)."""
+        per_expert = self.m_blocks * n_blocks
+        e = t // per_expert
+        local = t - e * per_expert
+        return e, local % self.m_blocks, local // self.m_blocks
+
+    @cute.jit
+    def token_range(self, e: Int32, sEnds: cute.Tensor):
+        """(first token, token count) of expert e."""
+        start = Int32(0)
+        if e > 0:
+            start = sEnds[e - 1]
+        return start, sEnds[e] - start

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu")
+SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
 DGRAD_ACTS = {"dglu": ("dswiglu", "dgeglu"), "dsrelu": ("dsrelu",)}
 DGRAD_C_DTYPES = ("bfloat16", "float16", "float32")  # the saved forward C read by the backward epilogue
 AB_DTYPES = ("bfloat16", "float16")
@@ -86,6 +86,8 @@ def supports(problem) -> Optional[str]:
         return "discrete weights are not implemented on sm90 yet"
     if problem.op in DGRAD_ACTS:
         return _dgrad_support(problem)
+    if problem.op == "wgrad":
+        return _wgrad_support(problem)
     if epi.rht or epi.has_hadamard:
         return "RHT and Hadamard are not implemented on sm90 yet"
     if epi.generate_sfd != (epi.d_dtype in FP8_OUT_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
@@ -142,6 +144,25 @@ def _dgrad_support(problem) -> Optional[str]:
     return None
 
 
+def _wgrad_support(problem) -> Optional[str]:
+    """The K-grouped weight gradient (schedule_kgrouped): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit."""
+    if problem.block_scaled or problem.ab_dtype not in AB_DTYPES:
+        return f"wgrad with {problem.ab_dtype} inputs: the sm90 kernel takes bf16/fp16 A/B only"
+    if problem.has_global_scales:
+        return "wgrad with global scales (NVFP4) is not implemented on sm90"
+    if problem.accumulate:
+        return "wgrad with accumulate_on_output is not implemented on sm90 yet"
+    if problem.wgrad_dtype not in OUT_DTYPES:
+        return f"wgrad_dtype {problem.wgrad_dtype!r} not in {OUT_DTYPES}"
+    if not 1 <= problem.num_groups <= MAX_GROUPS:
+        return f"num_groups must be in [1, {MAX_GROUPS}]"
+    if problem.m % 128:
+        return "wgrad needs m_w % 128 == 0 (an output tile must not straddle two experts' W rows)"
+    if problem.k % 8 or problem.n % 8:
+        return "wgrad needs T % 8 == 0 and n_w % 8 == 0 (16-byte TMA rows)"
+    return None
+
+
 def default_config(problem) -> Config:
     """Measured choice (benchmarks/RESULTS.md, H200): 128x256 tiles, 2x1 cluster multicasting B, 2 epilogue
     buffers (GLU with a 16-bit C then has 3 A/B stages, everything else 4), except GLU with >= 64 experts: one.
@@ -159,6 +180,8 @@ def default_config(problem) -> Config:
     """
     if problem.block_scaled:
         return Config(tile_n=128, cluster_m=2, mx_n_parts=2)
+    if problem.op == "wgrad" and problem.m % 256:
+        return Config(cluster_m=1)  # a 2-CTA cluster pairs two M tiles of one expert's W
     if problem.op == "glu" and problem.epilogue.c_dtype in AB_DTYPES and problem.num_groups >= 64:
         # many experts (few rows each): B streams from DRAM, so 4 A/B stages (one epilogue buffer) beat 3 stages
         # with two: `small` (64 experts) 593 vs 546 (run 25) and 571 vs 535 (run 10); with 8 experts -3..-12%

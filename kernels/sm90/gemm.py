@@ -24,10 +24,10 @@ Launcher argument order (what `cutlass.jax.cutlass_call` passes: the stream firs
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import cuda.bindings.driver as cuda
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -37,15 +37,25 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from cudnn_moe_jax._problem import Epilogue
+
 from .. import quantize as q8
 from ..epilogue import DgradRecipe, EpilogueRecipe
-from ..scheduler import GroupedTileScheduler
+from ..scheduler import GroupedTileScheduler, KGroupedTileScheduler
 from . import mainloop_mxfp8 as mx
+from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
 from .epilogue_dgrad import C_LOAD_BUFFERS, EPI_WARPS, DgradEpilogue
 from .epilogue_fwd import EPI_N, ForwardEpilogue
-from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
+from .mainloop import (
+    TILE_K,
+    KGroupedWgmmaMainloop,
+    WgmmaMainloop,
+    ab_stage_bytes,
+    make_ab_smem_layouts,
+    make_tiled_mma,
+)
 from .operands import DGRAD_OPS, launcher_operands
-from .mainloop import TILE_K, WgmmaMainloop, ab_stage_bytes, make_ab_smem_layouts, make_tiled_mma
+from .schedule_kgrouped import KGroupedSchedule
 
 _DTYPES = {
     "bfloat16": cutlass.BFloat16,
@@ -63,7 +73,7 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
 
-class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
+class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
     """`acc[r, :] = A[r, :] @ B[g(r)]^T` for the rows of every group, with the problem's epilogue fused."""
 
     def __init__(self, problem, config: Optional[Config] = None):
@@ -72,10 +82,16 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
             raise NotImplementedError(reason)
         self.problem = problem
         self.config = config if config is not None else default_config(problem)
-        cfg, epi = self.config, problem.epilogue
+        # wgrad: the K-grouped schedule (schedule_kgrouped), W = acc stored by the quant epilogue (no prob, alpha 1)
+        self.is_wgrad = problem.op == "wgrad"
+        epi_problem = problem
+        if self.is_wgrad:
+            epi_problem = dataclasses.replace(problem, op="quant",
+                                              epilogue=Epilogue(has_prob=False, d_dtype=problem.wgrad_dtype))
+        cfg, epi = self.config, epi_problem.epilogue
         # backward ops (dglu / dsrelu): C is an input, each step stores d_per_step D_row subtiles
         self.is_dgrad = problem.op in DGRAD_OPS
-        self.recipe = DgradRecipe(problem) if self.is_dgrad else EpilogueRecipe(problem)
+        self.recipe = DgradRecipe(problem) if self.is_dgrad else EpilogueRecipe(epi_problem)
         self.cin_dtype = _DTYPES[epi.c_dtype] if self.is_dgrad else None
         self.d_per_step = 2 if self.is_dgrad and self.recipe.is_glu else 1
 
@@ -97,7 +113,11 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
             self.cin_step_bytes = self.tile_m * EPI_N * self.cin_dtype.width // 8 * self.d_per_step
             if self.epi_steps % (2 * C_LOAD_BUFFERS):  # the C-load mbarrier phases repeat per tile
                 raise NotImplementedError(f"dgrad epilogue needs tile_n % {2 * C_LOAD_BUFFERS * EPI_N} == 0")
-        self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
+        if self.is_wgrad:
+            self.sched = KGroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups,
+                                               problem.m // (self.tile_m * self.cluster_m))
+        else:
+            self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
         self.max_clusters = cfg.num_sms // self.cluster_size
         if self.cluster_size == 4:
             self.max_clusters = min(self.max_clusters, H200_4CTA_CLUSTERS)
@@ -113,7 +133,8 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
             self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
                                              cfg.mx_n_parts)
         else:
-            self.mainloop = WgmmaMainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
+            mainloop = KGroupedWgmmaMainloop if self.is_wgrad else WgmmaMainloop
+            self.mainloop = mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
 
     def _smem_fit(self, epi_stages: int) -> int:
         """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
@@ -172,15 +193,20 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
         if len(present) != len(names):
             raise ValueError(f"expected {len(names)} tensors ({names}), got {len(present)}")
         named = dict.fromkeys(("sfa", "sfb", "prob", "bias", "norm_const", "c", "d_col", "amax", "sfd_row",
-                               "sfd_col", "beta", "dprob_parts", "dbias_parts"))
+                               "sfd_col", "beta", "dprob_parts", "dbias_parts", "d", "wgrad", "alpha"))
         named.update(zip(names, present))
         return named
 
     @cute.jit
     def launch(self, stream: cuda.CUstream, *tensors):
         t = self._unpack(tensors)
-        a, b, d = t["a"], t["b"], t["d"]
+        a, b = t["a"], t["b"]
         m_rows = a.shape[0]
+        if const_expr(self.is_wgrad):  # W (L, m_w, n_w) as (L * m_w, n_w): expert e's rows start at e * m_w
+            d = cute.make_tensor(t["wgrad"].iterator, cute.make_layout((self.num_groups * self.problem.m, self.n),
+                                                                      stride=(self.n, 1)))
+        else:
+            d = t["d"]
 
         sa_layout = sb_layout = None
         if const_expr(self.block_scaled):
@@ -273,6 +299,8 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
             self.zero_bytes_kernel(mSfdRow, mSfdCol).launch(grid=[264, 1, 1], block=[256, 1, 1], stream=stream)
 
         total = (m_rows // self.sched.block_m) * self.n_blocks
+        if const_expr(self.is_wgrad):
+            total = self.num_groups * self.sched.m_blocks * self.n_blocks
         num_clusters = cutlass.min(total, Int32(self.max_clusters))
         self.kernel(
             tiled_mma,
@@ -390,7 +418,8 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
         sValid = storage.valid.get_tensor(cute.make_layout(4))
         m_rows = mA.shape[0]
         if warp_idx == 0:
-            self.sched.load_group_ends(mOffsets, m_rows, sEnds, sValid)
+            # wgrad: the token ends, clipped to T (A is (m_w, T))
+            self.sched.load_group_ends(mOffsets, mA.shape[1] if const_expr(self.is_wgrad) else m_rows, sEnds, sValid)
         sSA = sSB = sSA16 = sSB16 = None
         if const_expr(self.block_scaled):
             sSA, sSB, sSA16, sSB16 = mx.Mxfp8Mainloop.scale_operands(storage.sSA, storage.sSB, sa_layout, sb_layout,
@@ -410,8 +439,11 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
-                              tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF)
+                if const_expr(self.is_wgrad):
+                    self.kgrouped_producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds)
+                else:
+                    self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
+                                  tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF)
             if const_expr(self.block_scaled):
                 for w, operand, quarters in mx.DECODER_WARPS:
                     if warp_idx == w:
@@ -630,17 +662,36 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
 
-        t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
+        if const_expr(self.is_wgrad):
+            t, stride, total = self._kgrouped_work()
+        else:
+            t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
         while t < total:
-            m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
-            g = cutlass.min(self.sched.group_of_row(m_block * self.sched.block_m, sEnds), Int32(self.num_groups - 1))
-            m_tile = m_block * self.cluster_m + rank_m
-            n_tile = n_block * self.cluster_n + rank_n
-            k_count = Int32(0)
-            if is_compute:
-                k_count = Int32(k_tiles)
+            if const_expr(self.is_wgrad):
+                # K-grouped: tile (expert g, m, n) of W; K = g's token range; W[g] rows sit at g * m_w
+                g, m_block, n_block = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
+                _, tokens = self.sched.token_range(g, sEnds)
+                is_compute = True
+                m_tile = m_block * self.cluster_m + rank_m
+                n_tile = n_block * self.cluster_n + rank_n
+                k_count = (tokens + self.tile_k - 1) // self.tile_k
+                stage_ctx = (sA, k_count - 1, tokens - (k_count - 1) * self.tile_k, wg, ctid % 128)
+                out_m_tile = g * (self.sched.m_blocks * self.cluster_m) + m_tile
+            else:
+                m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
+                g = cutlass.min(self.sched.group_of_row(m_block * self.sched.block_m, sEnds),
+                                Int32(self.num_groups - 1))
+                m_tile = m_block * self.cluster_m + rank_m
+                n_tile = n_block * self.cluster_n + rank_n
+                out_m_tile = m_tile
+                stage_ctx = None
+                k_count = Int32(0)
+                if is_compute:
+                    k_count = Int32(k_tiles)
             # per-tile epilogue operands, loaded before the mainloop so their latency hides under it
-            alpha = mAlpha[g]
+            alpha = Float32(1.0)
+            if const_expr(not self.is_wgrad):
+                alpha = mAlpha[g]
             prob_v = Float32(1.0)
             if const_expr(self.recipe.has_prob):
                 if ctid < self.tile_m:
@@ -662,7 +713,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
                 )
             else:
                 read_state, release_state = self.mainloop.mma_tile(
-                    ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
+                    ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count, stage_ctx
                 )
             if const_expr(self.is_dgrad):
                 self.dgrad_epilogue(
@@ -676,7 +727,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue):
                     acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute,
                     ctid, r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
                     r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
-                    store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD,
+                    store_pipeline, epi_barrier, is_store_warp, out_m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD,
                     sC,
                 )
             t += stride

@@ -85,6 +85,15 @@ def output_shape_dtypes(problem, m):
     return outs
 
 
+def launch_shape_dtypes(problem, config, m):
+    """The launch's output ShapeDtypeStructs (dgrad: partial sums; wgrad: W (L, m_w, n_w))."""
+    if problem.op in DGRAD_OPS:
+        return dgrad_kernel_shape_dtypes(problem, config, m)
+    if problem.op == "wgrad":
+        return [jax.ShapeDtypeStruct((problem.num_groups, problem.m, problem.n), jnp.dtype(problem.wgrad_dtype))]
+    return output_shape_dtypes(problem, m)
+
+
 def make_call(problem, config=None):
     """A function `(a, b, [sfa, sfb], padded_offsets, alpha, [prob], [bias], [norm_const]) -> tuple(c?, d,
     d_col?, amax?, sfd_row?, sfd_col?)` for use under jit."""
@@ -98,8 +107,7 @@ def make_call(problem, config=None):
         m = arrays[0].shape[0]
         fn = cutlass_call(
             kernel,
-            output_shape_dtype=tuple(dgrad_kernel_shape_dtypes(problem, kernel.config, m) if problem.op in DGRAD_OPS
-                                     else output_shape_dtypes(problem, m)),
+            output_shape_dtype=tuple(launch_shape_dtypes(problem, kernel.config, m)),
             input_spec=tuple(ins),
             output_spec=tuple(outs),
             compile_key=kernel.cache_key,

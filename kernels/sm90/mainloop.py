@@ -91,7 +91,9 @@ class WgmmaMainloop:
         return prod_state
 
     @cute.jit
-    def wait_stage(self, ab_pipeline, state, dec_mbar):
+    def wait_stage(self, ab_pipeline, state, stage_ctx, k):
+        """Wait for stage `state` (tile-local k-tile k); `stage_ctx` is the subclass's (KGroupedWgmmaMainloop: the
+        token tail to mask; the MXFP8 timing variant `plain`: the decode barrier)."""
         ab_pipeline.consumer_wait(state)
 
     @cute.jit
@@ -105,10 +107,10 @@ class WgmmaMainloop:
         tCrA: cute.Tensor,
         tCrB: cute.Tensor,
         k_count: Int32,
-        dec_mbar=None,
+        stage_ctx=None,
     ):
-        """acc = sum over k_count k-tiles (acc is zeroed first; k_count == 0 leaves zeros). `dec_mbar` goes to
-        `self.wait_stage` (unused here; the MXFP8 timing variant `plain` runs this loop with its own stage wait)."""
+        """acc = sum over k_count k-tiles (acc is zeroed first; k_count == 0 leaves zeros). `stage_ctx` goes to
+        `self.wait_stage`."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -116,14 +118,14 @@ class WgmmaMainloop:
         # keep one wgmma batch in flight: release stage k-1 once stage k has been issued
         prologue = cutlass.min(k_count, Int32(1))
         for _k in cutlass.range(prologue, unroll=1):
-            self.wait_stage(ab_pipeline, read_state, dec_mbar)
+            self.wait_stage(ab_pipeline, read_state, stage_ctx, _k)
             for kb in cutlass.range_constexpr(num_k_blocks):
                 crd = (None, None, kb, read_state.index)
                 cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
             warpgroup.commit_group()
             read_state.advance()
         for _k in cutlass.range(prologue, k_count, 1, unroll=1):
-            self.wait_stage(ab_pipeline, read_state, dec_mbar)
+            self.wait_stage(ab_pipeline, read_state, stage_ctx, _k)
             for kb in cutlass.range_constexpr(num_k_blocks):
                 crd = (None, None, kb, read_state.index)
                 cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
@@ -137,3 +139,30 @@ class WgmmaMainloop:
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
         return read_state, release_state
+
+
+class KGroupedWgmmaMainloop(WgmmaMainloop):
+    """The weight-gradient k-loop: K is one expert's token range, loaded from its first token (any alignment), so
+    the last k-tile may hold the next expert's tokens. Before that stage's wgmmas, each consumer warpgroup zeroes
+    them in its 64 rows of A (B x 0 adds nothing, as the reference masks A), fences the generic-proxy stores
+    against the wgmma's async-proxy reads and syncs its 128 threads on its own named barrier.
+
+    stage_ctx = (sA, last k-tile, valid tokens in it, warpgroup, thread in warpgroup)."""
+
+    @cute.jit
+    def wait_stage(self, ab_pipeline, state, stage_ctx, k):
+        ab_pipeline.consumer_wait(state)
+        sA, last, valid, wg, tid = stage_ctx
+        if k == last:
+            if valid < TILE_K:
+                rows = self.tile_m // 2
+                for i in cutlass.range_constexpr(rows * TILE_K // 128):
+                    idx = tid + 128 * i
+                    col = idx % TILE_K
+                    if col >= valid:
+                        sA[(wg * rows + idx // TILE_K, col, state.index)] = self.ab_dtype(0.0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=KGROUPED_BARRIER_ID + wg, number_of_threads=128)
+
+
+KGROUPED_BARRIER_ID = 2  # + warpgroup (named barrier 1 is the epilogue's)

@@ -256,7 +256,7 @@ class Mxfp8Mainloop:
         return data_mma, scale_mma, tCrA, tCrB, tCrSA, tCrSB, P, S
 
     @cute.jit
-    def wait_stage(self, ab_pipeline, state, dec_mbar):
+    def wait_stage(self, ab_pipeline, state, dec_mbar, k=None):
         ab_pipeline.consumer_wait(state)
         cute.arch.mbarrier_wait(dec_mbar + state.index, state.phase)
 

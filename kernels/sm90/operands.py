@@ -24,6 +24,8 @@ def launcher_operands(problem):
     """(inputs, outputs): lists of (name, kind) for the present tensors, in the launcher's argument order
     (after the stream)."""
     epi = problem.epilogue
+    if problem.op == "wgrad":  # A (m_w, T), B (n_w, T), token offsets (L,) -> W (L, m_w, n_w); no m-dynamic shape
+        return [("a", "static"), ("b", "static"), ("padded_offsets", "static")], [("wgrad", "static")]
     ins = [("a", "rows"), ("b", "weights")]
     if problem.block_scaled:
         ins += [("sfa", "sf_rows"), ("sfb", "static")]

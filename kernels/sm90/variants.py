@@ -81,6 +81,10 @@ def input_avals(problem):
 
     m, n, k, L = problem.m, problem.n, problem.k, problem.num_groups
     epi = problem.epilogue
+    if problem.op == "wgrad":
+        return {"a": jax.ShapeDtypeStruct((m, k), jnp.dtype(problem.ab_dtype)),
+                "b": jax.ShapeDtypeStruct((n, k), jnp.dtype(problem.ab_dtype)),
+                "padded_offsets": jax.ShapeDtypeStruct((L,), jnp.int32)}
     avals = {
         "a": jax.ShapeDtypeStruct((m, k), jnp.dtype(problem.ab_dtype)),
         "b": jax.ShapeDtypeStruct((L, n, k), jnp.dtype(problem.ab_dtype)),
