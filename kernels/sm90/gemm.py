@@ -55,7 +55,7 @@ from .mainloop import (
     make_tiled_mma,
 )
 from .operands import DGRAD_OPS, launcher_operands
-from .schedule_kgrouped import KGroupedSchedule
+from .schedule_kgrouped import MASKER_WARP, KGroupedSchedule
 
 _DTYPES = {
     "bfloat16": cutlass.BFloat16,
@@ -264,7 +264,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         @cute.struct
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            if const_expr(self.block_scaled):
+            if const_expr(self.block_scaled or self.is_wgrad):  # MXFP8: decoded scales; wgrad: masked A tails
                 dec_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
             ends: cute.struct.MemRange[Int32, self.num_groups]
             valid: cute.struct.MemRange[Int32, 4]
@@ -403,6 +403,14 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                     for s in cutlass.range_constexpr(self.ab_stages):
                         cute.arch.mbarrier_init(dec_mbar + s, 32 * len(mx.DECODER_WARPS))
             cute.arch.mbarrier_init_fence()
+        if const_expr(self.is_wgrad):
+            # masked-A barrier per stage: the masker warp's 32 lanes arrive
+            dec_mbar = storage.dec_mbar.data_ptr()
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for s in cutlass.range_constexpr(self.ab_stages):
+                        cute.arch.mbarrier_init(dec_mbar + s, 32)
+            cute.arch.mbarrier_init_fence()
         cin_bars = None
         if const_expr(self.is_dgrad):
             # one mbarrier per C load buffer: the store warp's lane 0 arrives with the expected bytes
@@ -444,6 +452,9 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                 else:
                     self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
                                   tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF)
+            if const_expr(self.is_wgrad):
+                if warp_idx == MASKER_WARP:
+                    self.kgrouped_masker(ab_pipeline, dec_mbar, sA, sEnds)
             if const_expr(self.block_scaled):
                 for w, operand, quarters in mx.DECODER_WARPS:
                     if warp_idx == w:
@@ -675,7 +686,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                 m_tile = m_block * self.cluster_m + rank_m
                 n_tile = n_block * self.cluster_n + rank_n
                 k_count = (tokens + self.tile_k - 1) // self.tile_k
-                stage_ctx = (sA, k_count - 1, tokens - (k_count - 1) * self.tile_k, wg, ctid % 128)
+                stage_ctx = dec_mbar  # the masker warp's per-stage barriers
                 out_m_tile = g * (self.sched.m_blocks * self.cluster_m) + m_tile
             else:
                 m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))

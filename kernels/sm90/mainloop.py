@@ -143,26 +143,13 @@ class WgmmaMainloop:
 
 class KGroupedWgmmaMainloop(WgmmaMainloop):
     """The weight-gradient k-loop: K is one expert's token range, loaded from its first token (any alignment), so
-    the last k-tile may hold the next expert's tokens. Before that stage's wgmmas, each consumer warpgroup zeroes
-    them in its 64 rows of A (B x 0 adds nothing, as the reference masks A), fences the generic-proxy stores
-    against the wgmma's async-proxy reads and syncs its 128 threads on its own named barrier.
-
-    stage_ctx = (sA, last k-tile, valid tokens in it, warpgroup, thread in warpgroup)."""
+    the last k-tile may hold the next expert's tokens. The masker warp (`KGroupedSchedule.kgrouped_masker`) zeroes
+    them in A (B x 0 adds nothing, as the reference masks A) and arrives on the stage's mask mbarrier; the
+    consumers wait for it as well as for the TMA (stage_ctx = the mask mbarriers). Measured on the H200: zeroing
+    inside the consumer warpgroups (divergent stores + a warpgroup barrier next to the wgmmas) raised
+    CUDA_ERROR_ILLEGAL_INSTRUCTION."""
 
     @cute.jit
     def wait_stage(self, ab_pipeline, state, stage_ctx, k):
         ab_pipeline.consumer_wait(state)
-        sA, last, valid, wg, tid = stage_ctx
-        if k == last:
-            if valid < TILE_K:
-                rows = self.tile_m // 2
-                for i in cutlass.range_constexpr(rows * TILE_K // 128):
-                    idx = tid + 128 * i
-                    col = idx % TILE_K
-                    if col >= valid:
-                        sA[(wg * rows + idx // TILE_K, col, state.index)] = self.ab_dtype(0.0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=KGROUPED_BARRIER_ID + wg, number_of_threads=128)
-
-
-KGROUPED_BARRIER_ID = 2  # + warpgroup (named barrier 1 is the epilogue's)
+        cute.arch.mbarrier_wait(stage_ctx + state.index, state.phase)

@@ -12,10 +12,13 @@ A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): the consumer's tile loop re
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
+
+MASKER_WARP = 1  # warp 1 of the producer warpgroup (idle in the bf16 mainloop)
 
 
 class KGroupedSchedule:
@@ -61,3 +64,27 @@ class KGroupedSchedule:
             )
             t += stride
         ab_pipeline.producer_tail(prod_state)
+
+    @cute.jit
+    def kgrouped_masker(self, ab_pipeline, mask_mbar, sA, sEnds):
+        """Warp 1: for every stage the producer loads (same schedule), once its TMA landed: in an expert's last
+        k-tile, zero A's columns (tokens) past the expert's range; then fence the generic-proxy stores against
+        the wgmma's async-proxy reads and arrive on the stage's mask mbarrier (all 32 lanes)."""
+        lane = cute.arch.lane_idx()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        t, stride, total = self._kgrouped_work()
+        while t < total:
+            e, _, _ = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
+            _, tokens = self.sched.token_range(e, sEnds)
+            k_count = (tokens + self.tile_k - 1) // self.tile_k
+            valid = tokens - (k_count - 1) * self.tile_k
+            for k in cutlass.range(k_count, unroll=1):
+                ab_pipeline.consumer_wait(state)
+                if k == k_count - 1:
+                    for i in cutlass.range_constexpr(self.tile_m // 32):
+                        for c in cutlass.range(valid, self.tile_k, unroll=1):
+                            sA[(lane + 32 * i, c, state.index)] = self.ab_dtype(0.0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(mask_mbar + state.index)
+                state.advance()
+            t += stride
