@@ -77,10 +77,18 @@ class GroupedGemmProblem:
     wgrad_dtype: Optional[str] = None
     has_global_scales: bool = False
     accumulate: bool = False
+    # Memory order of the operands (a performance hint; the math is the same): "k" = K contiguous (the canonical
+    # row-major A (m, K), B (L, N, K)); "m" / "n" = A's M / B's N contiguous. A kernel then asks XLA for that
+    # layout, so a transposed activation or weight (`x.T`, `jnp.swapaxes(w, 1, 2)`) reaches it without a copy.
+    a_major: str = "k"
+    b_major: str = "k"
 
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"unknown op {self.op!r}")
+        if self.a_major not in ("k", "m") or self.b_major not in ("k", "n"):
+            raise ValueError(f"a_major must be 'k' or 'm' and b_major 'k' or 'n', got {self.a_major!r}, "
+                             f"{self.b_major!r}")
 
     @property
     def block_scaled(self) -> bool:

@@ -22,7 +22,8 @@ from .weights import check_expert_mlp, check_permuted
 
 
 def _swap_last(w):
-    """(L, N, K) -> (L, K, N): the other operand orientation of an expert weight (one XLA transpose)."""
+    """(L, N, K) -> (L, K, N): the other operand orientation of an expert weight. Passed with b_major="n", the
+    kernel reads the weight's own buffer (XLA turns the transpose into a layout change, no copy)."""
     return jnp.swapaxes(w, 1, 2)
 
 
@@ -63,16 +64,19 @@ def _moe_mlp_bwd(act, glu_limit, residuals, dy):
     common = dict(padded_offsets=padded_offsets, prob_tensor=prob, d_dtype=dtype, compute_amax=False,
                   generate_dbias=b1 is not None, dbias_dtype="float32" if b1 is not None else None)
     if act == "srelu":
-        bwd = ops.grouped_gemm_dsrelu(dy, _swap_last(w2), c, **common)
+        bwd = ops.grouped_gemm_dsrelu(dy, _swap_last(w2), c, b_major="n", **common)
     else:
-        bwd = ops.grouped_gemm_dglu(dy, _swap_last(w2), c, act_func="d" + act, glu_limit=glu_limit, **common)
+        bwd = ops.grouped_gemm_dglu(dy, _swap_last(w2), c, act_func="d" + act, glu_limit=glu_limit, b_major="n",
+                                    **common)
     dc = bwd.d_row_tensor
     # FC1 dgrad: dx = dC W1[e] (quant op with B = W1 seen as (L, H, 2I)).
-    dx = ops.grouped_gemm_quant(dc, _swap_last(w1), padded_offsets=padded_offsets, d_dtype=dtype,
+    dx = ops.grouped_gemm_quant(dc, _swap_last(w1), padded_offsets=padded_offsets, d_dtype=dtype, b_major="n",
                                 compute_amax=False).d_tensor
     # Weight gradients: tokens are the rows of the permuted layout; the group ends are the token offsets.
-    dw2 = ops.grouped_gemm_wgrad(dy.T, h.T, padded_offsets, wgrad_dtype=w2.dtype).wgrad_tensor
-    dw1 = ops.grouped_gemm_wgrad(dc.T, x_perm.T, padded_offsets, wgrad_dtype=w1.dtype).wgrad_tensor
+    # token-major operands (a_major="m", b_major="n"): the kernel reads dy, h, dC, x as they are, no transpose
+    majors = dict(a_major="m", b_major="n")
+    dw2 = ops.grouped_gemm_wgrad(dy.T, h.T, padded_offsets, wgrad_dtype=w2.dtype, **majors).wgrad_tensor
+    dw1 = ops.grouped_gemm_wgrad(dc.T, x_perm.T, padded_offsets, wgrad_dtype=w1.dtype, **majors).wgrad_tensor
     db1 = None if b1 is None else bwd.dbias_tensor.astype(b1.dtype)
     # padded_offsets is integer routing data: no cotangent.
     return dx, dw1, dw2, bwd.dprob_tensor, db1, None

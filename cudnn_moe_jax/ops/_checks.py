@@ -233,6 +233,21 @@ def out_dtype(dtype, arg: str, allowed) -> str:
     return name
 
 
+def operand_majors(static_kwargs: dict, a_major_allowed: bool = False) -> dict:
+    """Pop cuDNN's `b_major` ('k' | 'n') and, where the op takes it, `a_major` ('k' | 'm') from the static
+    keywords: {"a_major": ..., "b_major": ...} for the problem (docs/ops.md#operand-majors)."""
+    out = {"a_major": "k", "b_major": "k"}
+    for arg, allowed in (("a_major", ("k", "m")), ("b_major", ("k", "n"))):
+        if arg not in static_kwargs or (arg == "a_major" and not a_major_allowed):
+            continue
+        value = static_kwargs.pop(arg)
+        if value not in allowed:
+            raise ValueError(f"{arg} must be one of {allowed} (the contiguous dimension of the operand), got "
+                             f"{value!r}")
+        out[arg] = value
+    return out
+
+
 def check_static_kwargs(acc_dtype=None, m_aligned=None, cd_major=None, vector_f32=None, stream=None,
                         mma_tiler_mn=None, cluster_shape_mn=None, **unknown):
     """cuDNN wrapper keywords we accept for drop-in compatibility; anything but the supported value is an error."""

@@ -22,7 +22,9 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
           padded_offsets, alpha_tensor, beta_tensor, prob_tensor, norm_const_tensor, d_dtype, sf_vec_size,
           discrete_col_sfd, compute_amax, generate_dbias, dbias_dtype, glu_limit=None, glu_alpha=None,
           tanh_clamp_scale=None, static_kwargs=None, drop_keys=()):
-    config = ck.check_static_kwargs(**(static_kwargs or {}))
+    static_kwargs = dict(static_kwargs or {})
+    majors = ck.operand_majors(static_kwargs)
+    config = ck.check_static_kwargs(**static_kwargs)
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
                                     padded_offsets, sf_vec_size)
     m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
@@ -52,7 +54,7 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
                         discrete_col_sfd=bool(discrete_col_sfd), dbias_dtype=dbias_dtype if generate_dbias else None)
     problem = GroupedGemmProblem(op=op, m=m, n=n, k=dims["k"], num_groups=num_groups, ab_dtype=dims["ab_dtype"],
                                  sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
-                                 discrete_weights=dims["discrete"], epilogue=epilogue)
+                                 discrete_weights=dims["discrete"], epilogue=epilogue, **majors)
     inputs.update(c=c, alpha=ck.float_vector(alpha_tensor, num_groups, "alpha_tensor", default=1.0),
                   beta=ck.float_vector(beta_tensor, num_groups, "beta_tensor", default=1.0),
                   prob=ck.float_vector(prob_tensor, m, "prob_tensor"), norm_const=norm_const)
@@ -133,6 +135,7 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
     their segments tile exactly when every |T_e| is a multiple of 4 * sf_vec_size. With accumulate_on_output the
     result is wgrad_tensor + W (added in fp32, rounded once). Returns wgrad_tensor (L, m, n).
     """
+    majors = ck.operand_majors(cudnn_static, a_major_allowed=True)
     config = ck.check_static_kwargs(**cudnn_static)
     a = ck.squeeze_unit(ck.array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, T)")
     b = ck.squeeze_unit(ck.array(b_tensor, "b_tensor"), 2, "b_tensor", "(n, T)")
@@ -178,7 +181,8 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
         wgrad_dtype = ck.out_dtype(wgrad_dtype or "bfloat16", "wgrad_dtype", ("bfloat16", "float16", "float32"))
     problem = GroupedGemmProblem(op="wgrad", m=m, n=n, k=tokens, num_groups=num_groups, ab_dtype=ab_dtype,
                                  sf_dtype=sf_dtype, sf_vec_size=vec, wgrad_dtype=wgrad_dtype,
-                                 has_global_scales=global_scale_a is not None, accumulate=bool(accumulate_on_output))
+                                 has_global_scales=global_scale_a is not None, accumulate=bool(accumulate_on_output),
+                                 **majors)
     inputs = {"a": a, "b": b, "offsets": offsets, "sfa": sfa, "sfb": sfb,
               "global_scale_a": ck.float_vector(global_scale_a, num_groups, "global_scale_a"),
               "global_scale_b": ck.float_vector(global_scale_b, num_groups, "global_scale_b"),

@@ -70,11 +70,11 @@ def activation_options(act: Optional[str], glu_limit, glu_alpha, tanh_clamp_scal
 
 
 def bind_forward(op: str, dims: dict, inputs: dict, epilogue: Epilogue, config, *, alpha_tensor, prob_tensor,
-                 sf_out_dtype: str, **extra_inputs) -> OpResult:
+                 sf_out_dtype: str, majors=None, **extra_inputs) -> OpResult:
     """Problem from the operand dims + epilogue, gating inputs (alpha default ones, prob optional), bind, wrap."""
     problem = GroupedGemmProblem(op=op, m=dims["m"], n=dims["n"], k=dims["k"], num_groups=dims["num_groups"],
                                  ab_dtype=dims["ab_dtype"], sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
-                                 discrete_weights=dims["discrete"], epilogue=epilogue)
+                                 discrete_weights=dims["discrete"], epilogue=epilogue, **(majors or {}))
     inputs.update(alpha=ck.float_vector(alpha_tensor, dims["num_groups"], "alpha_tensor", default=1.0),
                   prob=ck.float_vector(prob_tensor, dims["m"], "prob_tensor"), **extra_inputs)
     return finish(problem, _primitive.bind(problem, inputs, config), sf_out_dtype)
@@ -84,7 +84,9 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
              sfb_tensors, padded_offsets, alpha_tensor, prob_tensor, bias_tensor, norm_const_tensor, c_dtype,
              d_dtype, sf_vec_size, discrete_col_sfd, compute_amax, glu_limit=None, glu_alpha=None,
              tanh_clamp_scale=None, static_kwargs=None):
-    config = ck.check_static_kwargs(**(static_kwargs or {}))
+    static_kwargs = dict(static_kwargs or {})
+    majors = ck.operand_majors(static_kwargs)
+    config = ck.check_static_kwargs(**static_kwargs)
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
                                     padded_offsets, sf_vec_size)
     d_dtype = ck.out_dtype(d_dtype, "d_dtype", _D_DTYPES)
@@ -101,7 +103,7 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
                         discrete_col_sfd=bool(discrete_col_sfd),
                         **activation_options(act, glu_limit, glu_alpha, tanh_clamp_scale))
     return bind_forward(op, dims, inputs, epilogue, config, alpha_tensor=alpha_tensor, prob_tensor=prob_tensor,
-                        sf_out_dtype="float8_e8m0fnu", bias=bias, norm_const=norm_const)
+                        sf_out_dtype="float8_e8m0fnu", majors=majors, bias=bias, norm_const=norm_const)
 
 
 def grouped_gemm_quant(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, padded_offsets=None,

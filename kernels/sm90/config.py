@@ -84,6 +84,10 @@ def supports(problem) -> Optional[str]:
         return f"A/B dtype {problem.ab_dtype!r} not in {AB_DTYPES + MXFP8_DTYPES}"
     if problem.discrete_weights:
         return "discrete weights are not implemented on sm90 yet"
+    if problem.op != "wgrad" and problem.a_major != "k":
+        return "an M-major A is implemented for wgrad only"
+    if problem.b_major != "k" and (problem.block_scaled or problem.ab_dtype not in AB_DTYPES):
+        return "an N-major B needs bf16/fp16 operands (FP8 wgmma reads K-major tiles only)"
     if problem.op in DGRAD_ACTS:
         return _dgrad_support(problem)
     if problem.op == "wgrad":

@@ -96,6 +96,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         self.d_per_step = 2 if self.is_dgrad and self.recipe.is_glu else 1
 
         self.ab_dtype = _DTYPES[problem.ab_dtype]
+        self.a_mn, self.b_mn = problem.a_major == "m", problem.b_major == "n"  # M / N-contiguous operands
         self.d_dtype = _DTYPES[epi.d_dtype]
         self.c_dtype = _DTYPES[epi.c_dtype] if self.recipe.has_c else None
         self.bias_dtype = _DTYPES[epi.bias_dtype] if epi.has_bias else None
@@ -215,8 +216,9 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             a_layout, b_layout = mx.Mxfp8Mainloop.make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n,
                                                                        self.ab_stages)
         else:
-            tiled_mma = make_tiled_mma(self.ab_dtype, self.tile_n)
-            a_layout, b_layout = make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
+            tiled_mma = make_tiled_mma(self.ab_dtype, self.tile_n, a_mn=self.a_mn, b_mn=self.b_mn)
+            a_layout, b_layout = make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages,
+                                                      self.a_mn, self.b_mn)
         a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
             a_op, a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, self.tile_k), num_multicast=self.cluster_n

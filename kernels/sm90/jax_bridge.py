@@ -34,6 +34,10 @@ def _sf_kb(cols: int) -> int:
 
 
 def _spec(problem, name: str, kind: str) -> TensorSpec:
+    if problem.op == "wgrad" and name in ("a", "b") and (problem.a_major, problem.b_major)[name == "b"] != "k":
+        return TensorSpec(static=True, layout=(0, 1))  # (rows, T) with rows contiguous: the token-major buffer
+    if kind == "weights" and problem.b_major == "n":
+        return TensorSpec(mode=(1, 2, 0), static=True, layout=(2, 0, 1))  # (L, N, K) with N contiguous
     if kind == "rows":  # (m, cols): m dynamic
         cols = {"a": problem.k, "c": problem.n_out if problem.op in DGRAD_OPS else problem.n}.get(name, problem.n_out)
         return TensorSpec(divisibility=(M_ALIGN, cols))

@@ -21,12 +21,18 @@ from cutlass.tensor_utils import LayoutEnum
 TILE_K = 64  # 4 x k16 wgmma per stage; 128 B of bf16 per row = one SW128 atom
 
 
-def make_tiled_mma(ab_dtype, tile_n: int, num_consumer_wgs: int = 2) -> cute.TiledMma:
+def _major(mn: bool):
+    return cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
+
+
+def make_tiled_mma(ab_dtype, tile_n: int, num_consumer_wgs: int = 2, a_mn: bool = False,
+                   b_mn: bool = False) -> cute.TiledMma:
+    """a_mn / b_mn: the operand's shared-memory tile is M / N-major (16-bit wgmma reads either)."""
     return sm90_utils.make_trivial_tiled_mma(
         ab_dtype,
         ab_dtype,
-        cute.nvgpu.OperandMajorMode.K,
-        cute.nvgpu.OperandMajorMode.K,
+        _major(a_mn),
+        _major(b_mn),
         Float32,
         (num_consumer_wgs, 1, 1),
         tiler_mn=(64, tile_n),
@@ -37,10 +43,18 @@ def ab_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
     return (tile_m + tile_n) * TILE_K * ab_dtype.width // 8
 
 
-def make_ab_smem_layouts(ab_dtype, tile_m: int, tile_n: int, stages: int):
-    """Staged (rows, TILE_K, stages) swizzled K-major layouts of A and B."""
+def make_ab_smem_layouts(ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: bool = False,
+                         b_mn: bool = False):
+    """Staged (rows, TILE_K, stages) swizzled layouts of A and B: K-major, or M / N-major (the swizzle atom runs
+    along the rows) for an operand whose global memory has M / N contiguous (TMA copies boxes either way)."""
     layouts = []
-    for rows in (tile_m, tile_n):
+    for rows, mn in ((tile_m, a_mn), (tile_n, b_mn)):
+        if mn:
+            atom = warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(LayoutEnum.COL_MAJOR, ab_dtype, rows), ab_dtype
+            )
+            layouts.append(cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(1, 0, 2)))
+            continue
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, ab_dtype, TILE_K), ab_dtype
         )
