@@ -57,8 +57,8 @@ def test_wgrad_kernel_matches_float64(case, pattern):
         _poison()
         again = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
     np.testing.assert_array_equal(got.view(np.uint8), again.view(np.uint8), err_msg="two calls differ")
-    h = {k: np.asarray(v.astype(jnp.float32)) if v.dtype != jnp.int32 else np.asarray(v) for k, v in x.items()}
-    want = np_ops.grouped_gemm_wgrad(h["a"], h["b"], h["offsets"], ab_dtype=case[1], wgrad_dtype=case[2])
+    a, b = (np.asarray(v.astype(jnp.float32)) for v in cases.operands(case, x))
+    want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), ab_dtype=case[1], wgrad_dtype=case[2])
     gv = got.astype(np.float32).astype(np.float64)
     assert np.all(np.isfinite(gv)), "non-finite output (poison left in W?)"
     pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]

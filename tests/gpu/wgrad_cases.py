@@ -13,28 +13,38 @@ import jax.numpy as jnp
 
 import cudnn_moe_jax as cmj
 
-MW, NW, T, L = 384, 320, 2000, 5   # A (MW, T), B (NW, T) -> W (L, MW, NW); T % 8 == 0, tiles straddle experts
+NW, T, L = 320, 2000, 5   # A (MW, T), B (NW, T) -> W (L, MW, NW); T % 8 == 0
 PATTERNS = {
+    "a64": (384, 640, 1024, 1600, 1984),            # every range starts on a 64-token tile; 1984.. in no expert
+    "a8": (304, 640, 1024, 1600, 1984),             # starts on 8 tokens (16 bytes), ends inside k-tiles
     "unaligned": (300, 333, 1024, 1500, 2000),      # ends inside k-tiles, one 33-token expert
     "empty_and_tail": (0, 640, 640, 1900, 1900),    # experts 0, 2, 4 empty; tokens 1900.. in no expert
     "unsanitized": (700, 300, 9999, -5, 2000),      # -> 700, 700, 2000, 2000, 2000
-    "one_expert": (0, 0, 2000, 2000, 2000),
 }
 
-# (name, ab dtype, wgrad dtype)
-CASES = [("bf16_to_bf16", "bfloat16", "bfloat16"), ("bf16_to_f32", "bfloat16", "float32"),
-         ("f16_to_f16", "float16", "float16")]
+# (name, ab dtype, wgrad dtype, MW, token-major operands): MW 384 runs 1x1 clusters, 512 2x1
+CASES = [("c1_bf16", "bfloat16", "bfloat16", 384, False), ("c2_bf16_f32", "bfloat16", "float32", 512, False),
+         ("c2_bf16_tokmajor", "bfloat16", "bfloat16", 512, True), ("c1_f16_tokmajor", "float16", "float16", 384, True)]
 
 
 def inputs(case, pattern: str = "unaligned", seed: int = 0):
-    _, ab, _ = case
+    _, ab, _, mw, token_major = case
     ka, kb = jax.random.split(jax.random.PRNGKey(seed))
-    return dict(a=jax.random.normal(ka, (MW, T)).astype(ab), b=jax.random.normal(kb, (NW, T)).astype(ab),
-                offsets=jnp.asarray(PATTERNS[pattern], jnp.int32))
+    a, b = jax.random.normal(ka, (mw, T)).astype(ab), jax.random.normal(kb, (NW, T)).astype(ab)
+    if token_major:  # the activations as a training step holds them: (T, rows)
+        return dict(a_tok=a.T, b_tok=b.T, offsets=jnp.asarray(PATTERNS[pattern], jnp.int32))
+    return dict(a=a, b=b, offsets=jnp.asarray(PATTERNS[pattern], jnp.int32))
+
+
+def operands(case, x):
+    """(A (MW, T), B (NW, T)) as the op sees them."""
+    return (x["a_tok"].T, x["b_tok"].T) if case[4] else (x["a"], x["b"])
 
 
 def call(case, x):
-    return cmj.grouped_gemm_wgrad(x["a"], x["b"], x["offsets"], wgrad_dtype=case[2])
+    a, b = operands(case, x)
+    majors = dict(a_major="m", b_major="n") if case[4] else {}
+    return cmj.grouped_gemm_wgrad(a, b, x["offsets"], wgrad_dtype=case[2], **majors)
 
 
 def bundle_items():
