@@ -147,9 +147,16 @@ class KGroupedTileScheduler(GroupedTileScheduler):
         return e, local % self.m_blocks, local // self.m_blocks
 
     @cute.jit
-    def token_range(self, e: Int32, sEnds: cute.Tensor):
-        """(first token, token count) of expert e."""
+    def token_tiles(self, e: Int32, sEnds: cute.Tensor, tile_k: cutlass.Constexpr):
+        """Expert e's k-tiles: (first token of k-tile 0 = its first token rounded down to tile_k, k-tile count,
+        tokens to drop at the head of k-tile 0, tokens to keep in the last k-tile). TMA boxes then start on
+        tile_k boundaries; the masker zeroes the other experts' tokens at both ends."""
         start = Int32(0)
         if e > 0:
             start = sEnds[e - 1]
-        return start, sEnds[e] - start
+        end = sEnds[e]
+        k0 = start - start % tile_k
+        k_count = Int32(0)
+        if end > start:
+            k_count = (end - k0 + tile_k - 1) // tile_k
+        return k0, k_count, start - k0, end - (k0 + (k_count - 1) * tile_k)

@@ -683,11 +683,10 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             if const_expr(self.is_wgrad):
                 # K-grouped: tile (expert g, m, n) of W; K = g's token range; W[g] rows sit at g * m_w
                 g, m_block, n_block = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
-                _, tokens = self.sched.token_range(g, sEnds)
+                _, k_count, _, _ = self.sched.token_tiles(g, sEnds, self.tile_k)
                 is_compute = True
                 m_tile = m_block * self.cluster_m + rank_m
                 n_tile = n_block * self.cluster_n + rank_n
-                k_count = (tokens + self.tile_k - 1) // self.tile_k
                 stage_ctx = dec_mbar  # the masker warp's per-stage barriers
                 out_m_tile = g * (self.sched.m_blocks * self.cluster_m) + m_tile
             else:

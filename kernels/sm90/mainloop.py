@@ -156,9 +156,9 @@ class WgmmaMainloop:
 
 
 class KGroupedWgmmaMainloop(WgmmaMainloop):
-    """The weight-gradient k-loop: K is one expert's token range, loaded from its first token (any alignment), so
-    the last k-tile may hold the next expert's tokens. The masker warp (`KGroupedSchedule.kgrouped_masker`) zeroes
-    them in A (B x 0 adds nothing, as the reference masks A) and arrives on the stage's mask mbarrier; the
+    """The weight-gradient k-loop: K is one expert's token range, loaded from its first token rounded down to a k-tile, so
+    its first and last k-tiles may hold the neighbouring experts' tokens. The masker warp
+    (`KGroupedSchedule.kgrouped_masker`) zeroes them in A (B x 0 adds nothing, as the reference masks A) and arrives on the stage's mask mbarrier; the
     consumers wait for it as well as for the TMA (stage_ctx = the mask mbarriers). Measured on the H200: zeroing
     inside the consumer warpgroups (divergent stores + a warpgroup barrier next to the wgmmas) raised
     CUDA_ERROR_ILLEGAL_INSTRUCTION."""

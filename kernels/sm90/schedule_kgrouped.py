@@ -2,8 +2,9 @@
 
 Output tiles (expert e, M block, N block) of W (L, m_w, n_w), stored through the forward `quant` epilogue (D = acc,
 no prob, alpha 1) into W seen as (L * m_w, n_w); A (m_w, T) and B (n_w, T) are read K-major (tokens contiguous)
-from expert e's first token, at any alignment: the producer offsets both TMA coordinate tensors by it, and
-`mainloop.KGroupedWgmmaMainloop` masks the next expert's tokens in the last k-tile. Token ends are sanitized like
+from expert e's first token rounded down to a k-tile (any alignment of the offsets): the producer offsets both
+TMA coordinate tensors by it, and
+`kgrouped_masker` zeroes the neighbouring experts' tokens in the first and last k-tiles. Token ends are sanitized like
 the reference's (running max of clip(offsets, 0, T)); an expert with no token runs no k-tile and stores zeros.
 
 A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): the consumer's tile loop reads `sched.decode_kgrouped` /
@@ -45,11 +46,10 @@ class KGroupedSchedule:
         t, stride, total = self._kgrouped_work()
         while t < total:
             e, m_block, n_block = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
-            start, tokens = self.sched.token_range(e, sEnds)
-            k_count = (tokens + self.tile_k - 1) // self.tile_k
+            start, k_count, _, _ = self.sched.token_tiles(e, sEnds, self.tile_k)
             m_tile = m_block * self.cluster_m + rank_m
             n_tile = n_block * self.cluster_n + rank_n
-            # k-tile k of this tile = tokens start + 64 k ..: the TMA coordinates start at the expert's first token
+            # k-tile k of this tile = tokens start + 64 k ..: start is the expert's first token rounded down to 64
             gA = cute.local_tile(cute.domain_offset((0, start), mA), (self.tile_m, self.tile_k), (None, None))
             gB = cute.local_tile(cute.domain_offset((0, start), mB), (self.tile_n, self.tile_k), (None, None))
             tAsA, tAgA = cpasync.tma_partition(
@@ -75,15 +75,20 @@ class KGroupedSchedule:
         t, stride, total = self._kgrouped_work()
         while t < total:
             e, _, _ = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
-            _, tokens = self.sched.token_range(e, sEnds)
-            k_count = (tokens + self.tile_k - 1) // self.tile_k
-            valid = tokens - (k_count - 1) * self.tile_k
+            _, k_count, head, keep = self.sched.token_tiles(e, sEnds, self.tile_k)
             for k in cutlass.range(k_count, unroll=1):
                 ab_pipeline.consumer_wait(state)
+                lo = Int32(0)
+                hi = Int32(self.tile_k)
+                if k == 0:
+                    lo = head
                 if k == k_count - 1:
+                    hi = keep
+                if (lo > 0) | (hi < self.tile_k):
                     for i in cutlass.range_constexpr(self.tile_m // 32):
-                        for c in cutlass.range(valid, self.tile_k, unroll=1):
-                            sA[(lane + 32 * i, c, state.index)] = self.ab_dtype(0.0)
+                        for c in cutlass.range(self.tile_k, unroll=1):
+                            if (c < lo) | (c >= hi):
+                                sA[(lane + 32 * i, c, state.index)] = self.ab_dtype(0.0)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.mbarrier_arrive(mask_mbar + state.index)
                 state.advance()
