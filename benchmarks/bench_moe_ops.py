@@ -1,0 +1,100 @@
+"""The six GEMMs of one MoE training step, each timed alone (the calls `nn.moe_mlp` makes, same keywords), beside
+torch's `_grouped_mm` on the same problem where it has one.
+
+    python benchmarks/bench_moe_ops.py [--shape fc]
+
+JAX on the device (CUPTI span of one jitted program of REPS calls on distinct inputs), torch with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_moe_step as step  # noqa: E402
+
+REPS = 5
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="fc", choices=tuple(step.SHAPES))
+    args = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import cudnn_moe_jax as cmj
+    import device_timer
+
+    sizes, h, i = step.SHAPES[args.shape]
+    m, offsets, avals = step._problem(args.shape, "swiglu")
+    off = jnp.asarray(offsets)
+    valid = sum(sizes)
+    timer, why = device_timer.cupti_timer()
+    sw = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
+    nmaj = dict(a_major="m", b_major="n")
+    ops = {  # name: (fn over (x, w1, w2, prob, dy, c, hh, dc), flops)
+        "fc1 glu (fwd)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_glu(
+            x, w1, padded_offsets=off, prob_tensor=p, act_func="swiglu", c_dtype="bfloat16", d_dtype="bfloat16",
+            compute_amax=False).d_tensor, 2 * valid * h * 2 * i),
+        "fc2 quant (fwd)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_quant(
+            hh, w2, padded_offsets=off, d_dtype="bfloat16", compute_amax=False).d_tensor, 2 * valid * i * h),
+        "dglu (fc2 dgrad)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_dglu(
+            dy, sw(w2), c, padded_offsets=off, prob_tensor=p, act_func="dswiglu", d_dtype="bfloat16",
+            compute_amax=False, b_major="n").d_row_tensor, 2 * valid * h * i),
+        "fc1 dgrad quant": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_quant(
+            dc, sw(w1), padded_offsets=off, d_dtype="bfloat16", b_major="n", compute_amax=False).d_tensor,
+            2 * valid * 2 * i * h),
+        "wgrad w2": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_wgrad(
+            dy.T, hh.T, off, wgrad_dtype="bfloat16", **nmaj).wgrad_tensor, 2 * valid * h * i),
+        "wgrad w1": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_wgrad(
+            dc.T, x.T, off, wgrad_dtype="bfloat16", **nmaj).wgrad_tensor, 2 * valid * 2 * i * h),
+    }
+    sets = []
+    for s in range(REPS):
+        x, w1, w2, p, dy = step._inputs(avals, s)
+        k = jax.random.PRNGKey(100 + s)
+        sets.append((x, w1, w2, p, dy, jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16),
+                     jax.random.normal(k, (m, i)).astype(jnp.bfloat16),
+                     jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16)))
+    print(f"shape {args.shape}: groups {sizes}, H {h}, I {i}; JAX {'CUPTI' if timer else 'host: ' + str(why)}")
+    for name, (fn, fl) in ops.items():
+        prog = jax.jit(lambda *a, fn=fn: [fn(*a[8 * r:8 * r + 8]) for r in range(REPS)])
+        flat = [t for st in sets for t in st]
+        run = lambda: jax.block_until_ready(prog(*flat))  # noqa: E731
+        run()
+        t = [(timer.time(run, REPS) if timer else device_timer.host_time(run, REPS)) for _ in range(3)]
+        _, secs = device_timer.primary(t)
+        med = statistics.median(secs)
+        print(f"  {name:18s} {med * 1e3:8.3f} ms {fl / med / 1e12:7.1f} TFLOP/s", flush=True)
+    try:
+        import torch
+
+        g = np.cumsum(sizes).astype(np.int32)
+        offs = torch.tensor(g, device="cuda")
+        L = len(sizes)
+        for name, (mm, kk, nn_, fl) in {"fc1 (fwd)": (valid, h, 2 * i, 2 * valid * h * 2 * i),
+                                        "fc2 (fwd)": (valid, i, h, 2 * valid * i * h)}.items():
+            a = torch.randn(mm, kk, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(L, kk, nn_, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):
+                torch._grouped_mm(a, b, offs=offs)
+            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            st.record()
+            for _ in range(10):
+                torch._grouped_mm(a, b, offs=offs)
+            en.record()
+            torch.cuda.synchronize()
+            ms = st.elapsed_time(en) / 10
+            print(f"  torch {name:12s} {ms:8.3f} ms {fl / ms / 1e9:7.1f} TFLOP/s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"  torch: {type(e).__name__}: {str(e)[:120]}")
+
+
+if __name__ == "__main__":
+    main()
