@@ -156,12 +156,13 @@ class WgmmaMainloop:
 
 
 class KGroupedWgmmaMainloop(WgmmaMainloop):
-    """The weight-gradient k-loop: K is one expert's token range, loaded from its first token rounded down to a k-tile, so
-    its first and last k-tiles may hold the neighbouring experts' tokens. The masker warp
-    (`KGroupedSchedule.kgrouped_masker`) zeroes them in A (B x 0 adds nothing, as the reference masks A) and arrives on the stage's mask mbarrier; the
-    consumers wait for it as well as for the TMA (stage_ctx = the mask mbarriers). Measured on the H200: zeroing
-    inside the consumer warpgroups (divergent stores + a warpgroup barrier next to the wgmmas) raised
-    CUDA_ERROR_ILLEGAL_INSTRUCTION."""
+    """The weight-gradient k-loop: K is one expert's token range, loaded from its first token rounded down to a
+    k-tile, so its first and last k-tiles may hold the neighbouring experts' tokens. The masker warp
+    (`KGroupedSchedule.kgrouped_masker`) zeroes them in A (B x 0 adds nothing, as the reference masks A) and
+    arrives on the stage's mask mbarrier; the
+    consumers wait for it as well as for the TMA (stage_ctx = the mask mbarriers), so no divergent store sits next
+    to their wgmmas. (k-tiles start on 64-token boundaries: with TMA boxes starting at the expert's first token,
+    e.g. token 300, the kernel raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200, RESULTS.md runs 31-33.)"""
 
     @cute.jit
     def wait_stage(self, ab_pipeline, state, stage_ctx, k):
