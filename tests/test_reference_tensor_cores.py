@@ -90,3 +90,25 @@ def test_cuda_fallback_step_has_no_fp32_gemm(act):
     dots = _dots(hlo)
     assert len(dots) >= 4, hlo[:2000]   # fc1, fc2, dgrads, wgrads (functions of equal shapes are shared)
     assert all(t in ("bf16", "f16") for pair in dots for t in pair), dots
+
+
+def test_operand_majors_are_hints_with_the_same_result():
+    """b_major / a_major change what a kernel reads as contiguous, never the math: the reference ignores them,
+    and bad values or an a_major on an op without one are errors naming the argument."""
+    rng = np.random.default_rng(3)
+    m, n, k, L = 512, 64, 96, 2
+    x, w = _rand(rng, (m, k), jnp.bfloat16), _rand(rng, (L, k, n), jnp.bfloat16)   # w as a (L, K, N) checkpoint
+    off = jnp.asarray([256, 512], jnp.int32)
+    plain = cmj.grouped_gemm_quant(x, jnp.swapaxes(w, 1, 2), padded_offsets=off, d_dtype="float32").d_tensor
+    hinted = cmj.grouped_gemm_quant(x, jnp.swapaxes(w, 1, 2), padded_offsets=off, d_dtype="float32",
+                                    b_major="n").d_tensor
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(hinted))
+    tok = jnp.asarray([200, 512], jnp.int32)
+    a, b = _rand(rng, (m, 64), jnp.bfloat16), _rand(rng, (m, 32), jnp.bfloat16)       # token-major (T, rows)
+    w1 = cmj.grouped_gemm_wgrad(a.T, b.T, tok, wgrad_dtype="float32").wgrad_tensor
+    w2 = cmj.grouped_gemm_wgrad(a.T, b.T, tok, wgrad_dtype="float32", a_major="m", b_major="n").wgrad_tensor
+    np.testing.assert_array_equal(np.asarray(w1), np.asarray(w2))
+    with pytest.raises(ValueError, match="b_major must be one of"):
+        cmj.grouped_gemm_quant(x, jnp.swapaxes(w, 1, 2), padded_offsets=off, b_major="m")
+    with pytest.raises(TypeError, match="a_major"):
+        cmj.grouped_gemm_quant(x, jnp.swapaxes(w, 1, 2), padded_offsets=off, a_major="m")
