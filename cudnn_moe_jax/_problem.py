@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from . import activations
+
 # Expert groups along M are padded to this many rows (cuDNN's m_aligned / FIX_PAD_SIZE, docs/offsets.md): every
 # group end is a multiple of it, so no 128/256-row tile, SF row block or 32-row column-quant block spans two groups.
 GROUP_ALIGN = 256
@@ -52,7 +54,7 @@ class Epilogue:
 
     @property
     def is_glu(self) -> bool:
-        return self.act in ("swiglu", "geglu", "dswiglu", "dgeglu")
+        return self.act is not None and activations.get(self.act, "act").glu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +99,7 @@ class GroupedGemmProblem:
     @property
     def n_out(self) -> int:
         """Width of D: half of N for the forward GLU ops, N otherwise (backward D_row is dC, as wide as C)."""
-        if self.op in ("glu", "glu_hadamard_quant") and self.epilogue.act in ("swiglu", "geglu"):
+        if self.op in ("glu", "glu_hadamard_quant") and self.epilogue.is_glu:
             return self.n // 2
         if self.op == "dglu":
             return 2 * self.n

@@ -24,6 +24,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from . import activations
 from . import formats as F
 from ._problem import GROUP_ALIGN
 
@@ -626,7 +627,7 @@ def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm
     where clamped); dprob = sum_n dD*glu_alpha*act; dbias = per-group column sums of dC; amax (L, 2) =
     (max|d_gate|, max|d_up|).
     """
-    act = act_func[1:] if act_func.startswith("d") else act_func
+    act = activations.get(act_func).name
     dd, x, prob_r, ends, gid, valid = _bwd_prologue(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob,
                                                     ab_dtype=ab_dtype, sf_dtype=sf_dtype,
                                                     sf_vec_size=sf_vec_size, c_dtype=c_dtype)

@@ -29,6 +29,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from cudnn_moe_jax import activations
+
 LOG2_E = 1.4426950408889634
 GEGLU_SCALE = 1.702
 GEGLU_DEFAULT_LIMIT = 7.0
@@ -74,7 +76,7 @@ class EpilogueRecipe:
     def __init__(self, problem):
         epi = problem.epilogue
         self.op = problem.op
-        self.act = epi.act
+        self.act = None if epi.act is None else activations.get(epi.act, "act").name  # unknown: ValueError
         self.is_glu = problem.op == "glu"
         self.has_bias = epi.has_bias
         self.has_prob = epi.has_prob
@@ -119,7 +121,7 @@ class EpilogueRecipe:
                 gate = cute.arch.fmax(cute.arch.fmin(gate, lim), -lim)
                 up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
             d = up * (gate * sigmoid(gate))
-        else:  # geglu
+        elif const_expr(self.act == "geglu"):
             if const_expr(self.glu_limit is not None):
                 lim = Float32(self.glu_limit)
                 gate = cute.arch.fmax(cute.arch.fmin(gate, lim), -lim)
@@ -156,7 +158,7 @@ class DgradRecipe:
         epi = problem.epilogue
         self.op = problem.op
         self.is_glu = problem.op == "dglu"
-        self.act = epi.act[1:] if epi.act.startswith("d") else epi.act      # dswiglu -> swiglu
+        self.act = activations.get(epi.act, "act").name                  # dswiglu -> swiglu
         self.has_prob = epi.has_prob
         self.has_bias = False                                              # backward ops take no bias input
         self.has_c = False                                                 # C is an input here, not an output

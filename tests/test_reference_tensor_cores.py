@@ -112,3 +112,25 @@ def test_operand_majors_are_hints_with_the_same_result():
         cmj.grouped_gemm_quant(x, jnp.swapaxes(w, 1, 2), padded_offsets=off, b_major="m")
     with pytest.raises(TypeError, match="a_major"):
         cmj.grouped_gemm_quant(x, jnp.swapaxes(w, 1, 2), padded_offsets=off, a_major="m")
+
+
+def test_one_activation_table_unknown_names_fail_everywhere():
+    """An activation outside cudnn_moe_jax.activations is a ValueError at every layer, never a silent default."""
+    from cudnn_moe_jax import activations
+    from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+    from cudnn_moe_jax.kernels.sm90 import config
+
+    assert activations.get("dgeglu") is activations.get("geglu") and activations.get("srelu").output_width(8) == 8
+    with pytest.raises(ValueError, match="not an activation"):
+        activations.get("gelu")
+    with pytest.raises(ValueError, match="not an activation"):
+        Epilogue(act="gelu").is_glu
+    x, w = jnp.ones((256, 64), jnp.bfloat16), jnp.ones((1, 128, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="act_func"):
+        cmj.grouped_gemm_glu(x, w, padded_offsets=jnp.asarray([256], jnp.int32), act_func="gelu")
+    with pytest.raises(ValueError, match="act="):
+        nn.moe_mlp(x, w, jnp.ones((1, 64, 64), jnp.bfloat16), jnp.ones((256,)), None,
+                   jnp.asarray([256], jnp.int32), "gelu")
+    bad = GroupedGemmProblem(op="glu", m=256, n=128, k=64, num_groups=1, ab_dtype="bfloat16",
+                             epilogue=Epilogue(act="relu2"))
+    assert "glu act must be one of" in config.supports(bad)

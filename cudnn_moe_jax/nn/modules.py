@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from .. import activations
 from .expert_parallel import expert_parallel_shardings, moe_layer_ep
 from .moe import moe_layer
 
@@ -20,7 +21,7 @@ from .moe import moe_layer
 def _init_weights(key, num_experts, hidden, intermediate, act, dtype, bias):
     """Router (H, L) f32, W1 (L, 2I or I, H), W2 (L, H, I), optional b1, scaled by 1/sqrt(fan_in)."""
     k_router, k_w1, k_w2 = jax.random.split(key, 3)
-    fc1_out = intermediate if act == "srelu" else 2 * intermediate
+    fc1_out = 2 * intermediate if activations.get(act, "act").glu else intermediate
     router = jax.random.normal(k_router, (hidden, num_experts), jnp.float32) / hidden ** 0.5
     w1 = (jax.random.normal(k_w1, (num_experts, fc1_out, hidden)) / hidden ** 0.5).astype(dtype)
     w2 = (jax.random.normal(k_w2, (num_experts, hidden, intermediate)) / intermediate ** 0.5).astype(dtype)

@@ -16,7 +16,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .. import ops
+from .. import activations, ops
 from . import routing as _routing
 from .weights import check_expert_mlp, check_permuted
 
@@ -39,7 +39,7 @@ def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
     _check_options(act, glu_limit)
     check_permuted(x_perm, prob, padded_offsets, check_expert_mlp(x_perm, w1, w2, b1, act, "x_perm")[0])
     dtype = x_perm.dtype
-    if act == "srelu":
+    if not activations.TABLE[act].glu:
         fc1 = ops.grouped_gemm_srelu(x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
                                      c_dtype=dtype, d_dtype=dtype, compute_amax=False)
     else:
@@ -63,10 +63,10 @@ def _moe_mlp_bwd(act, glu_limit, residuals, dy):
     # FC2 dgrad fused with the activation derivative: dC, dprob, db1.
     common = dict(padded_offsets=padded_offsets, prob_tensor=prob, d_dtype=dtype, compute_amax=False,
                   generate_dbias=b1 is not None, dbias_dtype="float32" if b1 is not None else None)
-    if act == "srelu":
+    if not activations.TABLE[act].glu:
         bwd = ops.grouped_gemm_dsrelu(dy, _swap_last(w2), c, b_major="n", **common)
     else:
-        bwd = ops.grouped_gemm_dglu(dy, _swap_last(w2), c, act_func="d" + act, glu_limit=glu_limit, b_major="n",
+        bwd = ops.grouped_gemm_dglu(dy, _swap_last(w2), c, act_func=activations.TABLE[act].derivative, glu_limit=glu_limit, b_major="n",
                                     **common)
     dc = bwd.d_row_tensor
     # FC1 dgrad: dx = dC W1[e] (quant op with B = W1 seen as (L, H, 2I)).
@@ -86,10 +86,10 @@ moe_mlp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)
 
 
 def _check_options(act, glu_limit):
-    if act not in ("swiglu", "geglu", "srelu"):
-        raise ValueError(f"act={act!r} is not supported: allowed ('swiglu', 'geglu', 'srelu')")
-    if act == "srelu" and glu_limit is not None:
-        raise ValueError("glu_limit applies to act='swiglu' or 'geglu', not 'srelu'")
+    if act not in activations.TABLE:
+        raise ValueError(f"act={act!r} is not supported: allowed {tuple(activations.TABLE)}")
+    if glu_limit is not None and "glu_limit" not in activations.TABLE[act].options:
+        raise ValueError(f"glu_limit applies to act in {activations.GLU_NAMES}, not {act!r}")
 
 
 def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: int = 2, act: str = "swiglu",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .. import activations
 from .._problem import GROUP_ALIGN
 
 GLU_BLOCK = 32  # columns per gate / up block in the fused GLU ops
@@ -56,7 +57,7 @@ def check_expert_mlp(x, w1, w2, b1, act: str, x_arg: str = "x"):
     """Check x (..., H) against W1 (L, 2I or I, H), W2 (L, H, I), b1 (L, 2I or I); returns (L, H, I).
 
     Errors name the caller's arguments and their expected layouts and say which call fixes them."""
-    glu = act != "srelu"
+    glu = activations.get(act, "act").glu
     w1_layout = ("(L, 2I, H) with gate/up interleaved in 32-row blocks (convert [gate; up] halves with "
                  "cudnn_moe_jax.nn.interleave_glu_weights)") if glu else "(L, I, H)"
     if x.ndim < 2:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import _primitive
+from .. import _primitive, activations
 from .._problem import FP8_DTYPES, Epilogue, GroupedGemmProblem
 from .._results import OpResult
 from . import _checks as ck
@@ -78,7 +78,7 @@ def grouped_gemm_dglu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None, s
     amax (L, 2) = max |d_gate|, max |d_up|. Use the same act/glu_limit/glu_alpha as the forward op.
     Returns d_row_tensor, d_col_tensor, dprob_tensor, dbias_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
     """
-    ck.check_choice(act_func, ("dswiglu", "dgeglu"), "act_func")
+    ck.check_choice(act_func, activations.GLU_DERIVATIVES, "act_func")
     return _dact("dglu", act_func, a_tensor=a_tensor, b_tensor=b_tensor, b_tensors=b_tensors, c_tensor=c_tensor,
                  sfa_tensor=sfa_tensor, sfb_tensor=sfb_tensor, sfb_tensors=sfb_tensors,
                  padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, beta_tensor=beta_tensor,

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from .. import _primitive
+from .. import _primitive, activations
 from .._problem import FP8_DTYPES, Epilogue, GroupedGemmProblem
 from .._results import OpResult
 from . import _checks as ck
@@ -45,12 +45,9 @@ def output_quantization(d_dtype: str, norm_const_tensor, discrete_col_sfd: bool,
     return generate_sfd, norm_const, bool(compute_amax)
 
 
-GLU_ACTS = ("swiglu", "geglu")
-
-
 def output_width(act: Optional[str], dims: dict) -> int:
     """N_out: half of N for GLU (whose N must pair 32-column gate/up blocks), N otherwise."""
-    if act not in GLU_ACTS:
+    if act is None or not activations.get(act).glu:
         return dims["n"]
     if dims["n"] % 64:
         raise ValueError(f"{dims['b_arg']}: N={dims['n']} must be a multiple of 64 for GLU (32-column gate/up "
@@ -60,10 +57,11 @@ def output_width(act: Optional[str], dims: dict) -> int:
 
 def activation_options(act: Optional[str], glu_limit, glu_alpha, tanh_clamp_scale) -> dict:
     """Validated activation options as Epilogue fields; an option the activation does not use is an error."""
-    if act not in GLU_ACTS and (glu_limit is not None or glu_alpha is not None):
-        raise ValueError(f"glu_limit / glu_alpha apply to act_func='swiglu' or 'geglu', not {act!r}")
-    if act != "srelu" and tanh_clamp_scale is not None:
-        raise ValueError(f"tanh_clamp_scale applies to act_func='srelu' only, not {act!r}")
+    takes = activations.get(act).options if act is not None else ()
+    for option, value in (("glu_limit", glu_limit), ("glu_alpha", glu_alpha), ("tanh_clamp_scale", tanh_clamp_scale)):
+        if value is not None and option not in takes:
+            users = tuple(a.name for a in activations.TABLE.values() if option in a.options)
+            raise ValueError(f"{option} applies to act_func in {users}, not {act!r}")
     return dict(glu_limit=ck.positive_float(glu_limit, "glu_limit"),
                 glu_alpha=ck.finite_float(glu_alpha, "glu_alpha"),
                 tanh_clamp_scale=ck.positive_float(tanh_clamp_scale, "tanh_clamp_scale"))
@@ -155,7 +153,7 @@ def grouped_gemm_glu(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, 
     C = alpha*acc (+ bias) (m, N); D = glu_alpha * prob * act(gate, up) (m, N/2).
     Returns c_tensor, d_tensor, d_col_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
     """
-    ck.check_choice(act_func, ("swiglu", "geglu"), "act_func")
+    ck.check_choice(act_func, activations.GLU_NAMES, "act_func")
     return _forward("glu", act_func, a_tensor=a_tensor, b_tensor=b_tensor, b_tensors=b_tensors,
                     sfa_tensor=sfa_tensor, sfb_tensor=sfb_tensor, sfb_tensors=sfb_tensors,
                     padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, prob_tensor=prob_tensor,

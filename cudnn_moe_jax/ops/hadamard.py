@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .. import activations
 from .._problem import Epilogue
 from .._results import OpResult
 from . import _checks as ck
@@ -32,7 +33,7 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
     (out = block @ P^T). Returns c_tensor, d_tensor, sfd_tensor, amax_tensor, rht_tensor, sfrht_tensor.
     """
     config = ck.check_static_kwargs(**cudnn_static)
-    ck.check_choice(act_func, ("swiglu", "geglu", "srelu"), "act_func")
+    ck.check_choice(act_func, tuple(activations.TABLE), "act_func")
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
                                     padded_offsets, sf_vec_size)
     act_options = activation_options(act_func, glu_limit, glu_alpha, tanh_clamp_scale)

@@ -8,8 +8,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from cudnn_moe_jax import activations
+
 SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
-DGRAD_ACTS = {"dglu": ("dswiglu", "dgeglu"), "dsrelu": ("dsrelu",)}
+DGRAD_ACTS = {op: tuple(a.derivative for a in activations.TABLE.values() if a.backward_op == op)
+              for op in ("dglu", "dsrelu")}
+GLU_ACTS = activations.GLU_NAMES
 DGRAD_C_DTYPES = ("bfloat16", "float16", "float32")  # the saved forward C read by the backward epilogue
 AB_DTYPES = ("bfloat16", "float16")
 MXFP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # with e8m0 scales, vec 32 (mainloop_mxfp8)
@@ -109,8 +113,8 @@ def supports(problem) -> Optional[str]:
         if epi.act not in (None, "srelu"):
             return f"srelu op with act {epi.act!r}"
     else:
-        if epi.act not in ("swiglu", "geglu"):
-            return f"glu act must be swiglu or geglu, got {epi.act!r}"
+        if epi.act not in GLU_ACTS:
+            return f"glu act must be one of {GLU_ACTS}, got {epi.act!r}"
         if problem.n % 64:
             return "GLU needs N % 64 == 0"
     if epi.c_dtype is not None and epi.c_dtype not in OUT_DTYPES + FP8_OUT_DTYPES:
