@@ -32,7 +32,7 @@ if _MODE == "process":
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 
 from cudnn_moe_jax import nn  # noqa: E402
 from cudnn_moe_jax.nn import expert_parallel as ep  # noqa: E402
