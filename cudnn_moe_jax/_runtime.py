@@ -415,9 +415,10 @@ def _from_cache(fp: str, akey: Optional[str], notes: list[str]) -> Optional[Kern
     if path is None or not path.is_file():
         return None
     try:
-        magic, header, data = path.read_bytes().split(b"\n", 2)
-        if magic != CACHE_MAGIC:
-            raise ValueError("not a module-cache file")
+        parts = path.read_bytes().split(b"\n", 2)
+        if len(parts) != 3 or parts[0] != CACHE_MAGIC:
+            raise ValueError("not a module-cache file, or a truncated one")
+        _, header, data = parts
         e = json.loads(header)
         why = "entry is for another fingerprint" if e["fingerprint"] != fp else _entry_mismatch(e, akey)
         if why:
@@ -472,12 +473,12 @@ def compile_unavailable_reason() -> Optional[str]:
 
 
 def _unavailable(name: str, arch: str, fp: str, notes: list[str], why: str) -> KernelUnavailable:
+    looked = "; ".join(notes) or "no bundle folder: CUDNN_MOE_JAX_BUNDLE is unset and no default bundle exists"
     return KernelUnavailable(
         f"no CuTe DSL kernel module for {name} (arch {arch}, fingerprint {fp[:16]}): not in any bundle nor the "
-        f"module cache [{'; '.join(notes) or 'no bundle folder: CUDNN_MOE_JAX_BUNDLE is unset and no default bundle exists'}] "
-        f"and {why}. Either `pip install cudnn-moe-jax[cuda]` to compile at lowering time, or on any x86-64 machine "
-        f"with the compiler run `python -m cudnn_moe_jax.aot build --arch {arch} --out DIR` and set "
-        f"CUDNN_MOE_JAX_BUNDLE=DIR.")
+        f"module cache ({module_cache_dir() or 'off'}) [{looked}] and {why}. Either `pip install "
+        f"cudnn-moe-jax[cuda]` to compile at lowering time, or on any x86-64 machine with the compiler run "
+        f"`python -m cudnn_moe_jax.aot build --arch {arch} --out DIR` and set CUDNN_MOE_JAX_BUNDLE=DIR.")
 
 
 def get_module(spec: KernelSpec) -> KernelModule:

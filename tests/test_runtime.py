@@ -388,7 +388,7 @@ def test_real_primitive_bundle_built_at_one_m_serves_every_m(tmp_path):
     for m, (call,) in ours.items():  # (jax.export adds the symbolic m's shape operands and their layouts)
         assert f"tensor<{m}x256xbf16>" in call["types"] and call["types"] == ours["2048"][0]["types"].replace(
             "2048x", f"{m}x")
-        assert {k: call[k] for k in ("target", "key", "module")} == {k: theirs[0][k] for k in ("target", "key", "module")}
+        assert [call[k] for k in ("target", "key", "module")] == [theirs[0][k] for k in ("target", "key", "module")]
         assert call["attributes"] == ours["2048"][0]["attributes"]
 
 
@@ -477,32 +477,38 @@ def test_tiny_kernel_runs_on_gpu_from_bundle():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
 def test_real_kernel_runs_on_gpu_from_bundle():
-    """The production path: public op -> primitive -> bundle module (no compiler) -> H200; vs the reference."""
+    """The production path: public op -> primitive -> bundle module (no compiler) -> H200; vs the reference. The
+    bundle's m is 2048; the one module also runs m = 1024 and 4096."""
     from cudnn_moe_jax import _primitive
 
     assert _runtime.register_runtime()
-    p, ins = small_quant_problem()
+    p0, ins = small_quant_problem()
     names = tuple(ins)
-    if not _runtime.has_module(_runtime.grouped_gemm_fingerprint(p, names, None)) and not HAVE_CUTLASS:
+    if not _runtime.has_module(_runtime.grouped_gemm_fingerprint(p0, names, None)) and not HAVE_CUTLASS:
         pytest.skip("no bundle module for the small quant problem (tools/runtime_smoke.py prepare)")
-    m, k = ins["a"].shape
+    _, k = ins["a"].shape
     groups, n, _ = ins["b"].shape
     rng = np.random.default_rng(1)
-    a = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     b = jnp.asarray(0.1 * rng.standard_normal((groups, n, k)), jnp.bfloat16)
-    offsets = jnp.asarray([512, 512, 1536, 1792], jnp.int32)  # expert 1 empty; rows >= 1792 in no group
     alpha = jnp.asarray([1.0, 2.0, 0.5, 1.5], jnp.float32)
-    prob = jnp.asarray(rng.uniform(size=m), jnp.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
-        got = jax.jit(small_quant)(a, b, offsets, alpha, prob)
-    hlo = jax.jit(small_quant).lower(a, b, offsets, alpha, prob).as_text()
-    assert _runtime.FFI_TARGET in hlo
-    want = jax.jit(functools.partial(_primitive.reference_outputs, p, names))(a, b, offsets, alpha, prob)
-    d, amax = np.asarray(got.d_tensor, np.float32), np.asarray(got.amax_tensor)
-    d_ref, amax_ref = np.asarray(want[0], np.float32), np.asarray(want[1])
-    np.testing.assert_allclose(d, d_ref, rtol=2**-7, atol=1e-3)
-    assert not d[1792:].any()
-    np.testing.assert_allclose(amax, amax_ref, rtol=2**-7)
-    print(f"grouped_gemm_quant {m}x{n}x{k}x{groups} from bundle: max |d - ref| {np.abs(d - d_ref).max():.3g}, "
-          f"bitwise equal {np.mean(d == d_ref):.4f} of elements, amax {amax.ravel()}")
+    for m in (2048, 1024, 4096):
+        p = dataclasses.replace(p0, m=m)
+        a = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        # expert 1 empty; 7m/8 rounds down to 256 rows: the rows from `valid` on are in no group
+        ends = [m // 4, m // 4, 3 * m // 4, 7 * m // 8]
+        valid = ends[-1] // 256 * 256
+        offsets = jnp.asarray(ends, jnp.int32)
+        prob = jnp.asarray(rng.uniform(size=m), jnp.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
+            got = jax.jit(small_quant)(a, b, offsets, alpha, prob)
+        hlo = jax.jit(small_quant).lower(a, b, offsets, alpha, prob).as_text()
+        assert _runtime.FFI_TARGET in hlo
+        want = jax.jit(functools.partial(_primitive.reference_outputs, p, names))(a, b, offsets, alpha, prob)
+        d, amax = np.asarray(got.d_tensor, np.float32), np.asarray(got.amax_tensor)
+        d_ref, amax_ref = np.asarray(want[0], np.float32), np.asarray(want[1])
+        np.testing.assert_allclose(d, d_ref, rtol=2**-7, atol=1e-3)
+        assert valid < m and not d[valid:].any()
+        np.testing.assert_allclose(amax, amax_ref, rtol=2**-7)
+        print(f"grouped_gemm_quant {m}x{n}x{k}x{groups} from bundle: max |d - ref| {np.abs(d - d_ref).max():.3g}, "
+              f"bitwise equal {np.mean(d == d_ref):.4f} of elements, amax {amax.ravel()}")
