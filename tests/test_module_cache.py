@@ -10,12 +10,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import jax
 import jax.numpy as jnp
 import pytest
-from test_runtime import _BLOCK_CUTLASS, REPO, _python, custom_calls, needs_cutlass
+from test_runtime import _BLOCK_CUTLASS, REPO, _python, needs_cutlass
 
 from cudnn_moe_jax import _runtime
 

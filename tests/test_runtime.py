@@ -199,7 +199,6 @@ def _fake_grouped_gemm_bundle(folder, problem, names, in_avals, out_avals):
 
 def test_primitive_lowers_grouped_gemm_from_bundle_or_falls_back(tmp_path, monkeypatch):
     """The real primitive's CUDA lowering takes a bundle module through kernel_lowering (no compiler)."""
-    from cudnn_moe_jax import _primitive, _problem
 
     p, names, ins, outs = quant_call(256)
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
@@ -252,8 +251,9 @@ def test_grouped_gemm_spec_is_m_symbolic_and_checks_the_avals():
 
 
 def test_lowering_checks_support_config_and_digest_once(tmp_path, monkeypatch):
-    """One lowering from a bundle: `supports`, `default_config` (via `resolve_config`) and the kernels' source
-    digest are each called once (before: 1, 1, 4 and 2 times)."""
+    """One lowering from a bundle calls `supports`, `resolve_config` (hence `default_config`) and the kernels' source
+    digest once each (before m-free modules: resolve_config 4 times and the digest, which read every kernel file,
+    twice; the digest now reads the files once per process)."""
     from cudnn_moe_jax import _primitive  # noqa: F401 (registers the primitive's lowerings)
 
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
@@ -392,6 +392,7 @@ def test_real_primitive_bundle_built_at_one_m_serves_every_m(tmp_path):
         assert call["attributes"] == ours["2048"][0]["attributes"]
 
 
+@pytest.mark.slow  # four compiles: ~15-22 s on 2 cores
 @needs_cutlass
 def test_module_bytes_are_the_same_for_every_m(monkeypatch):
     """Measured: compiled by cutlass_call for a concrete m, the device code (fatbin) is the same for every m, but
