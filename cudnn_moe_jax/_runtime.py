@@ -29,9 +29,8 @@ computes the build machine's). The avals (m symbolic) are recorded beside the mo
 call's avals must be exactly them at its m.
 
 Bundle: `manifest.json` ({"format": 2, "entries": {fingerprint: {file, key, target, layouts, aliases, avals, ...}}})
-plus `<fingerprint>.o` per module. Module cache: one file `<fingerprint>.module` per module (a magic line, the
-same entry as one JSON line, the module bytes), written to a temporary file and renamed over the entry, so
-concurrent processes never see a torn entry; an unreadable or inconsistent entry is ignored and rewritten.
+plus `<fingerprint>.o` per module. Module cache (`_module_cache`): one file `<fingerprint>.module` per module, the
+same entry and the bytes, written atomically (safe under concurrent processes); a bad entry is ignored and rewritten.
 
 `register_runtime()` dlopens libcute_dsl_runtime.so and registers the FFI type and both v2 targets for CUDA; it
 must precede XLA's compile of a program holding the call (lowerings try it once themselves).
@@ -59,6 +58,9 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
+
+from . import _module_cache
+from ._module_cache import cache_dir, module_cache_dir  # noqa: F401 (part of this module's API)
 
 log = logging.getLogger("cudnn_moe_jax.runtime")
 
@@ -88,11 +90,6 @@ class KernelUnavailable(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ runtime library
-
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(os.environ.get("CUDNN_MOE_JAX_CACHE") or os.path.join(root, "cudnn_moe_jax"))
-
 
 def _wheel_library() -> Optional[Path]:
     try:  # find_spec does not run the package; blocked or broken just means "not there"
@@ -390,73 +387,14 @@ def _from_bundles(fp: str, akey: Optional[str], notes: list[str]) -> Optional[Ke
 
 # ------------------------------------------------------------------------------------------------ module cache
 
-CACHE_MAGIC = b"cudnn_moe_jax kernel module 1"
-CACHE_SUFFIX = ".module"
-_CACHE_OFF = ("0", "off", "false", "no", "none")
-
-
-def module_cache_dir() -> Optional[Path]:
-    """The on-disk module cache: CUDNN_MOE_JAX_MODULE_CACHE (a folder; 0/off/false/no/none: no disk cache), else
-    `cache_dir()/modules` (CUDNN_MOE_JAX_CACHE, else $XDG_CACHE_HOME/cudnn_moe_jax or ~/.cache/cudnn_moe_jax)."""
-    env = os.environ.get("CUDNN_MOE_JAX_MODULE_CACHE", "")
-    if env.strip().lower() in _CACHE_OFF:
-        return None
-    return Path(env) if env else cache_dir() / "modules"
-
-
-def _cache_path(fp: str) -> Optional[Path]:
-    folder = module_cache_dir()
-    return None if folder is None else folder / f"{fp}{CACHE_SUFFIX}"
-
-
 def _from_cache(fp: str, akey: Optional[str], notes: list[str]) -> Optional[KernelModule]:
-    """The module-cache entry `fp` (built for avals `akey`, unless None). Anything wrong with it -> None, noted."""
-    path = _cache_path(fp)
-    if path is None or not path.is_file():
-        return None
-    try:
-        parts = path.read_bytes().split(b"\n", 2)
-        if len(parts) != 3 or parts[0] != CACHE_MAGIC:
-            raise ValueError("not a module-cache file, or a truncated one")
-        _, header, data = parts
-        e = json.loads(header)
-        why = "entry is for another fingerprint" if e["fingerprint"] != fp else _entry_mismatch(e, akey)
-        if why:
-            notes.append(f"module cache {path}: {why}")
-            return None
-        if len(data) != e["size"]:
-            raise ValueError(f"{len(data)} module bytes, the entry says {e['size']}")
-        return _module_of(e, data)
-    except (OSError, ValueError, KeyError, TypeError) as err:  # torn by a crash, hand-edited, another version...
-        notes.append(f"module cache {path}: ignored ({err})")
-        log.warning("ignoring module-cache entry %s (%s); it is rebuilt when compiling", path, err)
-        return None
+    """Entry `fp` (built for avals `akey`, unless None) from the on-disk module cache (`_module_cache`)."""
+    got = _module_cache.read(fp, akey, notes)
+    return None if got is None else _module_of(*got)
 
 
 def _to_cache(spec: KernelSpec, mod: KernelModule) -> Optional[Path]:
-    """Write the module-cache entry of `spec` atomically (temporary file in the same folder + os.replace): a reader
-    sees the old entry or the new one, never a torn file, whatever other processes write at the same time.
-    Failure (read-only or full disk) only logs: the cache is an optimisation."""
-    path = _cache_path(spec.fingerprint)
-    if path is None:
-        return None
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{spec.fingerprint[:16]}-", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(CACHE_MAGIC + b"\n" + json.dumps(_entry(spec, mod), sort_keys=True).encode() + b"\n")
-            f.write(mod.module)
-            f.flush()
-            os.fsync(f.fileno())  # the rename must not reach the disk before the data (power loss)
-        os.replace(tmp, path)
-        return path
-    except OSError as err:
-        log.warning("kernel module not written to the module cache %s (%s)", path.parent, err)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        return None
+    return _module_cache.write(spec.fingerprint, _entry(spec, mod), mod.module)
 
 
 # ------------------------------------------------------------------------------------------------ lookup

@@ -1,4 +1,4 @@
-"""The on-disk kernel-module cache (`_runtime.module_cache_dir()`): round trip, bad entries ignored and rebuilt,
+"""The on-disk kernel-module cache (`cudnn_moe_jax._module_cache`): round trip, bad entries ignored and rebuilt,
 switched off, unwritable, concurrent writers, and a second process that finds what the first compiled."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 from test_runtime import _BLOCK_CUTLASS, REPO, _python, needs_cutlass
 
-from cudnn_moe_jax import _runtime
+from cudnn_moe_jax import _module_cache, _runtime
 
 AVAL = jax.ShapeDtypeStruct((8, 8), jnp.float32)
 
@@ -60,7 +60,7 @@ def test_compiled_module_is_written_and_found_again(cache, monkeypatch):
     path = folder / f"{spec.fingerprint}.module"
     magic, header, data = path.read_bytes().split(b"\n", 2)
     entry = json.loads(header)
-    assert magic == _runtime.CACHE_MAGIC and data == mod.module
+    assert magic == _module_cache.MAGIC and data == mod.module
     assert entry["fingerprint"] == spec.fingerprint and entry["avals_key"] == spec.avals_key
     assert entry["key"] == mod.key.hex() and entry["in_avals"] == [{"shape": [8, 8], "dtype": "float32"}]
     assert [p.name for p in folder.iterdir()] == [path.name]  # no temporary file left behind
@@ -128,7 +128,7 @@ def test_off_and_unwritable(cache, monkeypatch, tmp_path, caplog):
 
 _WRITER = """
 import os, sys, time
-from cudnn_moe_jax import _runtime
+from cudnn_moe_jax import _module_cache, _runtime
 import test_module_cache as t
 me, rounds, barrier = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 payload = bytes([me]) * (1 << 20) + b"writer %d" % me
@@ -176,7 +176,7 @@ def test_second_process_finds_what_the_first_compiled(tmp_path):
     lower = textwrap.dedent("""
         import dataclasses, json, os, sys, warnings, jax
         import test_runtime as t
-        from cudnn_moe_jax import _runtime
+        from cudnn_moe_jax import _module_cache, _runtime
         warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
         p, _ = t.small_quant_problem()
         ins = _runtime.kernels_package().variants.input_avals(dataclasses.replace(p, m=M))

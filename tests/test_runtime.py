@@ -424,6 +424,39 @@ def test_module_bytes_are_the_same_for_every_m(monkeypatch):
 
 
 @needs_cutlass
+def test_backward_op_compiles_one_module_for_every_m(monkeypatch):
+    """dsrelu, whose launch writes per-tile partial sums that the lowering reduces: compiled once at lowering (for
+    the symbolic m, partials included), then served from memory at another m; no reference fallback."""
+    import cudnn_moe_jax as cmj
+
+    _runtime.import_cutlass()
+    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [])
+    monkeypatch.setattr(_runtime, "_MEMORY", {})
+    monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", "off")
+    compiled, real_compile = [], _runtime.compile_module
+    monkeypatch.setattr(_runtime, "compile_module", lambda spec: compiled.append(spec) or real_compile(spec))
+
+    def f(a, b, c, offsets, prob):
+        r = cmj.grouped_gemm_dsrelu(a, b, c, padded_offsets=offsets, prob_tensor=prob, generate_dbias=True,
+                                    dbias_dtype="float32", compute_amax=True)
+        return r.d_row_tensor, r.dprob_tensor, r.dbias_tensor, r.amax_tensor
+
+    L, H, I, sds, calls = 2, 128, 256, jax.ShapeDtypeStruct, {}  # dY (m, H), W2^T (L, I, H), C (m, I)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
+        for m in (512, 1024):
+            args = (sds((m, H), jnp.bfloat16), sds((L, I, H), jnp.bfloat16), sds((m, I), jnp.bfloat16),
+                    sds((L,), jnp.int32), sds((m,), jnp.float32))
+            (calls[m],) = custom_calls(jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    sym = _runtime.symbolic_m()
+    ((spec,),) = [compiled]
+    # d_row, dprob partials (one N tile), dbias partials per 128-row tile, amax
+    assert [a.shape for a in spec.out_avals] == [(sym, I), (1, sym), (sym // 128, I), (L, 1)]
+    assert calls[512]["module"] == calls[1024]["module"] and calls[512]["key"] == calls[1024]["key"]
+    assert "-> (tensor<1024x256xbf16>, tensor<1x1024xf32>, tensor<8x256xf32>, tensor<2x1xf32>)" in calls[1024]["types"]
+
+
+@needs_cutlass
 def test_compile_at_lowering_memory_cache_and_recording(monkeypatch):
     _runtime.import_cutlass("sm_90a")
     import cutlass.jax
