@@ -68,11 +68,10 @@ def output_shape_dtypes(problem, m):
 
 
 def launch_shape_dtypes(problem, config, m):
-    """The launch's output ShapeDtypeStructs (dgrad: partial sums; wgrad: W (L, m_w, n_w))."""
+    """The launch's output ShapeDtypeStructs: dgrad's partial sums, else the op's outputs (wgrad: W (L, m_w, n_w),
+    whose m is the static weight rows A's first axis holds)."""
     if problem.op in DGRAD_OPS:
         return dgrad_kernel_shape_dtypes(problem, config, m)
-    if problem.op == "wgrad":
-        return [jax.ShapeDtypeStruct((problem.num_groups, problem.m, problem.n), jnp.dtype(problem.wgrad_dtype))]
     return output_shape_dtypes(problem, m)
 
 
