@@ -146,7 +146,7 @@ def _cuda_lowering(ctx, *args, problem, input_names, config):
     try:
         from . import _runtime
 
-        lowering = _runtime.kernel_lowering(problem, input_names, config)
+        lowering = _runtime.kernel_lowering(problem, input_names, config, ctx.avals_in, ctx.avals_out)
     except Exception as exc:  # noqa: BLE001 - any failure to find/compile a kernel falls back, loudly once
         lowering, reason = None, f"{type(exc).__name__}: {exc}"
     if lowering is None:

@@ -15,7 +15,13 @@ from . import activations
 
 # Expert groups along M are padded to this many rows (cuDNN's m_aligned / FIX_PAD_SIZE, docs/offsets.md): every
 # group end is a multiple of it, so no 128/256-row tile, SF row block or 32-row column-quant block spans two groups.
+# The one copy of this constant: kernels/scheduler.py and kernels/sm90/jax_bridge.py import it.
 GROUP_ALIGN = 256
+
+# Inputs whose shape involves m (the row count of A, dynamic in the kernels): name -> (axis, rows per index along
+# that axis). a (m, K), prob (m,), sfa (1, m/128, Kb, 32, 4, 4), the backward ops' saved c (m, N_out); every other
+# input is static. Outputs: `output_specs`.
+M_AXES = {"a": (0, 1), "prob": (0, 1), "sfa": (1, 128), "c": (0, 1)}
 
 # Op names (the public op each problem comes from).
 FORWARD_OPS = ("quant", "srelu", "glu", "glu_hadamard_quant")
@@ -139,7 +145,10 @@ def sf_segment_bytes(rows: int, tokens: int, vec: int) -> int:
 
 
 def output_specs(p: GroupedGemmProblem) -> dict:
-    """name -> (shape, dtype name) for every output the problem produces, in cuDNN key order (absent: None)."""
+    """name -> (shape, dtype name) for every output the problem produces, in cuDNN key order (absent: None).
+
+    The one table of output shapes: the primitive's abstract eval and the kernels' `cutlass_call` output shapes
+    (kernels/sm90/jax_bridge.py) both read it. `p.m` may be a jax.export symbolic dimension."""
     e = p.epilogue
     m, n_out = p.m, p.n_out
     out = dict.fromkeys(OUTPUT_KEYS[p.op])
@@ -168,7 +177,7 @@ def output_specs(p: GroupedGemmProblem) -> dict:
         return out
     main = "d_tensor" if p.op in FORWARD_OPS else "d_row_tensor"
     out[main] = ((m, n_out), e.d_dtype)
-    if p.op in ("srelu", "glu"):
+    if p.op in ("srelu", "glu") and e.c_dtype is not None:  # the public ops always ask for C; kernel variants may not
         out["c_tensor"] = ((m, p.n), e.c_dtype)
     if p.op in ("dglu", "dsrelu"):
         out["dprob_tensor"] = ((m,), "float32")

@@ -1,15 +1,17 @@
-"""CuTe DSL runtime glue: FFI registration, kernel-module cache, prebuilt bundles. No `import cutlass` at import.
+"""CuTe DSL runtime glue: FFI registration, kernel-module caches, prebuilt bundles. No `import cutlass` at import.
 
 A CUDA lowering emits exactly what `cutlass.jax.cutlass_call` (nvidia-cutlass-dsl 4.8.1, jax >= 0.9.1) emits:
 `jax.ffi.ffi_call(target, out_avals, input_layouts, output_layouts, input_output_aliases)(*operands, module=...,
 key=...)`, one `stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2` (typed FFI; `...NoCudaGraph_v2` if the kernel
 sets allow_cuda_graph=False) whose `mhlo.backend_config` holds `module` (x86-64 object embedding the sm_90a cubin)
 and `key` (its 32-byte sha256 digest). Only where the module comes from differs: memory -> bundle folders
-(`CUDNN_MOE_JAX_BUNDLE`, os.pathsep-separated, then `<package>/_bundle`, `<repo>/.bundle`) -> CuTe DSL compile via
-cutlass.jax's own steps (if `cutlass` imports and CUDNN_MOE_JAX_NO_COMPILE is unset) -> `KernelUnavailable(reason)`.
+(`CUDNN_MOE_JAX_BUNDLE`, os.pathsep-separated, then `<package>/_bundle`, `<repo>/.bundle`) -> the on-disk module
+cache (`module_cache_dir()`) -> CuTe DSL compile via cutlass.jax's own steps (if `cutlass` imports and
+CUDNN_MOE_JAX_NO_COMPILE is unset; the result is written to the module cache) -> `KernelUnavailable(reason)`.
 
-Primitive side: `kernel_lowering(problem, input_names, config)` -> lowering `(ctx, *args) -> results`, or raises
-KernelUnavailable (decided without tracing). Lower level, in any `mlir.lower_fun(..., multiple_results=True)` body:
+Primitive side: `kernel_lowering(problem, input_names, config, in_avals, out_avals)` -> lowering `(ctx, *args) ->
+results` with the module already in hand, or raises KernelUnavailable. It checks `supports`, resolves the config and
+computes the fingerprint once each. Lower level, in any `mlir.lower_fun(..., multiple_results=True)` body:
 `kernel_call(problem, config, operands, out_avals, input_names=...) -> list[jax.Array]`. The launcher gets what
 cutlass_call gives it, `launch(stream, *operands, *outputs, **constexprs)`; a None operand is an absent tensor (no
 FFI buffer). Output zero-init is the kernel's. jax.export needs `disabled_checks=export_disabled_checks()`.
@@ -18,10 +20,17 @@ Kernel side (`cudnn_moe_jax.kernels.sm90`, else `kernels.sm90`; its import is pu
 None | reason`, `default_config(problem)`, `default_variants()`; `GroupedGemmSm90(problem, config)` (imports cutlass)
 with `launch` the `@cute.jit` launcher and `cutlass_call_kwargs` (input_spec, output_spec, compile_key, ...).
 
-Bundle: `manifest.json` ({"format": 1, "entries": {fingerprint: {file, key, target, layouts, aliases, avals, ...}}})
-plus `<fingerprint>.o` per module. Grouped-GEMM fingerprint: sha256 of (problem, input names, config (None -> the
-default), arch, every kernels/**.py, cutlass DSL version: installed, else the pin, so a GPU machine without the
-compiler computes the build machine's). The recorded avals are checked, not trusted.
+One module per problem, whatever the token count: the kernels take m dynamic, and a grouped-GEMM module is
+compiled, keyed and recorded for the symbolic m `symbolic_m()` (= 256*m_blocks), never for the call's m. (Compiled
+for a concrete m, the device code is the same but the host object's symbol names mangle the shapes, so its bytes
+would differ per m.) Fingerprint: sha256 of (the problem with m symbolic, input names, config (None -> the default),
+arch, every kernels/**.py, cutlass DSL version: installed, else the pin, so a GPU machine without the compiler
+computes the build machine's). The avals (m symbolic) are recorded beside the module and checked, not trusted; a
+call's avals must be exactly them at its m.
+
+Bundle: `manifest.json` ({"format": 2, "entries": {fingerprint: {file, key, target, layouts, aliases, avals, ...}}})
+plus `<fingerprint>.o` per module. Module cache (`_module_cache`): one file `<fingerprint>.module` per module, the
+same entry and the bytes, written atomically (safe under concurrent processes); a bad entry is ignored and rewritten.
 
 `register_runtime()` dlopens libcute_dsl_runtime.so and registers the FFI type and both v2 targets for CUDA; it
 must precede XLA's compile of a program holding the call (lowerings try it once themselves).
@@ -41,6 +50,7 @@ import importlib.util
 import json
 import logging
 import lzma
+import operator
 import os
 import shutil
 import sys
@@ -49,11 +59,14 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from . import _module_cache
+from ._module_cache import cache_dir, module_cache_dir  # noqa: F401 (part of this module's API)
+
 log = logging.getLogger("cudnn_moe_jax.runtime")
 
 CUTLASS_DSL_VERSION = "4.8.1"  # the pin in pyproject's [cuda] extra
 DEFAULT_ARCH = "sm_90a"
-BUNDLE_FORMAT = 1
+BUNDLE_FORMAT = 2  # 2: m-free fingerprints, avals recorded with m symbolic
 MANIFEST = "manifest.json"
 LIB_NAME = "libcute_dsl_runtime.so"
 FFI_TYPE = "CuteDSLRT_NvJaxCutlassCallTypes_v2"
@@ -77,11 +90,6 @@ class KernelUnavailable(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ runtime library
-
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(os.environ.get("CUDNN_MOE_JAX_CACHE") or os.path.join(root, "cudnn_moe_jax"))
-
 
 def _wheel_library() -> Optional[Path]:
     try:  # find_spec does not run the package; blocked or broken just means "not there"
@@ -217,8 +225,15 @@ def _canon(x: Any) -> Any:
         return repr(x)
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         import numpy as np
-        return {"shape": [int(d) for d in x.shape], "dtype": str(np.dtype(x.dtype))}
+        return {"shape": [_dim(d) for d in x.shape], "dtype": str(np.dtype(x.dtype))}
     return repr(x)
+
+
+def _dim(d: Any):
+    try:
+        return operator.index(d)
+    except TypeError:  # a jax.export symbolic dimension: its canonical text, e.g. "256*m_blocks"
+        return str(d)
 
 
 def fingerprint(*parts: Any) -> str:
@@ -226,8 +241,10 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(_canon(parts), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
 def kernels_source_digest() -> str:
-    """sha256 over every kernels/**.py (relative path + bytes): installed copy, else the source checkout's."""
+    """sha256 over every kernels/**.py (relative path + bytes): installed copy, else the source checkout's.
+    Read once per process: the kernel code a process runs is what it imported, so later edits do not apply."""
     root = next((r for r in (PACKAGE_DIR / "kernels", REPO_DIR / "kernels") if r.is_dir()), None)
     h = hashlib.sha256()
     for p in sorted(root.rglob("*.py")) if root else ():
@@ -328,6 +345,29 @@ def read_manifest(folder: Path | str) -> dict:
     return _read_manifest(str(path), path.stat().st_mtime_ns)
 
 
+def _entry(spec: KernelSpec, mod: KernelModule) -> dict:
+    """What a bundle manifest and a module-cache file record beside a module's bytes."""
+    return {"name": spec.name, "fingerprint": spec.fingerprint, "key": mod.key.hex(), "size": len(mod.module),
+            "target": mod.target, "input_layouts": _canon(mod.input_layouts),
+            "output_layouts": _canon(mod.output_layouts), "input_output_aliases": _canon(mod.input_output_aliases),
+            "arch": spec.arch, "cutlass_dsl_version": cutlass_dsl_version(), "avals_key": spec.avals_key,
+            "in_avals": _canon(spec.in_avals), "out_avals": _canon(spec.out_avals), "meta": _canon(spec.meta)}
+
+
+def _entry_mismatch(e: dict, akey: Optional[str]) -> Optional[str]:
+    if akey is not None and e["avals_key"] != akey:
+        return f"entry is for other avals {e['in_avals']} -> {e['out_avals']}"
+    return None
+
+
+def _module_of(e: dict, data: bytes) -> KernelModule:
+    """The KernelModule of entry `e` and its bytes; ValueError if the bytes are not the entry's (sha256)."""
+    if hashlib.sha256(data).hexdigest() != e["key"]:
+        raise ValueError("sha256 does not match the entry")
+    return KernelModule(data, bytes.fromhex(e["key"]), e["target"], _layouts(e["input_layouts"]),
+                        _layouts(e["output_layouts"]), tuple(tuple(a) for a in e["input_output_aliases"]))
+
+
 def _from_bundles(fp: str, akey: Optional[str], notes: list[str]) -> Optional[KernelModule]:
     """Entry `fp` (built for avals `akey`, unless None) from the first bundle folder that holds it."""
     for folder in bundle_dirs():
@@ -335,21 +375,29 @@ def _from_bundles(fp: str, akey: Optional[str], notes: list[str]) -> Optional[Ke
             continue
         try:
             e = read_manifest(folder)["entries"].get(fp)
-            if e is None or (akey is not None and e["avals_key"] != akey):
-                notes.append(f"{folder}: " + ("no entry" if e is None else f"entry is for other avals "
-                                              f"{e['in_avals']} -> {e['out_avals']}"))
+            why = "no entry" if e is None else _entry_mismatch(e, akey)
+            if why:
+                notes.append(f"{folder}: {why}")
                 continue
-            data = (folder / e["file"]).read_bytes()
-        except (OSError, ValueError, KeyError) as err:
+            return _module_of(e, (folder / e["file"]).read_bytes())
+        except (OSError, ValueError, KeyError, TypeError) as err:
             notes.append(f"{folder}: unreadable ({err})")
-            continue
-        if hashlib.sha256(data).hexdigest() != e["key"]:
-            notes.append(f"{folder}/{e['file']}: sha256 does not match the manifest")
-            continue
-        return KernelModule(data, bytes.fromhex(e["key"]), e["target"], _layouts(e["input_layouts"]),
-                            _layouts(e["output_layouts"]), tuple(tuple(a) for a in e["input_output_aliases"]))
     return None
 
+
+# ------------------------------------------------------------------------------------------------ module cache
+
+def _from_cache(fp: str, akey: Optional[str], notes: list[str]) -> Optional[KernelModule]:
+    """Entry `fp` (built for avals `akey`, unless None) from the on-disk module cache (`_module_cache`)."""
+    got = _module_cache.read(fp, akey, notes)
+    return None if got is None else _module_of(*got)
+
+
+def _to_cache(spec: KernelSpec, mod: KernelModule) -> Optional[Path]:
+    return _module_cache.write(spec.fingerprint, _entry(spec, mod), mod.module)
+
+
+# ------------------------------------------------------------------------------------------------ lookup
 
 def compile_unavailable_reason() -> Optional[str]:
     if os.environ.get("CUDNN_MOE_JAX_NO_COMPILE", "") not in ("", "0"):
@@ -363,24 +411,27 @@ def compile_unavailable_reason() -> Optional[str]:
 
 
 def _unavailable(name: str, arch: str, fp: str, notes: list[str], why: str) -> KernelUnavailable:
+    looked = "; ".join(notes) or "no bundle folder: CUDNN_MOE_JAX_BUNDLE is unset and no default bundle exists"
     return KernelUnavailable(
-        f"no CuTe DSL kernel module for {name} (arch {arch}, fingerprint {fp[:16]}): not in any bundle "
-        f"[{'; '.join(notes) or 'no bundle folder: CUDNN_MOE_JAX_BUNDLE is unset and no default bundle exists'}] "
-        f"and {why}. Either `pip install cudnn-moe-jax[cuda]` to compile at lowering time, or on any x86-64 machine "
-        f"with the compiler run `python -m cudnn_moe_jax.aot build --arch {arch} --out DIR` and set "
-        f"CUDNN_MOE_JAX_BUNDLE=DIR.")
+        f"no CuTe DSL kernel module for {name} (arch {arch}, fingerprint {fp[:16]}): not in any bundle nor the "
+        f"module cache ({module_cache_dir() or 'off'}) [{looked}] and {why}. Either `pip install "
+        f"cudnn-moe-jax[cuda]` to compile at lowering time, or on any x86-64 machine with the compiler run "
+        f"`python -m cudnn_moe_jax.aot build --arch {arch} --out DIR` and set CUDNN_MOE_JAX_BUNDLE=DIR.")
 
 
 def get_module(spec: KernelSpec) -> KernelModule:
-    """memory -> bundle -> compile -> KernelUnavailable. Thread-safe; memoised by (fingerprint, avals)."""
+    """memory -> bundle -> module cache -> compile (-> module cache) -> KernelUnavailable. Thread-safe; memoised by
+    (fingerprint, avals)."""
     with _LOCK:
         key, notes = (spec.fingerprint, spec.avals_key), []
-        mod = _MEMORY.get(key) or _from_bundles(spec.fingerprint, spec.avals_key, notes)
+        mod = (_MEMORY.get(key) or _from_bundles(spec.fingerprint, spec.avals_key, notes)
+               or _from_cache(spec.fingerprint, spec.avals_key, notes))
         if mod is None:
             why = compile_unavailable_reason()
             if why:
                 raise _unavailable(spec.name, spec.arch, spec.fingerprint, notes, why)
             mod = compile_module(spec)
+            _to_cache(spec, mod)
         _MEMORY[key] = mod
         for got in _RECORDERS:
             got.append((spec, mod))
@@ -388,9 +439,10 @@ def get_module(spec: KernelSpec) -> KernelModule:
 
 
 def has_module(fp: str) -> bool:
-    """Whether memory or a bundle holds a module under fingerprint `fp` (for any avals)."""
+    """Whether memory, a bundle or the module cache holds a module under fingerprint `fp` (for any avals)."""
     with _LOCK:
-        return any(k[0] == fp for k in _MEMORY) or _from_bundles(fp, None, []) is not None
+        return (any(k[0] == fp for k in _MEMORY) or _from_bundles(fp, None, []) is not None
+                or _from_cache(fp, None, []) is not None)
 
 
 def call_spec(spec: KernelSpec, operands: Sequence[Any], out_avals: Sequence[Any]) -> list:
@@ -453,16 +505,12 @@ def write_bundle(out_dir: Path | str, items: Iterable[tuple[KernelSpec, KernelMo
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / MANIFEST
-    man = json.loads(mpath.read_text()) if mpath.is_file() else {"format": BUNDLE_FORMAT, "entries": {}}
+    man = json.loads(mpath.read_text()) if mpath.is_file() else {}
+    if man.get("format") != BUNDLE_FORMAT:  # entries of another format can never match: start afresh
+        man = {"format": BUNDLE_FORMAT, "entries": {}}
     for spec, mod in items:
         (out / f"{spec.fingerprint}.o").write_bytes(mod.module)
-        man["entries"][spec.fingerprint] = {
-            "name": spec.name, "file": f"{spec.fingerprint}.o", "key": mod.key.hex(), "size": len(mod.module),
-            "target": mod.target, "input_layouts": _canon(mod.input_layouts),
-            "output_layouts": _canon(mod.output_layouts),
-            "input_output_aliases": _canon(mod.input_output_aliases), "arch": spec.arch,
-            "cutlass_dsl_version": cutlass_dsl_version(), "avals_key": spec.avals_key,
-            "in_avals": _canon(spec.in_avals), "out_avals": _canon(spec.out_avals), "meta": _canon(spec.meta)}
+        man["entries"][spec.fingerprint] = {**_entry(spec, mod), "file": f"{spec.fingerprint}.o"}
     man["format"] = BUNDLE_FORMAT
     tmp = mpath.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(man, indent=1, sort_keys=True))
@@ -491,71 +539,147 @@ def _check_supported(problem) -> None:
         raise KernelUnavailable(f"the sm90 kernels do not cover this {problem.op} problem: {verdict}")
 
 
+@functools.lru_cache(maxsize=1)
+def symbolic_m():
+    """The row count every grouped-GEMM module is compiled, keyed and recorded for: the jax.export symbolic
+    dimension `256*m_blocks` (the kernels take m dynamic, m % 256 == 0; its multiples of 128 simplify exactly)."""
+    import jax
+    from ._problem import GROUP_ALIGN
+
+    (m,) = jax.export.symbolic_shape(f"{GROUP_ALIGN}*m_blocks")
+    return m
+
+
+def canonical_problem(problem):
+    """`problem` with m symbolic (`symbolic_m()`): what identifies its module. wgrad's m (weight rows) is static."""
+    return problem if problem.op == "wgrad" else dataclasses.replace(problem, m=symbolic_m())
+
+
+def _present_outputs(problem) -> tuple:
+    import jax
+    from ._problem import output_specs
+
+    return tuple(jax.ShapeDtypeStruct(*v) for v in output_specs(problem).values() if v is not None)
+
+
+def launch_avals(problem, config) -> tuple[tuple, Optional[Callable]]:
+    """(what the kernel launch writes for `problem` (m concrete or symbolic), `finish` or None). Forward ops: the
+    op's outputs (`_problem.output_specs`); backward ops: per-tile partial sums (the kernel package's
+    `launch_outputs`) that `finish(launch outputs, {input name: array})` reduces to the op's outputs."""
+    outs = _present_outputs(problem)
+    try:
+        launch_outputs = getattr(kernels_package(), "launch_outputs", None)
+    except KernelUnavailable:
+        launch_outputs = None  # no kernel sources here: only the forward ops' (= the op's) outputs are known
+    if launch_outputs is None:
+        return outs, None
+    launch, finish = launch_outputs(problem, config, outs, problem.m)
+    return tuple(_sds(a) for a in launch), finish
+
+
+def grouped_gemm_avals(problem, config, input_names: Sequence[str], in_avals: Sequence[Any],
+                       out_avals: Optional[Sequence[Any]] = None) -> tuple[tuple, tuple]:
+    """(in, out) avals of the module of this call, m symbolic, once the call's avals are checked to be exactly those
+    at m = problem.m (the m axes of `_problem.M_AXES`; the launch outputs of `launch_avals`, None: those). Every
+    other dimension and dtype is kept, so the recorded avals still pin it. KernelUnavailable if not."""
+    import jax
+    from ._problem import M_AXES
+
+    canon, ins = canonical_problem(problem), []
+    for name, a in zip(input_names, in_avals):
+        a = _sds(a)
+        if a is not None and name in M_AXES and canon is not problem:
+            axis, rows = M_AXES[name]
+            if len(a.shape) <= axis or a.shape[axis] != problem.m // rows:
+                raise KernelUnavailable(f"input {name} {a.shape}: axis {axis} must be m/{rows} = "
+                                        f"{problem.m // rows} for m = {problem.m}")
+            a = jax.ShapeDtypeStruct(a.shape[:axis] + (canon.m // rows,) + a.shape[axis + 1:], a.dtype)
+        ins.append(a)
+    want = launch_avals(problem, config)[0]
+    got = want if out_avals is None else tuple(_sds(a) for a in out_avals)
+    if got != want:
+        raise KernelUnavailable(f"output avals {got} are not what the {problem.op} launch writes, {want}")
+    return tuple(ins), launch_avals(canon, config)[0]
+
+
 def resolve_config(problem, config):
     """None -> the kernel package's `default_config(problem)` (so None and the explicit default share a module);
-    a `(mma_tiler_mn, cluster_shape_mn)` pair of cuDNN hints (from the public ops) -> `config_from_hints`."""
+    a `(mma_tiler_mn, cluster_shape_mn)` pair of cuDNN hints (from the public ops) -> `config_from_hints`.
+    The kernel package sees the problem with m symbolic: a module, hence its config, is the same for every m."""
     if isinstance(config, tuple):
-        return kernels_package().config_from_hints(problem, *config)
+        return kernels_package().config_from_hints(canonical_problem(problem), *config)
     if config is not None:
         return config
     try:
-        return kernels_package().default_config(problem)
+        return kernels_package().default_config(canonical_problem(problem))
     except (KernelUnavailable, AttributeError):
         return None
 
 
+def _grouped_gemm_fingerprint(canon, input_names: tuple, config, arch: str) -> str:
+    return fingerprint("grouped_gemm", canon, input_names, config, arch, kernels_source_digest(),
+                       cutlass_dsl_version())
+
+
 def grouped_gemm_fingerprint(problem, input_names: Sequence[str], config, arch: str = DEFAULT_ARCH) -> str:
-    return fingerprint("grouped_gemm", problem, tuple(input_names), resolve_config(problem, config), arch,
-                       kernels_source_digest(), cutlass_dsl_version())
+    """The module's fingerprint: m is not in it (one module serves every m)."""
+    return _grouped_gemm_fingerprint(canonical_problem(problem), tuple(input_names), resolve_config(problem, config),
+                                     arch)
+
+
+def _checked_config(problem, config):
+    """`supports` (where the kernel sources are) then the resolved config: once per call."""
+    try:
+        kernels_package()
+    except KernelUnavailable:
+        pass  # no kernel sources here: a bundle or the module cache may still hold the module
+    else:
+        _check_supported(problem)
+    return resolve_config(problem, config)
+
+
+def _spec(problem, config, names: tuple, in_avals, out_avals, arch: str) -> KernelSpec:
+    canon = canonical_problem(problem)
+    ins, outs = grouped_gemm_avals(problem, config, names, in_avals, out_avals)
+
+    def build():  # the kernel is built for m symbolic: nothing in a module can depend on the m first asked for
+        import_cutlass(arch)
+        kernel = kernels_package().GroupedGemmSm90(canon, config)
+        return getattr(kernel, "launch", kernel), dict(getattr(kernel, "cutlass_call_kwargs", None) or {})
+
+    return KernelSpec(f"grouped_gemm/{problem.op}", _grouped_gemm_fingerprint(canon, names, config, arch), ins, outs,
+                      build, arch, meta={"problem": canon, "config": config, "input_names": list(names)})
 
 
 def grouped_gemm_spec(problem, config, input_names: Sequence[str], in_avals: Sequence[Any],
-                      out_avals: Sequence[Any], arch: str = DEFAULT_ARCH) -> KernelSpec:
-    config = resolve_config(problem, config)
-
-    def build():
-        _check_supported(problem)
-        import_cutlass(arch)
-        kernel = kernels_package().GroupedGemmSm90(problem, config)
-        return getattr(kernel, "launch", kernel), dict(getattr(kernel, "cutlass_call_kwargs", None) or {})
-
-    return KernelSpec(f"grouped_gemm/{problem.op}", grouped_gemm_fingerprint(problem, input_names, config, arch),
-                      tuple(_sds(a) for a in in_avals), tuple(_sds(a) for a in out_avals), build, arch,
-                      meta={"problem": problem, "config": config, "input_names": list(input_names)})
+                      out_avals: Optional[Sequence[Any]] = None, arch: str = DEFAULT_ARCH) -> KernelSpec:
+    """The KernelSpec of one launch: `out_avals` are what it writes (`launch_avals`; None: those)."""
+    return _spec(problem, _checked_config(problem, config), tuple(input_names), in_avals, out_avals, arch)
 
 
 def kernel_call(problem, config, operands: Sequence[Any], out_avals: Sequence[Any], *,
                 input_names: Sequence[str] = (), arch: str = DEFAULT_ARCH) -> list:
-    """The grouped-GEMM custom call as a traced op (inside mlir.lower_fun). One array per out aval."""
+    """The grouped-GEMM launch as a traced op (inside mlir.lower_fun). One array per launch out aval."""
     return call_spec(grouped_gemm_spec(problem, config, input_names, operands, out_avals, arch), operands, out_avals)
 
 
-def kernel_lowering(problem, input_names: Sequence[str], config, arch: str = DEFAULT_ARCH):
-    """A CUDA lowering `(ctx, *args) -> results` for this call; raises KernelUnavailable when there is none."""
-    input_names, config = tuple(input_names), resolve_config(problem, config)
-    try:
-        kernels_package()
-    except KernelUnavailable:
-        pass  # no kernel sources here: a bundle may still hold the module
-    else:
-        _check_supported(problem)
-    fp = grouped_gemm_fingerprint(problem, input_names, config, arch)
-    if not has_module(fp) and compile_unavailable_reason():
-        notes: list[str] = []
-        _from_bundles(fp, None, notes)
-        raise _unavailable(f"grouped_gemm/{problem.op}", arch, fp, notes, compile_unavailable_reason())
+def kernel_lowering(problem, input_names: Sequence[str], config, in_avals: Sequence[Any], out_avals: Sequence[Any],
+                    arch: str = DEFAULT_ARCH):
+    """A CUDA lowering `(ctx, *args) -> results` for this call (`out_avals`: the op's outputs), its module already
+    found or compiled, so any failure raises here, where the primitive falls back (KernelUnavailable when there is
+    no module). `supports`, the config and the fingerprint are computed once each."""
+    names, config = tuple(input_names), _checked_config(problem, config)
+    if tuple(_sds(a) for a in out_avals) != _present_outputs(problem):
+        raise KernelUnavailable(f"output avals {out_avals} are not the {problem.op} problem's")
+    launch, finish = launch_avals(problem, config)  # backward ops: partial sums, reduced by `finish` in fixed order
+    mod = get_module(_spec(problem, config, names, in_avals, launch, arch))
 
     def lower(ctx, *args):
         from jax.interpreters import mlir
-        _auto_register()
-        # backward ops: the launch writes partial sums, reduced by `finish` in a fixed order
-        out_avals, finish = kernels_package().launch_outputs(problem, config, ctx.avals_out, ctx.avals_in[0].shape[0])
-        call = functools.partial(kernel_call, problem, config, out_avals=out_avals, input_names=input_names,
-                                 arch=arch)
 
         def run(*xs):
-            outs = call(xs)
-            return outs if finish is None else finish(outs, dict(zip(input_names, xs)))
+            outs = mod(xs, launch)
+            return outs if finish is None else finish(outs, dict(zip(names, xs)))
 
         return mlir.lower_fun(run, multiple_results=True)(ctx, *args)
 

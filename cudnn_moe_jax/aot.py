@@ -15,8 +15,10 @@ Items may be:
   - `(problem, config, inputs)` with `inputs` an ordered dict {input name: aval} exactly as the primitive binds them
     (present inputs only, discrete weights as "b:0", "b:1", ...);
   - `problem` or `(problem, config)`: inputs from the kernel package's `variants.input_avals(problem)`.
-A None config means the kernel package's `default_config(problem)`, as at lowering time.
-A build extends an existing bundle; failed variants are reported and make the exit status 1.
+A None config means the kernel package's `default_config(problem)`, as at lowering time. A grouped-GEMM module
+serves every m (it is compiled and recorded for a symbolic m), so the m of an item does not matter.
+Modules come from the module cache where it holds them (`_runtime.module_cache_dir()`), else are compiled (and
+cached). A build extends an existing bundle; failed variants are reported and make the exit status 1.
 """
 
 from __future__ import annotations
@@ -28,16 +30,13 @@ import sys
 import time
 from typing import Any
 
-from cudnn_moe_jax import _problem
 from cudnn_moe_jax import _runtime
 
 
 def _specs(item: Any, arch: str) -> list:
     """(spec, module) pairs for one variant item (see the module docstring)."""
-    import jax
-
     if isinstance(item, _runtime.KernelSpec):
-        return [(item, _runtime.compile_module(item))]
+        return [(item, _runtime.get_module(item))]
     if callable(item):
         with _runtime.recording() as got:
             item()
@@ -45,12 +44,10 @@ def _specs(item: Any, arch: str) -> list:
             raise _runtime.KernelUnavailable(f"{item!r} lowered no CuTe DSL kernel")
         return got
     problem, config, inputs = (tuple(item) + (None, None))[:3] if isinstance(item, tuple) else (item, None, None)
-    config = _runtime.resolve_config(problem, config)
     if inputs is None:
         inputs = _runtime.kernels_package().variants.input_avals(problem)
-    outs = [jax.ShapeDtypeStruct(*v) for v in _problem.output_specs(problem).values() if v is not None]
-    spec = _runtime.grouped_gemm_spec(problem, config, list(inputs), list(inputs.values()), outs, arch)
-    return [(spec, _runtime.compile_module(spec))]
+    spec = _runtime.grouped_gemm_spec(problem, config, list(inputs), list(inputs.values()), arch=arch)
+    return [(spec, _runtime.get_module(spec))]
 
 
 def variant_items(name: str) -> list:

@@ -30,7 +30,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-OFFSET_ALIGN = 256  # FIX_PAD_SIZE of cuDNN: group boundaries are multiples of 256 rows.
+# FIX_PAD_SIZE of cuDNN: group boundaries are multiples of 256 rows (the one copy of the constant is in _problem)
+from cudnn_moe_jax._problem import GROUP_ALIGN as OFFSET_ALIGN
 
 
 class GroupedTileScheduler:

@@ -58,7 +58,7 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
     module, of a problem the sm90 kernels implement (recorded here instead of compiled)."""
     asked = []
 
-    def record(problem, input_names, config):
+    def record(problem, input_names, config, in_avals, out_avals):
         asked.append((problem, tuple(input_names)))
         return None  # no kernel here: the call lowers to the reference (with a warning) and is not compiled
 

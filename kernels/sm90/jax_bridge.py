@@ -11,26 +11,24 @@ static.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from cutlass.jax import TensorSpec, cutlass_call
 
+from cudnn_moe_jax._problem import GROUP_ALIGN as M_ALIGN
+from cudnn_moe_jax._problem import output_specs
+
 from .config import supports
 from .gemm import GroupedGemmSm90
 from .operands import DGRAD_OPS, dgrad_kernel_shape_dtypes, launcher_operands
-
-M_ALIGN = 256
 
 
 def _has(problem):
     epi = problem.epilogue
     has_c = epi.c_dtype is not None and problem.op in ("srelu", "glu")
     return epi.has_prob, epi.has_bias, has_c, epi.compute_amax
-
-
-def _sf_kb(cols: int) -> int:
-    """Kb of a packed SF buffer over `cols` (vec 32): cdiv(cdiv(cols, 32), 4)."""
-    return -(-(-(-cols // 32)) // 4)
 
 
 def _spec(problem, name: str, kind: str) -> TensorSpec:
@@ -66,35 +64,18 @@ def tensor_specs(problem):
 
 
 def output_shape_dtypes(problem, m):
-    """ShapeDtypeStructs of the present outputs for `m` rows (`m` may be symbolic; m % 256 == 0), in
-    `_problem.output_specs` order: c?, d, d_col?, amax?, sfd_row?, sfd_col?."""
-    _, _, has_c, has_amax = _has(problem)
-    epi = problem.epilogue
-    n_out = problem.n_out
-    outs = []
-    if has_c:
-        outs.append(jax.ShapeDtypeStruct((m, problem.n), jnp.dtype(epi.c_dtype)))
-    outs.append(jax.ShapeDtypeStruct((m, n_out), jnp.dtype(epi.d_dtype)))
-    if epi.generate_sfd:
-        outs.append(jax.ShapeDtypeStruct((m, n_out), jnp.dtype(epi.d_dtype)))
-    if has_amax:
-        outs.append(jax.ShapeDtypeStruct((problem.num_groups, 1), jnp.float32))
-    if epi.generate_sfd:
-        outs.append(jax.ShapeDtypeStruct((1, m // 128, _sf_kb(n_out), 32, 4, 4), jnp.uint8))
-        n_blocks = -(-n_out // 128)
-        if epi.discrete_col_sfd:
-            outs.append(jax.ShapeDtypeStruct((n_blocks * 128 * (m // 128) * 4,), jnp.uint8))
-        else:
-            outs.append(jax.ShapeDtypeStruct((1, n_blocks, m // 128, 32, 4, 4), jnp.uint8))
-    return outs
+    """ShapeDtypeStructs of the present outputs for `m` rows (`m` may be symbolic; m % 256 == 0), in launcher
+    order c?, d, d_col?, amax?, sfd_row?, sfd_col? = `_problem.output_specs` order (the one shape table)."""
+    specs = output_specs(dataclasses.replace(problem, m=m))
+    return [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in
+            (v for v in specs.values() if v is not None)]
 
 
 def launch_shape_dtypes(problem, config, m):
-    """The launch's output ShapeDtypeStructs (dgrad: partial sums; wgrad: W (L, m_w, n_w))."""
+    """The launch's output ShapeDtypeStructs: dgrad's partial sums, else the op's outputs (wgrad: W (L, m_w, n_w),
+    whose m is the static weight rows A's first axis holds)."""
     if problem.op in DGRAD_OPS:
         return dgrad_kernel_shape_dtypes(problem, config, m)
-    if problem.op == "wgrad":
-        return [jax.ShapeDtypeStruct((problem.num_groups, problem.m, problem.n), jnp.dtype(problem.wgrad_dtype))]
     return output_shape_dtypes(problem, m)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+from cudnn_moe_jax._problem import M_AXES, Epilogue, GroupedGemmProblem
 from cudnn_moe_jax.shapes import SHAPES  # name: (m, N, K, L)
 
 from .config import default_config
@@ -109,13 +109,12 @@ def input_avals(problem):
 
 
 def symbolic_avals(problem, m):
-    """input_avals with the row count `m` (symbolic under jax.export; m % 256 == 0)."""
+    """input_avals with the row count `m` (symbolic under jax.export; m % 256 == 0): the axes of `_problem.M_AXES`."""
     out = {}
     for name, a in input_avals(problem).items():
-        if name in ("a", "prob", "c"):
-            a = jax_sds((m,) + a.shape[1:], a.dtype)
-        elif name == "sfa":
-            a = jax_sds((1, m // 128) + a.shape[2:], a.dtype)
+        if name in M_AXES:
+            axis, rows = M_AXES[name]
+            a = jax_sds(a.shape[:axis] + (m // rows,) + a.shape[axis + 1:], a.dtype)
         out[name] = a
     return out
 
