@@ -9,6 +9,7 @@ import dataclasses
 from typing import Optional
 
 from cudnn_moe_jax import activations
+from cudnn_moe_jax._problem import GROUP_ALIGN
 
 SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
 DGRAD_ACTS = {op: tuple(a.derivative for a in activations.TABLE.values() if a.backward_op == op)
@@ -123,8 +124,8 @@ def supports(problem) -> Optional[str]:
         return f"bias_dtype {epi.bias_dtype!r} not in {BIAS_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
-    if problem.m % 256:
-        return "m must be a multiple of 256"
+    if problem.m % GROUP_ALIGN:
+        return f"m must be a multiple of {GROUP_ALIGN}"
     if problem.k % 8 or problem.n % 8 or problem.n_out % 8:
         return "N, N_out and K must be multiples of 8 (16-byte TMA rows)"
     if problem.block_scaled and problem.k % 16:
@@ -145,8 +146,8 @@ def _dgrad_support(problem) -> Optional[str]:
         return f"{problem.op}: saved C dtype {epi.c_dtype!r} not in {DGRAD_C_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
-    if problem.m % 256:
-        return "m must be a multiple of 256"
+    if problem.m % GROUP_ALIGN:
+        return f"m must be a multiple of {GROUP_ALIGN}"
     if problem.k % 8 or problem.n % 32:
         return "K must be a multiple of 8 and N (the dgrad output width per gate/up half) of 32"
     return None
