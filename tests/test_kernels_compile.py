@@ -78,7 +78,7 @@ def sass_of(module: bytes, tool: str) -> str:
     return "\n".join(texts)
 
 
-def compile_module(problem, config=None) -> bytes:
+def compile_module(problem, config=None, kernel_class=None) -> bytes:
     """Lower + export with a symbolic m; returns the module bytes cutlass_call compiled."""
     cutlass = _cutlass_sm90()
     import jax
@@ -86,7 +86,7 @@ def compile_module(problem, config=None) -> bytes:
 
     from cudnn_moe_jax.kernels.sm90.jax_bridge import make_call
 
-    call = make_call(problem, config)
+    call = make_call(problem, config) if kernel_class is None else make_call(problem, config, kernel_class)
     (m,) = jax.export.symbolic_shape("m")
     sym = list(variants.symbolic_avals(problem, m).values())
     before = set(_CUTLASS_COMPILE_CACHE)

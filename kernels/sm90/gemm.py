@@ -74,7 +74,11 @@ CONSUMER_REGS = 232
 
 
 class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
-    """`acc[r, :] = A[r, :] @ B[g(r)]^T` for the rows of every group, with the problem's epilogue fused."""
+    """`acc[r, :] = A[r, :] @ B[g(r)]^T` for the rows of every group, with the problem's epilogue fused.
+
+    MXFP8_MAINLOOP: the block-scaled mainloop class (a subclass may bring another: the lab's timing variants)."""
+
+    MXFP8_MAINLOOP = mx.Mxfp8Mainloop
 
     def __init__(self, problem, config: Optional[Config] = None):
         reason = supports(problem)
@@ -131,7 +135,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         self.tile_k = mx.TILE_K if self.block_scaled else TILE_K
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         if self.block_scaled:
-            self.mainloop = mx.Mxfp8Mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
+            self.mainloop = self.MXFP8_MAINLOOP(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
                                              cfg.mx_n_parts)
         else:
             mainloop = KGroupedWgmmaMainloop if self.is_wgrad else WgmmaMainloop

@@ -79,13 +79,13 @@ def launch_shape_dtypes(problem, config, m):
     return output_shape_dtypes(problem, m)
 
 
-def make_call(problem, config=None):
+def make_call(problem, config=None, kernel_class=GroupedGemmSm90):
     """A function `(a, b, [sfa, sfb], padded_offsets, alpha, [prob], [bias], [norm_const]) -> tuple(c?, d,
     d_col?, amax?, sfd_row?, sfd_col?)` for use under jit."""
     reason = supports(problem)
     if reason is not None:
         raise NotImplementedError(reason)
-    kernel = GroupedGemmSm90(problem, config)
+    kernel = kernel_class(problem, config)
     ins, outs = tensor_specs(problem)
 
     def call(*arrays):

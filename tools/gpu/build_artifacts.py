@@ -171,12 +171,12 @@ def manifest_entry(problem, config, symbolic_m: bool) -> dict:
             "symbolic_m": symbolic_m}
 
 
-def export(problem, config, symbolic_m: bool):
+def export(problem, config, symbolic_m: bool, kernel_class=None):
     import cutlass
 
     from cudnn_moe_jax.kernels.sm90.jax_bridge import make_call
 
-    call = make_call(problem, config)
+    call = make_call(problem, config) if kernel_class is None else make_call(problem, config, kernel_class)
     named = variants.input_avals(problem)
     if symbolic_m:
         (m,) = jax.export.symbolic_shape("m")

@@ -8,7 +8,8 @@ kernel.
 ptxas deletes a wgmma whose result is never read (it leaves a placeholder `HGMMA.64x8x16.F16 RZ`), and serializes the
 wgmmas (a full wait after each) when only some of a wgmma's results are read, so every variant reads all of each
 wgmma it keeps, and the SASS is checked for both (docs/history/kernels.md, MXFP8 items 5-6). Each variant is
-exported in its own process: modules are cached per (problem, config), which a replaced fold does not change.
+a subclass of the kernel with its own mainloop class, exported in its own process: cutlass caches modules per
+(problem, config), which a replaced mainloop does not change.
 """
 
 from __future__ import annotations
@@ -26,32 +27,47 @@ import cutlass.cute as cute
 
 from cudnn_moe_jax.kernels.sm90 import default_config
 from cudnn_moe_jax.kernels.sm90 import mainloop_mxfp8 as mx
+from cudnn_moe_jax.kernels.sm90.gemm import GroupedGemmSm90
 from cudnn_moe_jax.kernels.sm90.mainloop import WgmmaMainloop
 
 
-def _fadd(acc, P, S, base: int):  # data wgmma only (the scale wgmma is deleted), one FADD per value reading P
-    for i in range(cute.size(P)):
-        acc[base + i] = acc[base + i] + P[i]
+class _FaddMainloop(mx.Mxfp8Mainloop):
+    """Data wgmma only (the scale wgmma is deleted by ptxas), one FADD per value reading P."""
+
+    @staticmethod
+    def fold(acc, P, S, base: int):
+        for i in range(cute.size(P)):
+            acc[base + i] = acc[base + i] + P[i]
 
 
-def _plain_mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA,
-                    tCrB, tCrSA, tCrSB, k_count):
-    """No scales at all: the data wgmmas accumulate straight into acc (a per-tensor-scaled FP8 GEMM on the same tiles,
-    pipeline and epilogue): the bf16 k-loop, one stage's batch in flight while the next is issued, with the MXFP8
-    stage wait (which also waits for the decoder warps, as the real kernel's does)."""
-    return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count,
-                                  dec_mbar)
+class _PlainMainloop(_FaddMainloop):
+    """No scales at all: the data wgmmas accumulate straight into acc (a per-tensor-scaled FP8 GEMM on the same
+    tiles, pipeline and epilogue): the bf16 k-loop, one stage's batch in flight while the next is issued, with the
+    MXFP8 stage wait (which also waits for the decoder warps, as the real kernel's does)."""
+
+    @cute.jit
+    def mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA,
+                 tCrB, tCrSA, tCrSB, k_count):
+        return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB,
+                                      k_count, dec_mbar)
 
 
-# name -> (fold, whether the scale wgmma is kept, replacement k-loop or None, Config changes). Variants that read only
-# some of P / S (no fold, or a fold on S[0]) were dropped: ptxas then waits for every wgmma right after its issue
-# (serialized; run 19's `keep`, `keep_p`, `ffma_s0`), so they timed a different schedule.
-VARIANTS = {"fadd": (_fadd, False, None, {}),
+def _kernel_with(mainloop):
+    class TimingKernel(GroupedGemmSm90):
+        MXFP8_MAINLOOP = mainloop
+
+    return TimingKernel
+
+
+# name -> (kernel class, whether the scale wgmma is kept, Config changes). Variants that read only some of P / S
+# (no fold, or a fold on S[0]) were dropped: ptxas then waits for every wgmma right after its issue (serialized;
+# run 19's `keep`, `keep_p`, `ffma_s0`), so they timed a different schedule.
+VARIANTS = {"fadd": (_kernel_with(_FaddMainloop), False, {}),
             # the ceiling of this tile / pipeline / epilogue structure for FP8 data without per-block scales
-            "plain": (_fadd, False, _plain_mma_tile, {"mx_n_parts": 1})}
+            "plain": (_kernel_with(_PlainMainloop), False, {"mx_n_parts": 1})}
 
 
-def _check_sass(variant: str, problem, config) -> None:
+def _check_sass(variant: str, problem, config, kernel_class) -> None:
     """The variant's SASS has the data wgmmas, the scale wgmmas iff intended, and no placeholder wgmma."""
     from test_kernels_compile import _cuobjdump, compile_module, sass_of
 
@@ -59,7 +75,7 @@ def _check_sass(variant: str, problem, config) -> None:
     if tool is None:
         print(f"warn {variant}: cuobjdump not found, SASS not checked", flush=True)
         return
-    sass = sass_of(compile_module(problem, config), tool)
+    sass = sass_of(compile_module(problem, config, kernel_class), tool)
     has_q = "QGMMA.64x" in sass
     has_s = re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", sass) is not None
     if not has_q or has_s != VARIANTS[variant][1] or "HGMMA.64x8x16.F16 RZ" in sass:
@@ -71,16 +87,13 @@ def _check_sass(variant: str, problem, config) -> None:
 
 
 def _build_one(variant: str) -> None:
-    fold, _, mma_tile, changes = VARIANTS[variant]
-    mx.Mxfp8Mainloop.fold = staticmethod(fold)
-    if mma_tile is not None:
-        mx.Mxfp8Mainloop.mma_tile = mma_tile
+    kernel_class, _, changes = VARIANTS[variant]
     problem = ba.mxfp8_bench_problem("fc1_bf16d")
     config = dataclasses.replace(default_config(problem), **changes)
-    _check_sass(variant, problem, config)
+    _check_sass(variant, problem, config, kernel_class)
     out = ba.REPO / ".out" / "kgpu"
     name = f"mxbench_fc1_timing_{variant}"
-    (out / f"{name}.jaxexp").write_bytes(ba.export(problem, config, False).serialize())
+    (out / f"{name}.jaxexp").write_bytes(ba.export(problem, config, False, kernel_class).serialize())
     man_path = out / "manifest.json"
     man = json.loads(man_path.read_text())
     man.setdefault("mxfp8_bench", {})[name] = ba.manifest_entry(problem, config, False)
