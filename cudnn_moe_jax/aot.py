@@ -60,6 +60,21 @@ def variant_items(name: str) -> list:
     return list(v() if callable(v) else v)
 
 
+def lowering_items(cases, inputs, call) -> list:
+    """Variant items for `build` from a table of cases: one CUDA lowering of `jax.jit(call)(case, inputs(case))`
+    each (the modules it asks for are recorded)."""
+    import functools
+
+    import jax
+
+    items = []
+    for case in cases:
+        fn = jax.jit(functools.partial(call, case))
+        x = inputs(case)
+        items.append(lambda fn=fn, x=x: fn.trace(x).lower(lowering_platforms=("cuda",)))
+    return items
+
+
 def build(arch: str, out: str, variant_sets: list[str]) -> int:
     os.environ["CUTE_DSL_ARCH"] = arch  # before anything imports cutlass
     done, failed = {}, 0

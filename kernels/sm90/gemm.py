@@ -501,6 +501,18 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         return cluster_id, num_clusters, total, valid_blocks
 
     @cute.jit
+    def _mcast_masks(self, rank_m, rank_n):
+        """TMA multicast masks of this CTA: A goes to its cluster row (along N), B to its column (along M)."""
+        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
+        a_mcast_mask = 0
+        if const_expr(self.cluster_n > 1):
+            a_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=1)
+        b_mcast_mask = 0
+        if const_expr(self.cluster_m > 1):
+            b_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=0)
+        return a_mcast_mask, b_mcast_mask
+
+    @cute.jit
     def _cluster_coord(self):
         """(rank_m, rank_n) of this CTA in its cluster (cluster dims (cm, cn, 1): rank = x + cm * y)."""
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -521,13 +533,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         tBsB, tBgB = cpasync.tma_partition(
             tma_atom_b, rank_m, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
-        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
-        a_mcast_mask = 0
-        if const_expr(self.cluster_n > 1):
-            a_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=1)
-        b_mcast_mask = 0
-        if const_expr(self.cluster_m > 1):
-            b_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=0)
+        a_mcast_mask, b_mcast_mask = self._mcast_masks(rank_m, rank_n)
         k_tiles = cute.size(gA, mode=[3])
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         tSAs = tSAg = tSBs = tSBg = None

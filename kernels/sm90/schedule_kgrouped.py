@@ -16,7 +16,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, const_expr
+from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 MASKER_WARP = 1  # warp 1 of the producer warpgroup (idle in the bf16 mainloop)
@@ -35,13 +35,7 @@ class KGroupedSchedule:
         """Warp 0: for every tile, the TMA loads of its expert's token range (A multicast along the cluster's N,
         B along M, as the forward producer)."""
         rank_m, rank_n = self._cluster_coord()
-        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
-        a_mcast_mask = 0
-        if const_expr(self.cluster_n > 1):
-            a_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=1)
-        b_mcast_mask = 0
-        if const_expr(self.cluster_m > 1):
-            b_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=0)
+        a_mcast_mask, b_mcast_mask = self._mcast_masks(rank_m, rank_n)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         t, stride, total = self._kgrouped_work()
         while t < total:

@@ -6,12 +6,11 @@ bundle items that record their kernel modules on the CPU machine:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 import cudnn_moe_jax as cmj
+from cudnn_moe_jax import aot
 
 M, H, I, L = 2048, 256, 512, 4     # dY (M, H), W2^T (L, I, H); dglu C / D_row (M, 2I), dsrelu (M, I)
 PATTERNS = {
@@ -61,9 +60,4 @@ def call(case, x):
 
 
 def bundle_items():
-    items = []
-    for case in CASES:
-        fn = jax.jit(functools.partial(call, case))
-        x = inputs(case)
-        items.append(lambda fn=fn, x=x: fn.trace(x).lower(lowering_platforms=("cuda",)))
-    return items
+    return aot.lowering_items(CASES, inputs, call)

@@ -124,3 +124,34 @@ def compare(name: str, got, ref, dtype: str, valid_rows=None) -> list:
         errs.append(f"{name}: {int(bad.sum())}/{bad.size} elements out of tolerance, e.g. at {idx}: got "
                     f"{[got[tuple(i)] for i in idx]} ref {[ref[tuple(i)] for i in idx]}")
     return errs
+
+
+# ------------------------------------------------------------------------------------------------ public-op cases
+# (tests/gpu/test_*_gpu.py that run the public ops from a kernel bundle: dgrad, wgrad, public_ops)
+
+ULP = {"bfloat16": 2 ** -8, "float16": 2 ** -11, "float32": 2 ** -24}   # half an output step, relative
+SUBNORMAL_STEP = {"bfloat16": 2.0 ** -133, "float16": 2.0 ** -24, "float32": 2.0 ** -149}
+
+
+def skip_without_gpu_or_bundle(cases_module: str) -> None:
+    """Module-level skip of a public-op GPU test: no GPU, or no kernel bundle (every case would fall back)."""
+    import pytest
+
+    from cudnn_moe_jax import _runtime
+
+    if not gpu_available():
+        pytest.skip("no GPU", allow_module_level=True)
+    if not any(d.is_dir() for d in _runtime.bundle_dirs()):
+        pytest.skip(f"no kernel bundle: build one with the command in tests/gpu/{cases_module}.py (and carry `.bundle`"
+                    " to the GPU machine) -- without it every case would fall back to the reference",
+                    allow_module_level=True)
+
+
+def poison_allocator(nbytes: int = 256 << 20) -> None:
+    """Hand XLA's allocator a NaN-filled block: outputs a kernel forgets to write then read NaN, not zeros."""
+    import jax.numpy as jnp
+
+    x = jnp.full((nbytes // 4,), jnp.nan, jnp.float32)
+    x.block_until_ready()
+    del x
+

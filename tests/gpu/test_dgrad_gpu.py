@@ -16,43 +16,22 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from cudnn_moe_jax import _runtime  # noqa: E402
-
+import harness  # noqa: E402
 import dgrad_cases as cases  # noqa: E402  (tests/conftest.py puts tests/ and tests/gpu/ on sys.path)
 import np_ops  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-def _has_gpu():
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
-if not _has_gpu():
-    pytest.skip("no GPU", allow_module_level=True)
-if not any(d.is_dir() for d in _runtime.bundle_dirs()):
-    pytest.skip("no kernel bundle (tests/gpu/dgrad_cases.py says how to build one)", allow_module_level=True)
-
-ULP = {"bfloat16": 2 ** -8, "float16": 2 ** -11, "float32": 2 ** -24}
-SUBNORMAL_STEP = {"bfloat16": 2.0 ** -133, "float16": 2.0 ** -24, "float32": 2.0 ** -149}
-
-
-def _poison():
-    x = jnp.full((64 << 20,), jnp.nan, jnp.float32)   # 256 MB of NaN handed back to XLA's allocator
-    x.block_until_ready()
-    del x
+harness.skip_without_gpu_or_bundle("dgrad_cases")
+ULP, SUBNORMAL_STEP = harness.ULP, harness.SUBNORMAL_STEP
 
 
 def _run(case, x):
     fn = jax.jit(functools.partial(cases.call, case))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
-        _poison()
+        harness.poison_allocator()
         out = jax.block_until_ready(fn(x))
-        _poison()
+        harness.poison_allocator()
         again = jax.block_until_ready(fn(x))
     return out, again
 

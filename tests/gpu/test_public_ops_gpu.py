@@ -19,25 +19,15 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import cudnn_moe_jax as cmj  # noqa: E402
+import harness  # noqa: E402
 import public_ops_cases as cases  # noqa: E402
-from cudnn_moe_jax import _runtime, formats  # noqa: E402
+from cudnn_moe_jax import formats  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _has_gpu():
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
-if not _has_gpu():
-    pytest.skip("no GPU", allow_module_level=True)
-if not any(d.is_dir() for d in _runtime.bundle_dirs()):
-    pytest.skip("no kernel bundle: build one with the command in public_ops_cases.py (and carry `.bundle` to the "
-                "GPU machine) -- without it every case would fall back to the reference", allow_module_level=True)
+harness.skip_without_gpu_or_bundle("public_ops_cases")
 
 
 def _run(op, options, x, kernels: bool):

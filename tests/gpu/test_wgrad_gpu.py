@@ -16,33 +16,13 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from cudnn_moe_jax import _runtime  # noqa: E402
-
+import harness  # noqa: E402
 import np_ops  # noqa: E402  (tests/conftest.py puts tests/ and tests/gpu/ on sys.path)
 import wgrad_cases as cases  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-def _has_gpu():
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
-if not _has_gpu():
-    pytest.skip("no GPU", allow_module_level=True)
-if not any(d.is_dir() for d in _runtime.bundle_dirs()):
-    pytest.skip("no kernel bundle (tests/gpu/wgrad_cases.py says how to build one)", allow_module_level=True)
-
-ULP = {"bfloat16": 2 ** -8, "float16": 2 ** -11, "float32": 2 ** -24}
-
-
-def _poison():
-    x = jnp.full((64 << 20,), jnp.nan, jnp.float32)
-    x.block_until_ready()
-    del x
+harness.skip_without_gpu_or_bundle("wgrad_cases")
+ULP, SUBNORMAL_STEP = harness.ULP, harness.SUBNORMAL_STEP
 
 
 @pytest.mark.parametrize("pattern", list(cases.PATTERNS))
@@ -52,9 +32,9 @@ def test_wgrad_kernel_matches_float64(case, pattern):
     fn = jax.jit(functools.partial(cases.call, case))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
-        _poison()
+        harness.poison_allocator()
         got = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
-        _poison()
+        harness.poison_allocator()
         again = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
     np.testing.assert_array_equal(got.view(np.uint8), again.view(np.uint8), err_msg="two calls differ")
     a, b = (np.asarray(v.astype(jnp.float32)) for v in cases.operands(case, x))

@@ -6,12 +6,11 @@ record their kernel modules on the CPU machine:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 import cudnn_moe_jax as cmj
+from cudnn_moe_jax import aot
 
 NW, T, L = 320, 2000, 5   # A (MW, T), B (NW, T) -> W (L, MW, NW); T % 8 == 0
 PATTERNS = {
@@ -48,9 +47,4 @@ def call(case, x):
 
 
 def bundle_items():
-    items = []
-    for case in CASES:
-        fn = jax.jit(functools.partial(call, case))
-        x = inputs(case)
-        items.append(lambda fn=fn, x=x: fn.trace(x).lower(lowering_platforms=("cuda",)))
-    return items
+    return aot.lowering_items(CASES, inputs, call)
