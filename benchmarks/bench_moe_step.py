@@ -278,7 +278,17 @@ def run(args):
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "moe_step.json").write_text(json.dumps(results, indent=1))
+        plot(results, out / "moe_step.png")
     return results
+
+
+def plot(results, path: Path):
+    """The step's TFLOP/s per shape and implementation (benchmarks/bench_grouped_gemm.plot's bars)."""
+    from bench_grouped_gemm import plot as bars
+
+    impls = [k for k in ("ours", "torch._grouped_mm+autograd", "tokamax+vjp", "ragged_dot+vjp")
+             if any(k in r["tflops"] for r in results)]
+    bars(results, impls, "MoE expert-MLP training step (fwd + bwd, bf16 SwiGLU), H200", path)
 
 
 def main(argv=None):
@@ -287,7 +297,13 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--act", default="swiglu", choices=("swiglu", "srelu"))
     ap.add_argument("--breakdown", action="store_true", help="ours: per-kernel device time and HLO transposes")
-    run(ap.parse_args(argv))
+    ap.add_argument("--replot", default=None, help="redraw moe_step.png beside a saved moe_step.json, then exit")
+    args = ap.parse_args(argv)
+    if args.replot:
+        saved = Path(args.replot)
+        plot(json.loads(saved.read_text()), saved.with_suffix(".png"))
+        return
+    run(args)
 
 
 if __name__ == "__main__":
