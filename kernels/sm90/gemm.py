@@ -47,12 +47,8 @@ from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, s
 from .epilogue_dgrad import C_LOAD_BUFFERS, EPI_WARPS, DgradEpilogue
 from .epilogue_fwd import EPI_N, ForwardEpilogue
 from .mainloop import (
-    TILE_K,
     KGroupedWgmmaMainloop,
     WgmmaMainloop,
-    ab_stage_bytes,
-    make_ab_smem_layouts,
-    make_tiled_mma,
 )
 from .operands import DGRAD_OPS, launcher_operands
 from .schedule_kgrouped import MASKER_WARP, KGroupedSchedule
@@ -132,14 +128,16 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         self.discrete_col_sfd = epi.discrete_col_sfd
         self.has_norm_const = self.quant_d
         self.rcp_limit = _RCP_LIMIT.get(epi.d_dtype)
-        self.tile_k = mx.TILE_K if self.block_scaled else TILE_K
+        self.mainloop_class = (self.MXFP8_MAINLOOP if self.block_scaled
+                               else KGroupedWgmmaMainloop if self.is_wgrad else WgmmaMainloop)
+        self.tile_k = self.mainloop_class.TILE_K
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         if self.block_scaled:
-            self.mainloop = self.MXFP8_MAINLOOP(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
-                                             cfg.mx_n_parts)
+            self.mainloop = self.mainloop_class(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
+                                                cfg.mx_n_parts)
         else:
-            mainloop = KGroupedWgmmaMainloop if self.is_wgrad else WgmmaMainloop
-            self.mainloop = mainloop(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages)
+            self.mainloop = self.mainloop_class(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages,
+                                                self.a_mn, self.b_mn)
 
     def _smem_fit(self, epi_stages: int) -> int:
         """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
@@ -154,9 +152,8 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             epi = self.tile_m * EPI_N * self.d_per_step * (epi_stages * self.d_dtype.width // 8
                                                            + C_LOAD_BUFFERS * self.cin_dtype.width // 8)
             epi += 4 * EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS + 2048
-        if self.block_scaled:
-            return (SMEM_CAPACITY - header - epi) // mx.smem_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n)
-        return (SMEM_CAPACITY - header - epi) // ab_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n)
+        return (SMEM_CAPACITY - header - epi) // self.mainloop_class.smem_stage_bytes(self.ab_dtype, self.tile_m,
+                                                                                      self.tile_n)
 
     def _choose_stages(self, cfg: Config):
         # dgrad with 32-bit C and D_row: two store buffers would leave < 2 A/B stages, so one may be chosen
@@ -213,16 +210,9 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         else:
             d = t["d"]
 
-        sa_layout = sb_layout = None
-        if const_expr(self.block_scaled):
-            sa_layout, sb_layout = mx.scale_operand_layouts(self.ab_stages)
-            tiled_mma = mx.Mxfp8Mainloop.make_tiled_mma(self.ab_dtype, self.tile_n)
-            a_layout, b_layout = mx.Mxfp8Mainloop.make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n,
-                                                                       self.ab_stages)
-        else:
-            tiled_mma = make_tiled_mma(self.ab_dtype, self.tile_n, a_mn=self.a_mn, b_mn=self.b_mn)
-            a_layout, b_layout = make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages,
-                                                      self.a_mn, self.b_mn)
+        sa_layout, sb_layout = self.mainloop.scale_layouts()
+        tiled_mma = self.mainloop.tiled_mma()
+        a_layout, b_layout = self.mainloop.ab_smem_layouts()
         a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
             a_op, a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, self.tile_k), num_multicast=self.cluster_n
@@ -395,8 +385,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             num_stages=self.ab_stages,
             producer_group=producer_group,
             consumer_group=consumer_group,
-            tx_count=(mx.ab_stage_bytes if self.block_scaled else ab_stage_bytes)(self.ab_dtype, self.tile_m,
-                                                                                 self.tile_n),
+            tx_count=self.mainloop_class.tx_bytes(self.ab_dtype, self.tile_m, self.tile_n),
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )

@@ -71,13 +71,32 @@ def copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k: Int32,
     cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
 
 class WgmmaMainloop:
-    """Producer and consumer k-loops over one tile. Pipeline states are returned (loop-carried by the caller)."""
+    """Producer and consumer k-loops over one tile. Pipeline states are returned (loop-carried by the caller).
 
-    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int):
+    The mainloop protocol the kernel class reads (Mxfp8Mainloop implements it too): `TILE_K`, `smem_stage_bytes`
+    / `tx_bytes` (shared memory and TMA bytes of one A/B stage), `tiled_mma()`, `ab_smem_layouts()`,
+    `scale_layouts()` (the scale operands' layouts, None here), `load_tile`, `mma_tile`."""
+
+    TILE_K = TILE_K
+
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: bool = False, b_mn: bool = False):
         self.ab_dtype = ab_dtype
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
+        self.a_mn, self.b_mn = a_mn, b_mn
+
+    smem_stage_bytes = staticmethod(ab_stage_bytes)
+    tx_bytes = staticmethod(ab_stage_bytes)
+
+    def tiled_mma(self) -> cute.TiledMma:
+        return make_tiled_mma(self.ab_dtype, self.tile_n, a_mn=self.a_mn, b_mn=self.b_mn)
+
+    def ab_smem_layouts(self):
+        return make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n, self.stages, self.a_mn, self.b_mn)
+
+    def scale_layouts(self):
+        return None, None
 
     @cute.jit
     def load_tile(

@@ -120,6 +120,20 @@ class Mxfp8Mainloop:
         self.last_kbs = self.nkb - KB_PER_STAGE * (self.k_tiles - 1)
 
     # ------------------------------------------------------------------------------------------ layouts
+    # the mainloop protocol of the kernel class (mainloop.WgmmaMainloop's docstring)
+    TILE_K = TILE_K
+    smem_stage_bytes = staticmethod(smem_stage_bytes)
+    tx_bytes = staticmethod(ab_stage_bytes)
+
+    def tiled_mma(self) -> cute.TiledMma:
+        return self.make_tiled_mma(self.ab_dtype, self.tile_n)
+
+    def ab_smem_layouts(self):
+        return self.make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n, self.stages)
+
+    def scale_layouts(self):
+        return scale_operand_layouts(self.stages)
+
     @staticmethod
     def make_tiled_mma(ab_dtype, tile_n: int) -> cute.TiledMma:
         return sm90_utils.make_trivial_tiled_mma(
