@@ -173,14 +173,14 @@ def expert_token_matmul(a_op, b_op, ends):
     m_w, tokens = a_op.shape
     n_w = b_op.shape[0]
     num_groups = ends.shape[0]
-    TOKEN_TILE = token_tile(tokens, num_groups)  # noqa: N806 - a constant of this call
-    n_tiles = _cdiv(tokens, TOKEN_TILE)
-    pad = n_tiles * TOKEN_TILE - tokens
+    step_tokens = token_tile(tokens, num_groups)
+    n_tiles = _cdiv(tokens, step_tokens)
+    pad = n_tiles * step_tokens - tokens
     a_op = jnp.pad(a_op, ((0, 0), (0, pad)))
     b_op = jnp.pad(b_op, ((0, 0), (0, pad)))
     starts = group_starts(ends)
-    first = starts // TOKEN_TILE
-    count = jnp.where(ends > starts, (ends + TOKEN_TILE - 1) // TOKEN_TILE - first, 0)
+    first = starts // step_tokens
+    count = jnp.where(ends > starts, (ends + step_tokens - 1) // step_tokens - first, 0)
     cum = jnp.cumsum(count)                                 # inclusive: pairs of experts 0..e
     pair = jnp.arange(n_tiles + num_groups - 1, dtype=jnp.int32)
     expert = jnp.searchsorted(cum, pair, side="right").astype(jnp.int32)   # L for unused pairs
@@ -190,9 +190,9 @@ def expert_token_matmul(a_op, b_op, ends):
 
     def step(acc, item):
         e, t, use = item
-        a_t = jax.lax.dynamic_slice_in_dim(a_op, t * TOKEN_TILE, TOKEN_TILE, axis=1)
-        b_t = jax.lax.dynamic_slice_in_dim(b_op, t * TOKEN_TILE, TOKEN_TILE, axis=1)
-        token = t * TOKEN_TILE + jnp.arange(TOKEN_TILE, dtype=jnp.int32)
+        a_t = jax.lax.dynamic_slice_in_dim(a_op, t * step_tokens, step_tokens, axis=1)
+        b_t = jax.lax.dynamic_slice_in_dim(b_op, t * step_tokens, step_tokens, axis=1)
+        token = t * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
         keep = use & (token >= starts[e]) & (token < ends[e])
         a_t = jnp.where(keep[None, :], a_t, jnp.zeros((), a_t.dtype))
         w = jnp.dot(a_t, b_t.T, precision=HIGHEST, preferred_element_type=F32)
