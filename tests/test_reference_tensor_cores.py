@@ -134,3 +134,39 @@ def test_one_activation_table_unknown_names_fail_everywhere():
     bad = GroupedGemmProblem(op="glu", m=256, n=128, k=64, num_groups=1, ab_dtype="bfloat16",
                              epilogue=Epilogue(act="relu2"))
     assert "glu act must be one of" in config.supports(bad)
+
+
+def test_dgrad_partial_sums_reduce_in_a_fixed_order():
+    """The lowering's reduction of the dgrad kernel's partials (kernels/sm90/operands.finish_dgrad_outputs): dprob =
+    the N-tile partials summed in tile order, dbias = per-group sums of the 128-row tile partials (rows past the
+    last group and empty groups add nothing), amax passed through; equal to float64 sums, bit-identical reruns."""
+    from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+    from cudnn_moe_jax.kernels.sm90 import operands
+
+    rng = np.random.default_rng(11)
+    m, n, L = 1024, 96, 4
+    problem = GroupedGemmProblem(op="dsrelu", m=m, n=n, k=64, num_groups=L, ab_dtype="bfloat16",
+                                 epilogue=Epilogue(act="dsrelu", c_dtype="bfloat16", dbias_dtype="float32",
+                                                   compute_amax=True))
+    d = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    dprob_parts = rng.standard_normal((3, m)).astype(np.float32)
+    dbias_parts = rng.standard_normal((m // 128, n)).astype(np.float32)
+    amax = jnp.asarray(rng.random((L, 1)), jnp.float32)
+    offsets = jnp.asarray([256, 256, 700, 768], jnp.int32)       # -> ends 256, 256, 512, 768; rows 768.. in none
+
+    def finish():
+        return operands.finish_dgrad_outputs(problem, [d, jnp.asarray(dprob_parts), jnp.asarray(dbias_parts), amax],
+                                             offsets)
+
+    out = jax.jit(finish)()
+    again = jax.jit(finish)()
+    np.testing.assert_allclose(np.asarray(out[1]), dprob_parts.astype(np.float64).sum(0), rtol=1e-6, atol=1e-6)
+    ends, lo = [256, 256, 512, 768], 0
+    for g, hi in enumerate(ends):
+        want = dbias_parts[lo // 128:hi // 128].astype(np.float64).sum(0)
+        np.testing.assert_allclose(np.asarray(out[2][g]), want, rtol=1e-6, atol=1e-6)
+        lo = hi
+    assert not np.asarray(out[2][1]).any()                      # the empty group
+    np.testing.assert_array_equal(np.asarray(out[3]), np.asarray(amax))
+    for x, y in zip(out, again):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
