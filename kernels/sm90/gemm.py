@@ -221,10 +221,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
             b_op, b, cute.slice_(b_layout, (None, None, 0)), (self.tile_n, self.tile_k), num_multicast=self.cluster_m
         )
-        tma_atom_sfa = tma_sfa = tma_atom_sfb = tma_sfb = None
-        if const_expr(self.block_scaled):
-            tma_atom_sfa, tma_sfa = self.mainloop.make_sf_tma(t["sfa"], self.cluster_n)
-            tma_atom_sfb, tma_sfb = self.mainloop.make_sf_tma(t["sfb"], self.cluster_m)
+        tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb = self.mainloop.scale_tmas(t, self.cluster_m, self.cluster_n)
         # FP8 D: buffers [0, epi_stages) hold D, [epi_stages, 2 epi_stages) D_col (one partition serves both)
         d_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
                                                    self.epi_stages * (2 if self.quant_d else self.d_per_step))
@@ -260,7 +257,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         @cute.struct
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            if const_expr(self.block_scaled or self.is_wgrad):  # MXFP8: decoded scales; wgrad: masked A tails
+            if const_expr(self.mainloop_class.STAGE_ARRIVALS > 0):  # MXFP8: decoded scales; wgrad: masked A
                 dec_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
             ends: cute.struct.MemRange[Int32, self.num_groups]
             valid: cute.struct.MemRange[Int32, 4]
@@ -390,21 +387,14 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             defer_sync=True,
         )
         dec_mbar = None
-        if const_expr(self.block_scaled):
-            # decoded-scales barrier per stage: every lane of the decoder warps arrives
+        if const_expr(self.mainloop_class.STAGE_ARRIVALS > 0):
+            # the mainloop's per-stage barrier (MXFP8: decoded scales, every lane of the decoder warps arrives;
+            # wgrad: masked A, the masker warp's lanes): the consumers wait for it after the TMA's
             dec_mbar = storage.dec_mbar.data_ptr()
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.ab_stages):
-                        cute.arch.mbarrier_init(dec_mbar + s, 32 * len(mx.DECODER_WARPS))
-            cute.arch.mbarrier_init_fence()
-        if const_expr(self.is_wgrad):
-            # masked-A barrier per stage: the masker warp's 32 lanes arrive
-            dec_mbar = storage.dec_mbar.data_ptr()
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    for s in cutlass.range_constexpr(self.ab_stages):
-                        cute.arch.mbarrier_init(dec_mbar + s, 32)
+                        cute.arch.mbarrier_init(dec_mbar + s, self.mainloop_class.STAGE_ARRIVALS)
             cute.arch.mbarrier_init_fence()
         cin_bars = None
         if const_expr(self.is_dgrad):

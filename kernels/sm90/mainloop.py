@@ -78,6 +78,7 @@ class WgmmaMainloop:
     `scale_layouts()` (the scale operands' layouts, None here), `load_tile`, `mma_tile`."""
 
     TILE_K = TILE_K
+    STAGE_ARRIVALS = 0  # lanes arriving on a per-stage barrier besides the TMA's (none here)
 
     def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: bool = False, b_mn: bool = False):
         self.ab_dtype = ab_dtype
@@ -97,6 +98,10 @@ class WgmmaMainloop:
 
     def scale_layouts(self):
         return None, None
+
+    def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
+        """(atom, tensor) of the A and B scale factors' TMA (none without scales)."""
+        return None, None, None, None
 
     @cute.jit
     def load_tile(
@@ -182,6 +187,8 @@ class KGroupedWgmmaMainloop(WgmmaMainloop):
     consumers wait for it as well as for the TMA (stage_ctx = the mask mbarriers), so no divergent store sits next
     to their wgmmas. (k-tiles start on 64-token boundaries: with TMA boxes starting at the expert's first token,
     e.g. token 300, the kernel raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200, RESULTS.md runs 31-33.)"""
+
+    STAGE_ARRIVALS = 32  # the masker warp's lanes (KGroupedSchedule.kgrouped_masker)
 
     @cute.jit
     def wait_stage(self, ab_pipeline, state, stage_ctx, k):

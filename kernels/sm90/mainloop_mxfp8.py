@@ -134,6 +134,12 @@ class Mxfp8Mainloop:
     def scale_layouts(self):
         return scale_operand_layouts(self.stages)
 
+    STAGE_ARRIVALS = 32 * len(DECODER_WARPS)  # every lane of the decoder warps, once the stage's scales are decoded
+
+    def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
+        """(atom, tensor) of the SFA TMA (multicast with A along the cluster's N) and the SFB TMA (with B)."""
+        return (*self.make_sf_tma(tensors["sfa"], cluster_n), *self.make_sf_tma(tensors["sfb"], cluster_m))
+
     @staticmethod
     def make_tiled_mma(ab_dtype, tile_n: int) -> cute.TiledMma:
         return sm90_utils.make_trivial_tiled_mma(
