@@ -25,12 +25,6 @@ from .gemm import GroupedGemmSm90
 from .operands import DGRAD_OPS, dgrad_kernel_shape_dtypes, launcher_operands
 
 
-def _has(problem):
-    epi = problem.epilogue
-    has_c = epi.c_dtype is not None and problem.op in ("srelu", "glu")
-    return epi.has_prob, epi.has_bias, has_c, epi.compute_amax
-
-
 def _spec(problem, name: str, kind: str) -> TensorSpec:
     if problem.op == "wgrad" and name in ("a", "b") and (problem.a_major, problem.b_major)[name == "b"] != "k":
         return TensorSpec(static=True, layout=(0, 1))  # (rows, T) with rows contiguous: the token-major buffer

@@ -8,7 +8,7 @@ TMA coordinate tensors by it, and
 the reference's (running max of clip(offsets, 0, T)); an expert with no token runs no k-tile and stores zeros.
 
 A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): the consumer's tile loop reads `sched.decode_kgrouped` /
-`sched.token_range` for wgrad problems; everything else (pipeline, mainloop, epilogue) is the kernel's own.
+`sched.token_tiles` for wgrad problems; everything else (pipeline, mainloop, epilogue) is the kernel's own.
 """
 
 from __future__ import annotations
