@@ -55,14 +55,24 @@ class DgradEpilogue:
     @cute.jit
     def dgrad_epilogue(
         self, tRS_rAcc, tRS_cD, frag_size: cutlass.Constexpr, alpha, beta, prob_v, sProb, is_compute, ctid,
-        r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
-        sCin, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
+        r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
+        sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
         store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax,
     ):
         rec = self.recipe
         q8.check_fragment_layout(tRS_cD)
-        warp_e = ctid // 32
-        lane = ctid % 32
+        # thread coordinates re-derived per tile from an opaque copy of ctid: otherwise ptxas hoists every address
+        # computed from them above the tile loop and holds them across the mainloop (spills next to 128
+        # accumulators; the forward epilogue does the same for FP8 D)
+        ctid_o = q8.opaque(ctid)
+        tRS_cD = r2s_d.get_slice(ctid_o).partition_S(cute.make_identity_tensor(self.epi_tile))
+        # C subtiles read with the accumulator's thread-value layout (plain loads: flat index i is the same (row,
+        # col) as in the accumulator and D fragments)
+        tRS_sCin = cin_copy.get_slice(ctid_o).partition_D(sCin)
+        rC = [cute.make_rmem_tensor(tRS_sCin[(None, None, None, 0)].shape, self.cin_dtype)
+              for _ in range(self.d_per_step)]
+        warp_e = ctid_o // 32
+        lane = ctid_o % 32
         r0 = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4   # the thread's two rows: r0, r0 + 8
         if const_expr(rec.has_prob):
             if ctid < self.tile_m:
@@ -71,41 +81,48 @@ class DgradEpilogue:
 
         row_sum = [Float32(0.0), Float32(0.0)]
         amax_bits = [Int32(0), Int32(0)]
-        rVal = [cute.make_rmem_tensor(tRS_cD.shape, Float32) for _ in range(self.d_per_step)]
+        # outputs go to their storage dtype as they are computed; amax and the dbias column partials are taken
+        # from the fp32 values on the way (keeping two fp32 fragments next to 128 accumulators spilled)
+        rD = [cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype) for _ in range(self.d_per_step)]
         for step in cutlass.range_constexpr(self.epi_steps):
             lb = step % C_LOAD_BUFFERS
             cute.arch.mbarrier_wait(cin_bars + lb, (step // C_LOAD_BUFFERS) % 2)
+            col_sum = [[Float32(0.0)] * 8 for _ in range(self.d_per_step)]
+            for j in cutlass.range_constexpr(self.d_per_step):
+                cute.autovec_copy(tRS_sCin[(None, None, None, lb * self.d_per_step + j)], rC[j])
             # ---- visit: derivative per value
             for i in cutlass.range_constexpr(frag_size):
                 row = tRS_cD[i][0]
-                col = tRS_cD[i][1]
                 prob = Float32(1.0)
                 if const_expr(rec.has_prob):
                     prob = sProb[row]
                 dd = alpha * tRS_rAcc[step * frag_size + i]
                 value = Float32(0.0)
+                vals = []
                 if const_expr(rec.is_glu):
-                    x_g = beta * sCin[(row, col, lb * 2)].to(Float32)
-                    x_u = beta * sCin[(row, col, lb * 2 + 1)].to(Float32)
+                    x_g = beta * rC[0][i].to(Float32)
+                    x_u = beta * rC[1][i].to(Float32)
                     value, d_gate, d_up = rec.dglu(x_g, x_u)
                     if const_expr(rec.glu_alpha is not None):
                         dd = dd * Float32(rec.glu_alpha)
                     scale = dd * prob
-                    rVal[0][i] = scale * d_gate
-                    rVal[1][i] = scale * d_up
+                    vals = [scale * d_gate, scale * d_up]
                 else:
-                    x = beta * sCin[(row, col, lb)].to(Float32)
+                    x = beta * rC[0][i].to(Float32)
                     value, dvalue = rec.dsrelu(x)
-                    rVal[0][i] = dd * prob * dvalue
+                    vals = [dd * prob * dvalue]
+                for j in cutlass.range_constexpr(self.d_per_step):
+                    rD[j][i] = vals[j].to(self.d_dtype)
+                    if const_expr(rec.compute_amax):
+                        amax_bits[j] = cutlass.max(amax_bits[j], abs_bits(vals[j]))
+                    if const_expr(rec.has_dbias):
+                        col_sum[j][q8.col_slot(i)] = col_sum[j][q8.col_slot(i)] + vals[j]
                 row_sum[q8.row_of(i)] = row_sum[q8.row_of(i)] + dd * value
             for j in cutlass.range_constexpr(self.d_per_step):
-                if not is_compute:  # rows past valid_m: zeros
-                    rVal[j].fill(0.0)
-                if const_expr(rec.compute_amax):
-                    for i in cutlass.range_constexpr(frag_size):
-                        amax_bits[j] = cutlass.max(amax_bits[j], abs_bits(rVal[j][i]))
+                if not is_compute:  # rows past valid_m: zeros (amax and dprob are not stored for them)
+                    rD[j].fill(0.0)
                 if const_expr(rec.has_dbias):
-                    self._column_partials(rVal[j], sColSum, lb, j, warp_e, lane)
+                    self._column_partials(col_sum[j], is_compute, sColSum, lb, j, warp_e, lane)
             # ---- registers -> smem once the TMA store `epi_stages` steps back has read the buffer
             buf = step % self.epi_stages
             if is_store_warp:
@@ -116,8 +133,7 @@ class DgradEpilogue:
                     self._load_c_step(tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, m_tile, n_tile,
                                       step + C_LOAD_BUFFERS)
             for j in cutlass.range_constexpr(self.d_per_step):
-                tRS_rD.store(rVal[j].load().to(self.d_dtype))
-                cute.copy(r2s_d, tRS_rD, tRS_sD[(None, None, None, buf * self.d_per_step + j)])
+                cute.copy(r2s_d, rD[j], tRS_sD[(None, None, None, buf * self.d_per_step + j)])
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_barrier.arrive_and_wait()
             if is_store_warp:
@@ -146,15 +162,16 @@ class DgradEpilogue:
                         cute.arch.atomic_max(ptr, bits)
 
     @cute.jit
-    def _column_partials(self, rVal, sColSum, lb, j: cutlass.Constexpr, warp_e, lane):
-        """Column sums of one 128 x 32 output subtile over the warp's 16 rows -> sColSum[lb, j, warp, col]."""
+    def _column_partials(self, col_sum, is_compute, sColSum, lb, j: cutlass.Constexpr, warp_e, lane):
+        """The thread's 8 column sums (its two rows) of one 128 x 32 output subtile -> the warp's 16 rows by
+        shuffles (lanes of equal lane % 4 hold the same columns) -> sColSum[col, warp, j, lb]; zero tiles store 0
+        (their C rows may hold anything)."""
         for slot in cutlass.range_constexpr(8):
-            v = Float32(0.0)
-            for i in cutlass.range_constexpr(q8.FRAG):
-                if const_expr(q8.col_slot(i) == slot):
-                    v = v + rVal[i]
-            for d in cutlass.range_constexpr(3):   # lanes of equal lane % 4 hold the same columns
+            v = col_sum[slot]
+            for d in cutlass.range_constexpr(3):
                 v = v + cute.arch.shuffle_sync_bfly(v, offset=4 << d)
+            if not is_compute:
+                v = Float32(0.0)
             if lane < 4:
                 sColSum[(2 * lane + q8.slot_col(slot), warp_e, j, lb)] = v
 

@@ -655,8 +655,10 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             )
             norm_const = mNormConst[0]
         fp8 = (bSG_gDcol, tRS_rDcol, sColMax, mSfdRow, mSfdCol, norm_const, sEnds, m_rows)
-        bSG_sCin = bSG_gCin = None
+        bSG_sCin = bSG_gCin = cin_copy = None
         if const_expr(self.is_dgrad):
+            cin_copy = cute.make_tiled_copy_S(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.cin_dtype),
+                                              tiled_copy_acc)
             tma_atom_cin, mCin, sCin, cin_bars, mBeta, mDprobParts, mDbiasParts, sColSum = dgrad
             bSG_sCin, bSG_gCin = cpasync.tma_partition(
                 tma_atom_cin, 0, cute.make_layout(1), cute.group_modes(sCin, 0, 2), cute.zipped_divide(mCin, self.epi_tile)
@@ -719,8 +721,8 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             if const_expr(self.is_dgrad):
                 self.dgrad_epilogue(
                     tRS_rAcc, tRS_cD, frag_size, alpha, beta, prob_v, sProb, is_compute, ctid,
-                    r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
-                    sCin, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
+                    r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
+                    sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
                     store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax,
                 )
             else:
