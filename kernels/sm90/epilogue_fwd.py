@@ -35,7 +35,7 @@ class ForwardEpilogue:
         # thread coordinates re-derived per tile from an opaque copy: otherwise every address computed from them is
         # hoisted above the tile loop and held across the MXFP8 mainloop (192 accumulator registers) -> spills
         warp_e = lane = None
-        if const_expr(self.quant_d or self.block_scaled):
+        if const_expr(self.quant_d or self.mainloop_class.REGISTER_TIGHT):
             ctid_o = q8.opaque(ctid)
             warp_e = ctid_o // 32
             lane = ctid_o % 32

@@ -3,7 +3,8 @@
 Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
   warpgroup 0, warp 0   `producer`: TMA loads of A (128 x 64) and B[g] (tile_n x 64, multicast to the cluster)
                         into an `ab_stages`-deep mbarrier pipeline (MXFP8: 128 x 128 B of fp8 + the SF atoms);
-  warpgroup 0, warps 1-3 `decoder` (MXFP8 only): e8m0 bytes of each stage -> bf16 scale operands (mainloop_mxfp8);
+  warpgroup 0, warps 1-3 `stage_worker`s of the mainloop: MXFP8 scale decoders (e8m0 bytes of each stage -> bf16
+                        scale operands, mainloop_mxfp8), the wgrad token masker (warp 1);
   warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n; MXFP8: per 32-K block
                         a data and a scale-product wgmma, folded with one FFMA per element), then `epilogue`:
                         fused math per 32-column subtile -> swizzled smem -> TMA store (the first consumer warp
@@ -51,7 +52,7 @@ from .mainloop import (
     WgmmaMainloop,
 )
 from .operands import DGRAD_OPS, launcher_operands
-from .schedule_kgrouped import MASKER_WARP, KGroupedSchedule
+from .schedule_kgrouped import KGroupedSchedule
 
 _DTYPES = {
     "bfloat16": cutlass.BFloat16,
@@ -132,12 +133,9 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                                else KGroupedWgmmaMainloop if self.is_wgrad else WgmmaMainloop)
         self.tile_k = self.mainloop_class.TILE_K
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
-        if self.block_scaled:
-            self.mainloop = self.mainloop_class(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages, self.k,
-                                                cfg.mx_n_parts)
-        else:
-            self.mainloop = self.mainloop_class(self.ab_dtype, self.tile_m, self.tile_n, self.ab_stages,
-                                                self.a_mn, self.b_mn)
+        self.mainloop = self.mainloop_class.from_problem(problem, cfg, self.ab_dtype, self.ab_stages)
+        # lanes arriving on a stage's worker barrier (every lane of every stage worker), besides the TMA's
+        self.stage_arrivals = 32 * len(self.mainloop_class.STAGE_WORKERS)
 
     def _smem_fit(self, epi_stages: int) -> int:
         """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
@@ -210,7 +208,6 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         else:
             d = t["d"]
 
-        sa_layout, sb_layout = self.mainloop.scale_layouts()
         tiled_mma = self.mainloop.tiled_mma()
         a_layout, b_layout = self.mainloop.ab_smem_layouts()
         a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
@@ -254,32 +251,27 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                 cpasync.CopyBulkTensorTileG2SOp(), t["c"], cute.slice_(cin_layout, (None, None, 0)), self.epi_tile
             )
 
-        @cute.struct
-        class SharedStorage:
-            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            if const_expr(self.mainloop_class.STAGE_ARRIVALS > 0):  # MXFP8: decoded scales; wgrad: masked A
-                dec_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
-            ends: cute.struct.MemRange[Int32, self.num_groups]
-            valid: cute.struct.MemRange[Int32, 4]
-            prob: cute.struct.MemRange[Float32, self.tile_m]
-            scalars: cute.struct.MemRange[Float32, 4]
-            bias: cute.struct.MemRange[Float32, self.tile_n]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_layout)], 1024]
-            if const_expr(self.recipe.has_c):
-                sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_layout)], 1024]
-            if const_expr(self.block_scaled):
-                sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * mx.SF_ATOM_BYTES * self.ab_stages], 1024]
-                sSA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sa_layout)], 128]
-                sSB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sb_layout)], 128]
-            if const_expr(self.quant_d):
-                col_max: cute.struct.Align[cute.struct.MemRange[Int32, EPI_N * 8], 16]
-            if const_expr(self.is_dgrad):
-                cin_mbar: cute.struct.MemRange[cutlass.Int64, C_LOAD_BUFFERS]
-                sCin: cute.struct.Align[cute.struct.MemRange[self.cin_dtype, cute.cosize(cin_layout)], 1024]
-                col_sum: cute.struct.Align[cute.struct.MemRange[
-                    Float32, EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS], 16]
+        # field order = offsets: the mainloop's own shared memory sits after the epilogue's C buffer
+        Align, MemRange = cute.struct.Align, cute.struct.MemRange
+        fields = [("ab_mbar", MemRange[cutlass.Int64, self.ab_stages * 2])]
+        if const_expr(self.stage_arrivals > 0):  # MXFP8: decoded scales; wgrad: masked A
+            fields.append(("dec_mbar", MemRange[cutlass.Int64, self.ab_stages]))
+        fields += [("ends", MemRange[Int32, self.num_groups]), ("valid", MemRange[Int32, 4]),
+                   ("prob", MemRange[Float32, self.tile_m]), ("scalars", MemRange[Float32, 4]),
+                   ("bias", MemRange[Float32, self.tile_n]),
+                   ("sA", Align[MemRange[self.ab_dtype, cute.cosize(a_layout)], 1024]),
+                   ("sB", Align[MemRange[self.ab_dtype, cute.cosize(b_layout)], 1024]),
+                   ("sD", Align[MemRange[self.d_dtype, cute.cosize(d_layout)], 1024])]
+        if const_expr(self.recipe.has_c):
+            fields.append(("sC", Align[MemRange[self.c_dtype, cute.cosize(c_layout)], 1024]))
+        fields += self.mainloop.smem_fields()
+        if const_expr(self.quant_d):
+            fields.append(("col_max", Align[MemRange[Int32, EPI_N * 8], 16]))
+        if const_expr(self.is_dgrad):
+            fields += [("cin_mbar", MemRange[cutlass.Int64, C_LOAD_BUFFERS]),
+                       ("sCin", Align[MemRange[self.cin_dtype, cute.cosize(cin_layout)], 1024]),
+                       ("col_sum", Align[MemRange[Float32, EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS], 16])]
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": dict(fields)}))
 
         self.shared_storage = SharedStorage
         self._check_smem(SharedStorage.size_in_bytes())
@@ -300,7 +292,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             tma_atom_a, tma_a, tma_atom_b, tma_b,
             tma_atom_c, tma_c, tma_atom_d, tma_d,
             t["padded_offsets"], t["alpha"], t["prob"], t["bias"], t["amax"],
-            a_layout, b_layout, c_layout, d_layout, sa_layout, sb_layout,
+            a_layout, b_layout, c_layout, d_layout,
             tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb,
             tma_atom_dcol, tma_dcol, mSfdRow, mSfdCol, t["norm_const"],
             tma_atom_cin, tma_cin, cin_layout, t["beta"], t["dprob_parts"], t["dbias_parts"],
@@ -352,24 +344,16 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         tma_atom_c, mC, tma_atom_d: cute.CopyAtom, mD: cute.Tensor,
         mOffsets: cute.Tensor, mAlpha: cute.Tensor, mProb, mBias, mAmax,
         a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, c_layout, d_layout: cute.ComposedLayout,
-        sa_layout, sb_layout, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
+        tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
         tma_atom_cin, mCin, cin_layout, mBeta, mDprobParts, mDbiasParts,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_a)
-            cpasync.prefetch_descriptor(tma_atom_b)
-            cpasync.prefetch_descriptor(tma_atom_d)
-            if const_expr(self.recipe.has_c):
-                cpasync.prefetch_descriptor(tma_atom_c)
-            if const_expr(self.block_scaled):
-                cpasync.prefetch_descriptor(tma_atom_sfa)
-                cpasync.prefetch_descriptor(tma_atom_sfb)
-            if const_expr(self.quant_d):
-                cpasync.prefetch_descriptor(tma_atom_dcol)
-            if const_expr(self.is_dgrad):
-                cpasync.prefetch_descriptor(tma_atom_cin)
+            for atom in (tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_c, tma_atom_sfa, tma_atom_sfb, tma_atom_dcol,
+                         tma_atom_cin):
+                if const_expr(atom is not None):  # the problem's TMA descriptors
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -387,14 +371,14 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             defer_sync=True,
         )
         dec_mbar = None
-        if const_expr(self.mainloop_class.STAGE_ARRIVALS > 0):
-            # the mainloop's per-stage barrier (MXFP8: decoded scales, every lane of the decoder warps arrives;
-            # wgrad: masked A, the masker warp's lanes): the consumers wait for it after the TMA's
+        if const_expr(self.stage_arrivals > 0):
+            # the stage workers' per-stage barrier (MXFP8: decoded scales; wgrad: masked A): the consumers wait for
+            # it after the TMA's
             dec_mbar = storage.dec_mbar.data_ptr()
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.ab_stages):
-                        cute.arch.mbarrier_init(dec_mbar + s, self.mainloop_class.STAGE_ARRIVALS)
+                        cute.arch.mbarrier_init(dec_mbar + s, self.stage_arrivals)
             cute.arch.mbarrier_init_fence()
         cin_bars = None
         if const_expr(self.is_dgrad):
@@ -413,21 +397,12 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         if warp_idx == 0:
             # wgrad: the token ends, clipped to T (A is (m_w, T))
             self.sched.load_group_ends(mOffsets, mA.shape[1] if const_expr(self.is_wgrad) else m_rows, sEnds, sValid)
-        sSA = sSB = sSA16 = sSB16 = None
-        if const_expr(self.block_scaled):
-            sSA, sSB, sSA16, sSB16 = mx.Mxfp8Mainloop.scale_operands(storage.sSA, storage.sSB, sa_layout, sb_layout,
-                                                                     tidx, NUM_THREADS)
+        ml_smem = self.mainloop.smem_tensors(storage, tidx, NUM_THREADS)
         cute.arch.sync_threads()
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
 
         sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        sSF = None
-        if const_expr(self.block_scaled):
-            # raw SF atoms: (128, 4, operand, stage) uint8
-            sSF = storage.sSF.get_tensor(cute.make_layout(
-                (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE, 2, self.ab_stages),
-                stride=(1, mx.SF_ATOM_ROWS, mx.SF_ATOM_BYTES, 2 * mx.SF_ATOM_BYTES)))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -436,15 +411,10 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                     self.kgrouped_producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds)
                 else:
                     self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
-                                  tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF)
-            if const_expr(self.is_wgrad):
-                if warp_idx == MASKER_WARP:
-                    self.kgrouped_masker(ab_pipeline, dec_mbar, sA, sEnds)
-            if const_expr(self.block_scaled):
-                for w, operand, quarters in mx.DECODER_WARPS:
-                    if warp_idx == w:
-                        self.decoder(ab_pipeline, dec_mbar, sSF, (sSA16, sSB16)[operand], operand, quarters,
-                                     sValid, m_rows)
+                                  tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem)
+            for worker in self.mainloop_class.STAGE_WORKERS:
+                if warp_idx == worker[0]:
+                    self.stage_worker(ab_pipeline, dec_mbar, worker, ml_smem, sA, sEnds, sValid, m_rows)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
@@ -466,7 +436,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             self.consumer(
                 ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
                 tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, tidx - 128, warp_idx,
-                dec_mbar, sSA, sSB, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad,
+                dec_mbar, ml_smem, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad,
             )
 
     # ------------------------------------------------------------------------------------------ roles
@@ -499,9 +469,9 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
 
     @cute.jit
     def producer(self, ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
-                 tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sSF):
+                 tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem):
         """Warp 0: TMA loads for every compute tile of this CTA (A multicast along the cluster's N, B along M;
-        MXFP8: the SF atoms of A / B travel with A / B)."""
+        block-scaled mainloops: their scale factors travel with A / B)."""
         rank_m, rank_n = self._cluster_coord()
         # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L)
         gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
@@ -515,17 +485,8 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         a_mcast_mask, b_mcast_mask = self._mcast_masks(rank_m, rank_n)
         k_tiles = cute.size(gA, mode=[3])
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        tSAs = tSAg = tSBs = tSBg = None
-        if const_expr(self.block_scaled):
-            # (128, 4, 1, atoms): one (128, 4) box = one 512-byte SF atom
-            gSA = cute.local_tile(mSFA, (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE), (None, None))
-            gSB = cute.local_tile(mSFB, (mx.SF_ATOM_ROWS, mx.KB_PER_STAGE), (None, None))
-            tSAs, tSAg = cpasync.tma_partition(
-                tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n),
-                cute.group_modes(sSF[(None, None, 0, None)], 0, 2), cute.group_modes(gSA, 0, 2))
-            tSBs, tSBg = cpasync.tma_partition(
-                tma_atom_sfb, rank_m, cute.make_layout(self.cluster_m),
-                cute.group_modes(sSF[(None, None, 1, None)], 0, 2), cute.group_modes(gSB, 0, 2))
+        scale_loads = self.mainloop.partition_scale_loads(tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem,
+                                                          rank_m, rank_n)
 
         t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
         while t < total:
@@ -536,47 +497,43 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                 k_count = k_tiles
             m_tile = m_block * self.cluster_m + rank_m
             n_tile = n_block * self.cluster_n + rank_n
-            if const_expr(self.block_scaled):
-                # SF atom of (row block, K stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb) atoms
-                sfb_row_blocks = (self.n + mx.SF_ATOM_ROWS - 1) // mx.SF_ATOM_ROWS
-                prod_state = self.mainloop.load_tile(
-                    ab_pipeline, prod_state,
-                    tma_atom_a, tAgA[(None, m_tile, None)], tAsA,
-                    tma_atom_b, tBgB[(None, n_tile, None, g)], tBsB,
-                    tma_atom_sfa, tSAg, tSAs, m_tile * k_tiles,
-                    tma_atom_sfb, tSBg, tSBs, (g * sfb_row_blocks + n_tile) * k_tiles,
-                    a_mcast_mask, b_mcast_mask, k_count,
-                )
-            else:
-                prod_state = self.mainloop.load_tile(
-                    ab_pipeline, prod_state,
-                    tma_atom_a, tAgA[(None, m_tile, None)], tAsA,
-                    tma_atom_b, tBgB[(None, n_tile, None, g)], tBsB,
-                    a_mcast_mask, b_mcast_mask, k_count,
-                )
+            prod_state = self.mainloop.load_tile(
+                ab_pipeline, prod_state,
+                tma_atom_a, tAgA[(None, m_tile, None)], tAsA,
+                tma_atom_b, tBgB[(None, n_tile, None, g)], tBsB,
+                a_mcast_mask, b_mcast_mask, k_count, scale_loads, (m_tile, n_tile, g),
+            )
             t += stride
         ab_pipeline.producer_tail(prod_state)
 
     @cute.jit
-    def decoder(self, ab_pipeline, dec_mbar, sSF, sS16, operand: cutlass.Constexpr, quarters: cutlass.Constexpr,
-                sValid, m_rows):
-        """Warps 1-3 (MXFP8): decode the A (warp 1) / B (warps 2, 3: half the columns each) scales of every stage
-        the producer loads (same schedule) into the bf16 scale operand A' / B'."""
+    def stage_worker(self, ab_pipeline, stage_mbar, worker: cutlass.Constexpr, ml_smem, sA, sEnds, sValid, m_rows):
+        """A stage worker of the mainloop (MXFP8: a scale decoder; wgrad: the token masker): for every stage the
+        producer loads (same schedule), once its TMA landed, `mainloop.process_stage` reworks it in shared memory;
+        then the generic-proxy stores are fenced against the wgmma's async-proxy reads and all 32 lanes arrive on
+        the stage's worker barrier."""
         lane = cute.arch.lane_idx()
-        sRaw32 = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32), cute.make_layout(
-            (4, 32, 2, self.ab_stages), stride=(1, 4, mx.SF_ATOM_BYTES // 4, 2 * mx.SF_ATOM_BYTES // 4)))
-        k_tiles = self.mainloop.k_tiles
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
+        if const_expr(self.is_wgrad):
+            t, stride, total = self._kgrouped_work()
+        else:
+            t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
         while t < total:
-            _, _, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
             k_count = Int32(0)
-            if is_compute:
-                k_count = Int32(k_tiles)
+            tile_ctx = None
+            if const_expr(self.is_wgrad):
+                e, _, _ = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
+                _, k_count, head, keep = self.sched.token_tiles(e, sEnds, self.tile_k)
+                tile_ctx = (head, keep)
+            else:
+                _, _, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
+                if is_compute:
+                    k_count = Int32((self.k + self.tile_k - 1) // self.tile_k)
             for k in cutlass.range(k_count, unroll=1):
                 ab_pipeline.consumer_wait(state)
-                self.mainloop.decode_stage(sRaw32, sS16, operand, quarters, state.index, k == k_tiles - 1, lane)
-                cute.arch.mbarrier_arrive(dec_mbar + state.index)
+                self.mainloop.process_stage(worker, ml_smem, sA, state.index, k, k_count, tile_ctx, lane)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(stage_mbar + state.index)
                 state.advance()
             t += stride
 
@@ -584,19 +541,14 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
     def consumer(
         self, ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
         tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, ctid: Int32, warp_idx: Int32,
-        dec_mbar, sSA, sSB, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad,
+        dec_mbar, ml_smem, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad,
     ):
         """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA."""
         rank_m, rank_n = self._cluster_coord()
         wg = warp_idx // 4 - 1
         thr_mma = tiled_mma.get_slice(wg * 128)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        mma_operands = self.mainloop.consumer_operands(tiled_mma, sA, sB, ml_smem, wg)
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        data_mma = scale_mma = P = S = tCrSA = tCrSB = None
-        if const_expr(self.block_scaled):
-            data_mma, scale_mma, tCrA, tCrB, tCrSA, tCrSB, P, S = self.mainloop.consumer_operands(
-                tiled_mma, tCrA, tCrB, sA, sB, sSA, sSB, wg)
 
         # epilogue partitions: register fragments follow the stmatrix source layout of the accumulator
         copy_atom_layout = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
@@ -678,7 +630,6 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                 is_compute = True
                 m_tile = m_block * self.cluster_m + rank_m
                 n_tile = n_block * self.cluster_n + rank_n
-                stage_ctx = dec_mbar  # the masker warp's per-stage barriers
                 out_m_tile = g * (self.sched.m_blocks * self.cluster_m) + m_tile
             else:
                 m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
@@ -687,7 +638,6 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                 m_tile = m_block * self.cluster_m + rank_m
                 n_tile = n_block * self.cluster_n + rank_n
                 out_m_tile = m_tile
-                stage_ctx = None
                 k_count = Int32(0)
                 if is_compute:
                     k_count = Int32(k_tiles)
@@ -709,15 +659,9 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                 beta = mBeta[g]
                 self.prefetch_c(tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, is_store_warp, m_tile, n_tile)
 
-            if const_expr(self.block_scaled):
-                read_state, release_state = self.mainloop.mma_tile(
-                    ab_pipeline, dec_mbar, read_state, release_state, data_mma, scale_mma, acc, P, S, tCrA, tCrB,
-                    tCrSA, tCrSB, k_count
-                )
-            else:
-                read_state, release_state = self.mainloop.mma_tile(
-                    ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count, stage_ctx
-                )
+            read_state, release_state = self.mainloop.mma_tile(
+                ab_pipeline, read_state, release_state, mma_operands, acc, k_count, dec_mbar
+            )
             if const_expr(self.is_dgrad):
                 self.dgrad_epilogue(
                     tRS_rAcc, tRS_cD, frag_size, alpha, beta, prob_v, sProb, is_compute, ctid,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -73,12 +73,20 @@ def copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k: Int32,
 class WgmmaMainloop:
     """Producer and consumer k-loops over one tile. Pipeline states are returned (loop-carried by the caller).
 
-    The mainloop protocol the kernel class reads (Mxfp8Mainloop implements it too): `TILE_K`, `smem_stage_bytes`
-    / `tx_bytes` (shared memory and TMA bytes of one A/B stage), `tiled_mma()`, `ab_smem_layouts()`,
-    `scale_layouts()` (the scale operands' layouts, None here), `load_tile`, `mma_tile`."""
+    The mainloop protocol the kernel class reads (Mxfp8Mainloop implements it too):
+      `from_problem`             the instance for a problem, its config and the chosen A/B stage count;
+      `TILE_K`, `smem_stage_bytes` / `tx_bytes`   shared memory and TMA bytes of one A/B stage;
+      `tiled_mma()`, `ab_smem_layouts()`          the wgmma and the staged A / B layouts;
+      `smem_fields()`, `smem_tensors()`           the mainloop's own shared memory (none here) and its views;
+      `scale_tmas()`, `partition_scale_loads()`   TMA atoms / partitions of scale factors (none here);
+      `STAGE_WORKERS`, `process_stage()`          warps of the producer warpgroup that rework each loaded stage
+                                                  in shared memory before the consumers read it (none here);
+      `REGISTER_TIGHT`                            the k-loop keeps nearly every consumer register live;
+      `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops."""
 
     TILE_K = TILE_K
-    STAGE_ARRIVALS = 0  # lanes arriving on a per-stage barrier besides the TMA's (none here)
+    STAGE_WORKERS = ()
+    REGISTER_TIGHT = False
 
     def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: bool = False, b_mn: bool = False):
         self.ab_dtype = ab_dtype
@@ -86,6 +94,10 @@ class WgmmaMainloop:
         self.tile_n = tile_n
         self.stages = stages
         self.a_mn, self.b_mn = a_mn, b_mn
+
+    @classmethod
+    def from_problem(cls, problem, config, ab_dtype, stages: int):
+        return cls(ab_dtype, config.tile_m, config.tile_n, stages, problem.a_major == "m", problem.b_major == "n")
 
     smem_stage_bytes = staticmethod(ab_stage_bytes)
     tx_bytes = staticmethod(ab_stage_bytes)
@@ -99,9 +111,28 @@ class WgmmaMainloop:
     def scale_layouts(self):
         return None, None
 
+    def smem_fields(self):
+        """(name, struct field type) of the mainloop's shared memory, placed after the epilogue's C buffer."""
+        return []
+
+    def smem_tensors(self, storage, tidx, nthreads):
+        """Views of `smem_fields` (called by every thread before the CTA barrier of the kernel's setup)."""
+        return None
+
     def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
         """(atom, tensor) of the A and B scale factors' TMA (none without scales)."""
         return None, None, None, None
+
+    def partition_scale_loads(self, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, smem, rank_m, rank_n):
+        """The producer's TMA partitions of the scale factors (none without scales)."""
+        return None
+
+    @cute.jit
+    def consumer_operands(self, tiled_mma, sA, sB, smem, wg: Int32):
+        """(mma, A fragment, B fragment) of consumer warpgroup `wg`."""
+        thr_mma = tiled_mma.get_slice(wg * 128)
+        return (tiled_mma, tiled_mma.make_fragment_A(thr_mma.partition_A(sA)),
+                tiled_mma.make_fragment_B(thr_mma.partition_B(sB)))
 
     @cute.jit
     def load_tile(
@@ -117,7 +148,10 @@ class WgmmaMainloop:
         a_mcast_mask,
         b_mcast_mask,
         k_count: Int32,
+        scale_loads=None,
+        tile_coord=None,
     ):
+        """k_count stages of one tile (`scale_loads` / `tile_coord`: the block-scaled mainloop's, unused here)."""
         prod_state.reset_count()
         for _k in cutlass.range(k_count, unroll=1):
             ab_pipeline.producer_acquire(prod_state)
@@ -129,10 +163,11 @@ class WgmmaMainloop:
         return prod_state
 
     @cute.jit
-    def wait_stage(self, ab_pipeline, state, stage_ctx, k):
-        """Wait for stage `state` (tile-local k-tile k); `stage_ctx` is the subclass's (KGroupedWgmmaMainloop: the
-        token tail to mask; the MXFP8 timing variant `plain`: the decode barrier)."""
+    def wait_stage(self, ab_pipeline, state, stage_mbar, k):
+        """Wait for stage `state` (tile-local k-tile k): its TMA, and with stage workers their barrier."""
         ab_pipeline.consumer_wait(state)
+        if const_expr(len(self.STAGE_WORKERS) > 0):
+            cute.arch.mbarrier_wait(stage_mbar + state.index, state.phase)
 
     @cute.jit
     def mma_tile(
@@ -140,15 +175,14 @@ class WgmmaMainloop:
         ab_pipeline,
         read_state,
         release_state,
-        tiled_mma: cute.TiledMma,
+        operands,
         acc: cute.Tensor,
-        tCrA: cute.Tensor,
-        tCrB: cute.Tensor,
         k_count: Int32,
-        stage_ctx=None,
+        stage_mbar=None,
     ):
-        """acc = sum over k_count k-tiles (acc is zeroed first; k_count == 0 leaves zeros). `stage_ctx` goes to
-        `self.wait_stage`."""
+        """acc = sum over k_count k-tiles (acc is zeroed first; k_count == 0 leaves zeros); `operands` from
+        `consumer_operands`, `stage_mbar` the stage workers' barriers."""
+        tiled_mma, tCrA, tCrB = operands
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -156,14 +190,14 @@ class WgmmaMainloop:
         # keep one wgmma batch in flight: release stage k-1 once stage k has been issued
         prologue = cutlass.min(k_count, Int32(1))
         for _k in cutlass.range(prologue, unroll=1):
-            self.wait_stage(ab_pipeline, read_state, stage_ctx, _k)
+            self.wait_stage(ab_pipeline, read_state, stage_mbar, _k)
             for kb in cutlass.range_constexpr(num_k_blocks):
                 crd = (None, None, kb, read_state.index)
                 cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
             warpgroup.commit_group()
             read_state.advance()
         for _k in cutlass.range(prologue, k_count, 1, unroll=1):
-            self.wait_stage(ab_pipeline, read_state, stage_ctx, _k)
+            self.wait_stage(ab_pipeline, read_state, stage_mbar, _k)
             for kb in cutlass.range_constexpr(num_k_blocks):
                 crd = (None, None, kb, read_state.index)
                 cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
@@ -181,16 +215,28 @@ class WgmmaMainloop:
 
 class KGroupedWgmmaMainloop(WgmmaMainloop):
     """The weight-gradient k-loop: K is one expert's token range, loaded from its first token rounded down to a
-    k-tile, so its first and last k-tiles may hold the neighbouring experts' tokens. The masker warp
-    (`KGroupedSchedule.kgrouped_masker`) zeroes them in A (B x 0 adds nothing, as the reference masks A) and
-    arrives on the stage's mask mbarrier; the
-    consumers wait for it as well as for the TMA (stage_ctx = the mask mbarriers), so no divergent store sits next
-    to their wgmmas. (k-tiles start on 64-token boundaries: with TMA boxes starting at the expert's first token,
-    e.g. token 300, the kernel raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200, RESULTS.md runs 31-33.)"""
+    k-tile, so its first and last k-tiles may hold the neighbouring experts' tokens. A stage worker (the masker,
+    warp 1) zeroes them in A (B x 0 adds nothing, as the reference masks A) and arrives on the stage's worker
+    barrier; the consumers wait for it as well as for the TMA, so no divergent store sits next to their wgmmas.
+    (k-tiles start on 64-token boundaries: with TMA boxes starting at the expert's first token, e.g. token 300,
+    the kernel raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200, RESULTS.md runs 31-33.)"""
 
-    STAGE_ARRIVALS = 32  # the masker warp's lanes (KGroupedSchedule.kgrouped_masker)
+    STAGE_WORKERS = ((1,),)  # (warp,): warp 1 of the producer warpgroup (idle in the bf16 mainloop)
 
     @cute.jit
-    def wait_stage(self, ab_pipeline, state, stage_ctx, k):
-        ab_pipeline.consumer_wait(state)
-        cute.arch.mbarrier_wait(stage_ctx + state.index, state.phase)
+    def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
+                      lane: Int32):
+        """Zero A's columns (tokens) outside the expert's range in its first / last k-tile; tile_ctx = (head, keep):
+        the first valid column of k-tile 0 and the end of the valid columns of the last k-tile."""
+        head, keep = tile_ctx
+        lo = Int32(0)
+        hi = Int32(self.TILE_K)
+        if k == 0:
+            lo = head
+        if k == k_count - 1:
+            hi = keep
+        if (lo > 0) | (hi < self.TILE_K):
+            for i in cutlass.range_constexpr(self.tile_m // 32):
+                for c in cutlass.range(self.TILE_K, unroll=1):
+                    if (c < lo) | (c >= hi):
+                        sA[(lane + 32 * i, c, idx)] = self.ab_dtype(0.0)

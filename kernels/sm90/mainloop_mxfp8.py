@@ -104,7 +104,8 @@ def sf_view(sf: cute.Tensor) -> cute.Tensor:
 class Mxfp8Mainloop:
     """Producer / decoder / consumer k-loops of one output tile (128 x 128) with per-32 e8m0 scales."""
 
-    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, n_parts: int = 1):
+    def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, n_parts: int = 1, n: int = 128,
+                 cluster_m: int = 1, cluster_n: int = 1):
         if n_parts not in (1, 2, 4):
             raise ValueError("n_parts must be 1, 2 or 4")
         self.n_parts = n_parts
@@ -118,6 +119,13 @@ class Mxfp8Mainloop:
         self.nkb = -(-k // SF_VEC)
         # valid K blocks of the last stage (the rest read zero-filled data and get scale 0.0)
         self.last_kbs = self.nkb - KB_PER_STAGE * (self.k_tiles - 1)
+        self.sfb_row_blocks = -(-n // SF_ATOM_ROWS)  # SF atoms per expert along N
+        self.cluster_m, self.cluster_n = cluster_m, cluster_n
+
+    @classmethod
+    def from_problem(cls, problem, config, ab_dtype, stages: int):
+        return cls(ab_dtype, config.tile_m, config.tile_n, stages, problem.k, config.mx_n_parts, problem.n,
+                   config.cluster_m, config.cluster_n)
 
     # ------------------------------------------------------------------------------------------ layouts
     # the mainloop protocol of the kernel class (mainloop.WgmmaMainloop's docstring)
@@ -134,7 +142,29 @@ class Mxfp8Mainloop:
     def scale_layouts(self):
         return scale_operand_layouts(self.stages)
 
-    STAGE_ARRIVALS = 32 * len(DECODER_WARPS)  # every lane of the decoder warps, once the stage's scales are decoded
+    # the decoder warps (stage workers): a stage's bf16 scale operands are ready once all their lanes arrived
+    STAGE_WORKERS = DECODER_WARPS
+    REGISTER_TIGHT = True  # acc + the data and scale-product partials: 192 of the consumers' 232 registers
+
+    def smem_fields(self):
+        """Raw SF atoms of each stage, then the bf16 scale operands A' / B'."""
+        sa_layout, sb_layout = self.scale_layouts()
+        return [("sSF", cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * SF_ATOM_BYTES * self.stages], 1024]),
+                ("sSA", cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sa_layout)], 128]),
+                ("sSB", cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sb_layout)], 128])]
+
+    @cute.jit
+    def smem_tensors(self, storage, tidx: Int32, nthreads: cutlass.Constexpr):
+        """(raw SF atoms (128, 4, operand, stage) u8, A', B' operand tensors, their Int16 views, the raw atoms as
+        (4 words, 32 lanes, operand, stage) Int32): A' / B' are zeroed here by every thread."""
+        sa_layout, sb_layout = self.scale_layouts()
+        sSA, sSB, sSA16, sSB16 = self.scale_operands(storage.sSA, storage.sSB, sa_layout, sb_layout, tidx, nthreads)
+        sSF = storage.sSF.get_tensor(cute.make_layout(
+            (SF_ATOM_ROWS, KB_PER_STAGE, 2, self.stages),
+            stride=(1, SF_ATOM_ROWS, SF_ATOM_BYTES, 2 * SF_ATOM_BYTES)))
+        sRaw32 = cute.make_tensor(cute.recast_ptr(sSF.iterator, dtype=Int32), cute.make_layout(
+            (4, 32, 2, self.stages), stride=(1, 4, SF_ATOM_BYTES // 4, 2 * SF_ATOM_BYTES // 4)))
+        return sSF, sSA, sSB, sSA16, sSB16, sRaw32
 
     def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
         """(atom, tensor) of the SFA TMA (multicast with A along the cluster's N) and the SFB TMA (with B)."""
@@ -175,14 +205,32 @@ class Mxfp8Mainloop:
 
     # ------------------------------------------------------------------------------------------ producer
     @cute.jit
+    def partition_scale_loads(self, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, smem, rank_m, rank_n):
+        """The SFA / SFB TMA partitions: (128, 4, 1, atoms), one (128, 4) box = one 512-byte SF atom; SFA travels
+        with A (multicast along the cluster's N), SFB with B."""
+        sSF = smem[0]
+        gSA = cute.local_tile(mSFA, (SF_ATOM_ROWS, KB_PER_STAGE), (None, None))
+        gSB = cute.local_tile(mSFB, (SF_ATOM_ROWS, KB_PER_STAGE), (None, None))
+        tSAs, tSAg = cpasync.tma_partition(
+            tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n),
+            cute.group_modes(sSF[(None, None, 0, None)], 0, 2), cute.group_modes(gSA, 0, 2))
+        tSBs, tSBg = cpasync.tma_partition(
+            tma_atom_sfb, rank_m, cute.make_layout(self.cluster_m),
+            cute.group_modes(sSF[(None, None, 1, None)], 0, 2), cute.group_modes(gSB, 0, 2))
+        return tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs
+
+    @cute.jit
     def load_tile(
         self, ab_pipeline, prod_state,
         tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-        tma_atom_sfa, tSAg, tSAs, sfa_atom0: Int32,
-        tma_atom_sfb, tSBg, tSBs, sfb_atom0: Int32,
-        a_mcast_mask, b_mcast_mask, k_count: Int32,
+        a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile_coord,
     ):
-        """k_count stages of one tile; SF atom of stage k: `*_atom0 + k` (one atom per 128 rows per stage)."""
+        """k_count stages of one tile (m_tile, n_tile, expert g) = tile_coord; SF atom of stage k: the tile's first
+        atom + k (one atom per 128 rows per stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb) atoms."""
+        tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs = scale_loads
+        m_tile, n_tile, g = tile_coord
+        sfa_atom0 = m_tile * self.k_tiles
+        sfb_atom0 = (g * self.sfb_row_blocks + n_tile) * self.k_tiles
         prod_state.reset_count()
         for _k in cutlass.range(k_count, unroll=1):
             ab_pipeline.producer_acquire(prod_state)
@@ -218,6 +266,13 @@ class Mxfp8Mainloop:
         return sSA, sSB, flat[0], flat[1]
 
     @cute.jit
+    def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
+                      lane: Int32):
+        """Stage worker `worker` = (warp, operand, row quarters) of DECODER_WARPS: decode its part of the stage."""
+        _, operand, quarters = worker
+        self.decode_stage(smem[5], smem[3 + operand], operand, quarters, idx, k == self.k_tiles - 1, lane)
+
+    @cute.jit
     def decode_stage(self, sRaw32: cute.Tensor, sS16: cute.Tensor, operand: cutlass.Constexpr,
                      quarters: cutlass.Constexpr, idx: Int32, last: cutlass.Boolean, lane: Int32):
         """Warp-collective: rows `lane + 32 i` (i in `quarters`) of one stage's SF atom of `operand` (0: A, 1: B) ->
@@ -247,15 +302,17 @@ class Mxfp8Mainloop:
             else:
                 for j in cutlass.range_constexpr(KB_PER_STAGE):
                     sS16[row + j * CHUNK + j] = bf[j]
-        # the wgmma reads A' / B' through the async proxy
-        cute.arch.fence_proxy("async.shared", space="cta")
 
     # ------------------------------------------------------------------------------------------ consumer
     @cute.jit
-    def consumer_operands(self, tiled_mma, tCrA, tCrB, sA, sB, sSA, sSB, wg: Int32):
+    def consumer_operands(self, tiled_mma, sA, sB, smem, wg: Int32):
         """(data mma, scale mma, tCrA, tCrB, tCrSA, tCrSB, P, S) of consumer warpgroup `wg`: the data partial P and
         the scale products S share the accumulator layout; with `n_parts` > 1 both are per column part (tuples of
         part-size P / S; the data mma and its A / B fragments are the part-wide ones), while acc keeps the tile's."""
+        sSA, sSB = smem[1], smem[2]
+        thr_mma = tiled_mma.get_slice(wg * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         mma_n = self.tile_n // self.n_parts
         data_mma = tiled_mma
         if const_expr(self.n_parts > 1):
@@ -281,16 +338,17 @@ class Mxfp8Mainloop:
         cute.arch.mbarrier_wait(dec_mbar + state.index, state.phase)
 
     @cute.jit
-    def mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma: cute.TiledMma,
-                 scale_mma: cute.TiledMma, acc: cute.Tensor, P: cute.Tensor, S: cute.Tensor, tCrA: cute.Tensor,
-                 tCrB: cute.Tensor, tCrSA: cute.Tensor, tCrSB: cute.Tensor, k_count: Int32):
-        """acc = sum over k_count stages of P * S per 32-wide K block (zeros when k_count == 0).
+    def mma_tile(self, ab_pipeline, read_state, release_state, operands, acc: cute.Tensor, k_count: Int32,
+                 dec_mbar):
+        """acc = sum over k_count stages of P * S per 32-wide K block (zeros when k_count == 0); `operands` from
+        `consumer_operands`, `dec_mbar` the decoder warps' stage barriers.
 
         No wgmma stays in flight across a stage: acc + P + S fill 192 of the 232 registers. n_parts == 1: both
         warpgroups issue their pairs together and fold together (the tensor core idles during the folds; making
         them take turns measured slower, 561 / 568 vs 597-600 TFLOP/s on fc1, RESULTS.md run 12). n_parts > 1:
         mma_tile_parts.
         """
+        tiled_mma, scale_mma, tCrA, tCrB, tCrSA, tCrSB, P, S = operands
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         scale_mma.set(warpgroup.Field.ACCUMULATE, False)

@@ -3,8 +3,8 @@
 Output tiles (expert e, M block, N block) of W (L, m_w, n_w), stored through the forward `quant` epilogue (D = acc,
 no prob, alpha 1) into W seen as (L * m_w, n_w); A (m_w, T) and B (n_w, T) are read K-major (tokens contiguous)
 from expert e's first token rounded down to a k-tile (any alignment of the offsets): the producer offsets both
-TMA coordinate tensors by it, and
-`kgrouped_masker` zeroes the neighbouring experts' tokens in the first and last k-tiles. Token ends are sanitized like
+TMA coordinate tensors by it, and the mainloop's stage worker (mainloop.KGroupedWgmmaMainloop) zeroes the
+neighbouring experts' tokens in the first and last k-tiles. Token ends are sanitized like
 the reference's (running max of clip(offsets, 0, T)); an expert with no token runs no k-tile and stores zeros.
 
 A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): the consumer's tile loop reads `sched.decode_kgrouped` /
@@ -13,14 +13,10 @@ A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): the consumer's tile loop re
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
-
-MASKER_WARP = 1  # warp 1 of the producer warpgroup (idle in the bf16 mainloop)
-
 
 class KGroupedSchedule:
     @cute.jit
@@ -58,32 +54,3 @@ class KGroupedSchedule:
             )
             t += stride
         ab_pipeline.producer_tail(prod_state)
-
-    @cute.jit
-    def kgrouped_masker(self, ab_pipeline, mask_mbar, sA, sEnds):
-        """Warp 1: for every stage the producer loads (same schedule), once its TMA landed: in an expert's last
-        k-tile, zero A's columns (tokens) past the expert's range; then fence the generic-proxy stores against
-        the wgmma's async-proxy reads and arrive on the stage's mask mbarrier (all 32 lanes)."""
-        lane = cute.arch.lane_idx()
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        t, stride, total = self._kgrouped_work()
-        while t < total:
-            e, _, _ = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
-            _, k_count, head, keep = self.sched.token_tiles(e, sEnds, self.tile_k)
-            for k in cutlass.range(k_count, unroll=1):
-                ab_pipeline.consumer_wait(state)
-                lo = Int32(0)
-                hi = Int32(self.tile_k)
-                if k == 0:
-                    lo = head
-                if k == k_count - 1:
-                    hi = keep
-                if (lo > 0) | (hi < self.tile_k):
-                    for i in cutlass.range_constexpr(self.tile_m // 32):
-                        for c in cutlass.range(self.tile_k, unroll=1):
-                            if (c < lo) | (c >= hi):
-                                sA[(lane + 32 * i, c, state.index)] = self.ab_dtype(0.0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(mask_mbar + state.index)
-                state.advance()
-            t += stride

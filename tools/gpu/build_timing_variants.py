@@ -46,9 +46,9 @@ class _PlainMainloop(_FaddMainloop):
     MXFP8 stage wait (which also waits for the decoder warps, as the real kernel's does)."""
 
     @cute.jit
-    def mma_tile(self, ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA,
-                 tCrB, tCrSA, tCrSB, k_count):
-        return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB,
+    def mma_tile(self, ab_pipeline, read_state, release_state, operands, acc, k_count, dec_mbar):
+        tiled_mma, _, tCrA, tCrB = operands[:4]
+        return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, (tiled_mma, tCrA, tCrB), acc,
                                       k_count, dec_mbar)
 
 
