@@ -266,12 +266,32 @@ def sf_physical_shape(rows, k, vec, num_groups=1) -> tuple:
     return (num_groups, cdiv(rows, 128), cdiv(cdiv(k, vec), 4), 32, 4, 4)
 
 
+SF_ATOM_ROWS = 128    # rows of one scale-factor atom
+SF_ATOM_KBLOCKS = 4   # k-blocks of one atom
+SF_ATOM_BYTES = 512   # = SF_ATOM_ROWS * SF_ATOM_KBLOCKS
+
+
+# The two helpers below are the layout's formula. They use shifts and masks only, so the same function serves
+# Python ints, numpy / jnp integer arrays and the kernels' device integers (for the non-negative coordinates they
+# take, `>>` / `&` are `//` / `%`, without the sign fix-ups a device floor division costs).
+def sf_atom_start(row_block, kb_atom, kb_atoms):
+    """Byte offset of the atom (128-row block `row_block`, k-block quad `kb_atom`) in a layout `kb_atoms` quads
+    wide (atoms are row-block major)."""
+    return (row_block * kb_atoms + kb_atom) * SF_ATOM_BYTES
+
+
+def sf_atom_byte(r0, r1, kb0):
+    """Byte of row r = 32 * r1 + r0 (r0 < 32, r1 < 4) of a 128-row block and k-block kb0 (< 4) of a quad inside
+    their atom: the 32 x 4 x 4 interleave, 16 bytes per r0."""
+    return r0 * 16 + r1 * 4 + kb0
+
+
 def sf_offset(r, kb, l, rows, n_kblocks):
     """Byte offset of logical S[l, r, kb] (docs/formats.md#scale-factor-layout); Python ints, numpy or jnp integer
     arrays."""
-    rb_n, kb_n = cdiv(rows, 128), cdiv(n_kblocks, 4)
-    return (l * (rb_n * kb_n * 512) + (r // 128) * (kb_n * 512) + (kb // 4) * 512
-            + (r % 32) * 16 + ((r // 32) % 4) * 4 + (kb % 4))
+    rb_n, kb_n = cdiv(rows, SF_ATOM_ROWS), cdiv(n_kblocks, SF_ATOM_KBLOCKS)
+    return (l * (rb_n * kb_n * SF_ATOM_BYTES) + sf_atom_start(r >> 7, kb >> 2, kb_n)
+            + sf_atom_byte(r & 31, (r >> 5) & 3, kb & 3))
 
 
 # Axis order that turns (L, Rb, r1=4, r0=32, Kb, kb0=4) into memory order (L, Rb, Kb, r0, r1, kb0); it is its own
@@ -349,7 +369,7 @@ def pack_sf_segments(s, ends, vec):
     q = p - base[g]                                      # byte offset inside the owner's SF(R, T_g) block
     atom_row = jnp.maximum(kb_n[g], 1) * 512             # bytes per 128-row block of the segment
     rb, ka, w = q // atom_row, (q % atom_row) // 512, q % 512
-    r = rb * 128 + ((w // 4) % 4) * 32 + w // 16        # inverse of the byte offset inside one atom
+    r = rb * 128 + ((w // 4) % 4) * 32 + w // 16        # inverse of sf_atom_byte
     j = ka * 4 + w % 4
     valid = (owner >= 0) & (rb < rb_n) & (r < rows) & (j < nkb[g])
     col = starts[g] // vec + j
@@ -373,8 +393,7 @@ def unpack_sf_segments(flat, rows, ends, total_tokens, vec):
     j = t - starts[g] // vec
     valid = (g_raw < n_groups) & (j >= 0) & (j < nkb[g])
     r = jnp.arange(rows, dtype=jnp.int32)[:, None]
-    off = (base[g] + (r // 128) * (kb_n[g] * 512) + (j // 4) * 512
-           + (r % 32) * 16 + ((r // 32) % 4) * 4 + j % 4)
+    off = base[g] + sf_atom_start(r >> 7, j >> 2, kb_n[g]) + sf_atom_byte(r & 31, (r >> 5) & 3, j & 3)
     val = flat[jnp.clip(off, 0, flat.shape[0] - 1)]
     return jnp.where(valid[None, :], val, jnp.uint8(0))
 

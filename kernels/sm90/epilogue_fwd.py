@@ -11,6 +11,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from cudnn_moe_jax.formats import sf_atom_byte, sf_atom_start
+
 from .. import quantize as q8
 from ..epilogue import abs_bits, warp_max_i32
 
@@ -159,9 +161,8 @@ class ForwardEpilogue:
     def _store_sf_bytes(self, code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
                         step: cutlass.Constexpr, g, warp_e, lane):
         """SFD_row bytes of the thread's two rows (quad leaders) and the SFD_col byte of subtile column `lane`
-        (the first warp of each 32-row pair), at their docs/formats.md#scale-factor-layout / #segmented-layout byte offsets. The offset arithmetic is split into
-        tile terms and small per-thread terms (rows r, r+8 sit 128 bytes apart; a lane's columns 16 bytes apart) so
-        that few per-thread invariants stay live across the mainloop."""
+        (the first warp of each 32-row pair), at their byte offsets (cudnn_moe_jax.formats.sf_atom_start /
+        sf_atom_byte: docs/formats.md#scale-factor-layout, #segmented-layout). Rows r, r+8 sit 128 bytes apart."""
         n_out = self.problem.n_out
         col_block = n_tile * (self.tile_n // self.c_per_step // EPI_N) + step  # D 32-column block
         kb_atoms = (-(-n_out // EPI_N) + 3) // 4
@@ -172,8 +173,8 @@ class ForwardEpilogue:
         # multicasts its half of A): its blocks lie past the SF buffers' padded width, nothing to store
         in_n = col_block < 4 * kb_atoms
         if (lane % 4 == 0) & in_n:
-            row_off = (((m_tile * self.tile_m) >> 7) * kb_atoms + (col_block >> 2)) * 512 + (col_block & 3) \
-                + (r_in & 31) * 16 + ((r_in >> 5) & 3) * 4
+            row_off = sf_atom_start((m_tile * self.tile_m) >> 7, col_block >> 2, kb_atoms) \
+                + sf_atom_byte(r_in & 31, (r_in >> 5) & 3, col_block & 3)
             mSfdRow[row_off] = code_r0.to(cutlass.Uint8)
             mSfdRow[row_off + 128] = code_r1.to(cutlass.Uint8)
         if (warp_e % 2 == 0) & in_n:
@@ -185,7 +186,8 @@ class ForwardEpilogue:
                     start = sEnds[g - 1]
                 atoms = (sEnds[g] - start) // 128
                 rb32 = rb32 - (start >> 5)
-            col_off = ((col_block >> 2) * atoms + (rb32 >> 2)) * 512 + (col_block & 3) * 4 + (rb32 & 3) + 16 * lane
+            # D_col's scale rows are D's columns (col_block * 32 + lane), its k-blocks D's 32-row blocks
+            col_off = sf_atom_start(col_block >> 2, rb32 >> 2, atoms) + sf_atom_byte(lane, col_block & 3, rb32 & 3)
             if const_expr(self.discrete_col_sfd):
                 col_off = col_off + 4 * ((n_out + 127) // 128) * start
             mSfdCol[col_off] = code_c.to(cutlass.Uint8)

@@ -39,6 +39,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from cudnn_moe_jax._problem import Epilogue
+from cudnn_moe_jax.formats import rcp_limit
 
 from .. import quantize as q8
 from ..epilogue import DgradRecipe, EpilogueRecipe
@@ -61,8 +62,6 @@ _DTYPES = {
     "float8_e4m3fn": cutlass.Float8E4M3FN,
     "float8_e5m2": cutlass.Float8E5M2,
 }
-# float32(1 / q_max) of FP8 D (docs/formats.md#quantization: e5m2 q_max 57344); = cudnn_moe_jax.formats.rcp_limit
-_RCP_LIMIT = {"float8_e4m3fn": float.fromhex("0x1.24924a0000000p-9"), "float8_e5m2": float.fromhex("0x1.24924a0000000p-16")}
 
 EPI_BARRIER_ID = 1
 NUM_THREADS = 384
@@ -128,7 +127,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         self.quant_d = epi.generate_sfd
         self.discrete_col_sfd = epi.discrete_col_sfd
         self.has_norm_const = self.quant_d
-        self.rcp_limit = _RCP_LIMIT.get(epi.d_dtype)
+        self.rcp_limit = rcp_limit(epi.d_dtype) if self.quant_d else None  # float32(1 / q_max) of FP8 D
         self.mainloop_class = (self.MXFP8_MAINLOOP if self.block_scaled
                                else KGroupedWgmmaMainloop if self.is_wgrad else WgmmaMainloop)
         self.tile_k = self.mainloop_class.TILE_K

@@ -56,13 +56,13 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS  # one SF atom: 128 rows x 4 k-blocks
+
 from .mainloop import copy_ab_stage
 
 TILE_K = 128  # fp8: 128 B per row = one SW128 atom = 4 scale blocks
 SF_VEC = 32
 KB_PER_STAGE = TILE_K // SF_VEC
-SF_ATOM_ROWS = 128  # one 512-byte SF atom: 128 rows x 4 k-blocks
-SF_ATOM_BYTES = 512
 CHUNK = 64  # bf16 elements of one core matrix (8 rows x 16 B)
 SA_GROUP = 2 * CHUNK  # A' per 8-row group: [D Z]
 SB_GROUP = (KB_PER_STAGE + 1) * CHUNK  # B' per 8-row group: [c0 c1 c2 c3 Z]
