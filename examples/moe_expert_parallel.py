@@ -10,6 +10,10 @@ plain single-device nn.moe_layer with one device's share of experts and tokens.
     python examples/moe_expert_parallel.py --experts-per-device 8 --rows-per-expert 2048 --hidden 7168 \\
         --intermediate 2048 --capacity-factor 1.25 --time-exchange --compare-single            # GPU benchmark
 Several hosts: the same command on each, with --coordinator HOST:PORT --num-processes N --process-id I.
+
+On a GPU machine without the CuTe DSL compiler the kernels come from a bundle: `bundle_items` lowers for CUDA the
+step this script runs with `--devices 1` at the default sizes (`python -m cudnn_moe_jax.aot build --arch sm_90a
+--out .bundle --variants examples.moe_expert_parallel:bundle_items`).
 """
 
 from __future__ import annotations
@@ -117,6 +121,20 @@ def make_exchange(args, mesh, capacity):
     tokens = P(("data", "expert"))
     layer = jax.shard_map(body, mesh=mesh, in_specs=(tokens, P()), out_specs=tokens, check_vma=False)
     return jax.jit(jax.grad(lambda x, router: jnp.sum(layer(x, router).astype(jnp.float32)), argnums=(0, 1)))
+
+
+def lower_step_for(args, platform: str = "cuda"):
+    """Lower the step `main` runs for `platform` without running it (on a CPU machine: the bundle build). The mesh
+    is this machine's devices, so lower with as many (`args.devices`) as the run will use."""
+    mesh = build_mesh(args)
+    params, x, target = init(args, mesh)
+    return make_step(args, mesh).trace(params, x, target).lower(lowering_platforms=(platform,))
+
+
+def bundle_items(argv=("--devices", "1")):
+    """The one-device run at the default sizes (`--devices 1`: one GPU; the build machine's one CPU device)."""
+    args = parse_args(list(argv))
+    return [lambda: lower_step_for(args)]
 
 
 def best_time(fn, *args, steps):

@@ -1,10 +1,15 @@
-"""Backward-op cases (grouped_gemm_dglu / grouped_gemm_dsrelu through the public ops) for the GPU suite, and the
-bundle items that record their kernel modules on the CPU machine:
+"""Backward-op cases (grouped_gemm_dglu / grouped_gemm_dsrelu through the public ops) for the GPU suite and the
+sanitizer (`run_case`: the run and every check), and the bundle items that record their kernel modules on the CPU
+machine:
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.dgrad_cases:bundle_items
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -59,5 +64,83 @@ def call(case, x):
     return cmj.grouped_gemm_dsrelu(x["a"], x["b"], x["c"], **kw)
 
 
+def bundle_items_for(cases):
+    return aot.lowering_items(cases, inputs, call)
+
+
 def bundle_items():
-    return aot.lowering_items(CASES, inputs, call)
+    return bundle_items_for(CASES)
+
+
+# ------------------------------------------------------------------------------------------------ GPU run + checks
+# (tests/gpu/test_dgrad_gpu.py, tools/gpu/sanitize_backward.py; need tests/ and tests/gpu/ on sys.path)
+
+def _run(case, x):
+    import harness
+
+    fn = jax.jit(functools.partial(call, case))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
+        harness.poison_allocator()
+        out = jax.block_until_ready(fn(x))
+        harness.poison_allocator()
+        again = jax.block_until_ready(fn(x))
+    return out, again
+
+
+def _oracle(case, x):
+    import np_ops
+    import numpy as np
+
+    _, op, act, options, ab, c_dtype = case
+    options = dict(options)
+    no_prob = options.pop("no_prob", False)
+    h = {k: np.asarray(v.astype(jnp.float32)) if v.dtype != jnp.int32 else np.asarray(v) for k, v in x.items()}
+    d_dtype = options.pop("d_dtype", "bfloat16")
+    kw = dict(ab_dtype=ab, d_dtype=d_dtype, c_dtype=c_dtype, dbias_dtype=options.pop("dbias_dtype", None),
+              # the ops' default: amax for a 16-bit D
+              compute_amax=options.pop("compute_amax", d_dtype in ("bfloat16", "float16")))
+    options.pop("generate_dbias", None)
+    fn = np_ops.grouped_gemm_dglu if op == "dglu" else np_ops.grouped_gemm_dsrelu
+    if op == "dglu":
+        kw["act_func"] = act
+    return fn(h["a"], h["b"], h["c"], None, None, h["offsets"], h["alpha"], h["beta"],
+              None if no_prob else h["prob"], **kw, **options)
+
+
+def run_case(case, pattern: str) -> list[str]:
+    """Run one case on the GPU (outputs poisoned first, twice) and check every output element against the float64
+    oracle (tests/np_ops.py); the problems found ([] = ok)."""
+    import harness
+    import numpy as np
+
+    x = inputs(case, pattern, seed=zlib.crc32(f"{case[0]}/{pattern}".encode()) % 1000)
+    got, again = _run(case, x)
+    want = _oracle(case, x)
+    valid = want["_groups"][-1][1]
+    errs = []
+    for key, g in got.items():
+        if g is None:
+            continue
+        if not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8)):
+            errs.append(f"{key}: two calls differ")
+        gv = np.asarray(g.astype(jnp.float32))
+        if not np.all(np.isfinite(gv)):
+            errs.append(f"{key}: non-finite (poison left in an output?)")
+            continue
+        if key == "amax_tensor":
+            ref = np.asarray(want[key], np.float32)
+            if not np.all(np.abs(gv - ref) <= 2 ** -7 * np.abs(ref)):
+                errs.append(f"{key}: {gv.ravel().tolist()} vs {ref.ravel().tolist()}")
+            continue
+        name = {"d_row_tensor": "d", "dprob_tensor": "dprob", "dbias_tensor": "dbias"}[key]
+        pre, mag = want["_pre"][name], want["_mag"][name]
+        out_dtype = str(g.dtype)
+        # one rounding to the output dtype + fp32 accumulation error (K = H terms, bounded by the magnitude sum)
+        bound = harness.ULP[out_dtype] * np.abs(pre) + 1e-5 * mag + harness.SUBNORMAL_STEP[out_dtype]
+        err = np.abs(gv.astype(np.float64) - pre)
+        if not np.all(err <= bound):
+            errs.append(f"{key}: worst {np.max(err / bound):.2f} x the bound")
+        if key in ("d_row_tensor", "dprob_tensor") and np.any(gv[valid:]):
+            errs.append(f"{key}: rows past valid_m must be zero")
+    return errs

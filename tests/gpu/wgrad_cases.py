@@ -1,10 +1,14 @@
-"""Weight-gradient cases (grouped_gemm_wgrad through the public op) for the GPU suite, and the bundle items that
-record their kernel modules on the CPU machine:
+"""Weight-gradient cases (grouped_gemm_wgrad through the public op) for the GPU suite and the sanitizer (`run_case`:
+the run and every check), and the bundle items that record their kernel modules on the CPU machine:
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.wgrad_cases:bundle_items
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -46,5 +50,44 @@ def call(case, x):
     return cmj.grouped_gemm_wgrad(a, b, x["offsets"], wgrad_dtype=case[2], **majors)
 
 
+def bundle_items_for(cases):
+    return aot.lowering_items(cases, inputs, call)
+
+
 def bundle_items():
-    return aot.lowering_items(CASES, inputs, call)
+    return bundle_items_for(CASES)
+
+
+# ------------------------------------------------------------------------------------------------ GPU run + checks
+# (tests/gpu/test_wgrad_gpu.py, tools/gpu/sanitize_backward.py; need tests/ and tests/gpu/ on sys.path)
+
+def run_case(case, pattern: str) -> list[str]:
+    """Run one case on the GPU (W poisoned first, twice) and check every element against the float64 oracle
+    (tests/np_ops.py); the problems found ([] = ok)."""
+    import harness
+    import np_ops
+    import numpy as np
+
+    x = inputs(case, pattern, seed=zlib.crc32(f"{case[0]}/{pattern}".encode()) % 1000)
+    fn = jax.jit(functools.partial(call, case))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
+        harness.poison_allocator()
+        got = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
+        harness.poison_allocator()
+        again = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
+    errs = [] if np.array_equal(got.view(np.uint8), again.view(np.uint8)) else ["two calls differ"]
+    a, b = (np.asarray(v.astype(jnp.float32)) for v in operands(case, x))
+    want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), ab_dtype=case[1], wgrad_dtype=case[2])
+    gv = got.astype(np.float32).astype(np.float64)
+    if not np.all(np.isfinite(gv)):
+        return errs + ["non-finite output (poison left in W?)"]
+    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
+    bound = harness.ULP[case[2]] * np.abs(pre) + 1e-5 * mag + 1e-30
+    err = np.abs(gv - pre)
+    if not np.all(err <= bound):
+        errs.append(f"worst {np.max(err / bound):.2f} x the bound")
+    for e, (s, t) in enumerate(want["_groups"]):
+        if t <= s and gv[e].any():
+            errs.append(f"expert {e} has no token: W[e] must be zero")
+    return errs

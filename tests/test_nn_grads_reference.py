@@ -1,0 +1,37 @@
+"""The GPU gradient test's own check, run on the CPU: nn.moe_mlp / nn.moe_layer on the reference backend (the same
+bf16 stores as the kernels, fp32 math) against the plain float32 layer of tests/gpu/nn_grads_cases.py, within its
+bf16-derived bound. This validates the plain layer (GLU interleave, clamps, routing, loss) and shows the bound's
+room before a GPU run uses them; a deliberately wrong gradient is caught."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+import nn_grads_cases as cases  # noqa: E402  (tests/conftest.py puts tests/gpu/ on sys.path)
+
+FAST = ("moe_mlp_geglu_bias", "moe_layer_swiglu_bias", "moe_layer_srelu")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c[0] in FAST else pytest.mark.slow) for c in cases.CASES],
+                         ids=[c[0] for c in cases.CASES])
+def test_plain_layer_matches_reference_backend_within_bound(case):
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU check of the GPU test's reference and bound")
+    x = cases.inputs(case)
+    got = jax.jit(functools.partial(cases.call, case))(x)
+    want = cases.reference(case, x)
+    assert not cases.compare(case, got, want)
+    # measured worst 0.80 of the bound over the 12 cases: room for the kernels' other fp32 summation order
+    assert max(cases.worst_ratio(got, want).values()) < 0.9
+    if case[1] == "moe_layer":
+        load = [int(v) for v in got[1]["expert_load"]]
+        assert load[cases.EMPTY_EXPERT] == 0 and load[cases.BIG_EXPERT] == max(load), load
+    # the bound catches a fault of 1/8 of the gradient's largest element in a single place
+    loss, aux, grads = got
+    w1 = grads["w1"].astype(jnp.float32)
+    bad = w1.at[0, 0, 0].add(jnp.max(jnp.abs(w1)) * 2 ** -3)
+    assert cases.compare(case, (loss, aux, {**grads, "w1": bad}), want)

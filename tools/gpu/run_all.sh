@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One device call that runs every GPU check of the repo, each step under its own `timeout -s KILL`, logs in $OUT,
+# a compact summary on stdout. Needs, carried into the repo root (all git-ignored):
+#   .bundle   tools/gpu/build_bundle.sh (every module the steps lower; checked with compiling disabled)
+#   .runtime  python tools/fetch_runtime.py (libcute_dsl_runtime.so.xz)
+#   .peers    tokamax + deps for the step benchmark (optional; without it the benchmark reports tokamax unavailable)
+#   .out/kgpu tools/gpu/build_artifacts.py (optional: step b runs only where its manifest is present)
+# Use:  OUT=... bash tools/gpu/run_all.sh [tests kgpu sanitize ep bench]      (default: all five, in this order)
+# Expected (H200, warm caches not assumed): tests ~4 min, kgpu ~2 min, sanitize ~2 min, ep ~1 min, bench ~5 min.
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_all_out}; mkdir -p "$OUT"
+if compgen -G ".peers/wheels/*.whl" > /dev/null; then   # tokamax for the benchmark's peer row (no registry here)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/peers_site .peers/wheels/*.whl > "$OUT/peers.log" 2>&1
+  export PYTHONPATH=/tmp/peers_site:$PWD/.peers/stub:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+steps=${*:-tests kgpu sanitize ep bench}
+nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+[ -f .bundle/manifest.json ] && echo "bundle: $(grep -c '"file"' .bundle/manifest.json) module(s)" || echo "NO .bundle"
+[ -d .runtime ] || echo "NO .runtime (python tools/fetch_runtime.py)"
+
+summary() {  # $1 log: pytest counts and the FAILED lines
+  grep -E "^(FAILED|ERROR) " "$1" | cut -c1-300 | head -30
+  grep -E "[0-9]+ (passed|failed|skipped|error)" "$1" | tail -1
+}
+
+for s in $steps; do
+  case $s in
+    tests)  # dgrad, wgrad, public ops + main job, nn grads: modules from .bundle, no fallback allowed
+      timeout -s KILL ${TESTS_TIMEOUT:-420} python3 -m pytest tests/gpu/test_dgrad_gpu.py tests/gpu/test_wgrad_gpu.py \
+        tests/gpu/test_public_ops_gpu.py tests/gpu/test_nn_grads_gpu.py -q -rf -p no:cacheprovider --tb=short \
+        > "$OUT/tests.log" 2>&1
+      echo "== tests rc=$?"; summary "$OUT/tests.log" ;;
+    kgpu)   # the kernel-level suites run jax.export artifacts (tools/gpu/build_artifacts.py)
+      if [ -f .out/kgpu/manifest.json ]; then
+        timeout -s KILL ${KGPU_TIMEOUT:-240} python3 -m pytest tests/gpu/test_grouped_gemm_gpu.py tests/gpu/test_mxfp8_gpu.py \
+          -q -rf -p no:cacheprovider --tb=line > "$OUT/kgpu.log" 2>&1
+        echo "== kgpu rc=$?"; summary "$OUT/kgpu.log"
+      else
+        echo "== kgpu skipped: no .out/kgpu/manifest.json"
+      fi ;;
+    sanitize)  # backward kernels under memcheck and racecheck (exit 9: a sanitizer error; 1: a wrong result)
+      for tool in memcheck racecheck; do
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool \
+          --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tools/gpu/sanitize_backward.py \
+          > "$OUT/bwd_$tool.log" 2>&1
+        echo "== $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY| OK$|\[.*\]$|Error" "$OUT/bwd_$tool.log" | cut -c1-300 | tail -8
+      done ;;
+    ep)  # the expert-parallel example on this one GPU (the run its bundle_items record); a fallback fails the step
+      timeout -s KILL ${EP_TIMEOUT:-180} python3 examples/moe_expert_parallel.py --devices 1 > "$OUT/ep.log" 2>&1
+      rc=$?; grep -q "no GPU kernel" "$OUT/ep.log" && rc="$rc FALLBACK to the reference"
+      echo "== ep rc=$rc"; grep -E "^backend|^loss|^timing|no GPU kernel|Error" "$OUT/ep.log" | cut -c1-300 | tail -6 ;;
+    bench)
+      timeout -s KILL ${STEP_TIMEOUT:-360} python3 benchmarks/bench_moe_step.py --breakdown --out "$OUT" > "$OUT/step.log" 2>&1
+      echo "== bench_moe_step rc=$?"; grep -vE "^\s*$" "$OUT/step.log" | grep -vE "Warning|Autotuning" | cut -c1-250 | tail -30
+      timeout -s KILL ${OPS_TIMEOUT:-180} python3 benchmarks/bench_moe_ops.py --shape fc > "$OUT/ops.log" 2>&1
+      echo "== bench_moe_ops rc=$?"; grep -vE "^\s*$" "$OUT/ops.log" | grep -vE "Warning" | cut -c1-250 | tail -12 ;;
+    *) echo "unknown step $s (tests kgpu sanitize ep bench)" ;;
+  esac
+done
