@@ -66,7 +66,7 @@ def test_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monk
     monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", "off")
     with _runtime.recording() as got:
         built = custom_calls(_lower(1000))
-    ((spec, _),) = got
+    assert len(got) == 1, "one module for the call"
     _runtime.write_bundle(bundle, got)
     (entry,) = _runtime.read_manifest(bundle)["entries"].values()
     assert entry["in_avals"][0]["shape"] == [MW, "8*t_blocks"] and entry["meta"]["problem"]["k"] == "8*t_blocks"
