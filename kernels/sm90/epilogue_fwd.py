@@ -11,6 +11,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 
 from cudnn_moe_jax.formats import sf_atom_byte, sf_atom_start
 
@@ -18,6 +19,16 @@ from .. import quantize as q8
 from ..epilogue import abs_bits, warp_max_i32
 
 EPI_N = 32  # epilogue subtile width = one GLU block
+
+
+@cute.jit
+def add_rn(a: Float32, b: Float32) -> Float32:
+    """a + b rounded on its own: an explicit `.rn` keeps ptxas from contracting it with the product feeding it into
+    one FFMA (measured: alpha * acc + old W became FFMA), so the result is the reference's fl(fl(alpha*acc) + W)."""
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Float32(a).ir_value(), Float32(b).ir_value()],
+        "add.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 class ForwardEpilogue:
@@ -114,7 +125,7 @@ class ForwardEpilogue:
                     rVal[i] = recipe.d_value(acc_i, c, alpha_s, prob, bias)
                     if const_expr(self.accumulate):
                         # flat index i is the same (row, col) in both fragments (same thread-value layout)
-                        rVal[i] = rOld[step % 2][i].to(Float32) + rVal[i]
+                        rVal[i] = add_rn(rOld[step % 2][i].to(Float32), rVal[i])
                 if const_expr(recipe.compute_amax):
                     amax_bits = cutlass.max(amax_bits, abs_bits(rVal[i]))
             if const_expr(self.quant_d):
