@@ -187,7 +187,6 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
     def cutlass_call_kwargs(self) -> dict:
         """TensorSpecs for `cutlass.jax.cutlass_call(self.launch, **kwargs)` (present tensors, launcher order)."""
         from .jax_bridge import tensor_specs
-        from .operands import input_output_aliases
 
         ins, outs = tensor_specs(self.problem)
         kwargs = {"input_spec": tuple(ins), "output_spec": tuple(outs)}
