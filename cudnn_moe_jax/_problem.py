@@ -23,6 +23,21 @@ GROUP_ALIGN = 256
 # input is static. Outputs: `output_specs`.
 M_AXES = {"a": (0, 1), "prob": (0, 1), "sfa": (1, 128), "c": (0, 1)}
 
+# wgrad's dynamic extent is the token count T (= problem.k; its m is the static weight rows): a (m_w, T),
+# b (n_w, T), packed FP4 (., T/2). Every T the public op accepts is a multiple of TOKEN_ALIGN (16-byte rows of
+# 16-bit tokens; FP8 / FP4 need more), so one module compiled for T = TOKEN_ALIGN * t_blocks serves them all.
+T_AXES = {"a": (1, 1), "b": (1, 1)}
+TOKEN_ALIGN = 8
+
+
+def dynamic_axes(problem) -> tuple[str, dict]:
+    """("m" or "k": the problem field that is dynamic in its kernel module, {input name: (axis, extent per
+    index)}): M_AXES for the M-grouped ops, T_AXES for wgrad (two tokens per byte for packed FP4)."""
+    if problem.op == "wgrad":
+        per = 2 if problem.ab_dtype == "float4_e2m1fn" else 1
+        return "k", {name: (axis, per) for name, (axis, _) in T_AXES.items()}
+    return "m", M_AXES
+
 # Op names (the public op each problem comes from).
 FORWARD_OPS = ("quant", "srelu", "glu", "glu_hadamard_quant")
 BACKWARD_OPS = ("dglu", "dsrelu", "wgrad")

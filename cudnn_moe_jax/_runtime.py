@@ -21,12 +21,13 @@ None | reason`, `default_config(problem)`, `default_variants()`; `GroupedGemmSm9
 with `launch` the `@cute.jit` launcher and `cutlass_call_kwargs` (input_spec, output_spec, compile_key, ...).
 
 One module per problem, whatever the token count: the kernels take m dynamic, and a grouped-GEMM module is
-compiled, keyed and recorded for the symbolic m `symbolic_m()` (= 256*m_blocks), never for the call's m. (Compiled
-for a concrete m, the device code is the same but the host object's symbol names mangle the shapes, so its bytes
-would differ per m.) Fingerprint: sha256 of (the problem with m symbolic, input names, config (None -> the default),
-arch, every kernels/**.py, cutlass DSL version: installed, else the pin, so a GPU machine without the compiler
-computes the build machine's). The avals (m symbolic) are recorded beside the module and checked, not trusted; a
-call's avals must be exactly them at its m.
+compiled, keyed and recorded for the symbolic m `symbolic_m()` (= 256*m_blocks), never for the call's m; the
+K-grouped wgrad likewise for the symbolic token count `symbolic_t()` (= 8*t_blocks, its k). (Compiled for a
+concrete m, the device code is the same but the host object's symbol names mangle the shapes, so its bytes would
+differ per m.) Fingerprint: sha256 of (the problem with m (wgrad: T) symbolic, input names, config (None -> the
+default), arch, every kernels/**.py, cutlass DSL version: installed, else the pin, so a GPU machine without the
+compiler computes the build machine's). The avals (m or T symbolic) are recorded beside the module and checked,
+not trusted; a call's avals must be exactly them at its m (T).
 
 Bundle: `manifest.json` ({"format": 2, "entries": {fingerprint: {file, key, target, layouts, aliases, avals, ...}}})
 plus `<fingerprint>.o` per module. Module cache (`_module_cache`): one file `<fingerprint>.module` per module, the
@@ -550,9 +551,23 @@ def symbolic_m():
     return m
 
 
+@functools.lru_cache(maxsize=1)
+def symbolic_t():
+    """The token count every wgrad module is compiled, keyed and recorded for: `8*t_blocks` (the kernel reads T
+    from A's shape; every T the op accepts is a multiple of `_problem.TOKEN_ALIGN`)."""
+    import jax
+    from ._problem import TOKEN_ALIGN
+
+    (t,) = jax.export.symbolic_shape(f"{TOKEN_ALIGN}*t_blocks")
+    return t
+
+
 def canonical_problem(problem):
-    """`problem` with m symbolic (`symbolic_m()`): what identifies its module. wgrad's m (weight rows) is static."""
-    return problem if problem.op == "wgrad" else dataclasses.replace(problem, m=symbolic_m())
+    """`problem` with its dynamic extent symbolic: what identifies its module. M-grouped ops: m (`symbolic_m()`);
+    wgrad: the token count k (`symbolic_t()`; its m, the weight rows, is static)."""
+    if problem.op == "wgrad":
+        return dataclasses.replace(problem, k=symbolic_t())
+    return dataclasses.replace(problem, m=symbolic_m())
 
 
 def _present_outputs(problem) -> tuple:
@@ -579,21 +594,24 @@ def launch_avals(problem, config) -> tuple[tuple, Optional[Callable]]:
 
 def grouped_gemm_avals(problem, config, input_names: Sequence[str], in_avals: Sequence[Any],
                        out_avals: Optional[Sequence[Any]] = None) -> tuple[tuple, tuple]:
-    """(in, out) avals of the module of this call, m symbolic, once the call's avals are checked to be exactly those
-    at m = problem.m (the m axes of `_problem.M_AXES`; the launch outputs of `launch_avals`, None: those). Every
-    other dimension and dtype is kept, so the recorded avals still pin it. KernelUnavailable if not."""
+    """(in, out) avals of the module of this call, m (wgrad: T) symbolic, once the call's avals are checked to be
+    exactly those at m = problem.m (T = problem.k) (the axes of `_problem.dynamic_axes`; the launch outputs of
+    `launch_avals`, None: those). Every other dimension and dtype is kept, so the recorded avals still pin it.
+    KernelUnavailable if not."""
     import jax
-    from ._problem import M_AXES
+    from ._problem import dynamic_axes
 
     canon, ins = canonical_problem(problem), []
+    field, axes = dynamic_axes(problem)
+    extent, sym = getattr(problem, field), getattr(canon, field)
     for name, a in zip(input_names, in_avals):
         a = _sds(a)
-        if a is not None and name in M_AXES and canon is not problem:
-            axis, rows = M_AXES[name]
-            if len(a.shape) <= axis or a.shape[axis] != problem.m // rows:
-                raise KernelUnavailable(f"input {name} {a.shape}: axis {axis} must be m/{rows} = "
-                                        f"{problem.m // rows} for m = {problem.m}")
-            a = jax.ShapeDtypeStruct(a.shape[:axis] + (canon.m // rows,) + a.shape[axis + 1:], a.dtype)
+        if a is not None and name in axes:
+            axis, rows = axes[name]
+            if len(a.shape) <= axis or a.shape[axis] != extent // rows:
+                raise KernelUnavailable(f"input {name} {a.shape}: axis {axis} must be {field}/{rows} = "
+                                        f"{extent // rows} for {field} = {extent}")
+            a = jax.ShapeDtypeStruct(a.shape[:axis] + (sym // rows,) + a.shape[axis + 1:], a.dtype)
         ins.append(a)
     want = launch_avals(problem, config)[0]
     got = want if out_avals is None else tuple(_sds(a) for a in out_avals)

@@ -1,7 +1,8 @@
 """CPU checks of the backward-family kernels (dglu / dsrelu epilogues, the K-grouped wgrad schedule) and of the
 N / M-major operand mainloop: each compiles for sm_90a, its SASS has HGMMA and TMA, no local-memory spills, and
 its k-loop issues a stage's wgmmas back to back (ptxas serializes wgmma, with a wait after each, when it cannot
-prove the accumulators retired). Skipped without the CuTe DSL compiler; ~6 modules x 2-10 s.
+prove the accumulators retired). The wgrad modules are exported for a symbolic token count, as the runtime builds
+them (one module per problem whatever T). Skipped without the CuTe DSL compiler; ~9 modules x 2-10 s.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ CASES = {
                                           wgrad_dtype=BF),
     "wgrad_tokmajor_c2": GroupedGemmProblem(op="wgrad", m=512, n=320, k=2000, num_groups=5, ab_dtype=F16,
                                             wgrad_dtype=F32, a_major="m", b_major="n"),
+    # accumulate_on_output (old W read in the epilogue, output aliased to it) with global scales; n_w = 328 leaves
+    # a partial 32-column subtile (the old-W loads are predicated per column)
+    "wgrad_accum_gs_c1": GroupedGemmProblem(op="wgrad", m=384, n=320, k=2000, num_groups=5, ab_dtype=BF,
+                                            wgrad_dtype=BF, accumulate=True, has_global_scales=True),
+    "wgrad_accum_f32_tokmajor_c2": GroupedGemmProblem(op="wgrad", m=512, n=328, k=2000, num_groups=5, ab_dtype=F16,
+                                                      wgrad_dtype=F32, accumulate=True, a_major="m", b_major="n"),
 }
 
 
@@ -46,7 +53,11 @@ def _compile(problem) -> bytes:
     from cudnn_moe_jax.kernels.sm90.jax_bridge import make_call
 
     call = make_call(problem)
-    avals = list(variants.input_avals(problem).values())   # concrete shapes (wgrad has no dynamic m)
+    if problem.op == "wgrad":  # T symbolic, as the runtime compiles it
+        (t,) = jax.export.symbolic_shape("8*t_blocks")
+        avals = list(variants.symbolic_avals(problem, t).values())
+    else:  # concrete m (the m-symbolic export is tests/test_kernels_compile.py's)
+        avals = list(variants.input_avals(problem).values())
     before = set(_CUTLASS_COMPILE_CACHE)
     jax.export.export(jax.jit(call), platforms=["cuda"],
                       disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*avals)

@@ -154,13 +154,11 @@ def _dgrad_support(problem) -> Optional[str]:
 
 
 def _wgrad_support(problem) -> Optional[str]:
-    """The K-grouped weight gradient (schedule_kgrouped): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit."""
+    """The K-grouped weight gradient (schedule_kgrouped): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit; global
+    scales (alpha = gsa[e] * gsb[e]) and accumulate_on_output (W += ..., in place) included. T is dynamic (the
+    problem's k may be symbolic: `_runtime.symbolic_t()`)."""
     if problem.block_scaled or problem.ab_dtype not in AB_DTYPES:
         return f"wgrad with {problem.ab_dtype} inputs: the sm90 kernel takes bf16/fp16 A/B only"
-    if problem.has_global_scales:
-        return "wgrad with global scales (NVFP4) is not implemented on sm90"
-    if problem.accumulate:
-        return "wgrad with accumulate_on_output is not implemented on sm90 yet"
     if problem.wgrad_dtype not in OUT_DTYPES:
         return f"wgrad_dtype {problem.wgrad_dtype!r} not in {OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:

@@ -2,7 +2,8 @@
 accumulator -> C / D subtiles (FP8 D: row/column quantization, SFD bytes) -> swizzled smem -> TMA store.
 
 A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): it reads the kernel's static attributes (tile shape, recipe,
-output dtypes) and is traced inside the consumer warpgroups' tile loop.
+output dtypes) and is traced inside the consumer warpgroups' tile loop. The K-grouped wgrad stores W through it
+(D = alpha * acc), with accumulate_on_output adding the old W first (`_load_old_w`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 
 from cudnn_moe_jax.formats import sf_atom_byte, sf_atom_start
 
@@ -17,6 +19,16 @@ from .. import quantize as q8
 from ..epilogue import abs_bits, warp_max_i32
 
 EPI_N = 32  # epilogue subtile width = one GLU block
+
+
+@cute.jit
+def add_rn(a: Float32, b: Float32) -> Float32:
+    """a + b rounded on its own: an explicit `.rn` keeps ptxas from contracting it with the product feeding it into
+    one FFMA (measured: alpha * acc + old W became FFMA), so the result is the reference's fl(fl(alpha*acc) + W)."""
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Float32(a).ir_value(), Float32(b).ir_value()],
+        "add.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 class ForwardEpilogue:
@@ -27,6 +39,7 @@ class ForwardEpilogue:
         r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
         r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
         store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC,
+        old_w=None,
     ):
         """Fused epilogue of one tile: per step, one D subtile (and its one or two C subtiles).
 
@@ -57,10 +70,27 @@ class ForwardEpilogue:
                 sBias[ctid] = bias_v
         epi_barrier.arrive_and_wait()
 
+        # wgrad accumulate_on_output: W = old W + alpha * acc, added in fp32 and rounded once to W's dtype, as the
+        # reference. The old values come by plain global loads in the accumulator's thread-value layout, one step
+        # ahead of the math that adds them, so their latency hides under a step's math and stores. Chosen over a
+        # TMA load ring in shared memory (the dgrad's C): no smem (a 128 x 32 fp32 buffer pair is 32 KB, an A/B
+        # stage), no mbarriers, no store-warp protocol; W is read once, 1/K of the tile's A/B traffic.
+        thr_w = tWcW = None
+        rOld = [None, None]
+        if const_expr(self.accumulate):
+            thr_w = old_w[1].get_slice(q8.opaque(ctid))  # per tile, like the FP8-D addresses: not hoisted
+            tWcW = thr_w.partition_D(cute.make_identity_tensor(self.epi_tile))
+            if const_expr(cute.size(tWcW) != frag_size):
+                raise NotImplementedError("old-W fragment does not match the accumulator fragment")
+            rOld = [cute.make_rmem_tensor(tWcW.shape, self.d_dtype) for _ in range(2)]
+            self._load_old_w(old_w[0], thr_w, tWcW, rOld[0], m_tile, n_tile, 0)
+
         amax_bits = Int32(0)
         rVal = cute.make_rmem_tensor(tRS_cD.shape, Float32)
         for step in cutlass.range_constexpr(self.epi_steps):
             s0 = step * self.c_per_step
+            if const_expr(self.accumulate and step + 1 < self.epi_steps):
+                self._load_old_w(old_w[0], thr_w, tWcW, rOld[(step + 1) % 2], m_tile, n_tile, step + 1)
             alpha_s = alpha
             if const_expr(self.config.epi_pin):
                 # re-read from smem: the step's math then depends on a load issued after the last barrier, so
@@ -93,6 +123,9 @@ class ForwardEpilogue:
                     if const_expr(recipe.has_c):
                         tRS_rC0[i] = c.to(self.c_dtype)
                     rVal[i] = recipe.d_value(acc_i, c, alpha_s, prob, bias)
+                    if const_expr(self.accumulate):
+                        # flat index i is the same (row, col) in both fragments (same thread-value layout)
+                        rVal[i] = add_rn(rOld[step % 2][i].to(Float32), rVal[i])
                 if const_expr(recipe.compute_amax):
                     amax_bits = cutlass.max(amax_bits, abs_bits(rVal[i]))
             if const_expr(self.quant_d):
@@ -156,6 +189,20 @@ class ForwardEpilogue:
                 if cute.arch.lane_idx() == 0:
                     ptr = cute.recast_ptr(mAmax.iterator + g, dtype=Int32)
                     cute.arch.atomic_max(ptr, amax_bits)
+
+    @cute.jit
+    def _load_old_w(self, mW, thr_w, tWcW, rOld, m_tile, n_tile, step: cutlass.Constexpr):
+        """rOld = this thread's old W values of 32-column subtile `step` of W tile (m_tile, n_tile) (W seen as
+        (L * m_w, n_w): rows always inside, m_w % 128 == 0); columns past N read nothing (their stores are clipped
+        by the TMA)."""
+        col0 = (n_tile * self.epi_steps + step) * EPI_N
+        # 64-bit element offset: L * m_w * n_w may pass 2^31
+        base = mW.iterator + (cutlass.Int64(m_tile * self.tile_m) * self.n + col0)
+        tWgW = thr_w.partition_D(cute.make_tensor(base, cute.make_layout(self.epi_tile, stride=(self.n, 1))))
+        for i in cutlass.range_constexpr(cute.size(rOld)):
+            rOld[i] = self.d_dtype(0.0)
+            if col0 + tWcW[i][1] < self.n:
+                rOld[i] = tWgW[i]
 
     @cute.jit
     def _store_sf_bytes(self, code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,

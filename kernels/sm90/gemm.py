@@ -21,6 +21,8 @@ Launcher argument order (what `cutlass.jax.cutlass_call` passes: the stream firs
   padded_offsets (L,) i32, alpha (L,) f32, [prob (m,) f32], [bias (L, N)], [norm_const (1,) f32],
   [c (m, N)], d (m, N_out), [d_col (m, N_out)], [amax (L, 1) f32], [sfd_row, sfd_col u8]
 (bracketed tensors present iff the problem has them). `m` is dynamic: one module serves every m % 256 == 0.
+wgrad (schedule_kgrouped): stream, a (m_w, T), b (n_w, T), token ends (L,) i32, [gsa, gsb (L,) f32], W (L, m_w, n_w)
+(with accumulate_on_output an input aliased to the output); T is dynamic (T % 8 == 0).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from .mainloop import (
     KGroupedWgmmaMainloop,
     WgmmaMainloop,
 )
-from .operands import DGRAD_OPS, launcher_operands
+from .operands import DGRAD_OPS, input_output_aliases, launcher_operands
 from .schedule_kgrouped import KGroupedSchedule
 
 _DTYPES = {
@@ -82,8 +84,11 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             raise NotImplementedError(reason)
         self.problem = problem
         self.config = config if config is not None else default_config(problem)
-        # wgrad: the K-grouped schedule (schedule_kgrouped), W = acc stored by the quant epilogue (no prob, alpha 1)
+        # wgrad: the K-grouped schedule (schedule_kgrouped), W = alpha * acc (+ the old W) stored by the quant
+        # epilogue (no prob; alpha = gsa[e] * gsb[e] with global scales, else 1)
         self.is_wgrad = problem.op == "wgrad"
+        self.accumulate = self.is_wgrad and problem.accumulate
+        self.wgrad_scaled = self.is_wgrad and problem.has_global_scales
         epi_problem = problem
         if self.is_wgrad:
             epi_problem = dataclasses.replace(problem, op="quant",
@@ -103,6 +108,8 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         self.tile_m, self.tile_n, self.cluster_m, self.cluster_n = cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n
         self.cluster_size = self.cluster_m * self.cluster_n
         self.n, self.k, self.num_groups = problem.n, problem.k, problem.num_groups
+        if self.is_wgrad:
+            self.k = None  # the token count T is dynamic: the kernel reads it from A's shape (load_group_ends)
         self.n_tiles = -(-problem.n // self.tile_n)
         self.n_blocks = -(-self.n_tiles // self.cluster_n)  # cluster tiles along N
         self.is_glu = self.recipe.is_glu and not self.is_dgrad
@@ -182,17 +189,24 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         from .jax_bridge import tensor_specs
 
         ins, outs = tensor_specs(self.problem)
-        return {"input_spec": tuple(ins), "output_spec": tuple(outs)}
+        kwargs = {"input_spec": tuple(ins), "output_spec": tuple(outs)}
+        aliases = input_output_aliases(self.problem)
+        if aliases:
+            kwargs["input_output_aliases"] = aliases
+        return kwargs
 
     def _unpack(self, tensors):
-        """Launcher tensors by name (`operands.launcher_operands`); absent ones None."""
+        """Launcher tensors by name (`operands.launcher_operands`); absent ones None. Aliased outputs do not reach
+        the launcher (cutlass_call passes only their input)."""
         ins, outs = launcher_operands(self.problem)
+        aliased = set(input_output_aliases(self.problem).values())
         present = [x for x in tensors if x is not None]  # absent tensors may arrive as None
-        names = [name for name, _ in ins + outs]
+        names = [name for name, _ in ins] + [name for j, (name, _) in enumerate(outs) if j not in aliased]
         if len(present) != len(names):
             raise ValueError(f"expected {len(names)} tensors ({names}), got {len(present)}")
         named = dict.fromkeys(("sfa", "sfb", "prob", "bias", "norm_const", "c", "d_col", "amax", "sfd_row",
-                               "sfd_col", "beta", "dprob_parts", "dbias_parts", "d", "wgrad", "alpha"))
+                               "sfd_col", "beta", "dprob_parts", "dbias_parts", "d", "wgrad", "alpha",
+                               "global_scale_a", "global_scale_b"))
         named.update(zip(names, present))
         return named
 
@@ -201,9 +215,14 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         t = self._unpack(tensors)
         a, b = t["a"], t["b"]
         m_rows = a.shape[0]
+        m_alpha, m_beta, m_wold = t["alpha"], t["beta"], None
         if const_expr(self.is_wgrad):  # W (L, m_w, n_w) as (L * m_w, n_w): expert e's rows start at e * m_w
             d = cute.make_tensor(t["wgrad"].iterator, cute.make_layout((self.num_groups * self.problem.m, self.n),
                                                                       stride=(self.n, 1)))
+            # global scales ride in the alpha / beta slots (wgrad has neither): alpha of expert e = gsa[e] * gsb[e]
+            m_alpha, m_beta = t["global_scale_a"], t["global_scale_b"]
+            if const_expr(self.accumulate):
+                m_wold = t["wgrad"]  # the buffer W is written to holds the old W (input_output_aliases)
         else:
             d = t["d"]
 
@@ -290,11 +309,11 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             tiled_mma,
             tma_atom_a, tma_a, tma_atom_b, tma_b,
             tma_atom_c, tma_c, tma_atom_d, tma_d,
-            t["padded_offsets"], t["alpha"], t["prob"], t["bias"], t["amax"],
+            t["padded_offsets"], m_alpha, t["prob"], t["bias"], t["amax"],
             a_layout, b_layout, c_layout, d_layout,
             tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb,
             tma_atom_dcol, tma_dcol, mSfdRow, mSfdCol, t["norm_const"],
-            tma_atom_cin, tma_cin, cin_layout, t["beta"], t["dprob_parts"], t["dbias_parts"],
+            tma_atom_cin, tma_cin, cin_layout, m_beta, t["dprob_parts"], t["dbias_parts"], m_wold,
         ).launch(
             grid=[self.cluster_m, self.cluster_n, num_clusters],
             block=[NUM_THREADS, 1, 1],
@@ -344,7 +363,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         mOffsets: cute.Tensor, mAlpha: cute.Tensor, mProb, mBias, mAmax,
         a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, c_layout, d_layout: cute.ComposedLayout,
         tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
-        tma_atom_cin, mCin, cin_layout, mBeta, mDprobParts, mDbiasParts,
+        tma_atom_cin, mCin, cin_layout, mBeta, mDprobParts, mDbiasParts, mWold,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -436,6 +455,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                 ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
                 tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, tidx - 128, warp_idx,
                 dec_mbar, ml_smem, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad,
+                (mBeta, mWold),
             )
 
     # ------------------------------------------------------------------------------------------ roles
@@ -540,9 +560,10 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
     def consumer(
         self, ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
         tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, ctid: Int32, warp_idx: Int32,
-        dec_mbar, ml_smem, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad,
+        dec_mbar, ml_smem, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad, wgrad,
     ):
-        """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA."""
+        """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA.
+        wgrad: (gsb or None, the old W (L * m_w, n_w) or None); gsa arrives as mAlpha."""
         rank_m, rank_n = self._cluster_coord()
         wg = warp_idx // 4 - 1
         thr_mma = tiled_mma.get_slice(wg * 128)
@@ -594,7 +615,9 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         )
         epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=256)
         is_store_warp = warp_idx == 4
-        k_tiles = (self.k + self.tile_k - 1) // self.tile_k
+        k_tiles = None  # wgrad: per expert (sched.token_tiles)
+        if const_expr(not self.is_wgrad):
+            k_tiles = (self.k + self.tile_k - 1) // self.tile_k
         # FP8 D: D_col store partition (same smem layout as D), norm_const
         bSG_gDcol = tRS_rDcol = None
         norm_const = Float32(1.0)
@@ -614,6 +637,11 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             bSG_sCin, bSG_gCin = cpasync.tma_partition(
                 tma_atom_cin, 0, cute.make_layout(1), cute.group_modes(sCin, 0, 2), cute.zipped_divide(mCin, self.epi_tile)
             )
+        old_w = None
+        if const_expr(self.accumulate):
+            # the old W, read with the accumulator's thread-value layout (plain loads, as the dgrad's C)
+            old_w = (wgrad[1], cute.make_tiled_copy_S(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype),
+                                                      tiled_copy_acc))
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
 
@@ -644,6 +672,8 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             alpha = Float32(1.0)
             if const_expr(not self.is_wgrad):
                 alpha = mAlpha[g]
+            elif const_expr(self.wgrad_scaled):
+                alpha = mAlpha[g] * wgrad[0][g]  # gsa[e] * gsb[e], rounded once as the reference's (1 * gsa) * gsb
             prob_v = Float32(1.0)
             if const_expr(self.recipe.has_prob):
                 if ctid < self.tile_m:
@@ -674,7 +704,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                     ctid, r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
                     r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
                     store_pipeline, epi_barrier, is_store_warp, out_m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD,
-                    sC,
+                    sC, old_w,
                 )
             t += stride
         store_pipeline.producer_tail()

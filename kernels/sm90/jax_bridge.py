@@ -5,8 +5,8 @@ Kb, 32, 4, 4) uint8], padded_offsets (L,) int32, alpha (L,) f32, prob (m,) f32, 
 f32]; outputs c (m, N), d (m, N_out), [FP8 D: d_col (m, N_out)], amax (L, 1) f32, [FP8 D: sfd_row (1, m/128,
 cdiv(N_out/32, 4), 32, 4, 4), sfd_col (1, cdiv(N_out,128), m/128, 32, 4, 4) or flat per-expert segments]. Every array is row-major; B is presented to the
 kernel as (N, K, L) through `mode` (no copy). Tensors whose shape involves `m` are dynamic with `m % 256 == 0`
-declared, so one compiled module serves every `m` (and `jax.export` with a symbolic `m` works); the others are
-static.
+declared, so one compiled module serves every `m` (and `jax.export` with a symbolic `m` works); likewise wgrad's
+A (m_w, T) / B (n_w, T) with `T % 8 == 0`; the others are static.
 """
 
 from __future__ import annotations
@@ -18,16 +18,18 @@ import jax.numpy as jnp
 from cutlass.jax import TensorSpec, cutlass_call
 
 from cudnn_moe_jax._problem import GROUP_ALIGN as M_ALIGN
-from cudnn_moe_jax._problem import output_specs
+from cudnn_moe_jax._problem import TOKEN_ALIGN, output_specs
 
 from .config import supports
 from .gemm import GroupedGemmSm90
-from .operands import DGRAD_OPS, dgrad_kernel_shape_dtypes, launcher_operands
+from .operands import DGRAD_OPS, dgrad_kernel_shape_dtypes, input_output_aliases, launcher_operands
 
 
 def _spec(problem, name: str, kind: str) -> TensorSpec:
-    if problem.op == "wgrad" and name in ("a", "b") and (problem.a_major, problem.b_major)[name == "b"] != "k":
-        return TensorSpec(static=True, layout=(0, 1))  # (rows, T) with rows contiguous: the token-major buffer
+    if kind == "tokens":  # wgrad (rows, T), T dynamic; token-major ("m" / "n"): rows contiguous, as stored
+        token_major = (problem.a_major, problem.b_major)[name == "b"] != "k"
+        rows = problem.m if name == "a" else problem.n
+        return TensorSpec(layout=(0, 1) if token_major else None, divisibility=(rows, TOKEN_ALIGN))
     if kind == "weights" and problem.b_major == "n":
         return TensorSpec(mode=(1, 2, 0), static=True, layout=(2, 0, 1))  # (L, N, K) with N contiguous
     if kind == "rows":  # (m, cols): m dynamic
@@ -89,6 +91,7 @@ def make_call(problem, config=None, kernel_class=GroupedGemmSm90):
             output_shape_dtype=tuple(launch_shape_dtypes(problem, kernel.config, m)),
             input_spec=tuple(ins),
             output_spec=tuple(outs),
+            input_output_aliases=input_output_aliases(problem),
             compile_key=kernel.cache_key,
         )
         return fn(*arrays)

@@ -4,7 +4,8 @@
 Each entry is (name, kind). Kinds: "rows" (m, cols) row-major, m dynamic (m % 256 == 0); "weights" B (L, N, K)
 presented as (N, K, L); "sf_rows" / "sf_cols" / "sf_segments" scale-factor buffers whose row blocks follow m;
 "m_vector" (m,); "tiles_by_m" (n_parts, m) per-N-tile row partials; "row_tiles" (m / 128, cols) per-M-tile column
-partials; "static" everything whose shape does not involve m.
+partials; "tokens" wgrad's A (m_w, T) / B (n_w, T), T dynamic (T % 8 == 0); "static" everything whose shape
+involves neither m nor T.
 
 Backward ops (dglu, dsrelu) are the FC2 dgrad with the activation derivative fused: the saved forward C is read as
 an input; dprob and dbias leave the kernel as per-tile partial sums that the lowering reduces in a fixed order
@@ -24,8 +25,8 @@ def launcher_operands(problem):
     """(inputs, outputs): lists of (name, kind) for the present tensors, in the launcher's argument order
     (after the stream)."""
     epi = problem.epilogue
-    if problem.op == "wgrad":  # A (m_w, T), B (n_w, T), token offsets (L,) -> W (L, m_w, n_w); no m-dynamic shape
-        return [("a", "static"), ("b", "static"), ("padded_offsets", "static")], [("wgrad", "static")]
+    if problem.op == "wgrad":
+        return _wgrad_operands(problem)
     ins = [("a", "rows"), ("b", "weights")]
     if problem.block_scaled:
         ins += [("sfa", "sf_rows"), ("sfb", "static")]
@@ -57,6 +58,28 @@ def launcher_operands(problem):
         outs.append(("sfd_row", "sf_rows"))
         outs.append(("sfd_col", "sf_segments" if epi.discrete_col_sfd else "sf_cols"))
     return ins, outs
+
+
+def _wgrad_operands(problem):
+    """A (m_w, T), B (n_w, T), token ends (L,), [gsa, gsb (L,) f32], [the W to add to (L, m_w, n_w)] -> W.
+    The order is the public op's input order (ops/backward.py binds a, b, offsets, global scales, wgrad).
+    With accumulation the output is the input W's buffer (`input_output_aliases`): the launcher gets the input
+    "wgrad" only, reads each tile's old values and overwrites them."""
+    ins = [("a", "tokens"), ("b", "tokens"), ("padded_offsets", "static")]
+    if problem.has_global_scales:
+        ins += [("global_scale_a", "static"), ("global_scale_b", "static")]
+    if problem.accumulate:
+        return ins + [("wgrad", "static")], [("wgrad_out", "static")]
+    return ins, [("wgrad", "static")]
+
+
+def input_output_aliases(problem) -> dict:
+    """{input index: output index} over the launcher's operands (`launcher_operands` order): accumulated wgrad
+    writes W into the buffer it reads."""
+    if problem.op == "wgrad" and problem.accumulate:
+        ins, _ = launcher_operands(problem)
+        return {len(ins) - 1: 0}
+    return {}
 
 
 def dgrad_n_parts(problem, config) -> int:

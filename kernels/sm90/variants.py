@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from cudnn_moe_jax._problem import M_AXES, Epilogue, GroupedGemmProblem
+from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem, dynamic_axes
 from cudnn_moe_jax.shapes import SHAPES  # name: (m, N, K, L)
 
 from .config import default_config
@@ -82,9 +82,14 @@ def input_avals(problem):
     m, n, k, L = problem.m, problem.n, problem.k, problem.num_groups
     epi = problem.epilogue
     if problem.op == "wgrad":
-        return {"a": jax.ShapeDtypeStruct((m, k), jnp.dtype(problem.ab_dtype)),
-                "b": jax.ShapeDtypeStruct((n, k), jnp.dtype(problem.ab_dtype)),
-                "padded_offsets": jax.ShapeDtypeStruct((L,), jnp.int32)}
+        avals = {"a": jax.ShapeDtypeStruct((m, k), jnp.dtype(problem.ab_dtype)),
+                 "b": jax.ShapeDtypeStruct((n, k), jnp.dtype(problem.ab_dtype)),
+                 "padded_offsets": jax.ShapeDtypeStruct((L,), jnp.int32)}
+        if problem.has_global_scales:
+            avals["global_scale_a"] = avals["global_scale_b"] = jax.ShapeDtypeStruct((L,), jnp.float32)
+        if problem.accumulate:
+            avals["wgrad"] = jax.ShapeDtypeStruct((L, m, n), jnp.dtype(problem.wgrad_dtype))
+        return avals
     avals = {
         "a": jax.ShapeDtypeStruct((m, k), jnp.dtype(problem.ab_dtype)),
         "b": jax.ShapeDtypeStruct((L, n, k), jnp.dtype(problem.ab_dtype)),
@@ -109,11 +114,13 @@ def input_avals(problem):
 
 
 def symbolic_avals(problem, m):
-    """input_avals with the row count `m` (symbolic under jax.export; m % 256 == 0): the axes of `_problem.M_AXES`."""
+    """input_avals with the dynamic extent `m` (symbolic under jax.export): the row count (m % 256 == 0), for wgrad
+    the token count T (T % 8 == 0); the axes of `_problem.dynamic_axes`."""
+    _, axes = dynamic_axes(problem)
     out = {}
     for name, a in input_avals(problem).items():
-        if name in M_AXES:
-            axis, rows = M_AXES[name]
+        if name in axes:
+            axis, rows = axes[name]
             a = jax_sds(a.shape[:axis] + (m // rows,) + a.shape[axis + 1:], a.dtype)
         out[name] = a
     return out

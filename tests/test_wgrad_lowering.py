@@ -1,0 +1,87 @@
+"""CPU: the K-grouped wgrad lowered for CUDA. One module serves every token count T (it is compiled, keyed and
+recorded for the symbolic T = 8*t_blocks): recorded into a bundle at one T, then lowered at other Ts with compiling
+disabled, from the bundle, without a reference fallback. accumulate_on_output and global scales lower to the kernel
+too, with the output declared as an alias of wgrad_tensor.
+
+Compiles one sm_90a module (~10 s; skipped without the CuTe DSL compiler).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import cudnn_moe_jax as cmj  # noqa: E402
+from cudnn_moe_jax import _runtime  # noqa: E402
+from test_runtime import custom_calls, needs_cutlass  # noqa: E402
+
+MW, NW, L = 384, 320, 5
+sds = jax.ShapeDtypeStruct
+
+
+def _wgrad(a, b, offsets, gsa, gsb, w):
+    return cmj.grouped_gemm_wgrad(a, b, offsets, global_scale_a=gsa, global_scale_b=gsb, wgrad_tensor=w,
+                                  accumulate_on_output=True).wgrad_tensor
+
+
+def _avals(tokens, w_dtype=jnp.float32):
+    return (sds((MW, tokens), jnp.bfloat16), sds((NW, tokens), jnp.bfloat16), sds((L,), jnp.int32),
+            sds((L,), jnp.float32), sds((L,), jnp.float32), sds((L, MW, NW), w_dtype))
+
+
+def _lower(tokens, w_dtype=jnp.float32) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # "no GPU kernel for this ... problem" would be raised
+        return jax.jit(_wgrad).trace(*_avals(tokens, w_dtype)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_wgrad_fingerprint_and_avals_are_token_count_free():
+    from cudnn_moe_jax._problem import GroupedGemmProblem
+
+    specs = []
+    for tokens in (1000, 4096):
+        p = GroupedGemmProblem(op="wgrad", m=MW, n=NW, k=tokens, num_groups=L, ab_dtype="bfloat16",
+                               wgrad_dtype="float32", has_global_scales=True, accumulate=True)
+        names = ("a", "b", "offsets", "global_scale_a", "global_scale_b", "wgrad")
+        specs.append(_runtime.grouped_gemm_spec(p, None, names, _avals(tokens), [sds((L, MW, NW), jnp.float32)]))
+    assert specs[0] == specs[1] and specs[0].avals_key == specs[1].avals_key
+    t = _runtime.symbolic_t()
+    assert str(t) == "8*t_blocks" and specs[0].meta["problem"].k is t
+    assert [a.shape for a in specs[0].in_avals] == [(MW, t), (NW, t), (L,), (L,), (L,), (L, MW, NW)]
+    with pytest.raises(_runtime.KernelUnavailable, match="axis 1 must be k/1 = 4096"):
+        _runtime.grouped_gemm_spec(p, None, names, (sds((MW, 1000), jnp.bfloat16),) + _avals(tokens)[1:],
+                                   [sds((L, MW, NW), jnp.float32)])
+
+
+@needs_cutlass
+def test_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monkeypatch):
+    _runtime.import_cutlass()
+    bundle = tmp_path / "bundle"
+    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [bundle])
+    monkeypatch.setattr(_runtime, "_MEMORY", {})
+    monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", "off")
+    with _runtime.recording() as got:
+        built = custom_calls(_lower(1000))
+    assert len(got) == 1, "one module for the call"
+    _runtime.write_bundle(bundle, got)
+    (entry,) = _runtime.read_manifest(bundle)["entries"].values()
+    assert entry["in_avals"][0]["shape"] == [MW, "8*t_blocks"] and entry["meta"]["problem"]["k"] == "8*t_blocks"
+    assert entry["input_output_aliases"] == [[5, 0]]   # wgrad_tensor (operand 5) is the output's buffer
+
+    monkeypatch.setattr(_runtime, "_MEMORY", {})
+    monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
+    monkeypatch.setattr(_runtime, "compile_module", lambda s: pytest.fail(f"compiled {s.name} again"))
+    for tokens in (1000, 2048, 520):
+        text = _lower(tokens)
+        (call,) = custom_calls(text)
+        assert [call[k] for k in ("target", "key", "module")] == [built[0][k] for k in ("target", "key", "module")]
+        assert f"tensor<{MW}x{tokens}xbf16>" in call["types"] and f"tensor<{NW}x{tokens}xbf16>" in call["types"]
+        line = next(x for x in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall" in x)
+        assert "output_operand_alias<output_tuple_indices = [], operand_index = 5" in line, line
+    # another W dtype is another module (the output dtype is part of the problem), not served by this one
+    with pytest.raises(RuntimeWarning, match="no GPU kernel"):
+        _lower(1000, jnp.bfloat16)
