@@ -14,6 +14,7 @@ import test_kernels_compile as compile_checks  # noqa: E402  (tests/ is on sys.p
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
 
 def _dgrad(op, act, **epi):
@@ -27,6 +28,11 @@ CASES = {
     "dswiglu_nmajor": _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=BF, compute_amax=True, b_major="n"),
     "dgeglu_f32": _dgrad("dglu", "dgeglu", ab=F16, c_dtype=F32, d_dtype=F32, glu_limit=3.0, glu_alpha=1.702,
                          dbias_dtype=BF),
+    # FP8 D_row with SFD_row / D_col / SFD_col (epilogue_fp8d): dglu quantizes a gate and an up subtile per step
+    "dswiglu_e4m3": _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3, generate_sfd=True, compute_amax=True,
+                           dbias_dtype=F32),
+    "dsrelu_e5m2_segsfd": _dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=E5M2, generate_sfd=True,
+                                 discrete_col_sfd=True, dbias_dtype=BF),
     "quant_nmajor": GroupedGemmProblem(op="quant", m=2048, n=512, k=256, num_groups=4, ab_dtype=BF, b_major="n",
                                        epilogue=Epilogue(d_dtype=BF)),
     "wgrad_kmajor_c1": GroupedGemmProblem(op="wgrad", m=384, n=320, k=2000, num_groups=5, ab_dtype=BF,
