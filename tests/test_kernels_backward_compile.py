@@ -73,3 +73,34 @@ def test_backward_kernel_compiles_unserialized_without_spills(name):
     events = re.findall(r"\b(HGMMA|WARPGROUP\.DEPBAR)\b", sass)
     runs = "".join("H" if e == "HGMMA" else "|" for e in events)
     assert "HHHH" in runs, "wgmma serialized: a wait between the wgmmas of a stage"
+
+
+@pytest.mark.parametrize("name", ["dswiglu_e4m3_bias_amax", "dsrelu_e5m2_segsfd_noprob"])
+def test_fp8_dgrad_op_lowers_to_the_kernel(name):
+    """The public op with an FP8 d_dtype lowers for CUDA to the kernel (a fallback to the reference would warn,
+    and the warning is an error here), with every FP8 output present (tests/gpu/dgrad_cases.py: its GPU cases)."""
+    compile_checks._cutlass_sm90()
+    import functools
+    import warnings
+
+    import dgrad_cases
+    import jax
+
+    case = next(c for c in dgrad_cases.CASES if c[0] == name)
+    fn = jax.jit(functools.partial(dgrad_cases.call, case))
+    x = dgrad_cases.inputs(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall" in line]
+    assert len(calls) == 1, f"expected one kernel custom call, found {len(calls)}"
+    out = jax.eval_shape(fn, x)
+    m, width = x["c"].shape
+    d_dtype = case[3]["d_dtype"]
+    for key in ("d_row_tensor", "d_col_tensor"):
+        assert (out[key].shape, str(out[key].dtype)) == ((m, width), d_dtype), key
+    assert out["sfd_row_tensor"].shape == (1, m // 128, -(-width // 128), 32, 4, 4)
+    if case[3].get("discrete_col_sfd"):
+        assert out["sfd_col_tensor"].shape == (-(-width // 128) * 128 * m // 32,)
+    else:
+        assert out["sfd_col_tensor"].shape == (1, -(-width // 128), m // 128, 32, 4, 4)

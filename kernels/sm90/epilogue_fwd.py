@@ -13,7 +13,7 @@ from cutlass import Float32, Int32, const_expr
 
 from .. import quantize as q8
 from ..epilogue import abs_bits, warp_max_i32
-from .epilogue_fp8d import EPI_N  # noqa: F401  (epilogue subtile width = one GLU block; re-exported)
+from .epilogue_fp8d import EPI_N  # epilogue subtile width = one GLU block
 
 
 class ForwardEpilogue:

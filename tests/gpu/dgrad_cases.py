@@ -19,6 +19,10 @@ PATTERNS = {
     "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048 (not multiples of 256, > m, < 0)
 }
 
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+FP8 = (E4M3, E5M2)
+NORM_CONST = 0.01   # FP8 D's norm_const (as float32; tests/gpu/test_mxfp8_gpu.py's checks assume it)
+
 # (name, op, act, options, ab dtype, C dtype)
 CASES = [
     ("dswiglu_bias_amax", "dglu", "dswiglu", dict(generate_dbias=True, dbias_dtype="float32", compute_amax=True),
@@ -30,6 +34,15 @@ CASES = [
     ("dsrelu_bias_amax", "dsrelu", None, dict(generate_dbias=True, dbias_dtype="float32", compute_amax=True),
      "bfloat16", "bfloat16"),
     ("dsrelu_tanh_noprob", "dsrelu", None, dict(tanh_clamp_scale=2.0, no_prob=True), "bfloat16", "float32"),
+    # FP8 D_row with SFD_row / D_col / SFD_col (norm_const = NORM_CONST); dglu quantizes gate and up blocks apart
+    ("dswiglu_e4m3_bias_amax", "dglu", "dswiglu", dict(d_dtype=E4M3, generate_dbias=True, dbias_dtype="float32",
+                                                       compute_amax=True), "bfloat16", "bfloat16"),
+    ("dgeglu_e4m3_segsfd", "dglu", "dgeglu", dict(d_dtype=E4M3, discrete_col_sfd=True, glu_limit=3.0,
+                                                  glu_alpha=1.702), "bfloat16", "float32"),
+    ("dsrelu_e5m2_bias_amax", "dsrelu", None, dict(d_dtype=E5M2, generate_dbias=True, dbias_dtype="bfloat16",
+                                                   compute_amax=True), "bfloat16", "bfloat16"),
+    ("dsrelu_e5m2_segsfd_noprob", "dsrelu", None, dict(d_dtype=E5M2, discrete_col_sfd=True, tanh_clamp_scale=2.0,
+                                                       no_prob=True), "float16", "float32"),
 ]
 
 
@@ -45,6 +58,7 @@ def inputs(case, pattern: str = "empty_and_tail", seed: int = 0):
         alpha=jax.random.uniform(keys[4], (L,), minval=0.5, maxval=2.0),
         beta=jax.random.uniform(keys[5], (L,), minval=0.5, maxval=1.5),
         offsets=jnp.asarray(PATTERNS[pattern], jnp.int32),
+        norm_const=jnp.asarray([NORM_CONST], jnp.float32),
     )
 
 
@@ -54,6 +68,8 @@ def call(case, x):
     prob = None if options.pop("no_prob", False) else x["prob"]
     kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], beta_tensor=x["beta"], prob_tensor=prob,
               **options)
+    if options.get("d_dtype") in FP8:
+        kw["norm_const_tensor"] = x["norm_const"]
     if op == "dglu":
         return cmj.grouped_gemm_dglu(x["a"], x["b"], x["c"], act_func=act, **kw)
     return cmj.grouped_gemm_dsrelu(x["a"], x["b"], x["c"], **kw)

@@ -1,6 +1,13 @@
 """GPU: the fused backward epilogues (dglu: dswiglu / dgeglu, dsrelu) against the float64 oracle (tests/np_ops.py),
 every output element, outputs poisoned first; repeated calls bit-identical (the reductions use no float atomics).
 
+FP8 D_row: D_row / D_col codes and the SFD_row / SFD_col bytes by the block-quantization checks of
+tests/gpu/test_mxfp8_gpu.py (`check_fp8_outputs`): every e8m0 byte is RCEIL of amax * rcp_limit * norm_const of the
+float64 block unless a power of two lies within the block's error interval (then its neighbour is accepted too),
+every code is the RNE-satfinite code of ref * scale (the kernel's own scale byte) up to the same rule, the packed
+layouts byte for byte (padding, rows outside every group, bytes past the last segment: 0x00). The error interval
+is the non-rounding part of the 16-bit bound below (fp32 accumulation and epilogue math).
+
 Needs a Hopper GPU and a bundle with the cases' modules (tests/gpu/dgrad_cases.py); skipped otherwise.
 """
 
@@ -19,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import harness  # noqa: E402
 import dgrad_cases as cases  # noqa: E402  (tests/conftest.py puts tests/ and tests/gpu/ on sys.path)
 import np_ops  # noqa: E402
+from test_mxfp8_gpu import check_fp8_outputs  # noqa: E402  (its NORM_CONST is dgrad_cases.NORM_CONST)
 
 pytestmark = pytest.mark.gpu
 harness.skip_without_gpu_or_bundle("dgrad_cases")
@@ -49,12 +57,31 @@ def _oracle(case, x):
     fn = np_ops.grouped_gemm_dglu if op == "dglu" else np_ops.grouped_gemm_dsrelu
     if op == "dglu":
         kw["act_func"] = act
+    if d_dtype in cases.FP8:
+        kw["norm_const"] = h["norm_const"]
     return fn(h["a"], h["b"], h["c"], None, None, h["offsets"], h["alpha"], h["beta"],
               None if no_prob else h["prob"], **kw, **options)
 
 
 def _f32(v):
     return np.asarray(v.astype(jnp.float32))
+
+
+FP8_KEYS = {"d_row_tensor": "d", "d_col_tensor": "d_col", "sfd_row_tensor": "sfd_row", "sfd_col_tensor": "sfd_col"}
+
+
+def _check_fp8(case, x, got, want):
+    """D_row, D_col, SFD_row, SFD_col of an FP8-D case (see the module docstring)."""
+    options = case[3]
+    p = {"num_groups": cases.L, "epilogue": {"d_dtype": options["d_dtype"],
+                                             "discrete_col_sfd": options.get("discrete_col_sfd", False)}}
+    outs = {FP8_KEYS[k]: np.asarray(got[k]) for k in FP8_KEYS}
+    outs["sfd_row"], outs["sfd_col"] = (outs[k].view(np.uint8) for k in ("sfd_row", "sfd_col"))
+    pre, mag = want["_pre"]["d"], want["_mag"]["d"]
+    err = 1e-5 * mag + 2.0 ** -20 * np.abs(pre) + 1e-30
+    m = pre.shape[0]
+    errs = check_fp8_outputs(p, outs, {"d": pre}, err, np.asarray(x["offsets"]), m)
+    assert not errs, "\n".join(errs)
 
 
 @pytest.mark.parametrize("pattern", list(cases.PATTERNS))
@@ -65,8 +92,13 @@ def test_dgrad_kernel_matches_float64(case, pattern):
     want = _oracle(case, x)
     groups = want["_groups"]
     valid = groups[-1][1]
+    fp8 = case[3].get("d_dtype") in cases.FP8
     for key, g in got.items():
         if g is None:
+            continue
+        if fp8 and key in FP8_KEYS:
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8),
+                                          err_msg=f"{key}: two calls differ")
             continue
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8),
                                       err_msg=f"{key}: two calls differ")
@@ -84,3 +116,6 @@ def test_dgrad_kernel_matches_float64(case, pattern):
         assert np.all(err <= bound), f"{key}: worst {np.max(err / bound):.2f} x the bound"
         if key in ("d_row_tensor", "dprob_tensor"):
             assert not np.any(gv[valid:]), f"{key}: rows past valid_m must be zero"
+    if fp8:
+        assert all(got[k] is not None for k in FP8_KEYS)
+        _check_fp8(case, x, got, want)
