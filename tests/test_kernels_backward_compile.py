@@ -104,3 +104,36 @@ def test_fp8_dgrad_op_lowers_to_the_kernel(name):
         assert out["sfd_col_tensor"].shape == (-(-width // 128) * 128 * m // 32,)
     else:
         assert out["sfd_col_tensor"].shape == (1, -(-width // 128), m // 128, 32, 4, 4)
+
+
+def test_fp8_dgrad_supports_and_launch_outputs():
+    """CPU only: FP8 D_row is supported with SFD (both SFD_col layouts) and refused without; the launch writes d,
+    d_col, the partial sums, sfd_row, sfd_col, and the lowering's finish passes the FP8 outputs through in the op's
+    order (d_row, d_col, dprob, dbias, amax, sfd_row, sfd_col)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cudnn_moe_jax._problem import output_specs
+    from cudnn_moe_jax.kernels.sm90 import config, operands
+
+    for name in ("dswiglu_e4m3", "dsrelu_e5m2_segsfd"):
+        assert config.supports(CASES[name]) is None, name
+    no_sfd = _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3)
+    seg_no_fp8 = _dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, discrete_col_sfd=True)
+    for p in (no_sfd, seg_no_fp8):
+        assert "generate_sfd" in config.supports(p)
+
+    p = CASES["dswiglu_e4m3"]   # dbias + amax
+    cfg = config.default_config(p)
+    _, outs = operands.launcher_operands(p)
+    assert [n for n, _ in outs] == ["d", "d_col", "dprob_parts", "dbias_parts", "amax", "sfd_row", "sfd_col"]
+    launch = operands.dgrad_kernel_shape_dtypes(p, cfg, p.m)
+    fake = [jnp.full(a.shape, i + 1, a.dtype) for i, a in enumerate(launch)]
+    offsets = jnp.asarray([512, 1024, 1536, 2048], jnp.int32)
+    got = operands.finish_dgrad_outputs(p, fake, offsets)
+    want = [(s, d) for s, d in output_specs(p).values() if s is not None]
+    assert [(tuple(x.shape), str(x.dtype)) for x in got] == [(tuple(s), d) for s, d in want]
+    for x, src in zip(got[:2] + got[-3:], fake[:2] + fake[-3:]):   # d_row, d_col, amax, sfd_row, sfd_col
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(src).view(np.uint8))
+    parts = launch[2].shape[0]
+    np.testing.assert_array_equal(np.asarray(got[2]), np.full(p.m, 3.0 * parts, np.float32))   # dprob
