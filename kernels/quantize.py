@@ -69,6 +69,17 @@ def opaque(x: Int32) -> Int32:
 
 
 @cute.jit
+def fresh(x: Int32, zero_addr: Int32) -> Int32:
+    """x + the word at shared address `zero_addr` (which holds 0), read `ld.volatile`: unlike `opaque`, whose mov
+    ptxas sees through (it merges every copy of one x), each call is a new value that ptxas must recompute from,
+    so values derived from it are not shared, and held, between calls."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(x).ir_value(), Int32(zero_addr).ir_value()],
+        "{\n.reg .u32 t;\nld.volatile.shared.u32 t, [$2];\nadd.u32 $0, $1, t;\n}", "=r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
 def mul_ftz(a: Float32, b: Float32) -> Float32:
     return Float32(llvm.inline_asm(
         Float32.mlir_type, [Float32(a).ir_value(), Float32(b).ir_value()],

@@ -15,6 +15,7 @@ import test_kernels_compile as compile_checks  # noqa: E402  (tests/ is on sys.p
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
 
 def _dgrad(op, act, **epi):
@@ -28,6 +29,11 @@ CASES = {
     "dswiglu_nmajor": _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=BF, compute_amax=True, b_major="n"),
     "dgeglu_f32": _dgrad("dglu", "dgeglu", ab=F16, c_dtype=F32, d_dtype=F32, glu_limit=3.0, glu_alpha=1.702,
                          dbias_dtype=BF),
+    # FP8 D_row with SFD_row / D_col / SFD_col (epilogue_fp8d): dglu quantizes a gate and an up subtile per step
+    "dswiglu_e4m3": _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3, generate_sfd=True, compute_amax=True,
+                           dbias_dtype=F32),
+    "dsrelu_e5m2_segsfd": _dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=E5M2, generate_sfd=True,
+                                 discrete_col_sfd=True, dbias_dtype=BF),
     "quant_nmajor": GroupedGemmProblem(op="quant", m=2048, n=512, k=256, num_groups=4, ab_dtype=BF, b_major="n",
                                        epilogue=Epilogue(d_dtype=BF)),
     "wgrad_kmajor_c1": GroupedGemmProblem(op="wgrad", m=384, n=320, k=2000, num_groups=5, ab_dtype=BF,
@@ -78,3 +84,67 @@ def test_backward_kernel_compiles_unserialized_without_spills(name):
     events = re.findall(r"\b(HGMMA|WARPGROUP\.DEPBAR)\b", sass)
     runs = "".join("H" if e == "HGMMA" else "|" for e in events)
     assert "HHHH" in runs, "wgmma serialized: a wait between the wgmmas of a stage"
+
+
+@pytest.mark.parametrize("name", ["dswiglu_e4m3_bias_amax", "dsrelu_e5m2_segsfd_noprob"])
+def test_fp8_dgrad_op_lowers_to_the_kernel(name):
+    """The public op with an FP8 d_dtype lowers for CUDA to the kernel (a fallback to the reference would warn,
+    and the warning is an error here), with every FP8 output present (tests/gpu/dgrad_cases.py: its GPU cases)."""
+    compile_checks._cutlass_sm90()
+    import functools
+    import warnings
+
+    import dgrad_cases
+    import jax
+
+    case = next(c for c in dgrad_cases.CASES if c[0] == name)
+    fn = jax.jit(functools.partial(dgrad_cases.call, case))
+    x = dgrad_cases.inputs(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall" in line]
+    assert len(calls) == 1, f"expected one kernel custom call, found {len(calls)}"
+    out = jax.eval_shape(fn, x)
+    m, width = x["c"].shape
+    d_dtype = case[3]["d_dtype"]
+    for key in ("d_row_tensor", "d_col_tensor"):
+        assert (out[key].shape, str(out[key].dtype)) == ((m, width), d_dtype), key
+    assert out["sfd_row_tensor"].shape == (1, m // 128, -(-width // 128), 32, 4, 4)
+    if case[3].get("discrete_col_sfd"):
+        assert out["sfd_col_tensor"].shape == (-(-width // 128) * 128 * m // 32,)
+    else:
+        assert out["sfd_col_tensor"].shape == (1, -(-width // 128), m // 128, 32, 4, 4)
+
+
+def test_fp8_dgrad_supports_and_launch_outputs():
+    """CPU only: FP8 D_row is supported with SFD (both SFD_col layouts) and refused without; the launch writes d,
+    d_col, the partial sums, sfd_row, sfd_col, and the lowering's finish passes the FP8 outputs through in the op's
+    order (d_row, d_col, dprob, dbias, amax, sfd_row, sfd_col)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cudnn_moe_jax._problem import output_specs
+    from cudnn_moe_jax.kernels.sm90 import config, operands
+
+    for name in ("dswiglu_e4m3", "dsrelu_e5m2_segsfd"):
+        assert config.supports(CASES[name]) is None, name
+    no_sfd = _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3)
+    seg_no_fp8 = _dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, discrete_col_sfd=True)
+    for p in (no_sfd, seg_no_fp8):
+        assert "generate_sfd" in config.supports(p)
+
+    p = CASES["dswiglu_e4m3"]   # dbias + amax
+    cfg = config.default_config(p)
+    _, outs = operands.launcher_operands(p)
+    assert [n for n, _ in outs] == ["d", "d_col", "dprob_parts", "dbias_parts", "amax", "sfd_row", "sfd_col"]
+    launch = operands.dgrad_kernel_shape_dtypes(p, cfg, p.m)
+    fake = [jnp.full(a.shape, i + 1, a.dtype) for i, a in enumerate(launch)]
+    offsets = jnp.asarray([512, 1024, 1536, 2048], jnp.int32)
+    got = operands.finish_dgrad_outputs(p, fake, offsets)
+    want = [(s, d) for s, d in output_specs(p).values() if s is not None]
+    assert [(tuple(x.shape), str(x.dtype)) for x in got] == [(tuple(s), d) for s, d in want]
+    for x, src in zip(got[:2] + got[-3:], fake[:2] + fake[-3:]):   # d_row, d_col, amax, sfd_row, sfd_col
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(src).view(np.uint8))
+    parts = launch[2].shape[0]
+    np.testing.assert_array_equal(np.asarray(got[2]), np.full(p.m, 3.0 * parts, np.float32))   # dprob

@@ -134,14 +134,17 @@ def supports(problem) -> Optional[str]:
 
 
 def _dgrad_support(problem) -> Optional[str]:
-    """The backward epilogue (epilogue_dgrad): bf16/fp16 dY and weight, C 16/32-bit, D_row 16/32-bit."""
+    """The backward epilogue (epilogue_dgrad): bf16/fp16 dY and weight, C 16/32-bit, D_row 16/32-bit or FP8 (with
+    SFD_row, D_col, SFD_col: epilogue_fp8d, both SFD_col layouts)."""
     epi = problem.epilogue
     if problem.block_scaled or problem.ab_dtype not in AB_DTYPES:
         return f"{problem.op} with {problem.ab_dtype} inputs: the sm90 backward epilogue takes bf16/fp16 A/B only"
     if epi.act not in DGRAD_ACTS[problem.op]:
         return f"{problem.op} act {epi.act!r} not in {DGRAD_ACTS[problem.op]}"
-    if epi.generate_sfd or epi.d_dtype not in OUT_DTYPES:
-        return f"{problem.op}: D_row {epi.d_dtype!r} (FP8 D_row with SFD is not implemented on sm90 yet)"
+    if epi.d_dtype not in OUT_DTYPES + FP8_OUT_DTYPES:
+        return f"{problem.op}: D_row dtype {epi.d_dtype!r} not in {OUT_DTYPES + FP8_OUT_DTYPES}"
+    if epi.generate_sfd != (epi.d_dtype in FP8_OUT_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
+        return "FP8 D_row comes with SFD_row/D_col/SFD_col (generate_sfd) and only then discrete_col_sfd"
     if epi.c_dtype not in DGRAD_C_DTYPES:
         return f"{problem.op}: saved C dtype {epi.c_dtype!r} not in {DGRAD_C_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:

@@ -25,7 +25,7 @@ from cutlass import Float32, Int32, const_expr
 
 from .. import quantize as q8
 from ..epilogue import abs_bits, warp_max_i32
-from .epilogue_fwd import EPI_N
+from .epilogue_fp8d import EPI_N
 
 C_LOAD_BUFFERS = 2  # C subtiles in flight: step s + 2 is loaded while steps s and s + 1 compute
 EPI_WARPS = 8
@@ -57,9 +57,13 @@ class DgradEpilogue:
         self, tRS_rAcc, tRS_cD, frag_size: cutlass.Constexpr, alpha, beta, prob_v, sProb, is_compute, ctid,
         r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
         sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
-        store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax,
+        store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sZero,
     ):
         rec = self.recipe
+        bSG_gDcol, _, sColMax, _, _, norm_const, _, _ = fp8
+        zero_addr = None
+        if const_expr(self.quant_d):
+            zero_addr = sZero.iterator.toint()
         q8.check_fragment_layout(tRS_cD)
         # thread coordinates re-derived per tile from an opaque copy of ctid: otherwise ptxas hoists every address
         # computed from them above the tile loop and holds them across the mainloop (spills next to 128
@@ -84,10 +88,26 @@ class DgradEpilogue:
         # outputs go to their storage dtype as they are computed; amax and the dbias column partials are taken
         # from the fp32 values on the way (keeping two fp32 fragments next to 128 accumulators spilled)
         rD = [cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype) for _ in range(self.d_per_step)]
+        # FP8 D: the fp32 values of the step's subtiles stay until their column quantization after the first
+        # barrier (the forward FP8 D holds one such fragment too)
+        rVal = rDcol = None
+        if const_expr(self.quant_d):
+            rVal = [cute.make_rmem_tensor(tRS_cD.shape, Float32) for _ in range(self.d_per_step)]
+            rDcol = [cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype) for _ in range(self.d_per_step)]
         for step in cutlass.range_constexpr(self.epi_steps):
             lb = step % C_LOAD_BUFFERS
             cute.arch.mbarrier_wait(cin_bars + lb, (step // C_LOAD_BUFFERS) % 2)
             col_sum = [[Float32(0.0)] * 8 for _ in range(self.d_per_step)]
+            if const_expr(self.quant_d):
+                # FP8 D: every per-thread address of the step (C loads, D / D_col smem stores, SF bytes, column
+                # maxima and sums) derived from a fresh thread index. ptxas otherwise computes them once (it sees
+                # through `opaque`) and holds them from one use to the next -- the 8-bit stores alone need 8
+                # swizzled addresses per buffer, 4 * d_per_step buffers -- and spills next to the accumulators
+                ctid_s = q8.fresh(ctid, zero_addr)
+                warp_e = ctid_s // 32
+                lane = ctid_s % 32
+                tRS_sCin = cin_copy.get_slice(ctid_s).partition_D(sCin)
+                tRS_sD = r2s_d.get_slice(ctid_s).partition_D(sD)
             for j in cutlass.range_constexpr(self.d_per_step):
                 cute.autovec_copy(tRS_sCin[(None, None, None, lb * self.d_per_step + j)], rC[j])
             # ---- visit: derivative per value
@@ -112,13 +132,22 @@ class DgradEpilogue:
                     value, dvalue = rec.dsrelu(x)
                     vals = [dd * prob * dvalue]
                 for j in cutlass.range_constexpr(self.d_per_step):
-                    rD[j][i] = vals[j].to(self.d_dtype)
-                    if const_expr(rec.compute_amax):
-                        amax_bits[j] = cutlass.max(amax_bits[j], abs_bits(vals[j]))
-                    if const_expr(rec.has_dbias):
-                        col_sum[j][q8.col_slot(i)] = col_sum[j][q8.col_slot(i)] + vals[j]
+                    if const_expr(self.quant_d):
+                        rVal[j][i] = vals[j]
+                    else:
+                        rD[j][i] = vals[j].to(self.d_dtype)
+                        self._amax_dbias(vals[j], i, amax_bits, col_sum[j], j)
                 row_sum[q8.row_of(i)] = row_sum[q8.row_of(i)] + dd * value
+            codes = [None] * self.d_per_step
             for j in cutlass.range_constexpr(self.d_per_step):
+                if const_expr(self.quant_d):
+                    # amax and the dbias partials from the held fp32 values (the same sums in the same order as
+                    # above), after the visit: no column sums live next to the fragments while they are filled
+                    for i in cutlass.range_constexpr(frag_size):
+                        self._amax_dbias(rVal[j][i], i, amax_bits, col_sum[j], j)
+                    # D_row per row of the subtile (= one 32-column block), column maxima
+                    codes[j] = self._quantize_d_rows(rVal[j], rD[j], sColMax[(None, None, j)], warp_e, lane,
+                                                     norm_const)
                 if not is_compute:  # rows past valid_m: zeros (amax and dprob are not stored for them)
                     rD[j].fill(0.0)
                 if const_expr(rec.has_dbias):
@@ -133,6 +162,10 @@ class DgradEpilogue:
                     self._load_c_step(tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, m_tile, n_tile,
                                       step + C_LOAD_BUFFERS)
             for j in cutlass.range_constexpr(self.d_per_step):
+                if const_expr(self.quant_d):  # D_col per 32-row block (this warp and its partner), SF bytes
+                    self._quantize_d_cols(rVal[j], rDcol[j], sColMax[(None, None, j)], codes[j][0], codes[j][1],
+                                          is_compute, fp8, m_tile, n_tile, step, g, warp_e, lane, j)
+                    cute.copy(r2s_d, rDcol[j], tRS_sD[(None, None, None, self._dcol_buffer(buf, j))])
                 cute.copy(r2s_d, rD[j], tRS_sD[(None, None, None, buf * self.d_per_step + j)])
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_barrier.arrive_and_wait()
@@ -140,6 +173,9 @@ class DgradEpilogue:
                 for j in cutlass.range_constexpr(self.d_per_step):
                     col = (n_tile * self.epi_steps + step) * self.d_per_step + j
                     cute.copy(tma_atom_d, bSG_sD[(None, buf * self.d_per_step + j)], bSG_gD[(None, (m_tile, col))])
+                    if const_expr(self.quant_d):
+                        cute.copy(tma_atom_dcol, bSG_sD[(None, self._dcol_buffer(buf, j))],
+                                  bSG_gDcol[(None, (m_tile, col))])
                 store_pipeline.producer_commit()
             if const_expr(rec.has_dbias):
                 self._store_column_partials(sColSum, lb, mDbiasParts, m_tile, n_tile, step, ctid)
@@ -160,6 +196,18 @@ class DgradEpilogue:
                     if lane == 0:
                         ptr = cute.recast_ptr(mAmax.iterator + g * self.d_per_step + j, dtype=Int32)
                         cute.arch.atomic_max(ptr, bits)
+
+    @cute.jit
+    def _amax_dbias(self, v, i: cutlass.Constexpr, amax_bits, col_sum, j: cutlass.Constexpr):
+        """Fold output value v (flat fragment index i, subtile j) into amax (its |v| bits) and the column sums."""
+        if const_expr(self.recipe.compute_amax):
+            amax_bits[j] = cutlass.max(amax_bits[j], abs_bits(v))
+        if const_expr(self.recipe.has_dbias):
+            col_sum[q8.col_slot(i)] = col_sum[q8.col_slot(i)] + v
+
+    def _dcol_buffer(self, buf: int, j: int) -> int:
+        """smem buffer of D_col subtile j of store buffer buf: after the epi_stages * d_per_step D_row buffers."""
+        return (self.epi_stages + buf) * self.d_per_step + j
 
     @cute.jit
     def _column_partials(self, col_sum, is_compute, sColSum, lb, j: cutlass.Constexpr, warp_e, lane):

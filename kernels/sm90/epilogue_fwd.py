@@ -13,12 +13,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 
-from cudnn_moe_jax.formats import sf_atom_byte, sf_atom_start
-
 from .. import quantize as q8
 from ..epilogue import abs_bits, warp_max_i32
-
-EPI_N = 32  # epilogue subtile width = one GLU block
+from .epilogue_fp8d import EPI_N  # epilogue subtile width = one GLU block
 
 
 @cute.jit
@@ -44,9 +41,9 @@ class ForwardEpilogue:
         """Fused epilogue of one tile: per step, one D subtile (and its one or two C subtiles).
 
         FP8 D (`quant_d`): D row-quantized per 32 columns (the subtile), D_col per 32 rows (two warps' halves
-        combined through smem), SFD_row / SFD_col e8m0 bytes stored from registers (kernels/quantize.py)."""
+        combined through smem), SFD_row / SFD_col e8m0 bytes stored from registers (epilogue_fp8d)."""
         recipe = self.recipe
-        bSG_gDcol, tRS_rDcol, sColMax, mSfdRow, mSfdCol, norm_const, sEnds, m_rows = fp8
+        bSG_gDcol, tRS_rDcol, sColMax, _, _, norm_const, _, _ = fp8
         # thread coordinates re-derived per tile from an opaque copy: otherwise every address computed from them is
         # hoisted above the tile loop and held across the MXFP8 mainloop (192 accumulator registers) -> spills
         warp_e = lane = None
@@ -129,9 +126,7 @@ class ForwardEpilogue:
                 if const_expr(recipe.compute_amax):
                     amax_bits = cutlass.max(amax_bits, abs_bits(rVal[i]))
             if const_expr(self.quant_d):
-                rAbs = [q8.abs_raw(rVal[i]) for i in range(q8.FRAG)]  # shared by the row and column maxima
-                code_r0, code_r1 = q8.quantize_rows(rVal, rAbs, tRS_rD, self.rcp_limit, norm_const)
-                q8.column_partial_max(rAbs, sColMax, warp_e, lane)
+                code_r0, code_r1 = self._quantize_d_rows(rVal, tRS_rD, sColMax, warp_e, lane, norm_const)
             else:
                 tRS_rD.store(rVal.load().to(self.d_dtype))
             if not is_compute:  # rows past valid_m: zeros
@@ -146,12 +141,8 @@ class ForwardEpilogue:
                 store_pipeline.producer_acquire()
             epi_barrier.arrive_and_wait()
             if const_expr(self.quant_d):
-                code_c = q8.quantize_cols(rVal, tRS_rDcol, sColMax, warp_e, lane, self.rcp_limit, norm_const)
-                if is_compute:
-                    self._store_sf_bytes(code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows,
-                                         m_tile, n_tile, step, g, warp_e, lane)
-                else:
-                    tRS_rDcol.fill(0.0)
+                self._quantize_d_cols(rVal, tRS_rDcol, sColMax, code_r0, code_r1, is_compute, fp8, m_tile, n_tile,
+                                      step, g, warp_e, lane)
                 cute.copy(r2s_d, tRS_rDcol, tRS_sD[(None, None, None, self.epi_stages + buf)])
             cute.copy(r2s_d, tRS_rD, tRS_sD[(None, None, None, buf)])
             if const_expr(recipe.has_c):
@@ -203,39 +194,3 @@ class ForwardEpilogue:
             rOld[i] = self.d_dtype(0.0)
             if col0 + tWcW[i][1] < self.n:
                 rOld[i] = tWgW[i]
-
-    @cute.jit
-    def _store_sf_bytes(self, code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
-                        step: cutlass.Constexpr, g, warp_e, lane):
-        """SFD_row bytes of the thread's two rows (quad leaders) and the SFD_col byte of subtile column `lane`
-        (the first warp of each 32-row pair), at their byte offsets (cudnn_moe_jax.formats.sf_atom_start /
-        sf_atom_byte: docs/formats.md#scale-factor-layout, #segmented-layout). Rows r, r+8 sit 128 bytes apart."""
-        n_out = self.problem.n_out
-        col_block = n_tile * (self.tile_n // self.c_per_step // EPI_N) + step  # D 32-column block
-        kb_atoms = (-(-n_out // EPI_N) + 3) // 4
-        # this thread's first row in the tile (0..127; = its fragment's row, checked by check_fragment_layout);
-        # its second row is r_in + 8
-        r_in = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4
-        # a 2-CTA cluster along N over an odd number of N tiles runs one tile wholly past N (it still loads and
-        # multicasts its half of A): its blocks lie past the SF buffers' padded width, nothing to store
-        in_n = col_block < 4 * kb_atoms
-        if (lane % 4 == 0) & in_n:
-            row_off = sf_atom_start((m_tile * self.tile_m) >> 7, col_block >> 2, kb_atoms) \
-                + sf_atom_byte(r_in & 31, (r_in >> 5) & 3, col_block & 3)
-            mSfdRow[row_off] = code_r0.to(cutlass.Uint8)
-            mSfdRow[row_off + 128] = code_r1.to(cutlass.Uint8)
-        if (warp_e % 2 == 0) & in_n:
-            rb32 = ((m_tile * self.tile_m) >> 5) + (r_in >> 5)  # global 32-row block (SFD_col k-block)
-            atoms = m_rows // 128
-            if const_expr(self.discrete_col_sfd):
-                start = Int32(0)
-                if g > 0:
-                    start = sEnds[g - 1]
-                atoms = (sEnds[g] - start) // 128
-                rb32 = rb32 - (start >> 5)
-            # D_col's scale rows are D's columns (col_block * 32 + lane), its k-blocks D's 32-row blocks
-            col_off = sf_atom_start(col_block >> 2, rb32 >> 2, atoms) + sf_atom_byte(lane, col_block & 3, rb32 & 3)
-            if const_expr(self.discrete_col_sfd):
-                col_off = col_off + 4 * ((n_out + 127) // 128) * start
-            mSfdCol[col_off] = code_c.to(cutlass.Uint8)
-

@@ -49,7 +49,8 @@ from ..scheduler import GroupedTileScheduler, KGroupedTileScheduler
 from . import mainloop_mxfp8 as mx
 from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
 from .epilogue_dgrad import C_LOAD_BUFFERS, EPI_WARPS, DgradEpilogue
-from .epilogue_fwd import EPI_N, ForwardEpilogue
+from .epilogue_fp8d import EPI_N, Fp8DOutput
+from .epilogue_fwd import ForwardEpilogue
 from .mainloop import (
     KGroupedWgmmaMainloop,
     WgmmaMainloop,
@@ -71,7 +72,7 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
 
-class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
+class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, Fp8DOutput, KGroupedSchedule):
     """`acc[r, :] = A[r, :] @ B[g(r)]^T` for the rows of every group, with the problem's epilogue fused.
 
     MXFP8_MAINLOOP: the block-scaled mainloop class (a subclass may bring another: the lab's timing variants)."""
@@ -152,10 +153,12 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             d_bytes + (self.c_per_step * self.c_dtype.width // 8 if self.c_dtype else 0))
         if self.quant_d:
             epi += 4 * EPI_N * 8 + 1024  # per-warp column maxima (+ alignment)
-        if self.is_dgrad:  # D_row subtiles per step, C load buffers, dbias column partials (+ alignment)
-            epi = self.tile_m * EPI_N * self.d_per_step * (epi_stages * self.d_dtype.width // 8
+        if self.is_dgrad:  # D_row (FP8: + D_col) subtiles per step, C load buffers, dbias column partials (+ alignment)
+            epi = self.tile_m * EPI_N * self.d_per_step * (epi_stages * d_bytes
                                                            + C_LOAD_BUFFERS * self.cin_dtype.width // 8)
             epi += 4 * EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS + 2048
+            if self.quant_d:
+                epi += 4 * EPI_N * 8 * self.d_per_step + 1024  # per-warp column maxima of each subtile
         return (SMEM_CAPACITY - header - epi) // self.mainloop_class.smem_stage_bytes(self.ab_dtype, self.tile_m,
                                                                                       self.tile_n)
 
@@ -237,9 +240,10 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             b_op, b, cute.slice_(b_layout, (None, None, 0)), (self.tile_n, self.tile_k), num_multicast=self.cluster_m
         )
         tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb = self.mainloop.scale_tmas(t, self.cluster_m, self.cluster_n)
-        # FP8 D: buffers [0, epi_stages) hold D, [epi_stages, 2 epi_stages) D_col (one partition serves both)
+        # buffers [0, epi_stages * d_per_step) hold D (D_row), FP8 D: as many after them D_col (one partition
+        # serves both)
         d_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
-                                                   self.epi_stages * (2 if self.quant_d else self.d_per_step))
+                                                   self.epi_stages * self.d_per_step * (2 if self.quant_d else 1))
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(d_layout, (None, None, 0)), self.epi_tile
         )
@@ -284,11 +288,13 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             fields.append(("sC", Align[MemRange[self.c_dtype, cute.cosize(c_layout)], 1024]))
         fields += self.mainloop.smem_fields()
         if const_expr(self.quant_d):
-            fields.append(("col_max", Align[MemRange[Int32, EPI_N * 8], 16]))
+            fields.append(("col_max", Align[MemRange[Int32, EPI_N * 8 * self.d_per_step], 16]))
         if const_expr(self.is_dgrad):
             fields += [("cin_mbar", MemRange[cutlass.Int64, C_LOAD_BUFFERS]),
                        ("sCin", Align[MemRange[self.cin_dtype, cute.cosize(cin_layout)], 1024]),
                        ("col_sum", Align[MemRange[Float32, EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS], 16])]
+            if const_expr(self.quant_d):
+                fields.append(("zero", MemRange[Int32, 4]))  # 0, read per step by q8.fresh (epilogue_dgrad)
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": dict(fields)}))
 
         self.shared_storage = SharedStorage
@@ -412,6 +418,11 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         sEnds = storage.ends.get_tensor(cute.make_layout(self.num_groups))
         sValid = storage.valid.get_tensor(cute.make_layout(4))
         m_rows = mA.shape[0]
+        sZero = None
+        if const_expr(self.is_dgrad and self.quant_d):
+            sZero = storage.zero.get_tensor(cute.make_layout(4))
+            if tidx == 0:
+                sZero[0] = Int32(0)
         if warp_idx == 0:
             # wgrad: the token ends, clipped to T (A is (m_w, T))
             self.sched.load_group_ends(mOffsets, mA.shape[1] if const_expr(self.is_wgrad) else m_rows, sEnds, sValid)
@@ -444,13 +455,15 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
             sBias = storage.bias.get_tensor(cute.make_layout(self.tile_n))
             sColMax = None
             if const_expr(self.quant_d):
-                sColMax = storage.col_max.get_tensor(cute.make_layout((EPI_N, 8)))
+                # (column, warp) per subtile of a step (dglu: gate and up)
+                col_max_shape = (EPI_N, 8, self.d_per_step) if const_expr(self.is_dgrad) else (EPI_N, 8)
+                sColMax = storage.col_max.get_tensor(cute.make_layout(col_max_shape))
             dgrad = None
             if const_expr(self.is_dgrad):
                 sCin = storage.sCin.get_tensor(cin_layout.outer, swizzle=cin_layout.inner)
                 sColSum = storage.col_sum.get_tensor(
                     cute.make_layout((EPI_N, EPI_WARPS, self.d_per_step, C_LOAD_BUFFERS)))
-                dgrad = (tma_atom_cin, mCin, sCin, cin_bars, mBeta, mDprobParts, mDbiasParts, sColSum)
+                dgrad = (tma_atom_cin, mCin, sCin, cin_bars, mBeta, mDprobParts, mDbiasParts, sColSum, sZero)
             self.consumer(
                 ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
                 tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, tidx - 128, warp_idx,
@@ -633,7 +646,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
         if const_expr(self.is_dgrad):
             cin_copy = cute.make_tiled_copy_S(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.cin_dtype),
                                               tiled_copy_acc)
-            tma_atom_cin, mCin, sCin, cin_bars, mBeta, mDprobParts, mDbiasParts, sColSum = dgrad
+            tma_atom_cin, mCin, sCin, cin_bars, mBeta, mDprobParts, mDbiasParts, sColSum, sZero = dgrad
             bSG_sCin, bSG_gCin = cpasync.tma_partition(
                 tma_atom_cin, 0, cute.make_layout(1), cute.group_modes(sCin, 0, 2), cute.zipped_divide(mCin, self.epi_tile)
             )
@@ -696,7 +709,7 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, KGroupedSchedule):
                     tRS_rAcc, tRS_cD, frag_size, alpha, beta, prob_v, sProb, is_compute, ctid,
                     r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
                     sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
-                    store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax,
+                    store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sZero,
                 )
             else:
                 self.epilogue(

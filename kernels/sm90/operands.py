@@ -35,11 +35,18 @@ def launcher_operands(problem):
         ins += [("c", "rows"), ("alpha", "static"), ("beta", "static")]
         if epi.has_prob:
             ins.append(("prob", "m_vector"))
-        outs = [("d", "rows"), ("dprob_parts", "tiles_by_m")]
+        if epi.generate_sfd:
+            ins.append(("norm_const", "static"))
+        outs = [("d", "rows")]
+        if epi.generate_sfd:
+            outs.append(("d_col", "rows"))
+        outs.append(("dprob_parts", "tiles_by_m"))
         if epi.dbias_dtype is not None:
             outs.append(("dbias_parts", "row_tiles"))
         if epi.compute_amax:
             outs.append(("amax", "static"))
+        if epi.generate_sfd:
+            outs += [("sfd_row", "sf_rows"), ("sfd_col", "sf_segments" if epi.discrete_col_sfd else "sf_cols")]
         return ins, outs
     ins.append(("alpha", "static"))
     if epi.has_prob:
@@ -89,23 +96,34 @@ def dgrad_n_parts(problem, config) -> int:
 
 
 def dgrad_kernel_shape_dtypes(problem, config, m):
-    """ShapeDtypeStructs of a dgrad launch's outputs (`launcher_operands` order): d (m, N_out), dprob partials
-    (n_parts, m) f32, [dbias partials (m / 128, N_out) f32], [amax (L, 1 or 2) f32]."""
+    """ShapeDtypeStructs of a dgrad launch's outputs (`launcher_operands` order): d (m, N_out), [FP8 D: d_col
+    (m, N_out)], dprob partials (n_parts, m) f32, [dbias partials (m / 128, N_out) f32], [amax (L, 1 or 2) f32],
+    [FP8 D: sfd_row, sfd_col as the op's (`_problem.output_specs`)]."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
+    from cudnn_moe_jax._problem import output_specs
+
     epi = problem.epilogue
-    outs = [jax.ShapeDtypeStruct((m, problem.n_out), jnp.dtype(epi.d_dtype)),
-            jax.ShapeDtypeStruct((dgrad_n_parts(problem, config), m), jnp.float32)]
+    outs = [jax.ShapeDtypeStruct((m, problem.n_out), jnp.dtype(epi.d_dtype))]
+    if epi.generate_sfd:
+        outs.append(jax.ShapeDtypeStruct((m, problem.n_out), jnp.dtype(epi.d_dtype)))
+    outs.append(jax.ShapeDtypeStruct((dgrad_n_parts(problem, config), m), jnp.float32))
     if epi.dbias_dtype is not None:
         outs.append(jax.ShapeDtypeStruct((m // 128, problem.n_out), jnp.float32))
     if epi.compute_amax:
         outs.append(jax.ShapeDtypeStruct((problem.num_groups, 2 if problem.op == "dglu" else 1), jnp.float32))
+    if epi.generate_sfd:
+        specs = output_specs(dataclasses.replace(problem, m=m))
+        outs += [jax.ShapeDtypeStruct(*specs[key]) for key in ("sfd_row_tensor", "sfd_col_tensor")]
     return outs
 
 
 def finish_dgrad_outputs(problem, kernel_outs, padded_offsets):
-    """The op's outputs (`_problem.output_specs` order: d_row, dprob, [dbias], [amax]) from a dgrad launch's.
+    """The op's outputs (`_problem.output_specs` order: d_row, [d_col], dprob, [dbias], [amax], [sfd_row,
+    sfd_col]) from a dgrad launch's (the FP8 D outputs pass through).
 
     dprob: the per-N-tile row partials summed in tile order; dbias: per-group sums of the per-M-tile column
     partials as a one-hot (L, m / 128) x (m / 128, N_out) fp32 product (exact 0/1 weights, fixed order). Both are
@@ -115,15 +133,16 @@ def finish_dgrad_outputs(problem, kernel_outs, padded_offsets):
 
     from cudnn_moe_jax.reference import row_groups, sanitize_offsets
 
-    d, parts = kernel_outs[0], kernel_outs[1]
+    n_d = 2 if problem.epilogue.generate_sfd else 1      # d (, d_col)
+    parts = kernel_outs[n_d]
     dprob = parts[0]
     for j in range(1, parts.shape[0]):
         dprob = dprob + parts[j]
-    outs = [d, dprob]
-    rest = list(kernel_outs[2:])
+    outs = list(kernel_outs[:n_d]) + [dprob]
+    rest = list(kernel_outs[n_d + 1:])
     if problem.epilogue.dbias_dtype is not None:
         col_parts = rest.pop(0)
-        m = d.shape[0]
+        m = kernel_outs[0].shape[0]
         group = row_groups(sanitize_offsets(padded_offsets, m), m)[::128]   # group of each 128-row tile
         onehot = (group[None, :] == jnp.arange(problem.num_groups, dtype=group.dtype)[:, None]).astype(jnp.float32)
         dbias = jnp.dot(onehot, col_parts, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)

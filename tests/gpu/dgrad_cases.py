@@ -24,6 +24,10 @@ PATTERNS = {
     "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048 (not multiples of 256, > m, < 0)
 }
 
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+FP8 = (E4M3, E5M2)
+NORM_CONST = 0.01   # FP8 D's norm_const (as float32; tests/gpu/test_mxfp8_gpu.py's checks assume it)
+
 # (name, op, act, options, ab dtype, C dtype)
 CASES = [
     ("dswiglu_bias_amax", "dglu", "dswiglu", dict(generate_dbias=True, dbias_dtype="float32", compute_amax=True),
@@ -35,6 +39,15 @@ CASES = [
     ("dsrelu_bias_amax", "dsrelu", None, dict(generate_dbias=True, dbias_dtype="float32", compute_amax=True),
      "bfloat16", "bfloat16"),
     ("dsrelu_tanh_noprob", "dsrelu", None, dict(tanh_clamp_scale=2.0, no_prob=True), "bfloat16", "float32"),
+    # FP8 D_row with SFD_row / D_col / SFD_col (norm_const = NORM_CONST); dglu quantizes gate and up blocks apart
+    ("dswiglu_e4m3_bias_amax", "dglu", "dswiglu", dict(d_dtype=E4M3, generate_dbias=True, dbias_dtype="float32",
+                                                       compute_amax=True), "bfloat16", "bfloat16"),
+    ("dgeglu_e4m3_segsfd", "dglu", "dgeglu", dict(d_dtype=E4M3, discrete_col_sfd=True, glu_limit=3.0,
+                                                  glu_alpha=1.702), "bfloat16", "float32"),
+    ("dsrelu_e5m2_bias_amax", "dsrelu", None, dict(d_dtype=E5M2, generate_dbias=True, dbias_dtype="bfloat16",
+                                                   compute_amax=True), "bfloat16", "bfloat16"),
+    ("dsrelu_e5m2_segsfd_noprob", "dsrelu", None, dict(d_dtype=E5M2, discrete_col_sfd=True, tanh_clamp_scale=2.0,
+                                                       no_prob=True), "float16", "float32"),
 ]
 
 
@@ -50,6 +63,7 @@ def inputs(case, pattern: str = "empty_and_tail", seed: int = 0):
         alpha=jax.random.uniform(keys[4], (L,), minval=0.5, maxval=2.0),
         beta=jax.random.uniform(keys[5], (L,), minval=0.5, maxval=1.5),
         offsets=jnp.asarray(PATTERNS[pattern], jnp.int32),
+        norm_const=jnp.asarray([NORM_CONST], jnp.float32),
     )
 
 
@@ -59,6 +73,8 @@ def call(case, x):
     prob = None if options.pop("no_prob", False) else x["prob"]
     kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], beta_tensor=x["beta"], prob_tensor=prob,
               **options)
+    if options.get("d_dtype") in FP8:
+        kw["norm_const_tensor"] = x["norm_const"]
     if op == "dglu":
         return cmj.grouped_gemm_dglu(x["a"], x["b"], x["c"], act_func=act, **kw)
     return cmj.grouped_gemm_dsrelu(x["a"], x["b"], x["c"], **kw)
@@ -104,6 +120,8 @@ def _oracle(case, x):
     fn = np_ops.grouped_gemm_dglu if op == "dglu" else np_ops.grouped_gemm_dsrelu
     if op == "dglu":
         kw["act_func"] = act
+    if d_dtype in FP8:
+        kw["norm_const"] = h["norm_const"]
     return fn(h["a"], h["b"], h["c"], None, None, h["offsets"], h["alpha"], h["beta"],
               None if no_prob else h["prob"], **kw, **options)
 
@@ -118,12 +136,15 @@ def run_case(case, pattern: str) -> list[str]:
     got, again = _run(case, x)
     want = _oracle(case, x)
     valid = want["_groups"][-1][1]
+    fp8 = case[3].get("d_dtype") in FP8
     errs = []
     for key, g in got.items():
         if g is None:
             continue
         if not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8)):
             errs.append(f"{key}: two calls differ")
+        if fp8 and key in FP8_KEYS:   # codes and SF bytes: _check_fp8 below
+            continue
         gv = np.asarray(g.astype(jnp.float32))
         if not np.all(np.isfinite(gv)):
             errs.append(f"{key}: non-finite (poison left in an output?)")
@@ -143,4 +164,27 @@ def run_case(case, pattern: str) -> list[str]:
             errs.append(f"{key}: worst {np.max(err / bound):.2f} x the bound")
         if key in ("d_row_tensor", "dprob_tensor") and np.any(gv[valid:]):
             errs.append(f"{key}: rows past valid_m must be zero")
+    if fp8:
+        missing = [k for k in FP8_KEYS if got[k] is None]
+        errs += [f"{k}: missing" for k in missing] or _check_fp8(case, x, got, want)
     return errs
+
+
+FP8_KEYS = {"d_row_tensor": "d", "d_col_tensor": "d_col", "sfd_row_tensor": "sfd_row", "sfd_col_tensor": "sfd_col"}
+
+
+def _check_fp8(case, x, got, want) -> list[str]:
+    """D_row, D_col codes and the SFD_row / SFD_col bytes of an FP8-D case against the float64 oracle's
+    pre-quantization values (tests/gpu/test_mxfp8_gpu.check_fp8_outputs: each SF byte equals the oracle's, or its
+    neighbour where a power of two lies inside the value's error interval; codes likewise)."""
+    import numpy as np
+    from test_mxfp8_gpu import check_fp8_outputs   # its NORM_CONST is this module's
+
+    options = case[3]
+    p = {"num_groups": L, "epilogue": {"d_dtype": options["d_dtype"],
+                                       "discrete_col_sfd": options.get("discrete_col_sfd", False)}}
+    outs = {FP8_KEYS[k]: np.asarray(got[k]) for k in FP8_KEYS}
+    outs["sfd_row"], outs["sfd_col"] = (outs[k].view(np.uint8) for k in ("sfd_row", "sfd_col"))
+    pre, mag = want["_pre"]["d"], want["_mag"]["d"]
+    err = 1e-5 * mag + 2.0 ** -20 * np.abs(pre) + 1e-30
+    return check_fp8_outputs(p, outs, {"d": pre}, err, np.asarray(x["offsets"]), pre.shape[0])

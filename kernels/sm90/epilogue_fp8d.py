@@ -1,0 +1,88 @@
+"""FP8 D output of the sm90 epilogues, shared by the forward (epilogue_fwd) and the backward (epilogue_dgrad) one:
+per 128 x 32 subtile of fp32 values, D_row quantized per row (32 columns = the subtile), D_col per column (32 rows
+= two warps, combined through the `sColMax` table between the epilogue step's two barriers), and the e8m0 SFD_row /
+SFD_col bytes stored from registers (kernels/quantize.py holds the math, docs/formats.md the layouts).
+
+A step calls `_quantize_d_rows` before its first barrier and `_quantize_d_cols` after it (the column maxima of
+the partner warp are in smem then; the table is rewritten only after the step's second barrier).
+
+A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): it reads the kernel's static attributes (tile shape, problem,
+`rcp_limit`, `discrete_col_sfd`; `is_dgrad` / `d_per_step` to place a subtile among D's 32-column blocks).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+from cudnn_moe_jax.formats import sf_atom_byte, sf_atom_start
+
+from .. import quantize as q8
+
+EPI_N = 32  # epilogue subtile width = one GLU block = one row-quantization block
+
+
+class Fp8DOutput:
+    @cute.jit
+    def _quantize_d_rows(self, rVal, rD, sColMax, warp_e, lane, norm_const):
+        """rD <- rVal (16 fp32 of one subtile) row-quantized; the warp's column maxima -> sColMax. Returns the
+        e8m0 codes of the thread's two rows."""
+        rAbs = [q8.abs_raw(rVal[i]) for i in range(q8.FRAG)]  # shared by the row and column maxima
+        code_r0, code_r1 = q8.quantize_rows(rVal, rAbs, rD, self.rcp_limit, norm_const)
+        q8.column_partial_max(rAbs, sColMax, warp_e, lane)
+        return code_r0, code_r1
+
+    @cute.jit
+    def _quantize_d_cols(self, rVal, rDcol, sColMax, code_r0, code_r1, is_compute, fp8, m_tile, n_tile,
+                         step: cutlass.Constexpr, g, warp_e, lane, j: cutlass.Constexpr = 0):
+        """After the step's first barrier: rDcol <- rVal column-quantized, then the subtile's SF bytes (zero
+        tiles: D_col zeros, no SF bytes -- the zeroing kernel wrote 0x00). `j`: which of the step's subtiles
+        (the backward dglu stores a gate and an up subtile per step)."""
+        _, _, _, mSfdRow, mSfdCol, norm_const, sEnds, m_rows = fp8
+        code_c = q8.quantize_cols(rVal, rDcol, sColMax, warp_e, lane, self.rcp_limit, norm_const)
+        if is_compute:
+            self._store_sf_bytes(code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows,
+                                 m_tile, n_tile, step, g, warp_e, lane, j)
+        else:
+            rDcol.fill(0.0)
+
+    @cute.jit
+    def _store_sf_bytes(self, code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
+                        step: cutlass.Constexpr, g, warp_e, lane, j: cutlass.Constexpr = 0):
+        """SFD_row bytes of the thread's two rows (quad leaders) and the SFD_col byte of subtile column `lane`
+        (the first warp of each 32-row pair), at their byte offsets (cudnn_moe_jax.formats.sf_atom_start /
+        sf_atom_byte: docs/formats.md#scale-factor-layout, #segmented-layout). Rows r, r+8 sit 128 bytes apart."""
+        n_out = self.problem.n_out
+        # D 32-column block of the subtile. Forward: one per step (GLU: from a gate/up pair of accumulator
+        # subtiles); backward: d_per_step per step (dglu: gate block 2b and up block 2b + 1)
+        if const_expr(self.is_dgrad):
+            col_block = (n_tile * self.epi_steps + step) * self.d_per_step + j
+        else:
+            col_block = n_tile * (self.tile_n // self.c_per_step // EPI_N) + step
+        kb_atoms = (-(-n_out // EPI_N) + 3) // 4
+        # this thread's first row in the tile (0..127; = its fragment's row, checked by check_fragment_layout);
+        # its second row is r_in + 8
+        r_in = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4
+        # a 2-CTA cluster along N over an odd number of N tiles runs one tile wholly past N (it still loads and
+        # multicasts its half of A): its blocks lie past the SF buffers' padded width, nothing to store
+        in_n = col_block < 4 * kb_atoms
+        if (lane % 4 == 0) & in_n:
+            row_off = sf_atom_start((m_tile * self.tile_m) >> 7, col_block >> 2, kb_atoms) \
+                + sf_atom_byte(r_in & 31, (r_in >> 5) & 3, col_block & 3)
+            mSfdRow[row_off] = code_r0.to(cutlass.Uint8)
+            mSfdRow[row_off + 128] = code_r1.to(cutlass.Uint8)
+        if (warp_e % 2 == 0) & in_n:
+            rb32 = ((m_tile * self.tile_m) >> 5) + (r_in >> 5)  # global 32-row block (SFD_col k-block)
+            atoms = m_rows // 128
+            if const_expr(self.discrete_col_sfd):
+                start = Int32(0)
+                if g > 0:
+                    start = sEnds[g - 1]
+                atoms = (sEnds[g] - start) // 128
+                rb32 = rb32 - (start >> 5)
+            # D_col's scale rows are D's columns (col_block * 32 + lane), its k-blocks D's 32-row blocks
+            col_off = sf_atom_start(col_block >> 2, rb32 >> 2, atoms) + sf_atom_byte(lane, col_block & 3, rb32 & 3)
+            if const_expr(self.discrete_col_sfd):
+                col_off = col_off + 4 * ((n_out + 127) // 128) * start
+            mSfdCol[col_off] = code_c.to(cutlass.Uint8)
