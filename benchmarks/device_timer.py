@@ -9,7 +9,12 @@ wait are outside it, and the ~1 us gaps between the program's kernels are inside
 the program back to back). torch is only the CUPTI front end here; benchmarks/trace_launch_gaps.py reads the
 same trace the same way. Without torch or CUPTI, `cupti_timer()` says why and callers time on the host.
 
-The pure helpers (`span_us`, `device_intervals`, `primary`) take plain values or duck-typed events, so they are
+A program over several GPUs of one process (a jitted shard_map): CUPTI stamps every device's events on one
+clock (CUPTI's timestamps are process-wide, not per device), so the same span is first start on any GPU to last
+end on any GPU, i.e. the mesh's wall time on the device side, launch skew between the GPUs included;
+`Timing.devices` says how many GPUs had events in it.
+
+The pure helpers (`span_us`, `device_intervals`, `device_count`, `primary`) take plain values or duck-typed events, so they are
 testable without torch or a GPU (tests/test_bench_timer.py).
 """
 
@@ -26,6 +31,7 @@ class Timing(NamedTuple):
     device: Optional[float]  # device clock: CUPTI span (JAX) or CUDA events (torch)
     host: Optional[float]  # host wall clock, dispatch to block_until_ready (JAX only)
     events: Optional[int] = None  # device events in the CUPTI span (None: no CUPTI)
+    devices: Optional[int] = None  # distinct GPUs with events in the span (a multi-GPU program must show all)
 
 
 # Kineto reports CUDA synchronization records (opt-in `enable_cuda_sync_events`) with the CUDA device type,
@@ -50,6 +56,13 @@ def device_intervals(events: Iterable, cuda_type) -> list[tuple[float, float]]:
     program) among torch.profiler FunctionEvents; `cuda_type` is torch.autograd.DeviceType.CUDA."""
     return [(e.time_range.start, e.time_range.end) for e in events
             if e.device_type == cuda_type and e.name not in SYNC_EVENT_NAMES]
+
+
+def device_count(events: Iterable, cuda_type) -> int:
+    """Distinct device indices among the device events (as `device_intervals` selects them): a span over a
+    multi-GPU program is only that program's time if every GPU of its mesh shows up here."""
+    return len({getattr(e, "device_index", None) for e in events
+                if e.device_type == cuda_type and e.name not in SYNC_EVENT_NAMES})
 
 
 def primary(samples: Sequence[Timing]) -> tuple[str, list[float]]:
@@ -100,9 +113,11 @@ class CuptiTimer:
             t0 = time.perf_counter()
             run()
             host = time.perf_counter() - t0
-        ivs = device_intervals(prof.events(), self._cuda)
+        events = prof.events()
+        ivs = device_intervals(events, self._cuda)
         span = span_us(ivs)
-        return Timing(None if span is None else span * 1e-6 / calls, host / calls, len(ivs))
+        return Timing(None if span is None else span * 1e-6 / calls, host / calls, len(ivs),
+                      device_count(events, self._cuda))
 
 
 def cupti_timer() -> tuple[Optional[CuptiTimer], str]:

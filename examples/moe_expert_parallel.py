@@ -9,6 +9,8 @@ plain single-device nn.moe_layer with one device's share of experts and tokens.
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/moe_expert_parallel.py   # 4 CPU devices
     python examples/moe_expert_parallel.py --experts-per-device 8 --rows-per-expert 2048 --hidden 7168 \\
         --intermediate 2048 --capacity-factor 1.25 --time-exchange --compare-single            # GPU benchmark
+These timings are host wall clock; benchmarks/bench_ep.py times the same programs (make_step, make_exchange,
+single_device_step) on the device (CUPTI) for 1..N GPUs and reports the weak-scaling efficiency.
 Several hosts: the same command on each, with --coordinator HOST:PORT --num-processes N --process-id I.
 
 On a GPU machine without the CuTe DSL compiler the kernels come from a bundle: `bundle_items` lowers for CUDA the
@@ -28,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 
 from cudnn_moe_jax import nn  # noqa: E402
 
@@ -150,8 +152,9 @@ def best_time(fn, *args, steps):
     return result, first, (min(times) if times else float("nan"))
 
 
-def single_device_baseline(args):
-    """Step time of nn.moe_layer on one device: experts_per_device experts, tokens_per_device tokens."""
+def single_device_step(args):
+    """(jitted nn.moe_layer forward + backward, its inputs) on one device: experts_per_device experts,
+    tokens_per_device tokens (one device's share of the EP run; benchmarks/bench_ep.py times it on the device)."""
     sub = argparse.Namespace(**{**vars(args), "devices": 1, "data_parallel": 1})
     device = jax.local_devices()[0]
     mesh = jax.make_mesh((1, 1), ("data", "expert"), axis_types=(AxisType.Auto,) * 2, devices=[device])
@@ -162,7 +165,13 @@ def single_device_baseline(args):
                             act=args.act)
         return jnp.mean((y.astype(jnp.float32) - target) ** 2)
 
-    return best_time(jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1))), params, x, steps=args.steps)
+    return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1))), (params, x)
+
+
+def single_device_baseline(args):
+    """Step time of nn.moe_layer on one device: experts_per_device experts, tokens_per_device tokens."""
+    step, inputs = single_device_step(args)
+    return best_time(step, *inputs, steps=args.steps)
 
 
 def main(argv=None) -> int:

@@ -15,9 +15,10 @@ import pytest
 CUDA, CPU = "cuda", "cpu"  # stand-ins for torch.autograd.DeviceType members (compared with ==)
 
 
-def ev(start, end, device=CUDA, name="kernel"):
-    """A fake torch.profiler FunctionEvent: only the fields device_intervals reads."""
-    return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device, name=name)
+def ev(start, end, device=CUDA, name="kernel", index=0):
+    """A fake torch.profiler FunctionEvent: only the fields device_intervals and device_count read."""
+    return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device, name=name,
+                           device_index=index)
 
 
 def test_span_is_first_start_to_last_end():
@@ -42,6 +43,15 @@ def test_device_intervals_keep_device_work_only():
     ivs = dt.device_intervals(events, CUDA)
     assert ivs == [(10.0, 11.0), (12.0, 200.0), (201.0, 390.0)]
     assert dt.span_us(ivs) == pytest.approx(380.0)
+
+
+def test_device_count_sees_every_gpu_of_a_multi_gpu_span():
+    # two GPUs' kernels on one clock: one span over both; host records and sync records name no GPU
+    events = [ev(0.0, 500.0, CPU, "cuLaunchKernel", index=-1), ev(10.0, 50.0, index=0), ev(12.0, 80.0, index=1),
+              ev(5.0, 400.0, name="Stream Sync", index=3)]
+    assert dt.device_count(events, CUDA) == 2
+    assert dt.span_us(dt.device_intervals(events, CUDA)) == pytest.approx(70.0)
+    assert dt.device_count(events[:2], CUDA) == 1 and dt.device_count([], CUDA) == 0
 
 
 def test_primary_prefers_device_clock():

@@ -5,8 +5,9 @@
 #   .runtime  python tools/fetch_runtime.py (libcute_dsl_runtime.so.xz)
 #   .peers    tokamax + deps for the step benchmark (optional; without it the benchmark reports tokamax unavailable)
 #   .out/kgpu tools/gpu/build_artifacts.py (optional: step b runs only where its manifest is present)
-# Use:  OUT=... bash tools/gpu/run_all.sh [tests kgpu sanitize ep bench]      (default: all five, in this order)
-# Expected (H200, warm caches not assumed): tests ~4 min, kgpu ~2 min, sanitize ~2 min, ep ~1 min, bench ~5 min.
+# Use:  OUT=... bash tools/gpu/run_all.sh [tests kgpu sanitize ep bench bench_ep]   (default: all six, in this order)
+# Expected (H200, warm caches not assumed): tests ~4 min, kgpu ~2 min, sanitize ~2 min, ep ~1 min, bench ~5 min,
+# bench_ep ~2 min (estimate: not yet run on a GPU).
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_all_out}; mkdir -p "$OUT"
 if compgen -G ".peers/wheels/*.whl" > /dev/null; then   # tokamax for the benchmark's peer row (no registry here)
@@ -14,7 +15,7 @@ if compgen -G ".peers/wheels/*.whl" > /dev/null; then   # tokamax for the benchm
   export PYTHONPATH=/tmp/peers_site:$PWD/.peers/stub:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-steps=${*:-tests kgpu sanitize ep bench}
+steps=${*:-tests kgpu sanitize ep bench bench_ep}
 nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 [ -f .bundle/manifest.json ] && echo "bundle: $(grep -c '"file"' .bundle/manifest.json) module(s)" || echo "NO .bundle"
@@ -56,6 +57,14 @@ for s in $steps; do
       echo "== bench_moe_step rc=$?"; grep -vE "^\s*$" "$OUT/step.log" | grep -vE "Warning|Autotuning" | cut -c1-250 | tail -30
       timeout -s KILL ${OPS_TIMEOUT:-180} python3 benchmarks/bench_moe_ops.py --shape fc > "$OUT/ops.log" 2>&1
       echo "== bench_moe_ops rc=$?"; grep -vE "^\s*$" "$OUT/ops.log" | grep -vE "Warning" | cut -c1-250 | tail -12 ;;
-    *) echo "unknown step $s (tests kgpu sanitize ep bench)" ;;
+    bench_ep)  # EP weak scaling, device-timed: 1 GPU, and 1 vs 2 where two are visible (NCCL env left as set)
+      ngpu=$(python3 -c "import jax; print(jax.device_count())" 2>/dev/null | tail -1); ngpu=${ngpu:-1}
+      devs=1; [ "$ngpu" -ge 2 ] && devs=1,2
+      timeout -s KILL ${EP_BENCH_TIMEOUT:-300} python3 benchmarks/bench_ep.py --devices $devs --out "$OUT" \
+        > "$OUT/bench_ep.log" 2>&1
+      rc=$?; grep -q "no GPU kernel" "$OUT/bench_ep.log" && rc="$rc FALLBACK to the reference"
+      echo "== bench_ep --devices $devs rc=$rc"; grep -E "^(backend|JAX timed|\|)|^WARNING|no GPU kernel|Error" \
+        "$OUT/bench_ep.log" | cut -c1-300 | tail -12 ;;
+    *) echo "unknown step $s (tests kgpu sanitize ep bench bench_ep)" ;;
   esac
 done
