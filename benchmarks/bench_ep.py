@@ -36,8 +36,10 @@ and the 1-device moe_layer step at the default shape (`python -m cudnn_moe_jax.a
 problems are the same (L/d = 8 local experts, H, I, dtypes; only m, the received-buffer rows, differs, and a
 module is compiled for a symbolic m). This was checked on the CPU machine by lowering the 2-device step for CUDA
 on 2 virtual CPU devices (`two_device_items`) against a bundle built from `bundle_items` only, with compiling
-disabled (tools/gpu/check_bundle.py: no fallback), and tests/test_bench_ep.py asserts that both lowerings ask for
-the same kernel problems up to m.
+disabled (tools/gpu/check_bundle.py: no fallback; with an empty bundle the same check lists all six misses), and
+by recording the modules each lowering asks for: the 2-device EP step, the 1-device EP step and the moe_layer
+step ask for the same six (op, fingerprint, avals key) at the default shape (by hand) and, in tests/test_bench_ep.py,
+at a small shape of the same structure.
 """
 
 from __future__ import annotations
