@@ -1,14 +1,17 @@
 """Backward epilogue of the sm90 grouped GEMM (dglu: dswiglu / dgeglu, dsrelu): the FC2 dgrad accumulator fused
 with the activation derivative on the saved forward pre-activation C.
 
-Per tile (128 rows x tile_n accumulator columns) and 32-column step s (one accumulator subtile = one GLU block):
+Per tile (128 rows x tile_n accumulator columns) and 32-column step s (one accumulator subtile = one GLU block), as
+hooks (`dgrad_hooks`) of the driver `run_epilogue` (epilogue.py), which owns the step loop and the store sequence:
   begin   prob of the tile's rows -> smem; the C subtiles of steps 0 and 1 are already on their way (TMA, issued by
           `prefetch_c` before the mainloop) into two load buffers, one mbarrier each;
-  visit   wait for step s's C subtile(s) (dsrelu: 1; dglu: gate block 2b and up block 2b + 1), compute per value
-          dD = alpha * acc, x = beta * C, D_row = dC (dglu: the gate and the up subtile), the row partial of dprob
-          (dD * act(x), summed per thread over the tile) and the column partials of dbias (a warp's 16 rows by
-          shuffles, then the 8 warps in fixed order through smem); registers -> smem -> TMA store; once every
-          thread has read the load buffer, the store warp refills it with step s + 2's C;
+  visit   wait for step s's C subtile(s) (`_wait_c`; dsrelu: 1; dglu: gate block 2b and up block 2b + 1), compute
+          per value dD = alpha * acc, x = beta * C, D_row = dC (dglu: the gate and the up subtile), the row partial
+          of dprob (dD * act(x), summed per thread over the tile) and the column partials of dbias (a warp's 16 rows
+          by shuffles -> smem);
+  refill  after the step's first barrier every thread has read the load buffer: the store warp refills it with
+          step s + 2's C (`_refill_c`); finish / writes / stores: FP8 column quantization, the D_row (D_col)
+          subtiles -> smem -> TMA store; after_store: the 8 warps' dbias partials summed in fixed order -> global;
   end     per row: a quad of lanes holds the row's columns: dprob partial of (row, N tile) = fixed-order shuffle
           sum, stored to `dprob_parts (n_parts, m)`; amax per group by `atomicMax` on |x| bits (exact).
 The lowering sums the partials in a fixed order (operands.finish_dgrad_outputs): no float atomics, so every output
@@ -19,12 +22,14 @@ A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py), traced inside the consumer 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .. import quantize as q8
-from ..epilogue import abs_bits, warp_max_i32
+from .epilogue import EpilogueHooks, fold_amax, fold_row_sum, merge_amax, store_row_partials
 from .epilogue_fp8d import EPI_N
 
 C_LOAD_BUFFERS = 2  # C subtiles in flight: step s + 2 is loaded while steps s and s + 1 compute
@@ -53,12 +58,34 @@ class DgradEpilogue:
                       tma_bar_ptr=cin_bars + buf)
 
     @cute.jit
-    def dgrad_epilogue(
+    def _wait_c(self, step: cutlass.Constexpr, cin_bars):
+        """Visit of step s: wait for its C subtile(s) in load buffer s % 2 (each buffer's phase flips per use;
+        the phases repeat per tile because epi_steps % 4 == 0)."""
+        cute.arch.mbarrier_wait(cin_bars + step % C_LOAD_BUFFERS, (step // C_LOAD_BUFFERS) % 2)
+
+    @cute.jit
+    def _refill_c(self, step: cutlass.Constexpr, st):
+        """After step s's first barrier every thread has read load buffer s % 2: the store warp refills it with
+        step s + 2's C."""
+        if const_expr(step + C_LOAD_BUFFERS < self.epi_steps):
+            if st.is_store_warp:
+                self._load_c_step(st.tma_atom_cin, st.bSG_sCin, st.bSG_gCin, st.cin_bars, st.m_tile, st.n_tile,
+                                  step + C_LOAD_BUFFERS)
+
+    def dgrad_hooks(self) -> EpilogueHooks:
+        return EpilogueHooks(begin=self._dgrad_begin, visit=self._dgrad_visit, writes=self._dgrad_writes,
+                             stores=self._dgrad_stores, end=self._dgrad_end, blocks=self.d_per_step,
+                             refill=self._refill_c, finish=self._dgrad_finish, after_store=self._dgrad_after_store)
+
+    @cute.jit
+    def _dgrad_begin(
         self, tRS_rAcc, tRS_cD, frag_size: cutlass.Constexpr, alpha, beta, prob_v, sProb, is_compute, ctid,
         r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
         sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
-        store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sZero,
+        epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sZero,
     ):
+        """The tile's set-up: per-tile thread coordinates, prob staged in smem, the reductions' zeros and the
+        step fragments (the C loads of steps 0 and 1 were issued before the mainloop by `prefetch_c`)."""
         rec = self.recipe
         bSG_gDcol, _, sColMax, _, _, norm_const, _, _ = fp8
         zero_addr = None
@@ -94,114 +121,128 @@ class DgradEpilogue:
         if const_expr(self.quant_d):
             rVal = [cute.make_rmem_tensor(tRS_cD.shape, Float32) for _ in range(self.d_per_step)]
             rDcol = [cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype) for _ in range(self.d_per_step)]
-        for step in cutlass.range_constexpr(self.epi_steps):
-            lb = step % C_LOAD_BUFFERS
-            cute.arch.mbarrier_wait(cin_bars + lb, (step // C_LOAD_BUFFERS) % 2)
-            col_sum = [[Float32(0.0)] * 8 for _ in range(self.d_per_step)]
-            if const_expr(self.quant_d):
-                # FP8 D: every per-thread address of the step (C loads, D / D_col smem stores, SF bytes, column
-                # maxima and sums) derived from a fresh thread index. ptxas otherwise computes them once (it sees
-                # through `opaque`) and holds them from one use to the next -- the 8-bit stores alone need 8
-                # swizzled addresses per buffer, 4 * d_per_step buffers -- and spills next to the accumulators
-                ctid_s = q8.fresh(ctid, zero_addr)
-                warp_e = ctid_s // 32
-                lane = ctid_s % 32
-                tRS_sCin = cin_copy.get_slice(ctid_s).partition_D(sCin)
-                tRS_sD = r2s_d.get_slice(ctid_s).partition_D(sD)
-            for j in cutlass.range_constexpr(self.d_per_step):
-                cute.autovec_copy(tRS_sCin[(None, None, None, lb * self.d_per_step + j)], rC[j])
-            # ---- visit: derivative per value
-            for i in cutlass.range_constexpr(frag_size):
-                row = tRS_cD[i][0]
-                prob = Float32(1.0)
-                if const_expr(rec.has_prob):
-                    prob = sProb[row]
-                dd = alpha * tRS_rAcc[step * frag_size + i]
-                value = Float32(0.0)
-                vals = []
-                if const_expr(rec.is_glu):
-                    x_g = beta * rC[0][i].to(Float32)
-                    x_u = beta * rC[1][i].to(Float32)
-                    value, d_gate, d_up = rec.dglu(x_g, x_u)
-                    if const_expr(rec.glu_alpha is not None):
-                        dd = dd * Float32(rec.glu_alpha)
-                    scale = dd * prob
-                    vals = [scale * d_gate, scale * d_up]
-                else:
-                    x = beta * rC[0][i].to(Float32)
-                    value, dvalue = rec.dsrelu(x)
-                    vals = [dd * prob * dvalue]
-                for j in cutlass.range_constexpr(self.d_per_step):
-                    if const_expr(self.quant_d):
-                        rVal[j][i] = vals[j]
-                    else:
-                        rD[j][i] = vals[j].to(self.d_dtype)
-                        self._amax_dbias(vals[j], i, amax_bits, col_sum[j], j)
-                row_sum[q8.row_of(i)] = row_sum[q8.row_of(i)] + dd * value
-            codes = [None] * self.d_per_step
+        return SimpleNamespace(
+            tRS_rAcc=tRS_rAcc, tRS_cD=tRS_cD, frag_size=frag_size, alpha=alpha, beta=beta, sProb=sProb,
+            is_compute=is_compute, ctid=ctid, r2s_d=r2s_d, tRS_sD=tRS_sD, bSG_sD=bSG_sD, bSG_gD=bSG_gD,
+            tma_atom_d=tma_atom_d, sCin=sCin, cin_copy=cin_copy, cin_bars=cin_bars, tma_atom_cin=tma_atom_cin,
+            bSG_sCin=bSG_sCin, bSG_gCin=bSG_gCin, sColSum=sColSum, mDprobParts=mDprobParts,
+            mDbiasParts=mDbiasParts, is_store_warp=is_store_warp, m_tile=m_tile, n_tile=n_tile, g=g, mAmax=mAmax,
+            fp8=fp8, tma_atom_dcol=tma_atom_dcol, sD=sD, bSG_gDcol=bSG_gDcol, sColMax=sColMax,
+            norm_const=norm_const, zero_addr=zero_addr, tRS_sCin=tRS_sCin, rC=rC, warp_e=warp_e, lane=lane, r0=r0,
+            row_sum=row_sum, amax_bits=amax_bits, rD=rD, rVal=rVal, rDcol=rDcol,
+        )
+
+    @cute.jit
+    def _dgrad_visit(self, step: cutlass.Constexpr, st):
+        """Wait for the step's C, the derivative per value -> D_row fragments (FP8: fp32 values, then
+        row-quantized), folding amax, the dprob row sums and the dbias column sums; the dbias column partials of
+        the warp -> smem. Returns the row codes (FP8 D) for `_dgrad_finish`."""
+        rec = self.recipe
+        frag_size = st.frag_size
+        tRS_cD, rC, rD, rVal = st.tRS_cD, st.rC, st.rD, st.rVal
+        lb = step % C_LOAD_BUFFERS
+        self._wait_c(step, st.cin_bars)
+        col_sum = [[Float32(0.0)] * 8 for _ in range(self.d_per_step)]
+        if const_expr(self.quant_d):
+            # FP8 D: every per-thread address of the step (C loads, D / D_col smem stores, SF bytes, column
+            # maxima and sums) derived from a fresh thread index. ptxas otherwise computes them once (it sees
+            # through `opaque`) and holds them from one use to the next -- the 8-bit stores alone need 8
+            # swizzled addresses per buffer, 4 * d_per_step buffers -- and spills next to the accumulators.
+            # The end of the tile uses the last step's lane.
+            ctid_s = q8.fresh(st.ctid, st.zero_addr)
+            st.warp_e = ctid_s // 32
+            st.lane = ctid_s % 32
+            st.tRS_sCin = st.cin_copy.get_slice(ctid_s).partition_D(st.sCin)
+            st.tRS_sD = st.r2s_d.get_slice(ctid_s).partition_D(st.sD)
+        for j in cutlass.range_constexpr(self.d_per_step):
+            cute.autovec_copy(st.tRS_sCin[(None, None, None, lb * self.d_per_step + j)], rC[j])
+        # ---- derivative per value
+        for i in cutlass.range_constexpr(frag_size):
+            row = tRS_cD[i][0]
+            prob = Float32(1.0)
+            if const_expr(rec.has_prob):
+                prob = st.sProb[row]
+            dd = st.alpha * st.tRS_rAcc[step * frag_size + i]
+            value = Float32(0.0)
+            vals = []
+            if const_expr(rec.is_glu):
+                x_g = st.beta * rC[0][i].to(Float32)
+                x_u = st.beta * rC[1][i].to(Float32)
+                value, d_gate, d_up = rec.dglu(x_g, x_u)
+                if const_expr(rec.glu_alpha is not None):
+                    dd = dd * Float32(rec.glu_alpha)
+                scale = dd * prob
+                vals = [scale * d_gate, scale * d_up]
+            else:
+                x = st.beta * rC[0][i].to(Float32)
+                value, dvalue = rec.dsrelu(x)
+                vals = [dd * prob * dvalue]
             for j in cutlass.range_constexpr(self.d_per_step):
                 if const_expr(self.quant_d):
-                    # amax and the dbias partials from the held fp32 values (the same sums in the same order as
-                    # above), after the visit: no column sums live next to the fragments while they are filled
-                    for i in cutlass.range_constexpr(frag_size):
-                        self._amax_dbias(rVal[j][i], i, amax_bits, col_sum[j], j)
-                    # D_row per row of the subtile (= one 32-column block), column maxima
-                    codes[j] = self._quantize_d_rows(rVal[j], rD[j], sColMax[(None, None, j)], warp_e, lane,
-                                                     norm_const)
-                if not is_compute:  # rows past valid_m: zeros (amax and dprob are not stored for them)
-                    rD[j].fill(0.0)
-                if const_expr(rec.has_dbias):
-                    self._column_partials(col_sum[j], is_compute, sColSum, lb, j, warp_e, lane)
-            # ---- registers -> smem once the TMA store `epi_stages` steps back has read the buffer
-            buf = step % self.epi_stages
-            if is_store_warp:
-                store_pipeline.producer_acquire()
-            epi_barrier.arrive_and_wait()
-            if const_expr(step + C_LOAD_BUFFERS < self.epi_steps):
-                if is_store_warp:  # every thread has read load buffer lb: refill it
-                    self._load_c_step(tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, m_tile, n_tile,
-                                      step + C_LOAD_BUFFERS)
-            for j in cutlass.range_constexpr(self.d_per_step):
-                if const_expr(self.quant_d):  # D_col per 32-row block (this warp and its partner), SF bytes
-                    self._quantize_d_cols(rVal[j], rDcol[j], sColMax[(None, None, j)], codes[j][0], codes[j][1],
-                                          is_compute, fp8, m_tile, n_tile, step, g, warp_e, lane, j)
-                    cute.copy(r2s_d, rDcol[j], tRS_sD[(None, None, None, self._dcol_buffer(buf, j))])
-                cute.copy(r2s_d, rD[j], tRS_sD[(None, None, None, buf * self.d_per_step + j)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_barrier.arrive_and_wait()
-            if is_store_warp:
-                for j in cutlass.range_constexpr(self.d_per_step):
-                    col = (n_tile * self.epi_steps + step) * self.d_per_step + j
-                    cute.copy(tma_atom_d, bSG_sD[(None, buf * self.d_per_step + j)], bSG_gD[(None, (m_tile, col))])
-                    if const_expr(self.quant_d):
-                        cute.copy(tma_atom_dcol, bSG_sD[(None, self._dcol_buffer(buf, j))],
-                                  bSG_gDcol[(None, (m_tile, col))])
-                store_pipeline.producer_commit()
+                    rVal[j][i] = vals[j]
+                else:
+                    rD[j][i] = vals[j].to(self.d_dtype)
+                    self._amax_dbias(vals[j], i, st.amax_bits, col_sum[j], j)
+            fold_row_sum(st.row_sum, i, dd * value)
+        codes = [None] * self.d_per_step
+        for j in cutlass.range_constexpr(self.d_per_step):
+            if const_expr(self.quant_d):
+                # amax and the dbias partials from the held fp32 values (the same sums in the same order as
+                # above), after the visit: no column sums live next to the fragments while they are filled
+                for i in cutlass.range_constexpr(frag_size):
+                    self._amax_dbias(rVal[j][i], i, st.amax_bits, col_sum[j], j)
+                # D_row per row of the subtile (= one 32-column block), column maxima
+                codes[j] = self._quantize_d_rows(rVal[j], rD[j], st.sColMax[(None, None, j)], st.warp_e, st.lane,
+                                                 st.norm_const)
+            if not st.is_compute:  # rows past valid_m: zeros (amax and dprob are not stored for them)
+                rD[j].fill(0.0)
             if const_expr(rec.has_dbias):
-                self._store_column_partials(sColSum, lb, mDbiasParts, m_tile, n_tile, step, ctid)
+                self._column_partials(col_sum[j], st.is_compute, st.sColSum, lb, j, st.warp_e, st.lane)
+        return codes
 
-        # ---- end: dprob partials of the thread's rows (quad sum, fixed order), amax
-        for h in cutlass.range_constexpr(2):
-            s = row_sum[h]
-            if not is_compute:
-                s = Float32(0.0)
-            s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
-            s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
-            if lane % 4 == 0:
-                mDprobParts[n_tile, m_tile * self.tile_m + r0 + 8 * h] = s
-        if const_expr(rec.compute_amax):
+    @cute.jit
+    def _dgrad_finish(self, step: cutlass.Constexpr, j: cutlass.Constexpr, st, codes):
+        """FP8 D, after the first barrier: D_col of subtile j per 32-row block (this warp and its partner), SF
+        bytes."""
+        if const_expr(self.quant_d):
+            self._quantize_d_cols(st.rVal[j], st.rDcol[j], st.sColMax[(None, None, j)], codes[j][0], codes[j][1],
+                                  st.is_compute, st.fp8, st.m_tile, st.n_tile, step, st.g, st.warp_e, st.lane, j)
+
+    def _dgrad_writes(self, step: int, buf: int, j: int, st, codes):
+        """(copy, fragment, smem buffer) of subtile j: [D_col,] D_row."""
+        if self.quant_d:
+            yield st.r2s_d, st.rDcol[j], st.tRS_sD[(None, None, None, self._dcol_buffer(buf, j))]
+        yield st.r2s_d, st.rD[j], st.tRS_sD[(None, None, None, buf * self.d_per_step + j)]
+
+    def _dgrad_stores(self, step: int, buf: int, st):
+        """(TMA atom, smem buffer, global tile) of the step's subtiles: per subtile D_row[, D_col]."""
+        for j in range(self.d_per_step):
+            col = (st.n_tile * self.epi_steps + step) * self.d_per_step + j
+            yield st.tma_atom_d, st.bSG_sD[(None, buf * self.d_per_step + j)], st.bSG_gD[(None, (st.m_tile, col))]
+            if self.quant_d:
+                yield (st.tma_atom_dcol, st.bSG_sD[(None, self._dcol_buffer(buf, j))],
+                       st.bSG_gDcol[(None, (st.m_tile, col))])
+
+    @cute.jit
+    def _dgrad_after_store(self, step: cutlass.Constexpr, st):
+        if const_expr(self.recipe.has_dbias):
+            self._store_column_partials(st.sColSum, step % C_LOAD_BUFFERS, st.mDbiasParts, st.m_tile, st.n_tile,
+                                        step, st.ctid)
+
+    @cute.jit
+    def _dgrad_end(self, st):
+        """dprob partials of the thread's rows (quad sum, fixed order), amax per subtile kind (dglu: gate, up)."""
+        store_row_partials(st.row_sum, st.is_compute, st.lane, st.r0, st.mDprobParts, st.m_tile, st.n_tile,
+                           self.tile_m)
+        if const_expr(self.recipe.compute_amax):
             for j in cutlass.range_constexpr(self.d_per_step):
-                bits = warp_max_i32(amax_bits[j])
-                if is_compute:
-                    if lane == 0:
-                        ptr = cute.recast_ptr(mAmax.iterator + g * self.d_per_step + j, dtype=Int32)
-                        cute.arch.atomic_max(ptr, bits)
+                merge_amax(st.amax_bits[j], st.mAmax, st.g, st.is_compute, st.lane, j, self.d_per_step)
 
     @cute.jit
     def _amax_dbias(self, v, i: cutlass.Constexpr, amax_bits, col_sum, j: cutlass.Constexpr):
         """Fold output value v (flat fragment index i, subtile j) into amax (its |v| bits) and the column sums."""
         if const_expr(self.recipe.compute_amax):
-            amax_bits[j] = cutlass.max(amax_bits[j], abs_bits(v))
+            amax_bits[j] = fold_amax(amax_bits[j], v)
         if const_expr(self.recipe.has_dbias):
             col_sum[q8.col_slot(i)] = col_sum[q8.col_slot(i)] + v
 

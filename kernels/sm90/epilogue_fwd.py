@@ -1,6 +1,11 @@
 """Forward epilogue of the sm90 grouped GEMM (quant / srelu / glu): per 32-column step, fused math on the
 accumulator -> C / D subtiles (FP8 D: row/column quantization, SFD bytes) -> swizzled smem -> TMA store.
 
+The epilogue is a set of hooks (`forward_hooks`) run by the per-tile driver `run_epilogue` (epilogue.py), which owns
+the step loop, the barriers and the store sequence: `_fwd_begin` stages prob / alpha / bias, `_fwd_visit` computes
+a step's C / D fragments, `_fwd_finish` the FP8 column quantization between the barriers, `_fwd_writes` /
+`_fwd_stores` list the subtiles' smem buffers and global tiles, `_fwd_end` merges amax.
+
 A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): it reads the kernel's static attributes (tile shape, recipe,
 output dtypes) and is traced inside the consumer warpgroups' tile loop. The K-grouped wgrad stores W through it
 (D = alpha * acc), with accumulate_on_output adding the old W first (`_load_old_w`).
@@ -8,13 +13,15 @@ output dtypes) and is traced inside the consumer warpgroups' tile loop. The K-gr
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 
 from .. import quantize as q8
-from ..epilogue import abs_bits, warp_max_i32
+from .epilogue import EpilogueHooks, fold_amax, merge_amax
 from .epilogue_fp8d import EPI_N  # epilogue subtile width = one GLU block
 
 
@@ -29,19 +36,24 @@ def add_rn(a: Float32, b: Float32) -> Float32:
 
 
 class ForwardEpilogue:
+    """The forward epilogue as hooks of `run_epilogue` (epilogue.py): per step, one D subtile (and its one or two
+    C subtiles). FP8 D (`quant_d`): D row-quantized per 32 columns (the subtile), D_col per 32 rows (two warps'
+    halves combined through smem), SFD_row / SFD_col e8m0 bytes stored from registers (epilogue_fp8d)."""
+
+    def forward_hooks(self) -> EpilogueHooks:
+        return EpilogueHooks(begin=self._fwd_begin, visit=self._fwd_visit, finish=self._fwd_finish,
+                             writes=self._fwd_writes, stores=self._fwd_stores, end=self._fwd_end)
+
     @cute.jit
-    def epilogue(
+    def _fwd_begin(
         self, acc, tRS_rAcc, tRS_cD, frag_size: cutlass.Constexpr, alpha, prob_v, bias_v, sProb, sBias, sScalars,
         is_compute, ctid,
         r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
         r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
-        store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC,
-        old_w=None,
+        epi_barrier, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC, old_w=None,
     ):
-        """Fused epilogue of one tile: per step, one D subtile (and its one or two C subtiles).
-
-        FP8 D (`quant_d`): D row-quantized per 32 columns (the subtile), D_col per 32 rows (two warps' halves
-        combined through smem), SFD_row / SFD_col e8m0 bytes stored from registers (epilogue_fp8d)."""
+        """The tile's set-up: prob / alpha / bias staged in smem, per-tile thread coordinates, the old W's first
+        step (accumulate_on_output), the amax accumulator."""
         recipe = self.recipe
         bSG_gDcol, tRS_rDcol, sColMax, _, _, norm_const, _, _ = fp8
         # thread coordinates re-derived per tile from an opaque copy: otherwise every address computed from them is
@@ -84,102 +96,112 @@ class ForwardEpilogue:
 
         amax_bits = Int32(0)
         rVal = cute.make_rmem_tensor(tRS_cD.shape, Float32)
-        for step in cutlass.range_constexpr(self.epi_steps):
-            s0 = step * self.c_per_step
-            if const_expr(self.accumulate and step + 1 < self.epi_steps):
-                self._load_old_w(old_w[0], thr_w, tWcW, rOld[(step + 1) % 2], m_tile, n_tile, step + 1)
-            alpha_s = alpha
-            if const_expr(self.config.epi_pin):
-                # re-read from smem: the step's math then depends on a load issued after the last barrier, so
-                # ptxas cannot hoist every step's math above the barriers (less register pressure, less overlap)
-                alpha_s = sScalars[0]
-            # ---- math (fp32), one element at a time
-            for i in cutlass.range_constexpr(frag_size):
-                col = tRS_cD[i][1]
-                prob = Float32(1.0)
-                if const_expr(recipe.has_prob):
-                    prob = sProb[tRS_cD[i][0]]
-                if const_expr(self.is_glu):
-                    bias_g = Float32(0.0)
-                    bias_u = Float32(0.0)
-                    if const_expr(recipe.has_bias):
-                        bias_g = sBias[s0 * EPI_N + col]
-                        bias_u = sBias[(s0 + 1) * EPI_N + col]
-                    cg = recipe.c_value(tRS_rAcc[s0 * frag_size + i], alpha_s, bias_g)
-                    cu = recipe.c_value(tRS_rAcc[(s0 + 1) * frag_size + i], alpha_s, bias_u)
-                    if const_expr(recipe.has_c):
-                        tRS_rC0[i] = cg.to(self.c_dtype)
-                        tRS_rC1[i] = cu.to(self.c_dtype)
-                    rVal[i] = recipe.d_glu(cg, cu, prob)
-                else:
-                    bias = Float32(0.0)
-                    if const_expr(recipe.has_bias):
-                        bias = sBias[s0 * EPI_N + col]
-                    acc_i = tRS_rAcc[s0 * frag_size + i]
-                    c = recipe.c_value(acc_i, alpha_s, bias)
-                    if const_expr(recipe.has_c):
-                        tRS_rC0[i] = c.to(self.c_dtype)
-                    rVal[i] = recipe.d_value(acc_i, c, alpha_s, prob, bias)
-                    if const_expr(self.accumulate):
-                        # flat index i is the same (row, col) in both fragments (same thread-value layout)
-                        rVal[i] = add_rn(rOld[step % 2][i].to(Float32), rVal[i])
-                if const_expr(recipe.compute_amax):
-                    amax_bits = cutlass.max(amax_bits, abs_bits(rVal[i]))
-            if const_expr(self.quant_d):
-                code_r0, code_r1 = self._quantize_d_rows(rVal, tRS_rD, sColMax, warp_e, lane, norm_const)
-            else:
-                tRS_rD.store(rVal.load().to(self.d_dtype))
-            if not is_compute:  # rows past valid_m: zeros
-                tRS_rD.fill(0.0)
-                if const_expr(recipe.has_c):
-                    tRS_rC0.fill(0.0)
-                    tRS_rC1.fill(0.0)
-            # ---- registers -> smem, once the TMA store `epi_stages` steps back has read this buffer. (Measured:
-            # one barrier per step with the store warp draining the previous store first was 8-13% slower.)
-            buf = step % self.epi_stages
-            if is_store_warp:
-                store_pipeline.producer_acquire()
-            epi_barrier.arrive_and_wait()
-            if const_expr(self.quant_d):
-                self._quantize_d_cols(rVal, tRS_rDcol, sColMax, code_r0, code_r1, is_compute, fp8, m_tile, n_tile,
-                                      step, g, warp_e, lane)
-                cute.copy(r2s_d, tRS_rDcol, tRS_sD[(None, None, None, self.epi_stages + buf)])
-            cute.copy(r2s_d, tRS_rD, tRS_sD[(None, None, None, buf)])
-            if const_expr(recipe.has_c):
-                cute.copy(r2s_c, tRS_rC0, tRS_sC[(None, None, None, buf * self.c_per_step)])
-                if const_expr(self.is_glu):
-                    cute.copy(r2s_c, tRS_rC1, tRS_sC[(None, None, None, buf * self.c_per_step + 1)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_barrier.arrive_and_wait()
-            # ---- smem -> global (TMA clips columns past N)
-            if is_store_warp:
-                subtiles_per_tile = self.tile_n // EPI_N
-                cute.copy(
-                    tma_atom_d,
-                    bSG_sD[(None, buf)],
-                    bSG_gD[(None, (m_tile, n_tile * (subtiles_per_tile // self.c_per_step) + step))],
-                )
-                if const_expr(self.quant_d):
-                    cute.copy(
-                        tma_atom_dcol,
-                        bSG_sD[(None, self.epi_stages + buf)],
-                        bSG_gDcol[(None, (m_tile, n_tile * (subtiles_per_tile // self.c_per_step) + step))],
-                    )
-                if const_expr(recipe.has_c):
-                    for j in cutlass.range_constexpr(self.c_per_step):
-                        cute.copy(
-                            tma_atom_c,
-                            bSG_sC[(None, buf * self.c_per_step + j)],
-                            bSG_gC[(None, (m_tile, n_tile * subtiles_per_tile + s0 + j))],
-                        )
-                store_pipeline.producer_commit()
+        return SimpleNamespace(
+            tRS_rAcc=tRS_rAcc, tRS_cD=tRS_cD, frag_size=frag_size, alpha=alpha, sProb=sProb, sBias=sBias,
+            sScalars=sScalars, is_compute=is_compute, r2s_d=r2s_d, tRS_rD=tRS_rD, tRS_sD=tRS_sD, bSG_sD=bSG_sD,
+            bSG_gD=bSG_gD, tma_atom_d=tma_atom_d, r2s_c=r2s_c, tRS_rC0=tRS_rC0, tRS_rC1=tRS_rC1, tRS_sC=tRS_sC,
+            bSG_sC=bSG_sC, bSG_gC=bSG_gC, tma_atom_c=tma_atom_c, m_tile=m_tile, n_tile=n_tile, g=g, mAmax=mAmax,
+            fp8=fp8, bSG_gDcol=bSG_gDcol, tRS_rDcol=tRS_rDcol, sColMax=sColMax, norm_const=norm_const,
+            tma_atom_dcol=tma_atom_dcol, warp_e=warp_e, lane=lane, old_w=old_w, thr_w=thr_w, tWcW=tWcW, rOld=rOld,
+            amax_bits=amax_bits, rVal=rVal,
+        )
 
-        if const_expr(recipe.compute_amax):
-            amax_bits = warp_max_i32(amax_bits)
-            if is_compute:
-                if cute.arch.lane_idx() == 0:
-                    ptr = cute.recast_ptr(mAmax.iterator + g, dtype=Int32)
-                    cute.arch.atomic_max(ptr, amax_bits)
+    @cute.jit
+    def _fwd_visit(self, step: cutlass.Constexpr, st):
+        """The step's math (fp32, one element at a time) -> rVal, C fragments, D (FP8: row-quantized, the warp's
+        column maxima to smem); zero tiles: zeros. Returns the row codes (FP8 D) for `_fwd_finish`."""
+        recipe = self.recipe
+        frag_size = st.frag_size
+        tRS_cD, tRS_rAcc, rVal = st.tRS_cD, st.tRS_rAcc, st.rVal
+        s0 = step * self.c_per_step
+        if const_expr(self.accumulate and step + 1 < self.epi_steps):
+            self._load_old_w(st.old_w[0], st.thr_w, st.tWcW, st.rOld[(step + 1) % 2], st.m_tile, st.n_tile, step + 1)
+        alpha_s = st.alpha
+        if const_expr(self.config.epi_pin):
+            # re-read from smem: the step's math then depends on a load issued after the last barrier, so
+            # ptxas cannot hoist every step's math above the barriers (less register pressure, less overlap)
+            alpha_s = st.sScalars[0]
+        for i in cutlass.range_constexpr(frag_size):
+            col = tRS_cD[i][1]
+            prob = Float32(1.0)
+            if const_expr(recipe.has_prob):
+                prob = st.sProb[tRS_cD[i][0]]
+            if const_expr(self.is_glu):
+                bias_g = Float32(0.0)
+                bias_u = Float32(0.0)
+                if const_expr(recipe.has_bias):
+                    bias_g = st.sBias[s0 * EPI_N + col]
+                    bias_u = st.sBias[(s0 + 1) * EPI_N + col]
+                cg = recipe.c_value(tRS_rAcc[s0 * frag_size + i], alpha_s, bias_g)
+                cu = recipe.c_value(tRS_rAcc[(s0 + 1) * frag_size + i], alpha_s, bias_u)
+                if const_expr(recipe.has_c):
+                    st.tRS_rC0[i] = cg.to(self.c_dtype)
+                    st.tRS_rC1[i] = cu.to(self.c_dtype)
+                rVal[i] = recipe.d_glu(cg, cu, prob)
+            else:
+                bias = Float32(0.0)
+                if const_expr(recipe.has_bias):
+                    bias = st.sBias[s0 * EPI_N + col]
+                acc_i = tRS_rAcc[s0 * frag_size + i]
+                c = recipe.c_value(acc_i, alpha_s, bias)
+                if const_expr(recipe.has_c):
+                    st.tRS_rC0[i] = c.to(self.c_dtype)
+                rVal[i] = recipe.d_value(acc_i, c, alpha_s, prob, bias)
+                if const_expr(self.accumulate):
+                    # flat index i is the same (row, col) in both fragments (same thread-value layout)
+                    rVal[i] = add_rn(st.rOld[step % 2][i].to(Float32), rVal[i])
+            if const_expr(recipe.compute_amax):
+                st.amax_bits = fold_amax(st.amax_bits, rVal[i])
+        # plain names inside the dynamic `if`: a method called on `st` there would carry all of st through it
+        tRS_rD, tRS_rC0, tRS_rC1 = st.tRS_rD, st.tRS_rC0, st.tRS_rC1
+        codes = None
+        if const_expr(self.quant_d):
+            codes = self._quantize_d_rows(rVal, tRS_rD, st.sColMax, st.warp_e, st.lane, st.norm_const)
+        else:
+            tRS_rD.store(rVal.load().to(self.d_dtype))
+        if not st.is_compute:  # rows past valid_m: zeros
+            tRS_rD.fill(0.0)
+            if const_expr(recipe.has_c):
+                tRS_rC0.fill(0.0)
+                tRS_rC1.fill(0.0)
+        return codes
+
+    @cute.jit
+    def _fwd_finish(self, step: cutlass.Constexpr, j: cutlass.Constexpr, st, codes):
+        """FP8 D, after the step's first barrier: D_col and the SF bytes (the partner warp's maxima are in smem)."""
+        if const_expr(self.quant_d):
+            self._quantize_d_cols(st.rVal, st.tRS_rDcol, st.sColMax, codes[0], codes[1], st.is_compute, st.fp8,
+                                  st.m_tile, st.n_tile, step, st.g, st.warp_e, st.lane)
+
+    def _fwd_writes(self, step: int, buf: int, j: int, st, codes):
+        """(copy, fragment, smem buffer) of the step's subtiles: [D_col,] D, [C (GLU: gate, up)]."""
+        if self.quant_d:
+            yield st.r2s_d, st.tRS_rDcol, st.tRS_sD[(None, None, None, self.epi_stages + buf)]
+        yield st.r2s_d, st.tRS_rD, st.tRS_sD[(None, None, None, buf)]
+        if self.recipe.has_c:
+            yield st.r2s_c, st.tRS_rC0, st.tRS_sC[(None, None, None, buf * self.c_per_step)]
+            if self.is_glu:
+                yield st.r2s_c, st.tRS_rC1, st.tRS_sC[(None, None, None, buf * self.c_per_step + 1)]
+
+    def _fwd_stores(self, step: int, buf: int, st):
+        """(TMA atom, smem buffer, global tile) of the step's subtiles: D, [D_col], [C]."""
+        subtiles_per_tile = self.tile_n // EPI_N
+        s0 = step * self.c_per_step
+        m_tile, n_tile = st.m_tile, st.n_tile
+        yield (st.tma_atom_d, st.bSG_sD[(None, buf)],
+               st.bSG_gD[(None, (m_tile, n_tile * (subtiles_per_tile // self.c_per_step) + step))])
+        if self.quant_d:
+            yield (st.tma_atom_dcol, st.bSG_sD[(None, self.epi_stages + buf)],
+                   st.bSG_gDcol[(None, (m_tile, n_tile * (subtiles_per_tile // self.c_per_step) + step))])
+        if self.recipe.has_c:
+            for j in range(self.c_per_step):
+                yield (st.tma_atom_c, st.bSG_sC[(None, buf * self.c_per_step + j)],
+                       st.bSG_gC[(None, (m_tile, n_tile * subtiles_per_tile + s0 + j))])
+
+    @cute.jit
+    def _fwd_end(self, st):
+        if const_expr(self.recipe.compute_amax):
+            merge_amax(st.amax_bits, st.mAmax, st.g, st.is_compute)
 
     @cute.jit
     def _load_old_w(self, mW, thr_w, tWcW, rOld, m_tile, n_tile, step: cutlass.Constexpr):

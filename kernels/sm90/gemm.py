@@ -6,8 +6,9 @@ Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; 
   warpgroup 0, warps 1-3 `stage_worker`s of the mainloop: MXFP8 scale decoders (e8m0 bytes of each stage -> bf16
                         scale operands, mainloop_mxfp8), the wgrad token masker (warp 1);
   warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n; MXFP8: per 32-K block
-                        a data and a scale-product wgmma, folded with one FFMA per element), then `epilogue`:
-                        fused math per 32-column subtile -> swizzled smem -> TMA store (the first consumer warp
+                        a data and a scale-product wgmma, folded with one FFMA per element), then the epilogue
+                        (`run_epilogue`, sm90/epilogue.py, with the forward or backward hooks): fused math per
+                        32-column subtile -> swizzled smem -> TMA store (the first consumer warp
                         issues the stores; `epi_stages` buffers keep stores in flight under the next subtile).
                         FP8 D: row/column quantization of each subtile, e8m0 bytes stored from registers
                         (kernels/quantize.py); the SF outputs are zeroed by a small kernel launched first.
@@ -48,6 +49,7 @@ from ..epilogue import DgradRecipe, EpilogueRecipe
 from ..scheduler import GroupedTileScheduler, KGroupedTileScheduler
 from . import mainloop_mxfp8 as mx
 from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
+from .epilogue import EpilogueDriver
 from .epilogue_dgrad import C_LOAD_BUFFERS, EPI_WARPS, DgradEpilogue
 from .epilogue_fp8d import EPI_N, Fp8DOutput
 from .epilogue_fwd import ForwardEpilogue
@@ -72,7 +74,7 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
 
-class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, Fp8DOutput, KGroupedSchedule):
+class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput, KGroupedSchedule):
     """`acc[r, :] = A[r, :] @ B[g(r)]^T` for the rows of every group, with the problem's epilogue fused.
 
     MXFP8_MAINLOOP: the block-scaled mainloop class (a subclass may bring another: the lab's timing variants)."""
@@ -705,19 +707,16 @@ class GroupedGemmSm90(ForwardEpilogue, DgradEpilogue, Fp8DOutput, KGroupedSchedu
                 ab_pipeline, read_state, release_state, mma_operands, acc, k_count, dec_mbar
             )
             if const_expr(self.is_dgrad):
-                self.dgrad_epilogue(
-                    tRS_rAcc, tRS_cD, frag_size, alpha, beta, prob_v, sProb, is_compute, ctid,
-                    r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
-                    sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
-                    store_pipeline, epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sZero,
-                )
+                tile = (tRS_rAcc, tRS_cD, frag_size, alpha, beta, prob_v, sProb, is_compute, ctid,
+                        r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
+                        sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
+                        epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sZero)
+                self.run_epilogue(self.dgrad_hooks(), tile, store_pipeline, epi_barrier, is_store_warp)
             else:
-                self.epilogue(
-                    acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute,
-                    ctid, r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
-                    r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
-                    store_pipeline, epi_barrier, is_store_warp, out_m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD,
-                    sC, old_w,
-                )
+                tile = (acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute,
+                        ctid, r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
+                        r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
+                        epi_barrier, out_m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC, old_w)
+                self.run_epilogue(self.forward_hooks(), tile, store_pipeline, epi_barrier, is_store_warp)
             t += stride
         store_pipeline.producer_tail()
