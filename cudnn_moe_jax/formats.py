@@ -315,9 +315,10 @@ def unpack_sf(buf, rows, n_kblocks, num_groups=1):
     """Physical scales (6-D or flat 1-D, uint8 or a float8 dtype) -> logical uint8 (L, rows, n_kblocks)."""
     rb_n, kb_n = cdiv(rows, 128), cdiv(n_kblocks, 4)
     buf = as_u8(buf)
-    if buf.size != num_groups * rb_n * kb_n * 512:
-        raise ValueError(f"unpack_sf: buffer has {buf.size} bytes, expected {num_groups * rb_n * kb_n * 512}"
-                         f" for rows={rows}, n_kblocks={n_kblocks}, num_groups={num_groups}")
+    if buf.size != num_groups * rb_n * kb_n * SF_ATOM_BYTES:
+        raise ValueError(f"unpack_sf: buffer has {buf.size} bytes, expected "
+                         f"{num_groups * rb_n * kb_n * SF_ATOM_BYTES} for rows={rows}, n_kblocks={n_kblocks}, "
+                         f"num_groups={num_groups}")
     s = buf.reshape(num_groups, rb_n, kb_n, 32, 4, 4).transpose(_SF_PERM)
     return s.reshape(num_groups, rb_n * 128, kb_n * 4)[:, :rows, :n_kblocks]
 
@@ -367,8 +368,8 @@ def pack_sf_segments(s, ends, vec):
     owner = last_nonempty[g_last]
     g = jnp.maximum(owner, 0)
     q = p - base[g]                                      # byte offset inside the owner's SF(R, T_g) block
-    atom_row = jnp.maximum(kb_n[g], 1) * 512             # bytes per 128-row block of the segment
-    rb, ka, w = q // atom_row, (q % atom_row) // 512, q % 512
+    atom_row = jnp.maximum(kb_n[g], 1) * SF_ATOM_BYTES   # bytes per 128-row block of the segment
+    rb, ka, w = q // atom_row, (q % atom_row) // SF_ATOM_BYTES, q % SF_ATOM_BYTES
     r = rb * 128 + ((w // 4) % 4) * 32 + w // 16        # inverse of sf_atom_byte
     j = ka * 4 + w % 4
     valid = (owner >= 0) & (rb < rb_n) & (r < rows) & (j < nkb[g])
