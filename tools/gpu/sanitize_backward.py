@@ -1,5 +1,6 @@
-"""A few small backward-kernel runs (dgrad: dswiglu with dbias + amax, dsrelu; wgrad: empty experts, uneven and
-unaligned token ranges) for compute-sanitizer (memcheck / racecheck); exit status 1 on a wrong result.
+"""A few small backward-kernel runs (dgrad: dswiglu with dbias + amax, dsrelu, FP8 D_row with SFD; wgrad: empty
+experts, uneven and unaligned token ranges, accumulate_on_output with global scales) for compute-sanitizer
+(memcheck / racecheck); exit status 1 on a wrong result.
 
     compute-sanitizer --tool memcheck --kernel-name kns=GroupedGemmSm90 python tools/gpu/sanitize_backward.py
 
@@ -21,19 +22,27 @@ else:  # imported by `aot build` from the checkout root
 
 _DGRAD = {c[0]: c for c in dgrad_cases.CASES}
 _WGRAD = {c[0]: c for c in wgrad_cases.CASES}
+_ACCUM = {c[0]: c for c in wgrad_cases.ACCUM_CASES}
 # (cases module, case name, offset pattern)
 CASES = [(dgrad_cases, "dswiglu_bias_amax", "empty_and_tail"),     # expert 1 empty, rows past valid_m
          (dgrad_cases, "dsrelu_bias_amax", "skewed"),              # 3/4 of the rows in one expert, two empty
+         (dgrad_cases, "dswiglu_e4m3_bias_amax", "unsanitized"),   # FP8 D_row + SFD bytes stored from registers
+         (dgrad_cases, "dsrelu_e5m2_segsfd_noprob", "empty_and_tail"),  # segmented SFD_col (per-expert offsets)
          (wgrad_cases, "c2_bf16_tokmajor", "empty_and_tail"),      # 2x1 clusters, token-major, 3 empty experts
          (wgrad_cases, "c1_bf16", "unaligned")]                    # ranges ending inside k-tiles, a 33-token one
-
+# accumulate_on_output: the epilogue reads the old W (plain global loads, columns past n_w masked)
+ACCUM = [("acc_c1_bf16_gs", "random", 1024)]
 
 def _case(module, name):
     return (_DGRAD if module is dgrad_cases else _WGRAD)[name]
 
 
 def bundle_items():
-    return [item for module, name, _ in CASES for item in module.bundle_items_for([_case(module, name)])]
+    from cudnn_moe_jax import aot
+
+    return ([item for module, name, _ in CASES for item in module.bundle_items_for([_case(module, name)])]
+            + aot.lowering_items([_ACCUM[name] for name, _, _ in ACCUM], wgrad_cases.accum_inputs,
+                                 wgrad_cases.accum_call))
 
 
 if __name__ == "__main__":
@@ -44,5 +53,9 @@ if __name__ == "__main__":
     for module, name, pattern in CASES:
         errs = module.run_case(_case(module, name), pattern)
         print(name, pattern, "OK" if not errs else errs, flush=True)
+        bad += bool(errs)
+    for name, old, tokens in ACCUM:
+        errs = wgrad_cases.run_accum_case(_ACCUM[name], old, tokens)
+        print(name, old, tokens, "OK" if not errs else errs, flush=True)
         bad += bool(errs)
     sys.exit(1 if bad else 0)
