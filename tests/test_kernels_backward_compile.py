@@ -34,6 +34,12 @@ CASES = {
                            dbias_dtype=F32),
     "dsrelu_e5m2_segsfd": _dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=E5M2, generate_sfd=True,
                                  discrete_col_sfd=True, dbias_dtype=BF),
+    # FP8 saved C (the forward's e4m3 / e5m2 c_dtype): 8-bit C subtiles by TMA, widened to fp32 in the epilogue
+    "dswiglu_e4m3c": _dgrad("dglu", "dswiglu", c_dtype=E4M3, d_dtype=BF, compute_amax=True, dbias_dtype=F32),
+    "dsrelu_e4m3c_tanh": _dgrad("dsrelu", "dsrelu", c_dtype=E4M3, d_dtype=BF, tanh_clamp_scale=2.0,
+                                compute_amax=True),   # 2 store buffers + 4 A/B stages (a 16-bit C: 1 + 4)
+    "dsrelu_e5m2c_e4m3": _dgrad("dsrelu", "dsrelu", c_dtype=E5M2, d_dtype=E4M3, generate_sfd=True,
+                                dbias_dtype=F32),
     "quant_nmajor": GroupedGemmProblem(op="quant", m=2048, n=512, k=256, num_groups=4, ab_dtype=BF, b_major="n",
                                        epilogue=Epilogue(d_dtype=BF)),
     "wgrad_kmajor_c1": GroupedGemmProblem(op="wgrad", m=384, n=320, k=2000, num_groups=5, ab_dtype=BF,
@@ -86,10 +92,12 @@ def test_backward_kernel_compiles_unserialized_without_spills(name):
     assert "HHHH" in runs, "wgmma serialized: a wait between the wgmmas of a stage"
 
 
-@pytest.mark.parametrize("name", ["dswiglu_e4m3_bias_amax", "dsrelu_e5m2_segsfd_noprob"])
+@pytest.mark.parametrize("name", ["dswiglu_e4m3_bias_amax", "dsrelu_e5m2_segsfd_noprob", "dswiglu_e4m3c_bias_amax",
+                                  "dsrelu_e5m2c_e4m3"])
 def test_fp8_dgrad_op_lowers_to_the_kernel(name):
-    """The public op with an FP8 d_dtype lowers for CUDA to the kernel (a fallback to the reference would warn,
-    and the warning is an error here), with every FP8 output present (tests/gpu/dgrad_cases.py: its GPU cases)."""
+    """The public op with an FP8 d_dtype or an FP8 saved C lowers for CUDA to the kernel (a fallback to the
+    reference would warn, and the warning is an error here), with every FP8 output present
+    (tests/gpu/dgrad_cases.py: its GPU cases)."""
     compile_checks._cutlass_sm90()
     import functools
     import warnings
@@ -107,7 +115,12 @@ def test_fp8_dgrad_op_lowers_to_the_kernel(name):
     assert len(calls) == 1, f"expected one kernel custom call, found {len(calls)}"
     out = jax.eval_shape(fn, x)
     m, width = x["c"].shape
-    d_dtype = case[3]["d_dtype"]
+    assert str(x["c"].dtype) == case[5]
+    d_dtype = case[3].get("d_dtype", BF)
+    if d_dtype not in (E4M3, E5M2):
+        assert (out["d_row_tensor"].shape, str(out["d_row_tensor"].dtype)) == ((m, width), d_dtype)
+        assert out["d_col_tensor"] is None and out["sfd_row_tensor"] is None
+        return
     for key in ("d_row_tensor", "d_col_tensor"):
         assert (out[key].shape, str(out[key].dtype)) == ((m, width), d_dtype), key
     assert out["sfd_row_tensor"].shape == (1, m // 128, -(-width // 128), 32, 4, 4)
@@ -127,7 +140,7 @@ def test_fp8_dgrad_supports_and_launch_outputs():
     from cudnn_moe_jax._problem import output_specs
     from cudnn_moe_jax.kernels.sm90 import config, operands
 
-    for name in ("dswiglu_e4m3", "dsrelu_e5m2_segsfd"):
+    for name in ("dswiglu_e4m3", "dsrelu_e5m2_segsfd", "dswiglu_e4m3c", "dsrelu_e5m2c_e4m3"):
         assert config.supports(CASES[name]) is None, name
     no_sfd = _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3)
     seg_no_fp8 = _dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, discrete_col_sfd=True)

@@ -15,7 +15,9 @@ SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
 DGRAD_ACTS = {op: tuple(a.derivative for a in activations.TABLE.values() if a.backward_op == op)
               for op in ("dglu", "dsrelu")}
 GLU_ACTS = activations.GLU_NAMES
-DGRAD_C_DTYPES = ("bfloat16", "float16", "float32")  # the saved forward C read by the backward epilogue
+# the saved forward C read by the backward epilogue (FP8: the forward's plain satfinite cast, no scale factor;
+# widened to fp32 exactly before beta * C)
+DGRAD_C_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 AB_DTYPES = ("bfloat16", "float16")
 MXFP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # with e8m0 scales, vec 32 (mainloop_mxfp8)
 OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -134,8 +136,8 @@ def supports(problem) -> Optional[str]:
 
 
 def _dgrad_support(problem) -> Optional[str]:
-    """The backward epilogue (epilogue_dgrad): bf16/fp16 dY and weight, C 16/32-bit, D_row 16/32-bit or FP8 (with
-    SFD_row, D_col, SFD_col: epilogue_fp8d, both SFD_col layouts)."""
+    """The backward epilogue (epilogue_dgrad): bf16/fp16 dY and weight, C 16/32-bit or FP8 (e4m3 / e5m2), D_row
+    16/32-bit or FP8 (with SFD_row, D_col, SFD_col: epilogue_fp8d, both SFD_col layouts)."""
     epi = problem.epilogue
     if problem.block_scaled or problem.ab_dtype not in AB_DTYPES:
         return f"{problem.op} with {problem.ab_dtype} inputs: the sm90 backward epilogue takes bf16/fp16 A/B only"

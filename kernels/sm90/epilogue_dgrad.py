@@ -5,10 +5,10 @@ Per tile (128 rows x tile_n accumulator columns) and 32-column step s (one accum
 hooks (`dgrad_hooks`) of the driver `run_epilogue` (epilogue.py), which owns the step loop and the store sequence:
   begin   prob of the tile's rows -> smem; the C subtiles of steps 0 and 1 are already on their way (TMA, issued by
           `prefetch_c` before the mainloop) into two load buffers, one mbarrier each;
-  visit   wait for step s's C subtile(s) (`_wait_c`; dsrelu: 1; dglu: gate block 2b and up block 2b + 1), compute
-          per value dD = alpha * acc, x = beta * C, D_row = dC (dglu: the gate and the up subtile), the row partial
-          of dprob (dD * act(x), summed per thread over the tile) and the column partials of dbias (a warp's 16 rows
-          by shuffles -> smem);
+  visit   wait for step s's C subtile(s) (`_wait_c`; dsrelu: 1; dglu: gate block 2b and up block 2b + 1; an FP8 C
+          is widened exactly: fp8 -> fp16 per pair, fp16 -> fp32 per value), compute per value dD = alpha * acc,
+          x = beta * C, D_row = dC (dglu: the gate and the up subtile), the row partial of dprob (dD * act(x),
+          summed per thread over the tile) and the column partials of dbias (a warp's 16 rows by shuffles -> smem);
   refill  after the step's first barrier every thread has read the load buffer: the store warp refills it with
           step s + 2's C (`_refill_c`); finish / writes / stores: FP8 column quantization, the D_row (D_col)
           subtiles -> smem -> TMA store; after_store: the 8 warps' dbias partials summed in fixed order -> global;
@@ -102,6 +102,12 @@ class DgradEpilogue:
         tRS_sCin = cin_copy.get_slice(ctid_o).partition_D(sCin)
         rC = [cute.make_rmem_tensor(tRS_sCin[(None, None, None, 0)].shape, self.cin_dtype)
               for _ in range(self.d_per_step)]
+        # FP8 C: widened to fp16 per fragment (one unpack per pair of columns; exact for e4m3 and e5m2), each
+        # value to fp32 as it is used (exact)
+        rCh = rC
+        if const_expr(self.cin_dtype.width == 8):
+            rCh = [cute.make_rmem_tensor(tRS_sCin[(None, None, None, 0)].shape, cutlass.Float16)
+                   for _ in range(self.d_per_step)]
         warp_e = ctid_o // 32
         lane = ctid_o % 32
         r0 = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4   # the thread's two rows: r0, r0 + 8
@@ -128,8 +134,8 @@ class DgradEpilogue:
             bSG_sCin=bSG_sCin, bSG_gCin=bSG_gCin, sColSum=sColSum, mDprobParts=mDprobParts,
             mDbiasParts=mDbiasParts, is_store_warp=is_store_warp, m_tile=m_tile, n_tile=n_tile, g=g, mAmax=mAmax,
             fp8=fp8, tma_atom_dcol=tma_atom_dcol, sD=sD, bSG_gDcol=bSG_gDcol, sColMax=sColMax,
-            norm_const=norm_const, zero_addr=zero_addr, tRS_sCin=tRS_sCin, rC=rC, warp_e=warp_e, lane=lane, r0=r0,
-            row_sum=row_sum, amax_bits=amax_bits, rD=rD, rVal=rVal, rDcol=rDcol,
+            norm_const=norm_const, zero_addr=zero_addr, tRS_sCin=tRS_sCin, rC=rC, rCh=rCh, warp_e=warp_e, lane=lane,
+            r0=r0, row_sum=row_sum, amax_bits=amax_bits, rD=rD, rVal=rVal, rDcol=rDcol,
         )
 
     @cute.jit
@@ -156,6 +162,9 @@ class DgradEpilogue:
             st.tRS_sD = st.r2s_d.get_slice(ctid_s).partition_D(st.sD)
         for j in cutlass.range_constexpr(self.d_per_step):
             cute.autovec_copy(st.tRS_sCin[(None, None, None, lb * self.d_per_step + j)], rC[j])
+            if const_expr(self.cin_dtype.width == 8):
+                st.rCh[j].store(rC[j].load().to(cutlass.Float16))
+        rC = st.rCh   # the values below read the widened copy (a 16 / 32-bit C: the loaded fragments themselves)
         # ---- derivative per value
         for i in cutlass.range_constexpr(frag_size):
             row = tRS_cD[i][0]

@@ -48,6 +48,12 @@ CASES = [
                                                    compute_amax=True), "bfloat16", "bfloat16"),
     ("dsrelu_e5m2_segsfd_noprob", "dsrelu", None, dict(d_dtype=E5M2, discrete_col_sfd=True, tanh_clamp_scale=2.0,
                                                        no_prob=True), "float16", "float32"),
+    # FP8 saved C (a forward op's e4m3 / e5m2 c_dtype; `inputs` casts random normal data to it): 8-bit C subtiles
+    # widened to fp32 exactly in the epilogue, then beta * C as for a 16-bit C
+    ("dswiglu_e4m3c_bias_amax", "dglu", "dswiglu", dict(generate_dbias=True, dbias_dtype="float32",
+                                                        compute_amax=True), "bfloat16", E4M3),
+    ("dsrelu_e5m2c_e4m3", "dsrelu", None, dict(d_dtype=E4M3, generate_dbias=True, dbias_dtype="float32"),
+     "bfloat16", E5M2),
 ]
 
 
