@@ -38,6 +38,33 @@ def test_permute_unpermute_roundtrip():
     np.testing.assert_allclose(np.asarray(back), np.asarray(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_permute_unpermute_grads_are_gathers(top_k):
+    """permute / unpermute have hand-written gradients (gathers through the inverse map): they must equal jax.grad
+    of the plain formulation (a gather and a scatter-add), and no scatter-add may be left in either direction."""
+    tokens, hidden, experts_n = 50, 16, 5
+    x = jax.random.normal(jax.random.PRNGKey(2), (tokens, hidden))
+    experts, weights = nn.top_k_gating(jax.random.normal(jax.random.PRNGKey(3), (tokens, experts_n)), top_k)
+    plan = nn.route(experts, experts_n)
+    scale = jax.random.normal(jax.random.PRNGKey(4), (plan.row_token.shape[0], hidden))
+
+    def ours(x):
+        x_perm, prob = nn.permute(x, weights, plan)
+        return jnp.sum(nn.unpermute(jnp.tanh(x_perm * scale) * prob[:, None], plan, tokens) ** 2)
+
+    def plain(x):
+        x_perm = jnp.concatenate([x, jnp.zeros((1, hidden))])[plan.row_token]
+        prob = jnp.zeros((plan.row_token.shape[0],)).at[plan.dest_row.reshape(-1)].set(weights.reshape(-1))
+        y = jnp.zeros((tokens, hidden)).at[plan.row_token].add(jnp.tanh(x_perm * scale) * prob[:, None], mode="drop")
+        return jnp.sum(y ** 2)
+
+    np.testing.assert_allclose(ours(x), plain(x), rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(plain)(x), rtol=1e-5, atol=1e-6)
+    hlo = jax.jit(jax.value_and_grad(ours)).lower(x).as_text()
+    adds = [line for line in hlo.splitlines() if "stablehlo.scatter" in line]
+    assert len(adds) == 1, "only prob's scatter-set (m floats) may remain; the (m, H) rows must move by gathers"
+
+
 def _plain_mlp(x_perm, w1, w2, prob, b1, offsets, act, glu_limit=None):
     """The same expert MLP in plain jnp f32 (differentiated by jax.grad)."""
     x = x_perm.astype(jnp.float32)

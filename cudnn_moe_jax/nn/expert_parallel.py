@@ -117,7 +117,8 @@ def ep_combine(y, dispatch: Dispatch, *, axis_name: str):
     back = jnp.concatenate([back, jnp.zeros((1, y.shape[-1]), y.dtype)], axis=0)
     picked = back[dispatch.slot]                                   # (T_loc, k, H); the zero row where dropped
     out = picked[:, 0]
-    # Choice order: for k = 2 the same bf16 sum as moe_layer's scatter-add; for k > 2 it may round differently.
+    # Choice order, in y's dtype: for k = 2 the same as moe_layer's fp32 sum rounded once (two bf16 values add
+    # exactly in fp32 unless their exponents differ by more than 16); for k > 2 it may round differently.
     for j in range(1, picked.shape[1]):
         out = out + picked[:, j]
     return out

@@ -57,16 +57,67 @@ def route(experts: jax.Array, num_experts: int) -> Routing:
     return Routing(padded_offsets, row_token, dest.reshape(num_tokens, top_k))
 
 
+def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[index] row by row; an index past the last row (the routing's padding marker) gives a zero row."""
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _sum_rows(y: jax.Array, groups: jax.Array) -> jax.Array:
+    """out[t] = sum_j y[groups[t, j]], added in fp32 in choice order and rounded once to y's dtype."""
+    picked = _take_rows(y, groups).astype(jnp.float32)
+    out = picked[:, 0]
+    for j in range(1, picked.shape[1]):
+        out = out + picked[:, j]
+    return out.astype(y.dtype)
+
+
+# Both directions of the permutation are gathers, so neither the forward nor the backward scatters: the autodiff
+# transpose of a row gather is a scatter-add, whose colliding rows (a token's k copies, every padding row) XLA
+# resolves with atomics -- slow, and for k > 2 order-dependent. Each map's inverse is known (dest_row <->
+# row_token), so the gradient is written as the gather through the inverse map.
+@jax.custom_vjp
+def _gather_tokens(x, row_token, dest_row):
+    return _take_rows(x, row_token)
+
+
+def _gather_tokens_fwd(x, row_token, dest_row):
+    return _take_rows(x, row_token), dest_row
+
+
+def _gather_tokens_bwd(dest_row, g):
+    return _sum_rows(g, dest_row), None, None   # the routing maps are integer data: no cotangent
+
+
+_gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
+
+
+@jax.custom_vjp
+def _combine_tokens(y_perm, dest_row, row_token):
+    return _sum_rows(y_perm, dest_row)
+
+
+def _combine_tokens_fwd(y_perm, dest_row, row_token):
+    return _sum_rows(y_perm, dest_row), row_token
+
+
+def _combine_tokens_bwd(row_token, g):
+    return _take_rows(g, row_token), None, None   # padding rows (row_token == T) get zeros
+
+
+_combine_tokens.defvjp(_combine_tokens_fwd, _combine_tokens_bwd)
+
+
 def permute(x: jax.Array, weights: jax.Array, routing: Routing):
     """Tokens (T, H) and gate weights (T, k) -> permuted rows (m, H) and per-row prob (m,); padding rows are 0."""
     m = routing.row_token.shape[0]
-    x_padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)], axis=0)
-    x_perm = x_padded[routing.row_token]
+    x_perm = _gather_tokens(x, routing.row_token, routing.dest_row)
     prob = jnp.zeros((m,), jnp.float32).at[routing.dest_row.reshape(-1)].set(weights.reshape(-1))
     return x_perm, prob
 
 
 def unpermute(y_perm: jax.Array, routing: Routing, num_tokens: int) -> jax.Array:
-    """Permuted rows (m, H) -> tokens (T, H), summing the k expert outputs of each token."""
-    return jnp.zeros((num_tokens, y_perm.shape[1]), y_perm.dtype).at[routing.row_token].add(
-        y_perm, mode="drop")
+    """Permuted rows (m, H) -> tokens (T, H): each token's k expert outputs added in fp32 (choice order), rounded
+    once to y_perm's dtype."""
+    if routing.dest_row.shape[0] != num_tokens:
+        raise ValueError(f"unpermute: the routing has {routing.dest_row.shape[0]} tokens, num_tokens={num_tokens}")
+    return _combine_tokens(y_perm, routing.dest_row, routing.row_token)
