@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -182,3 +184,36 @@ def test_example_runs_on_four_cpu_devices(runs):
     for expected in ("mesh {'data': 1, 'expert': 4}", "loss ", "dropped 0 of 512", "grad w1", "grad x",
                      "forward+backward step", "exchange alone"):
         assert expected in out, out
+
+
+def _row_scatters(jaxpr, hidden):
+    """Scatter equations (any nesting: shard_map, custom_vjp, pjit bodies) whose output rows are H wide."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("scatter") and any(
+                getattr(v.aval, "shape", ())[-1:] == (hidden,) for v in eqn.outvars):
+            found.append(eqn.primitive.name)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                found += _row_scatters(inner, hidden)
+    return found
+
+
+def test_layers_move_rows_by_gathers_only():
+    """moe_layer and moe_layer_ep (on a one-device mesh here) move token rows by gathers in the forward and the
+    backward: a scatter-add of rows with colliding indices (a token's k copies, empty slots) runs on atomics on
+    the GPU, slowly and, for k > 2, order-dependently."""
+    tokens, hidden, inter, experts = 64, 48, 64, 4
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (hidden, experts))
+    w1 = (jax.random.normal(keys[2], (experts, 2 * inter, hidden)) / 8).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[3], (experts, hidden, inter)) / 8).astype(jnp.bfloat16)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    layers = {"moe_layer": lambda *a: nn.moe_layer(*a)[0],
+              "moe_layer_ep": lambda *a: nn.moe_layer_ep(*a, mesh=mesh, capacity_factor=1.25)[0]}
+    for name, layer in layers.items():
+        loss = lambda x, r, w1, w2, layer=layer: jnp.sum(layer(x, r, w1, w2).astype(jnp.float32) ** 2)
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, router, w1, w2).jaxpr
+        assert _row_scatters(jaxpr, hidden) == [], name

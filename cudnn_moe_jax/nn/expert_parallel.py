@@ -55,6 +55,7 @@ class Dispatch(NamedTuple):
     local_expert: jax.Array  # (R,) int32 expert of each received row, local to this device; L/D for empty slots
     prob: jax.Array          # (R,) float32 gate weight of each received row; 0 for empty slots
     slot: jax.Array          # (T_loc, k) int32 send slot d*C + c of each (token, choice); R where dropped
+    slot_token: jax.Array    # (R,) int32 source token of each send slot; T_loc for empty slots
     dropped: jax.Array       # () int32 assignments of this device's tokens dropped for capacity
 
 
@@ -91,12 +92,13 @@ def ep_dispatch(x, experts, weights, *, axis_name: str, num_local_experts: int, 
     rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0), dest[:, None], axis=1)[:, 0] - 1
     kept = rank < capacity
     slot = jnp.where(kept, dest * capacity + rank, slots)
-    # Fill the send blocks by gathering (its transpose, a scatter-add, is the cheap direction for the gradient).
     filler = jnp.full((slots,), num_tokens * top_k, jnp.int32).at[slot].set(
         jnp.arange(num_tokens * top_k, dtype=jnp.int32), mode="drop")
     filled = filler < num_tokens * top_k
     src_token = jnp.where(filled, jnp.append(flat_token, num_tokens)[filler], num_tokens)
-    send_x = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)], axis=0)[src_token]
+    slot_tk = slot.reshape(top_k, num_tokens).T
+    # The send blocks are gathered, and so is the gradient (through slot_tk: a token's k slots; routing.gather_rows)
+    send_x = _routing.gather_rows(x, src_token, slot_tk)
     send_prob = jnp.append(weights.T.reshape(-1).astype(jnp.float32), 0.0)[filler]
     send_expert = jnp.where(filled, jnp.append(flat_expert % num_local_experts, 0)[filler], num_local_experts)
 
@@ -104,8 +106,7 @@ def ep_dispatch(x, experts, weights, *, axis_name: str, num_local_experts: int, 
         blocks = a.reshape(num_devices, capacity, *a.shape[1:])
         return jax.lax.all_to_all(blocks, axis_name, 0, 0).reshape(a.shape)
 
-    slot_tk = slot.reshape(top_k, num_tokens).T
-    return Dispatch(exchange(send_x), exchange(send_expert), exchange(send_prob), slot_tk,
+    return Dispatch(exchange(send_x), exchange(send_expert), exchange(send_prob), slot_tk, src_token,
                     jnp.sum(~kept).astype(jnp.int32))
 
 
@@ -114,14 +115,9 @@ def ep_combine(y, dispatch: Dispatch, *, axis_name: str):
     devices and sum each token's k outputs: (T_loc, H) in y's dtype. Dropped assignments add zero."""
     num_devices = jax.lax.axis_size(axis_name)
     back = jax.lax.all_to_all(y.reshape(num_devices, -1, y.shape[-1]), axis_name, 0, 0).reshape(y.shape)
-    back = jnp.concatenate([back, jnp.zeros((1, y.shape[-1]), y.dtype)], axis=0)
-    picked = back[dispatch.slot]                                   # (T_loc, k, H); the zero row where dropped
-    out = picked[:, 0]
-    # Choice order, in y's dtype: for k = 2 the same as moe_layer's fp32 sum rounded once (two bf16 values add
-    # exactly in fp32 unless their exponents differ by more than 16); for k > 2 it may round differently.
-    for j in range(1, picked.shape[1]):
-        out = out + picked[:, j]
-    return out
+    # back is in send-slot order: each token's k slots added in fp32 (a dropped one adds zero), as moe_layer's
+    # unpermute; the gradient is a gather through slot_token (routing.combine_rows)
+    return _routing.combine_rows(back, dispatch.slot, dispatch.slot_token)
 
 
 def local_expert_mlp(dispatch: Dispatch, w1, w2, b1=None, *, act: str = "swiglu",

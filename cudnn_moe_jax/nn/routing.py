@@ -76,41 +76,45 @@ def _sum_rows(y: jax.Array, groups: jax.Array) -> jax.Array:
 # resolves with atomics -- slow, and for k > 2 order-dependent. Each map's inverse is known (dest_row <->
 # row_token), so the gradient is written as the gather through the inverse map.
 @jax.custom_vjp
-def _gather_tokens(x, row_token, dest_row):
+def gather_rows(x, row_token, dest_row):
+    """x[row_token] (zero rows where row_token == len(x)); `dest_row` (len(x), k) lists the rows that copy each x
+    row (an index past the output's rows where a copy does not exist), so the gradient is a gather-sum."""
     return _take_rows(x, row_token)
 
 
-def _gather_tokens_fwd(x, row_token, dest_row):
+def gather_rows_fwd(x, row_token, dest_row):
     return _take_rows(x, row_token), dest_row
 
 
-def _gather_tokens_bwd(dest_row, g):
+def gather_rows_bwd(dest_row, g):
     return _sum_rows(g, dest_row), None, None   # the routing maps are integer data: no cotangent
 
 
-_gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
+gather_rows.defvjp(gather_rows_fwd, gather_rows_bwd)
 
 
 @jax.custom_vjp
-def _combine_tokens(y_perm, dest_row, row_token):
+def combine_rows(y_perm, dest_row, row_token):
+    """out[t] = sum_j y_perm[dest_row[t, j]] (`_sum_rows`); `row_token` (len(y_perm),) is the out row each y_perm
+    row feeds (len(out) for none), so the gradient is a gather."""
     return _sum_rows(y_perm, dest_row)
 
 
-def _combine_tokens_fwd(y_perm, dest_row, row_token):
+def combine_rows_fwd(y_perm, dest_row, row_token):
     return _sum_rows(y_perm, dest_row), row_token
 
 
-def _combine_tokens_bwd(row_token, g):
+def combine_rows_bwd(row_token, g):
     return _take_rows(g, row_token), None, None   # padding rows (row_token == T) get zeros
 
 
-_combine_tokens.defvjp(_combine_tokens_fwd, _combine_tokens_bwd)
+combine_rows.defvjp(combine_rows_fwd, combine_rows_bwd)
 
 
 def permute(x: jax.Array, weights: jax.Array, routing: Routing):
     """Tokens (T, H) and gate weights (T, k) -> permuted rows (m, H) and per-row prob (m,); padding rows are 0."""
     m = routing.row_token.shape[0]
-    x_perm = _gather_tokens(x, routing.row_token, routing.dest_row)
+    x_perm = gather_rows(x, routing.row_token, routing.dest_row)
     prob = jnp.zeros((m,), jnp.float32).at[routing.dest_row.reshape(-1)].set(weights.reshape(-1))
     return x_perm, prob
 
@@ -120,4 +124,4 @@ def unpermute(y_perm: jax.Array, routing: Routing, num_tokens: int) -> jax.Array
     once to y_perm's dtype."""
     if routing.dest_row.shape[0] != num_tokens:
         raise ValueError(f"unpermute: the routing has {routing.dest_row.shape[0]} tokens, num_tokens={num_tokens}")
-    return _combine_tokens(y_perm, routing.dest_row, routing.row_token)
+    return combine_rows(y_perm, routing.dest_row, routing.row_token)
