@@ -1,5 +1,5 @@
-"""The six GEMMs of one MoE training step, each timed alone (the calls `nn.moe_mlp` makes, same keywords), beside
-torch's `_grouped_mm` on the same problem where it has one.
+"""The six GEMMs of one MoE training step, each timed alone (the calls `nn.moe_mlp` makes, same keywords), and the
+squared-ReLU step's FC2 dgrad (dsrelu), beside torch's `_grouped_mm` on the same problem where it has one.
 
     python benchmarks/bench_moe_ops.py [--shape fc]
 
@@ -20,25 +20,20 @@ import bench_moe_step as step  # noqa: E402
 REPS = 5
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shape", default="fc", choices=tuple(step.SHAPES))
-    args = ap.parse_args(argv)
-    import jax
+def _ops(shape: str):
+    """(m, {name: (fn over (x, w1, w2, prob, dy, c, hh, dc), flops)}, valid rows, H, I) of `shape`: the six GEMMs
+    of the SwiGLU step, plus the squared-ReLU step's FC2 dgrad (dsrelu, C = the (m, I) pre-activation)."""
     import jax.numpy as jnp
-    import numpy as np
 
     import cudnn_moe_jax as cmj
-    import device_timer
 
-    sizes, h, i = step.SHAPES[args.shape]
-    m, offsets, avals = step._problem(args.shape, "swiglu")
+    sizes, h, i = step.SHAPES[shape]
+    m, offsets, _ = step._problem(shape, "swiglu")
     off = jnp.asarray(offsets)
     valid = sum(sizes)
-    timer, why = device_timer.cupti_timer()
     sw = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
     nmaj = dict(a_major="m", b_major="n")
-    ops = {  # name: (fn over (x, w1, w2, prob, dy, c, hh, dc), flops)
+    ops = {
         "fc1 glu (fwd)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_glu(
             x, w1, padded_offsets=off, prob_tensor=p, act_func="swiglu", c_dtype="bfloat16", d_dtype="bfloat16",
             compute_amax=False).d_tensor, 2 * valid * h * 2 * i),
@@ -47,6 +42,9 @@ def main(argv=None):
         "dglu (fc2 dgrad)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_dglu(
             dy, sw(w2), c, padded_offsets=off, prob_tensor=p, act_func="dswiglu", d_dtype="bfloat16",
             compute_amax=False, b_major="n").d_row_tensor, 2 * valid * h * i),
+        "dsrelu (fc2 dgrad)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_dsrelu(
+            dy, sw(w2), hh, padded_offsets=off, prob_tensor=p, d_dtype="bfloat16", compute_amax=False,
+            b_major="n").d_row_tensor, 2 * valid * h * i),
         "fc1 dgrad quant": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_quant(
             dc, sw(w1), padded_offsets=off, d_dtype="bfloat16", b_major="n", compute_amax=False).d_tensor,
             2 * valid * 2 * i * h),
@@ -55,6 +53,46 @@ def main(argv=None):
         "wgrad w1": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_wgrad(
             dc.T, x.T, off, wgrad_dtype="bfloat16", **nmaj).wgrad_tensor, 2 * valid * 2 * i * h),
     }
+    return m, ops, sizes, h, i
+
+
+def _avals(shape: str):
+    import jax
+    import jax.numpy as jnp
+
+    m, _, _, _, i = _ops(shape)
+    _, _, avals = step._problem(shape, "swiglu")
+    sd = jax.ShapeDtypeStruct
+    return avals + (sd((m, 2 * i), jnp.bfloat16), sd((m, i), jnp.bfloat16), sd((m, 2 * i), jnp.bfloat16))
+
+
+def bundle_items(shapes=("fc",)):
+    """Lowerings for CUDA of every op this benchmark times (`python -m cudnn_moe_jax.aot build --variants
+    benchmarks.bench_moe_ops:bundle_items` records their modules)."""
+    import jax
+
+    items = []
+    for shape in shapes:
+        avals = _avals(shape)
+        for fn, _ in _ops(shape)[1].values():
+            items.append(lambda fn=fn, avals=avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
+    return items
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="fc", choices=tuple(step.SHAPES))
+    args = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import device_timer
+
+    m, ops, sizes, h, i = _ops(args.shape)
+    _, _, avals = step._problem(args.shape, "swiglu")
+    valid = sum(sizes)
+    timer, why = device_timer.cupti_timer()
     sets = []
     for s in range(REPS):
         x, w1, w2, p, dy = step._inputs(avals, s)
