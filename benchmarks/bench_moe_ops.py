@@ -1,5 +1,6 @@
-"""The six GEMMs of one MoE training step, each timed alone (the calls `nn.moe_mlp` makes, same keywords), and the
-squared-ReLU step's FC2 dgrad (dsrelu), beside torch's `_grouped_mm` on the same problem where it has one.
+"""The six GEMMs of one MoE training step, each timed alone (the calls `nn.moe_mlp` makes, same keywords), the
+squared-ReLU step's FC2 dgrad (dsrelu), the dgrad with an FP8 D and the wgrad accumulating into an fp32 W, beside
+torch's `_grouped_mm` on the same problem where it has one.
 
     python benchmarks/bench_moe_ops.py [--shape fc]
 
@@ -21,8 +22,9 @@ REPS = 5
 
 
 def _ops(shape: str):
-    """(m, {name: (fn over (x, w1, w2, prob, dy, c, hh, dc), flops)}, valid rows, H, I) of `shape`: the six GEMMs
-    of the SwiGLU step, plus the squared-ReLU step's FC2 dgrad (dsrelu, C = the (m, I) pre-activation)."""
+    """(m, {name: (fn over (x, w1, w2, prob, dy, c, hh, dc, w2f), flops)}, valid rows, H, I) of `shape`: the six
+    GEMMs of the SwiGLU step, plus the squared-ReLU step's FC2 dgrad (dsrelu, C = the (m, I) pre-activation), the
+    FC2 dgrad with an FP8 D and the W2 gradient accumulated into an fp32 W (w2f)."""
     import jax.numpy as jnp
 
     import cudnn_moe_jax as cmj
@@ -34,24 +36,32 @@ def _ops(shape: str):
     sw = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
     nmaj = dict(a_major="m", b_major="n")
     ops = {
-        "fc1 glu (fwd)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_glu(
+        "fc1 glu (fwd)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_glu(
             x, w1, padded_offsets=off, prob_tensor=p, act_func="swiglu", c_dtype="bfloat16", d_dtype="bfloat16",
             compute_amax=False).d_tensor, 2 * valid * h * 2 * i),
-        "fc2 quant (fwd)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_quant(
+        "fc2 quant (fwd)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_quant(
             hh, w2, padded_offsets=off, d_dtype="bfloat16", compute_amax=False).d_tensor, 2 * valid * i * h),
-        "dglu (fc2 dgrad)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_dglu(
+        "dglu (fc2 dgrad)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_dglu(
             dy, sw(w2), c, padded_offsets=off, prob_tensor=p, act_func="dswiglu", d_dtype="bfloat16",
             compute_amax=False, b_major="n").d_row_tensor, 2 * valid * h * i),
-        "dsrelu (fc2 dgrad)": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_dsrelu(
+        "dsrelu (fc2 dgrad)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_dsrelu(
             dy, sw(w2), hh, padded_offsets=off, prob_tensor=p, d_dtype="bfloat16", compute_amax=False,
             b_major="n").d_row_tensor, 2 * valid * h * i),
-        "fc1 dgrad quant": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_quant(
+        # the same dgrad with FP8 D_row (e4m3 + SFD_row, D_col, SFD_col), as an FP8 training recipe asks for
+        "dglu e4m3 D (+SFD)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_dglu(
+            dy, sw(w2), c, padded_offsets=off, prob_tensor=p, act_func="dswiglu", d_dtype="float8_e4m3fn",
+            norm_const_tensor=jnp.ones((1,), jnp.float32), b_major="n").d_row_tensor, 2 * valid * h * i),
+        "fc1 dgrad quant": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_quant(
             dc, sw(w1), padded_offsets=off, d_dtype="bfloat16", b_major="n", compute_amax=False).d_tensor,
             2 * valid * 2 * i * h),
-        "wgrad w2": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_wgrad(
+        "wgrad w2": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_wgrad(
             dy.T, hh.T, off, wgrad_dtype="bfloat16", **nmaj).wgrad_tensor, 2 * valid * h * i),
-        "wgrad w1": (lambda x, w1, w2, p, dy, c, hh, dc: cmj.grouped_gemm_wgrad(
+        "wgrad w1": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_wgrad(
             dc.T, x.T, off, wgrad_dtype="bfloat16", **nmaj).wgrad_tensor, 2 * valid * 2 * i * h),
+        # gradient accumulation into an fp32 W (micro-batches): the epilogue also reads the old W
+        "wgrad w2 accum f32": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_wgrad(
+            dy.T, hh.T, off, wgrad_tensor=w2f, accumulate_on_output=True,
+            **nmaj).wgrad_tensor, 2 * valid * h * i),
     }
     return m, ops, sizes, h, i
 
@@ -63,7 +73,8 @@ def _avals(shape: str):
     m, _, _, _, i = _ops(shape)
     _, _, avals = step._problem(shape, "swiglu")
     sd = jax.ShapeDtypeStruct
-    return avals + (sd((m, 2 * i), jnp.bfloat16), sd((m, i), jnp.bfloat16), sd((m, 2 * i), jnp.bfloat16))
+    return avals + (sd((m, 2 * i), jnp.bfloat16), sd((m, i), jnp.bfloat16), sd((m, 2 * i), jnp.bfloat16),
+                    sd(avals[2].shape, jnp.float32))
 
 
 def bundle_items(shapes=("fc",)):
@@ -77,6 +88,20 @@ def bundle_items(shapes=("fc",)):
         for fn, _ in _ops(shape)[1].values():
             items.append(lambda fn=fn, avals=avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
     return items
+
+
+def _kernel_seconds(run, calls: int):
+    """Device time per call of our GEMM kernels alone (CUPTI events through torch.profiler), or None."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    us = sum(e.time_range.elapsed_us() for e in prof.events()
+             if e.device_type == DeviceType.CUDA and "GroupedGemmSm90" in e.name)
+    return us * 1e-6 / calls if us else None
 
 
 def main(argv=None):
@@ -99,17 +124,22 @@ def main(argv=None):
         k = jax.random.PRNGKey(100 + s)
         sets.append((x, w1, w2, p, dy, jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16),
                      jax.random.normal(k, (m, i)).astype(jnp.bfloat16),
-                     jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16)))
+                     jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16), w2.astype(jnp.float32)))
     print(f"shape {args.shape}: groups {sizes}, H {h}, I {i}; JAX {'CUPTI' if timer else 'host: ' + str(why)}")
+    n_in = len(sets[0])
     for name, (fn, fl) in ops.items():
-        prog = jax.jit(lambda *a, fn=fn: [fn(*a[8 * r:8 * r + 8]) for r in range(REPS)])
+        prog = jax.jit(lambda *a, fn=fn: [fn(*a[n_in * r:n_in * (r + 1)]) for r in range(REPS)])
         flat = [t for st in sets for t in st]
         run = lambda: jax.block_until_ready(prog(*flat))  # noqa: E731
         run()
         t = [(timer.time(run, REPS) if timer else device_timer.host_time(run, REPS)) for _ in range(3)]
         _, secs = device_timer.primary(t)
         med = statistics.median(secs)
-        print(f"  {name:18s} {med * 1e3:8.3f} ms {fl / med / 1e12:7.1f} TFLOP/s", flush=True)
+        # the GEMM kernel alone: the span also holds XLA's work around it (the accumulate case copies its
+        # non-donated input W before the kernel updates it in place)
+        kern = _kernel_seconds(run, REPS) if timer else None
+        extra = f"   kernel {kern * 1e3:7.3f} ms {fl / kern / 1e12:7.1f} TFLOP/s" if kern else ""
+        print(f"  {name:18s} {med * 1e3:8.3f} ms {fl / med / 1e12:7.1f} TFLOP/s{extra}", flush=True)
     try:
         import torch
 
