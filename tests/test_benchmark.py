@@ -91,3 +91,23 @@ def test_lab_artifacts_are_timed_beside_the_public_op(tiny, tmp_path, monkeypatc
     bench.main(["--artifacts", "--out", str(out), "--shapes", "tiny"])
     (row,) = json.loads((out / "results.json").read_text())["results"]
     assert {"ours", "ours#2", "kernel[t1]"} <= set(row["ms"]) and not any("other" in k for k in row["ms"])
+
+
+def test_moe_ops_table_traces_every_op():
+    """benchmarks/bench_moe_ops.py: every op of its table traces on the inputs its bundle items declare (the
+    shapes and dtypes the GPU run feeds it), with the output shape the op defines."""
+    import jax
+    import bench_moe_ops
+
+    m, ops, sizes, h, i = bench_moe_ops._ops("fc")
+    avals = bench_moe_ops._avals("fc")
+    assert len(avals) == 9 and len(ops) == 9
+    widths = {"fc1 glu (fwd)": i, "fc2 quant (fwd)": h, "dglu (fc2 dgrad)": 2 * i, "dsrelu (fc2 dgrad)": i,
+              "dglu e4m3 D (+SFD)": 2 * i, "fc1 dgrad quant": h}
+    for name, (fn, flops) in ops.items():
+        out = jax.eval_shape(fn, *avals)
+        if name.startswith("wgrad"):
+            assert out.shape == ((len(sizes), h, i) if "w2" in name else (len(sizes), 2 * i, h)), name
+        else:
+            assert out.shape == (m, widths[name]), name
+        assert flops > 0
