@@ -96,6 +96,22 @@ def bundle_items():
 # ------------------------------------------------------------------------------------------------ GPU run + checks
 # (tests/gpu/test_wgrad_gpu.py, tools/gpu/sanitize_backward.py; need tests/ and tests/gpu/ on sys.path)
 
+def _run_twice(fn, x):
+    """W of two jitted calls (the allocator poisoned before each, a fallback to the reference an error): (the first
+    W as numpy, ["two calls differ"] unless both are bit-identical)."""
+    import harness
+    import numpy as np
+
+    fn = jax.jit(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
+        harness.poison_allocator()
+        got = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
+        harness.poison_allocator()
+        again = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
+    return got, ([] if np.array_equal(got.view(np.uint8), again.view(np.uint8)) else ["two calls differ"])
+
+
 def run_case(case, pattern: str) -> list[str]:
     """Run one case on the GPU (W poisoned first, twice) and check every element against the float64 oracle
     (tests/np_ops.py); the problems found ([] = ok)."""
@@ -104,14 +120,7 @@ def run_case(case, pattern: str) -> list[str]:
     import numpy as np
 
     x = inputs(case, pattern, seed=zlib.crc32(f"{case[0]}/{pattern}".encode()) % 1000)
-    fn = jax.jit(functools.partial(call, case))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
-        harness.poison_allocator()
-        got = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
-        harness.poison_allocator()
-        again = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
-    errs = [] if np.array_equal(got.view(np.uint8), again.view(np.uint8)) else ["two calls differ"]
+    got, errs = _run_twice(functools.partial(call, case), x)
     a, b = (np.asarray(v.astype(jnp.float32)) for v in operands(case, x))
     want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), ab_dtype=case[1], wgrad_dtype=case[2])
     gv = got.astype(np.float32).astype(np.float64)
@@ -148,14 +157,7 @@ def run_accum_case(case, old: str, tokens: int) -> list[str]:
     _, ab, wd, _, _, _, acc = case
     pattern = "empty_and_tail" if tokens == T else "unaligned"
     x = accum_inputs(case, pattern, tokens, old, seed=zlib.crc32(f"{case[0]}/{old}/{tokens}".encode()) % 1000)
-    fn = jax.jit(functools.partial(accum_call, case))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
-        harness.poison_allocator()
-        got = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
-        harness.poison_allocator()
-        again = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
-    errs = [] if np.array_equal(got.view(np.uint8), again.view(np.uint8)) else ["two calls differ"]
+    got, errs = _run_twice(functools.partial(accum_call, case), x)
     gv = got.astype(np.float32).astype(np.float64)
     if old == "nan":
         lost = int(np.sum(~np.isnan(gv)))
