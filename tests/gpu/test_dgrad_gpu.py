@@ -1,5 +1,6 @@
 """GPU: the fused backward epilogues (dglu: dswiglu / dgeglu, dsrelu) against the float64 oracle (tests/np_ops.py),
 every output element, outputs poisoned first; repeated calls bit-identical (the reductions use no float atomics).
+Also FP8 D_row (codes of D_row / D_col and the SFD_row / SFD_col bytes, both layouts) and an FP8 saved C.
 
 Needs a Hopper GPU and a bundle with the cases' modules (tests/gpu/dgrad_cases.py); skipped otherwise.
 """
