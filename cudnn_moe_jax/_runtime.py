@@ -16,7 +16,7 @@ computes the fingerprint once each. Lower level, in any `mlir.lower_fun(..., mul
 cutlass_call gives it, `launch(stream, *operands, *outputs, **constexprs)`; a None operand is an absent tensor (no
 FFI buffer). Output zero-init is the kernel's. jax.export needs `disabled_checks=export_disabled_checks()`.
 
-Kernel side (`cudnn_moe_jax.kernels.sm90`, else `kernels.sm90`; its import is pure Python): `supports(problem) ->
+Kernel side (`cudnn_moe_jax.kernels.sm90`; its import is pure Python): `supports(problem) ->
 None | reason`, `default_config(problem)`, `default_variants()`; `GroupedGemmSm90(problem, config)` (imports cutlass)
 with `launch` the `@cute.jit` launcher and `cutlass_call_kwargs` (input_spec, output_spec, compile_key, ...).
 
@@ -244,11 +244,11 @@ def fingerprint(*parts: Any) -> str:
 
 @functools.lru_cache(maxsize=1)
 def kernels_source_digest() -> str:
-    """sha256 over every kernels/**.py (relative path + bytes): installed copy, else the source checkout's.
+    """sha256 over every cudnn_moe_jax/kernels/**.py (relative path + bytes).
     Read once per process: the kernel code a process runs is what it imported, so later edits do not apply."""
-    root = next((r for r in (PACKAGE_DIR / "kernels", REPO_DIR / "kernels") if r.is_dir()), None)
+    root = PACKAGE_DIR / "kernels"
     h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")) if root else ():
+    for p in sorted(root.rglob("*.py")):
         if "__pycache__" not in p.parts:
             h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
@@ -523,15 +523,13 @@ def write_bundle(out_dir: Path | str, items: Iterable[tuple[KernelSpec, KernelMo
 
 @functools.lru_cache(maxsize=1)
 def kernels_package():
-    """The sm90 kernel package, cudnn_moe_jax.kernels.sm90 (installed) or kernels.sm90 (checkout on sys.path).
-    Its own import is pure Python: `supports`, `default_config`, `default_variants` need no cutlass."""
-    errors = []
-    for name in ("cudnn_moe_jax.kernels.sm90", "kernels.sm90"):
-        try:
-            return importlib.import_module(name)
-        except ImportError as e:
-            errors.append(f"{name}: {e}")
-    raise KernelUnavailable("cannot import the sm90 kernels (" + "; ".join(errors) + ")")
+    """The sm90 kernel package. Its own import is pure Python: `supports`, `default_config`, `default_variants`
+    need no cutlass."""
+    try:
+        from .kernels import sm90
+    except ImportError as e:
+        raise KernelUnavailable(f"cannot import the sm90 kernels: {e}") from e
+    return sm90
 
 
 def _check_supported(problem) -> None:

@@ -1,0 +1,115 @@
+"""Compile a kernel module for sm_90a on the CPU machine and read its SASS (cuobjdump from the nvidia wheel).
+
+`compile_module(problem, config)` lowers the kernel the way the runtime does (m or T symbolic) and returns the
+module bytes; `sass_of(module)` disassembles every embedded cubin; `normalized(sass)` drops what names the
+launcher (mangled symbol names), so two trees that emit the same instructions compare equal.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+FATBIN_MAGIC = 0xBA55ED50
+
+
+class CompilerUnavailable(RuntimeError):
+    """The CuTe DSL compiler (or cuobjdump) is not installed here."""
+
+
+def cutlass_sm90():
+    """Import cutlass targeting sm_90a (CUTE_DSL_ARCH must be set before the first import)."""
+    if "cutlass" not in sys.modules:
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    try:
+        import cutlass
+        import cutlass.jax  # noqa: F401
+        from cutlass.cutlass_dsl.cutlass import CuTeDSL
+    except Exception as e:  # noqa: BLE001 - any import problem means "no compiler here"
+        raise CompilerUnavailable(f"CuTe DSL compiler not importable: {e}") from e
+    if CuTeDSL._get_dsl().envar.arch != "sm_90a":
+        raise CompilerUnavailable("cutlass was imported for another arch; set CUTE_DSL_ARCH=sm_90a")
+    return cutlass
+
+
+def cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for site in sys.path:
+        hits = glob.glob(os.path.join(site, "nvidia", "cu1*", "bin", "cuobjdump"))
+        if hits:
+            return hits[0]
+    return None
+
+
+def fatbins(module: bytes) -> list:
+    """The fatbin images embedded in a CuTe DSL host object (the cubin lives inside)."""
+    out, i = [], 0
+    while True:
+        i = module.find(struct.pack("<I", FATBIN_MAGIC), i)
+        if i < 0:
+            return out
+        _, _, header, size = struct.unpack_from("<IHHQ", module, i)
+        out.append(module[i:i + header + size])
+        i += header + size
+
+
+def sass_of(module: bytes, tool: str | None = None) -> str:
+    tool = tool or cuobjdump()
+    if tool is None:
+        raise CompilerUnavailable("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    texts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for j, fb in enumerate(fatbins(module)):
+            path = os.path.join(tmp, f"m{j}.fatbin")
+            with open(path, "wb") as f:
+                f.write(fb)
+            texts.append(subprocess.run([tool, "-sass", "-res-usage", path], capture_output=True, text=True,
+                                        check=True).stdout)
+    return "\n".join(texts)
+
+
+_SYMBOL = re.compile(r"\b(_Z\w+|kernel_\w+|cutlass_\w+)")
+
+
+def normalized(sass: str) -> str:
+    """SASS without symbol names and file paths (they name Python classes / modules, not instructions)."""
+    lines = []
+    for line in sass.splitlines():
+        if "Fatbin" in line or line.strip().startswith("code for") or "Function :" in line:
+            continue
+        lines.append(_SYMBOL.sub("SYM", line))
+    return "\n".join(lines)
+
+
+def compile_module(problem, config=None, axis: str | None = "auto") -> bytes:
+    """Lower + export the kernel of `problem` for CUDA and return the compiled module's bytes.
+
+    axis: "auto" = the runtime's symbolic axis (m for the M-grouped ops, T for wgrad); None = concrete shapes."""
+    cutlass = cutlass_sm90()
+    import jax
+    from cutlass.jax.compile import _CUTLASS_COMPILE_CACHE
+
+    from cudnn_moe_jax.kernels.sm90 import variants
+    from cudnn_moe_jax.kernels.sm90.jax_bridge import make_call
+
+    call = make_call(problem, config)
+    if axis is None:
+        avals = list(variants.input_avals(problem).values())
+    else:
+        (dim,) = jax.export.symbolic_shape("8*t_blocks" if problem.op == "wgrad" else "m")
+        avals = list(variants.symbolic_avals(problem, dim).values())
+    before = set(_CUTLASS_COMPILE_CACHE)
+    exp = jax.export.export(jax.jit(call), platforms=["cuda"],
+                            disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*avals)
+    assert "CuteDSLRT_NvJaxCutlassCall" in exp.mlir_module()
+    new = [k for k in _CUTLASS_COMPILE_CACHE if k not in before]
+    assert len(new) == 1, "expected exactly one compiled module"
+    return _CUTLASS_COMPILE_CACHE[new[0]].module
