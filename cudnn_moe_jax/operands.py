@@ -21,7 +21,7 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
 
 The tables (`TABLES`, one per op) are the one statement of the operand contract; the binding order of the public
 ops, the output avals, the dynamic axes, the launcher's operands and TensorSpecs and its unpacking are read from
-here. Adding an operand is adding its row. Pure Python: nothing here imports jax at import time.
+here. Adding an operand is adding its row. No cutlass import: the kernels' pure-Python modules read it too.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 from .formats import SF_ATOM_ROWS, cdiv, sf_physical_shape, sf_segment_bytes
-from .limits import FP4, GROUP_ALIGN, TOKEN_ALIGN
+from .limits import FP4
 
 Rule = Callable[[Any], Any]
 
@@ -396,8 +396,3 @@ def dynamic_axes(problem) -> tuple[str, dict]:
     field = "k" if problem.op == "wgrad" else "m"
     return field, {r.name: tuple(_eval(r.dynamic, problem)) for r in rows(problem.op)[0]
                    if r.dynamic is not None and r.present(problem)}
-
-
-def dynamic_align(problem) -> int:
-    """Every dynamic extent is a multiple of this: the group alignment of m, the token alignment of wgrad's T."""
-    return TOKEN_ALIGN if problem.op == "wgrad" else GROUP_ALIGN

@@ -16,6 +16,7 @@ import pytest
 import cudnn_moe_jax as cmj
 from cudnn_moe_jax import _lowering, _primitive, _runtime, formats, operands
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+from cudnn_moe_jax.limits import GROUP_ALIGN, TOKEN_ALIGN
 from cudnn_moe_jax.kernels.sm90 import config as sm90_config
 from cudnn_moe_jax.kernels.sm90 import operands as launcher
 from cudnn_moe_jax.kernels.sm90 import variants
@@ -69,7 +70,7 @@ def test_dynamic_axes_follow_the_shape_rules(p):
     """Each declared dynamic axis is the one axis whose extent follows m (wgrad: T) at `per` rows an index; the
     module's symbolic avals are the shape rules evaluated at the symbolic extent."""
     _, axes = operands.dynamic_axes(p)
-    unit = operands.dynamic_align(p)
+    unit = TOKEN_ALIGN if p.op == "wgrad" else GROUP_ALIGN
     one, two = operands.input_specs(_at(p, 4 * unit)), operands.input_specs(_at(p, 8 * unit))
     for name, (shape, _) in one.items():
         changed = [i for i, (x, y) in enumerate(zip(shape, two[name][0])) if x != y]
