@@ -58,6 +58,8 @@ class Partial:
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
+    """One row of the table (the fields: this module's docstring)."""
+
     name: str
     kind: Union[str, Rule]
     shape: Rule
