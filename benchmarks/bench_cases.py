@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import cudnn_moe_jax as cmj
-from cudnn_moe_jax.formats import E4M3
+from cudnn_moe_jax.formats import E4M3, sf_physical_shape
 from cudnn_moe_jax.shapes import FUSION, SHAPES
 
 # MXFP8 output variants: label -> FP8 D (else bf16 D)
@@ -70,9 +70,8 @@ def bf16_avals(shape: str) -> tuple:
 def mxfp8_avals(shape: str, fp8_d: bool) -> tuple:
     m, n, k, groups = SHAPES[shape]
     sds = jax.ShapeDtypeStruct
-    kb = -(-(-(-k // 32)) // 4)  # 4-block atoms of the 32-wide K blocks
     avals = (sds((m, k), jnp.float8_e4m3fn), sds((groups, n, k), jnp.float8_e4m3fn),
-             sds((1, m // 128, kb, 32, 4, 4), jnp.uint8), sds((groups, -(-n // 128), kb, 32, 4, 4), jnp.uint8),
+             sds(sf_physical_shape(m, k, 32), jnp.uint8), sds(sf_physical_shape(n, k, 32, groups), jnp.uint8),
              sds((groups,), jnp.int32), sds((groups,), jnp.float32), sds((m,), jnp.float32))
     return avals + ((sds((1,), jnp.float32),) if fp8_d else ())
 

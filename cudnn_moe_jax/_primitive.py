@@ -1,8 +1,10 @@
 """The one primitive behind every op: abstract eval from the problem, lowering per platform.
 
 `grouped_gemm_p` takes the op's canonical arrays (flat, in the order given by `input_names`) and the static
-`GroupedGemmProblem`; it returns the present outputs in cuDNN key order. Lowering:
-  cuda  -> the CuTe DSL kernel when one covers the problem (cudnn_moe_jax._runtime), else the reference (XLA on
+`GroupedGemmProblem`; it returns the present outputs in cuDNN key order. Both orders come from the operand table
+(`cudnn_moe_jax.operands`): `bind` orders the inputs by it and every lowering checks `input_names` against it by
+name (the kernels take their operands by position). Lowering:
+  cuda  -> the CuTe DSL kernel when one covers the problem (cudnn_moe_jax._lowering), else the reference (XLA on
            the GPU) with a one-time warning naming the reason;
   other -> the pure-jnp reference (cudnn_moe_jax.reference) through `mlir.lower_fun`.
 There is deliberately no JVP/transpose/batching rule: gradients come from the explicit backward ops.
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _problem
+from . import operands
 from ._problem import GroupedGemmProblem
 
 log = logging.getLogger("cudnn_moe_jax")
@@ -30,28 +32,28 @@ grouped_gemm_p.multiple_results = True
 
 
 def _present_specs(problem):
-    return [(k, v) for k, v in _problem.output_specs(problem).items() if v is not None]
+    return [(k, v) for k, v in operands.output_specs(problem).items() if v is not None]
 
 
 def bind(problem: GroupedGemmProblem, inputs: dict, config=None) -> dict:
-    """Bind the primitive; `inputs` maps canonical input names to arrays (None entries are dropped).
+    """Bind the primitive; `inputs` maps canonical input names to arrays (None entries are dropped), in any order:
+    they are bound in the operand table's order, and must be exactly the problem's present inputs.
 
     Discrete weights arrive as a tuple under "b" (and "sfb") and are flattened to "b:0", "b:1", ...
     Returns a dict with every output key of the op (absent outputs None).
     """
-    names, arrays = [], []
+    named = {}
     for name, value in inputs.items():
-        if value is None:
-            continue
         if isinstance(value, (tuple, list)):
-            for i, v in enumerate(value):
-                names.append(f"{name}:{i}")
-                arrays.append(v)
-        else:
-            names.append(name)
-            arrays.append(value)
-    results = grouped_gemm_p.bind(*arrays, problem=problem, input_names=tuple(names), config=config)
-    out = dict.fromkeys(_problem.OUTPUT_KEYS[problem.op])
+            named.update((f"{name}:{i}", v) for i, v in enumerate(value))
+        elif value is not None:
+            named[name] = value
+    names = operands.input_names(problem)
+    if set(named) != set(names):
+        raise ValueError(f"{problem.op}: inputs {sorted(named)} are not this problem's operands {sorted(names)} "
+                         "(cudnn_moe_jax/operands.py: their presence rules)")
+    results = grouped_gemm_p.bind(*[named[n] for n in names], problem=problem, input_names=names, config=config)
+    out = dict.fromkeys(operands.output_keys(problem.op))
     for (key, _), value in zip(_present_specs(problem), results):
         out[key] = value
     return out
@@ -106,6 +108,7 @@ def _impl(*arrays, problem, input_names, config):
 
 def _reference_lowering(ctx, *args, problem, input_names, config):
     del config
+    operands.check_input_names(problem, input_names)
     return mlir.lower_fun(functools.partial(reference_outputs, problem, input_names),
                           multiple_results=True)(ctx, *args)
 
@@ -140,13 +143,14 @@ def _reference_on_gpu(ctx, *args, problem, input_names, config):
 
 
 def _cuda_lowering(ctx, *args, problem, input_names, config):
+    operands.check_input_names(problem, input_names)  # a wrong binding is an error, not a reason to fall back
     if not _kernels_enabled:
         return _reference_on_gpu(ctx, *args, problem=problem, input_names=input_names, config=config)
     reason = None
     try:
-        from . import _runtime
+        from . import _lowering
 
-        lowering = _runtime.kernel_lowering(problem, input_names, config, ctx.avals_in, ctx.avals_out)
+        lowering = _lowering.kernel_lowering(problem, input_names, config, ctx.avals_in, ctx.avals_out)
     except Exception as exc:  # noqa: BLE001 - any failure to find/compile a kernel falls back, loudly once
         lowering, reason = None, f"{type(exc).__name__}: {exc}"
     if lowering is None:

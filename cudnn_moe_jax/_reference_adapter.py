@@ -19,7 +19,7 @@ def run(p: GroupedGemmProblem, x: dict) -> dict:
     e = p.epilogue
     if p.op == "wgrad":
         return reference.grouped_gemm_wgrad(
-            x["a"], x["b"], x["offsets"], x.get("sfa"), x.get("sfb"), x.get("global_scale_a"),
+            x["a"], x["b"], x["padded_offsets"], x.get("sfa"), x.get("sfb"), x.get("global_scale_a"),
             x.get("global_scale_b"), x.get("wgrad"), wgrad_dtype=p.wgrad_dtype, **_format(p))
     quant_out = dict(d_dtype=e.d_dtype, compute_amax=e.compute_amax)
     if p.op == "quant":

@@ -46,6 +46,8 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
+from .limits import FP8_DTYPES, SF_DTYPES
+
 E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
 BF16, F16, F32 = "bfloat16", "float16", "float32"
 
@@ -60,8 +62,8 @@ _JNP_DTYPE = {E4M3: jnp.float8_e4m3fn, E5M2: jnp.float8_e5m2, E8M0: jnp.float8_e
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # What each dtype argument accepts: storage formats that decode to fp32, block-quantized data, scale factors.
 _DECODABLE = (E4M3, E5M2, E2M1, E8M0, BF16, F16, F32)
-_BLOCK_DATA = (E4M3, E5M2, E2M1)
-_SF = (E8M0, E4M3)
+_BLOCK_DATA = FP8_DTYPES + (E2M1,)
+_SF = SF_DTYPES
 
 # Correctly rounded fp32 reciprocals of the 256 e4m3 codes (IEEE fp32 division done once here, so that no backend's
 # division mode can change a scale); 1/0 = inf so that min(norm_const * inf, FLT_MAX) gives the spec's FLT_MAX.
@@ -70,7 +72,9 @@ with np.errstate(divide="ignore"):
 
 
 def cdiv(a, b):
-    return (a + b - 1) // b
+    """ceil(a / b) for a >= 0, b > 0. Written -(-a // b): exact for a jax.export symbolic dimension too (the SF
+    shapes of a module compiled for the symbolic m, e.g. cdiv(256*m_blocks, 128) = 2*m_blocks)."""
+    return -(-a // b)
 
 
 def rcp_limit(d_dtype) -> float:
@@ -261,14 +265,21 @@ def decode(data, data_dtype):
 # Scale-factor layout (docs/formats.md#scale-factor-layout)
 # --------------------------------------------------------------------------------------------------------------------
 
-def sf_physical_shape(rows, k, vec, num_groups=1) -> tuple:
-    """C-contiguous physical shape (L, Rb, Kb, 32, 4, 4) of the scale factors of a (rows, k) operand."""
-    return (num_groups, cdiv(rows, 128), cdiv(cdiv(k, vec), 4), 32, 4, 4)
-
-
 SF_ATOM_ROWS = 128    # rows of one scale-factor atom
 SF_ATOM_KBLOCKS = 4   # k-blocks of one atom
 SF_ATOM_BYTES = 512   # = SF_ATOM_ROWS * SF_ATOM_KBLOCKS
+
+
+def sf_physical_shape(rows, k, vec, num_groups=1) -> tuple:
+    """C-contiguous physical shape (L, Rb, Kb, 32, 4, 4) of the scale factors of a (rows, k) operand. `rows` and
+    `k` may be jax.export symbolic dimensions."""
+    return (num_groups, cdiv(rows, SF_ATOM_ROWS), cdiv(cdiv(k, vec), SF_ATOM_KBLOCKS), 32, 4, 4)
+
+
+def sf_segment_bytes(rows, tokens, vec) -> int:
+    """Bytes of a per-expert segment SF buffer over `tokens` tokens (docs/formats.md#segmented-layout): the size of
+    the contiguous layout of (rows, tokens), rup(rows, 128) * rup(cdiv(tokens, vec), 4)."""
+    return cdiv(rows, SF_ATOM_ROWS) * SF_ATOM_ROWS * cdiv(cdiv(tokens, vec), SF_ATOM_KBLOCKS) * SF_ATOM_KBLOCKS
 
 
 # The two helpers below are the layout's formula. They use shifts and masks only, so the same function serves
@@ -286,12 +297,22 @@ def sf_atom_byte(r0, r1, kb0):
     return r0 * 16 + r1 * 4 + kb0
 
 
+def sf_row_byte(r, kb):
+    """Byte of row r and k-block kb inside their atom (only r % 128 and kb % 4 count): `sf_atom_byte` of the row
+    split r0 = r % 32, r1 = (r // 32) % 4."""
+    return sf_atom_byte(r & 31, (r >> 5) & 3, kb & 3)
+
+
+def sf_atom_coords(w):
+    """Inverse of `sf_row_byte`: (row in the 128-row block, k-block in the quad) of byte `w` (< 512) of an atom."""
+    return (w >> 4) + ((w >> 2) & 3) * 32, w & 3
+
+
 def sf_offset(r, kb, l, rows, n_kblocks):
     """Byte offset of logical S[l, r, kb] (docs/formats.md#scale-factor-layout); Python ints, numpy or jnp integer
     arrays."""
     rb_n, kb_n = cdiv(rows, SF_ATOM_ROWS), cdiv(n_kblocks, SF_ATOM_KBLOCKS)
-    return (l * (rb_n * kb_n * SF_ATOM_BYTES) + sf_atom_start(r >> 7, kb >> 2, kb_n)
-            + sf_atom_byte(r & 31, (r >> 5) & 3, kb & 3))
+    return l * (rb_n * kb_n * SF_ATOM_BYTES) + sf_atom_start(r >> 7, kb >> 2, kb_n) + sf_row_byte(r, kb)
 
 
 # Axis order that turns (L, Rb, r1=4, r0=32, Kb, kb0=4) into memory order (L, Rb, Kb, r0, r1, kb0); it is its own
@@ -357,8 +378,8 @@ def pack_sf_segments(s, ends, vec):
     """
     s = as_u8(s)
     rows, n_tok_blocks = s.shape
-    rb_n = cdiv(rows, 128)
-    total = rb_n * 128 * cdiv(n_tok_blocks, 4) * 4
+    rb_n = cdiv(rows, SF_ATOM_ROWS)
+    total = sf_segment_bytes(rows, n_tok_blocks * vec, vec)
     starts, _, nkb, kb_n, base = _segments(ends, n_tok_blocks * vec, rows, vec)
     n_groups = base.shape[0]
 
@@ -370,8 +391,8 @@ def pack_sf_segments(s, ends, vec):
     q = p - base[g]                                      # byte offset inside the owner's SF(R, T_g) block
     atom_row = jnp.maximum(kb_n[g], 1) * SF_ATOM_BYTES   # bytes per 128-row block of the segment
     rb, ka, w = q // atom_row, (q % atom_row) // SF_ATOM_BYTES, q % SF_ATOM_BYTES
-    r = rb * 128 + ((w // 4) % 4) * 32 + w // 16        # inverse of sf_atom_byte
-    j = ka * 4 + w % 4
+    r_in, kb0 = sf_atom_coords(w)
+    r, j = rb * SF_ATOM_ROWS + r_in, ka * SF_ATOM_KBLOCKS + kb0
     valid = (owner >= 0) & (rb < rb_n) & (r < rows) & (j < nkb[g])
     col = starts[g] // vec + j
     val = s[jnp.clip(r, 0, rows - 1), jnp.clip(col, 0, n_tok_blocks - 1)]
@@ -394,7 +415,7 @@ def unpack_sf_segments(flat, rows, ends, total_tokens, vec):
     j = t - starts[g] // vec
     valid = (g_raw < n_groups) & (j >= 0) & (j < nkb[g])
     r = jnp.arange(rows, dtype=jnp.int32)[:, None]
-    off = base[g] + sf_atom_start(r >> 7, j >> 2, kb_n[g]) + sf_atom_byte(r & 31, (r >> 5) & 3, j & 3)
+    off = base[g] + sf_atom_start(r >> 7, j >> 2, kb_n[g]) + sf_row_byte(r, j)
     val = flat[jnp.clip(off, 0, flat.shape[0] - 1)]
     return jnp.where(valid[None, :], val, jnp.uint8(0))
 

@@ -26,45 +26,18 @@ import jax.numpy as jnp
 
 from . import activations
 from . import formats as F
-from ._problem import GROUP_ALIGN
+from .limits import FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN
+from .offsets import group_starts, row_groups, sanitize_offsets, sanitize_token_offsets  # noqa: F401 (API)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
 GLU_BLOCK = 32        # GLU pairing block width (docs/activations.md#glu-layout): even 32-col blocks gate, odd up
 COL_VEC = 32          # D_col quantization block (32 rows, docs/formats.md#column-quantization)
 NVFP4_VEC = 16        # Hadamard op: NVFP4 outputs, vec 16, e4m3 scales (docs/formats.md#nvfp4)
-FP8_OUT = (F.E4M3, F.E5M2)
-HALF_OR_F32 = ("bfloat16", "float16", "float32")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Groups
-
-
-def sanitize_offsets(padded_offsets, m: int, align: int = GROUP_ALIGN):
-    """(L,) int32 group ends: clip to [0, m], round down to a multiple of `align`, running max (docs/offsets.md)."""
-    ends = jnp.clip(jnp.asarray(padded_offsets).astype(jnp.int32), 0, m)
-    if align > 1:
-        ends = (ends // align) * align
-    return jax.lax.cummax(ends, axis=0)
-
-
-def sanitize_token_offsets(offsets, total_tokens: int):
-    """wgrad token ends: running_max(clip(offsets, 0, T)), no alignment (docs/offsets.md#wgrad-token-offsets)."""
-    return sanitize_offsets(offsets, total_tokens, align=1)
-
-
-def group_starts(ends):
-    return jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
-
-
-def row_groups(ends, m: int):
-    """(m,) int32 group id of each row, `min{g : end_g > row}`; L for rows outside every group."""
-    return jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right").astype(jnp.int32)
+# Groups (the sanitizer and the row -> group map: cudnn_moe_jax.offsets)
 
 
 def _per_row(values, gid):
@@ -109,7 +82,7 @@ def dequantize_a(a, sfa, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size:
         return jnp.asarray(a).astype(F32)
     m = a.shape[0]
     k = a.shape[1] * (2 if ab_dtype == F.E2M1 else 1)
-    s = F.unpack_sf(sfa, m, _cdiv(k, sf_vec_size))[0]
+    s = F.unpack_sf(sfa, m, F.cdiv(k, sf_vec_size))[0]
     return _dequant_rows(a, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
 
 
@@ -124,7 +97,7 @@ def dequantize_b(b, sfb, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size:
         return jnp.asarray(b).astype(F32)
     num_groups, n = b.shape[0], b.shape[1]
     k = b.shape[2] * (2 if ab_dtype == F.E2M1 else 1)
-    s = F.unpack_sf(sfb, n, _cdiv(k, sf_vec_size), num_groups)
+    s = F.unpack_sf(sfb, n, F.cdiv(k, sf_vec_size), num_groups)
     return _dequant_rows(b, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
 
 
@@ -174,7 +147,7 @@ def expert_token_matmul(a_op, b_op, ends):
     n_w = b_op.shape[0]
     num_groups = ends.shape[0]
     step_tokens = token_tile(tokens, num_groups)
-    n_tiles = _cdiv(tokens, step_tokens)
+    n_tiles = F.cdiv(tokens, step_tokens)
     pad = n_tiles * step_tokens - tokens
     a_op = jnp.pad(a_op, ((0, 0), (0, pad)))
     b_op = jnp.pad(b_op, ((0, 0), (0, pad)))
@@ -269,7 +242,7 @@ def _norm_const(norm_const, what: str = "norm_const"):
 def cast(x, dtype: str):
     """fp32 -> storage dtype, RNE; FP8 saturating (satfinite, docs/formats.md#rounding). FP8 results are jnp
     float8 arrays."""
-    if dtype in HALF_OR_F32:
+    if dtype in FLOAT_OUT_DTYPES:
         return x.astype(dtype)
     if dtype == F.E4M3:
         return F.e4m3_encode(x)
@@ -287,7 +260,7 @@ def store_d(dfp, ends, *, d_dtype: str, norm_const=None, discrete_col_sfd: bool 
     group ends. Zero data quantizes to code 0 with SF byte 0, so rows outside every group stay zero.
     """
     out = dict(d=None, d_col=None, sfd_row=None, sfd_col=None)
-    if d_dtype not in FP8_OUT:
+    if d_dtype not in FP8_DTYPES:
         out["d"] = cast(dfp, d_dtype)
         return out
     nc = _norm_const(norm_const)

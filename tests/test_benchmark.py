@@ -11,7 +11,7 @@ import bench_cases
 import bench_grouped_gemm as bench
 import pytest
 
-from cudnn_moe_jax import _runtime, shapes
+from cudnn_moe_jax import _lowering, _runtime, shapes
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
         asked.append((problem, tuple(input_names)))
         return None  # no kernel here: the call lowers to the reference (with a warning) and is not compiled
 
-    monkeypatch.setattr(_runtime, "kernel_lowering", record)
+    monkeypatch.setattr(_lowering, "kernel_lowering", record)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for item in bench_cases.bundle_items():

@@ -137,7 +137,7 @@ def test_fp8_dgrad_supports_and_launch_outputs():
     import jax.numpy as jnp
     import numpy as np
 
-    from cudnn_moe_jax._problem import output_specs
+    from cudnn_moe_jax import operands as table
     from cudnn_moe_jax.kernels.sm90 import config, operands
 
     for name in ("dswiglu_e4m3", "dsrelu_e5m2_segsfd", "dswiglu_e4m3c", "dsrelu_e5m2c_e4m3"):
@@ -151,11 +151,11 @@ def test_fp8_dgrad_supports_and_launch_outputs():
     cfg = config.default_config(p)
     _, outs = operands.launcher_operands(p)
     assert [n for n, _ in outs] == ["d", "d_col", "dprob_parts", "dbias_parts", "amax", "sfd_row", "sfd_col"]
-    launch = operands.dgrad_kernel_shape_dtypes(p, cfg, p.m)
+    launch = table.launch_outputs(p, cfg)
     fake = [jnp.full(a.shape, i + 1, a.dtype) for i, a in enumerate(launch)]
     offsets = jnp.asarray([512, 1024, 1536, 2048], jnp.int32)
-    got = operands.finish_dgrad_outputs(p, fake, offsets)
-    want = [(s, d) for s, d in output_specs(p).values() if s is not None]
+    got = table.finish(p)(fake, {"padded_offsets": offsets})
+    want = [(s, d) for s, d in table.output_specs(p).values() if s is not None]
     assert [(tuple(x.shape), str(x.dtype)) for x in got] == [(tuple(s), d) for s, d in want]
     for x, src in zip(got[:2] + got[-3:], fake[:2] + fake[-3:]):   # d_row, d_col, amax, sfd_row, sfd_col
         np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(src).view(np.uint8))

@@ -84,9 +84,9 @@ def compile_module(problem, config=None, kernel_class=None) -> bytes:
     import jax
     from cutlass.jax.compile import _CUTLASS_COMPILE_CACHE
 
-    from cudnn_moe_jax.kernels.sm90.jax_bridge import make_call
+    from cudnn_moe_jax.kernels.sm90.jax_bridge import call_of, make_call
 
-    call = make_call(problem, config) if kernel_class is None else make_call(problem, config, kernel_class)
+    call = make_call(problem, config) if kernel_class is None else call_of(kernel_class(problem, config))
     (m,) = jax.export.symbolic_shape("m")
     sym = list(variants.symbolic_avals(problem, m).values())
     before = set(_CUTLASS_COMPILE_CACHE)

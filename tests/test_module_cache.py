@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 from test_runtime import _BLOCK_CUTLASS, REPO, _python, needs_cutlass
 
-from cudnn_moe_jax import _module_cache, _runtime
+from cudnn_moe_jax import _compile, _module_cache, _modules, _runtime
 
 AVAL = jax.ShapeDtypeStruct((8, 8), jnp.float32)
 
@@ -36,21 +36,21 @@ def cache(tmp_path, monkeypatch):
     folder = tmp_path / "modules"
     monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", str(folder))
     monkeypatch.delenv("CUDNN_MOE_JAX_NO_COMPILE", raising=False)
-    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [])
-    monkeypatch.setattr(_runtime, "_MEMORY", {})
-    monkeypatch.setattr(_runtime, "compile_unavailable_reason", lambda: None)
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [])
+    monkeypatch.setattr(_modules, "_MEMORY", {})
+    monkeypatch.setattr(_compile, "compile_unavailable_reason", lambda: None)
     compiled = []
 
     def compile_module(spec):
         compiled.append(spec)
         return fake_module(b"\x7fELF compiled #%d for " % len(compiled) + spec.fingerprint.encode())
 
-    monkeypatch.setattr(_runtime, "compile_module", compile_module)
+    monkeypatch.setattr(_compile, "compile_module", compile_module)
     return folder, compiled
 
 
 def forget_memory(monkeypatch):
-    monkeypatch.setattr(_runtime, "_MEMORY", {})  # what a new process starts with
+    monkeypatch.setattr(_modules, "_MEMORY", {})  # what a new process starts with
 
 
 def test_compiled_module_is_written_and_found_again(cache, monkeypatch):
@@ -66,7 +66,7 @@ def test_compiled_module_is_written_and_found_again(cache, monkeypatch):
     assert [p.name for p in folder.iterdir()] == [path.name]  # no temporary file left behind
     forget_memory(monkeypatch)
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
-    monkeypatch.setattr(_runtime, "compile_unavailable_reason", lambda: "compiling is disabled (test)")
+    monkeypatch.setattr(_compile, "compile_unavailable_reason", lambda: "compiling is disabled (test)")
     assert _runtime.get_module(spec) == mod and len(compiled) == 1
     assert _runtime.has_module(spec.fingerprint) and not _runtime.has_module(fake_spec("test/other").fingerprint)
 
@@ -128,7 +128,7 @@ def test_off_and_unwritable(cache, monkeypatch, tmp_path, caplog):
 
 _WRITER = """
 import os, sys, time
-from cudnn_moe_jax import _module_cache, _runtime
+from cudnn_moe_jax import _compile, _module_cache, _modules, _runtime
 import test_module_cache as t
 me, rounds, barrier = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 payload = bytes([me]) * (1 << 20) + b"writer %d" % me
@@ -138,7 +138,7 @@ while len(os.listdir(barrier)) < 2 and time.time() < deadline:
     time.sleep(0.001)  # start together
 spec = t.fake_spec()
 for _ in range(rounds):
-    assert _runtime._to_cache(spec, t.fake_module(payload)) is not None
+    assert _modules._to_cache(spec, t.fake_module(payload)) is not None
 """
 
 
@@ -156,7 +156,7 @@ def test_concurrent_writers_never_leave_a_torn_entry(tmp_path, monkeypatch):
     running = True
     while running:
         running = any(w.poll() is None for w in writers)  # then one more read after both finished
-        mod = _runtime._from_cache(spec.fingerprint, spec.avals_key, notes)
+        mod = _modules._from_cache(spec.fingerprint, spec.avals_key, notes)
         assert not notes, notes
         if mod is not None:
             reads += 1
@@ -176,7 +176,7 @@ def test_second_process_finds_what_the_first_compiled(tmp_path):
     lower = textwrap.dedent("""
         import dataclasses, json, os, sys, warnings, jax
         import test_runtime as t
-        from cudnn_moe_jax import _module_cache, _runtime
+        from cudnn_moe_jax import _compile, _module_cache, _modules, _runtime
         warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
         p, _ = t.small_quant_problem()
         ins = _runtime.kernels_package().variants.input_avals(dataclasses.replace(p, m=M))

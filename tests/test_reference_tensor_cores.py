@@ -137,11 +137,11 @@ def test_one_activation_table_unknown_names_fail_everywhere():
 
 
 def test_dgrad_partial_sums_reduce_in_a_fixed_order():
-    """The lowering's reduction of the dgrad kernel's partials (kernels/sm90/operands.finish_dgrad_outputs): dprob =
+    """The lowering's reduction of the dgrad kernel's partials (the operand table's `finish`): dprob =
     the N-tile partials summed in tile order, dbias = per-group sums of the 128-row tile partials (rows past the
     last group and empty groups add nothing), amax passed through; equal to float64 sums, bit-identical reruns."""
     from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
-    from cudnn_moe_jax.kernels.sm90 import operands
+    from cudnn_moe_jax import operands
 
     rng = np.random.default_rng(11)
     m, n, L = 1024, 96, 4
@@ -155,8 +155,8 @@ def test_dgrad_partial_sums_reduce_in_a_fixed_order():
     offsets = jnp.asarray([256, 256, 700, 768], jnp.int32)       # -> ends 256, 256, 512, 768; rows 768.. in none
 
     def finish():
-        return operands.finish_dgrad_outputs(problem, [d, jnp.asarray(dprob_parts), jnp.asarray(dbias_parts), amax],
-                                             offsets)
+        return operands.finish(problem)([d, jnp.asarray(dprob_parts), jnp.asarray(dbias_parts), amax],
+                                        {"padded_offsets": offsets})
 
     out = jax.jit(finish)()
     again = jax.jit(finish)()

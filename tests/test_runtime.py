@@ -31,7 +31,7 @@ import pytest
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from cudnn_moe_jax import _runtime
+from cudnn_moe_jax import _compile, _lowering, _modules, _runtime, operands
 from cudnn_moe_jax._problem import GroupedGemmProblem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -159,7 +159,7 @@ def test_register_runtime_without_cuda_returns_false():
 
 def test_unavailable_message_says_how_to_get_a_module(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
-    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [tmp_path])
     with pytest.raises(_runtime.KernelUnavailable) as err:
         _runtime.get_module(tiny_spec((8, 8)))
     assert "pip install cudnn-moe-jax[cuda]" in str(err.value)
@@ -169,14 +169,12 @@ def test_unavailable_message_says_how_to_get_a_module(tmp_path, monkeypatch):
 
 def quant_call(m):
     """(problem, input names, input avals, output avals) of a small bf16 quant call with m rows."""
-    from cudnn_moe_jax import _problem
-
     p = GroupedGemmProblem(op="quant", m=m, n=128, k=64, num_groups=2, ab_dtype="bfloat16")
     names = ("a", "b", "padded_offsets", "alpha", "prob")
     ins = (jax.ShapeDtypeStruct((m, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 128, 64), jnp.bfloat16),
            jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.float32),
            jax.ShapeDtypeStruct((m,), jnp.float32))
-    return p, names, ins, [jax.ShapeDtypeStruct(*v) for v in _problem.output_specs(p).values() if v is not None]
+    return p, names, ins, [jax.ShapeDtypeStruct(*v) for v in operands.output_specs(p).values() if v is not None]
 
 
 def lower_quant(m) -> str:
@@ -202,13 +200,13 @@ def test_primitive_lowers_grouped_gemm_from_bundle_or_falls_back(tmp_path, monke
 
     p, names, ins, outs = quant_call(256)
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
-    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [tmp_path])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         text = lower_quant(256)
     assert not custom_calls(text) and any("aot build" in str(w.message) for w in caught)
     mod = _fake_grouped_gemm_bundle(tmp_path, p, names, ins, outs)
-    monkeypatch.setattr(_runtime, "_MEMORY", {})
+    monkeypatch.setattr(_modules, "_MEMORY", {})
     for m in (256, 1024, 4096):  # built for m = 256; one module serves every m
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
@@ -242,7 +240,7 @@ def test_grouped_gemm_spec_is_m_symbolic_and_checks_the_avals():
                             sf_dtype="float8_e8m0fnu", sf_vec_size=32,
                             epilogue=_problem.Epilogue(d_dtype="float8_e4m3fn", generate_sfd=True))
     avals = _runtime.kernels_package().variants.input_avals(mx)
-    out = [jax.ShapeDtypeStruct(*v) for v in _problem.output_specs(mx).values() if v is not None]
+    out = [jax.ShapeDtypeStruct(*v) for v in operands.output_specs(mx).values() if v is not None]
     spec = _runtime.grouped_gemm_spec(mx, None, list(avals), list(avals.values()), out)
     blocks = sym // 128  # = 2*m_blocks: SF row blocks of 128
     assert str(blocks) == "2*m_blocks" and dict(zip(avals, spec.in_avals))["sfa"].shape == (1, blocks, 1, 32, 4, 4)
@@ -257,7 +255,7 @@ def test_lowering_checks_support_config_and_digest_once(tmp_path, monkeypatch):
     from cudnn_moe_jax import _primitive  # noqa: F401 (registers the primitive's lowerings)
 
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
-    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [tmp_path])
     _fake_grouped_gemm_bundle(tmp_path, *quant_call(256))
     pkg, counts = _runtime.kernels_package(), collections.Counter()
 
@@ -265,8 +263,8 @@ def test_lowering_checks_support_config_and_digest_once(tmp_path, monkeypatch):
         fn = getattr(obj, name)
         monkeypatch.setattr(obj, name, lambda *a, **k: (counts.update([name]), fn(*a, **k))[1])
 
-    for obj, name in ((pkg, "supports"), (pkg, "default_config"), (_runtime, "resolve_config"),
-                      (_runtime, "kernels_source_digest")):
+    for obj, name in ((pkg, "supports"), (pkg, "default_config"), (_lowering, "resolve_config"),
+                      (_modules, "kernels_source_digest")):
         counted(obj, name)
     for m in (256, 512):
         counts.clear()
@@ -307,7 +305,7 @@ def test_bundle_lowering_without_cutlass_matches_cutlass_call(tmp_path):
     ours = json.loads(_python(_BLOCK_CUTLASS + textwrap.dedent(f"""
         import json, sys, jax, jax.numpy as jnp
         import test_runtime as t
-        from cudnn_moe_jax import _runtime
+        from cudnn_moe_jax import _compile, _lowering, _modules, _runtime, operands
         a = jax.ShapeDtypeStruct((64, 128), jnp.float32)
         lowered = jax.jit(t.tiny_program).trace(a, a).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
@@ -360,7 +358,7 @@ def test_real_primitive_bundle_built_at_one_m_serves_every_m(tmp_path):
     ours = json.loads(_python(_BLOCK_CUTLASS + textwrap.dedent("""
         import dataclasses, json, sys, warnings, jax
         import test_runtime as t
-        from cudnn_moe_jax import _runtime
+        from cudnn_moe_jax import _compile, _lowering, _modules, _runtime, operands
         warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
         p, _ = t.small_quant_problem()
         calls = {}
@@ -374,7 +372,7 @@ def test_real_primitive_bundle_built_at_one_m_serves_every_m(tmp_path):
     theirs = json.loads(_python("""
         import importlib, json, jax
         import test_runtime as t
-        from cudnn_moe_jax import _runtime
+        from cudnn_moe_jax import _compile, _lowering, _modules, _runtime, operands
         _runtime.import_cutlass()
         p, ins = t.small_quant_problem()
         pkg = _runtime.kernels_package()
@@ -400,8 +398,6 @@ def test_module_bytes_are_the_same_for_every_m(monkeypatch):
     `_runtime` compiles for the symbolic m: every m gets the very same bytes."""
     from test_kernels_compile import fatbins
 
-    from cudnn_moe_jax import _problem
-
     _runtime.import_cutlass()
     from cutlass.jax import compile as cc
 
@@ -412,7 +408,7 @@ def test_module_bytes_are_the_same_for_every_m(monkeypatch):
     for m in (2048, 512):
         q = dataclasses.replace(p, m=m)
         ins = pkg.variants.input_avals(q)
-        outs = [jax.ShapeDtypeStruct(*v) for v in _problem.output_specs(q).values() if v is not None]
+        outs = [jax.ShapeDtypeStruct(*v) for v in operands.output_specs(q).values() if v is not None]
         monkeypatch.setattr(cc, "_CUTLASS_COMPILE_CACHE", {})  # compile each time, not cutlass's in-memory hit
         ours[m] = _runtime.compile_module(_runtime.grouped_gemm_spec(q, None, list(ins), list(ins.values()),
                                                                      outs)).module
@@ -430,11 +426,11 @@ def test_backward_op_compiles_one_module_for_every_m(monkeypatch):
     import cudnn_moe_jax as cmj
 
     _runtime.import_cutlass()
-    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [])
-    monkeypatch.setattr(_runtime, "_MEMORY", {})
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [])
+    monkeypatch.setattr(_modules, "_MEMORY", {})
     monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", "off")
     compiled, real_compile = [], _runtime.compile_module
-    monkeypatch.setattr(_runtime, "compile_module", lambda spec: compiled.append(spec) or real_compile(spec))
+    monkeypatch.setattr(_compile, "compile_module", lambda spec: compiled.append(spec) or real_compile(spec))
 
     def f(a, b, c, offsets, prob):
         r = cmj.grouped_gemm_dsrelu(a, b, c, padded_offsets=offsets, prob_tensor=prob, generate_dbias=True,
@@ -461,13 +457,13 @@ def test_compile_at_lowering_memory_cache_and_recording(monkeypatch):
     _runtime.import_cutlass("sm_90a")
     import cutlass.jax
 
-    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [])
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [])
     a = jax.ShapeDtypeStruct((16, 16), jnp.float32)
     with _runtime.recording() as got:  # compiled inside the primitive's lowering
         (ours,) = custom_calls(jax.jit(tiny_program).trace(a, a).lower(lowering_platforms=("cuda",)).as_text())
     ((spec, mod),) = got
     assert spec == tiny_spec((16, 16)) and mod.key == hashlib.sha256(mod.module).digest()
-    monkeypatch.setattr(_runtime, "compile_module", lambda s: pytest.fail("memory cache missed"))
+    monkeypatch.setattr(_compile, "compile_module", lambda s: pytest.fail("memory cache missed"))
     assert _runtime.get_module(tiny_spec((16, 16))) is mod
     theirs_fn = lambda x, y: cutlass.jax.cutlass_call(_tiny_launcher(), output_shape_dtype=a)(x, y) * 2.0 + 1.0
     (theirs,) = custom_calls(jax.jit(theirs_fn).trace(a, a).lower(lowering_platforms=("cuda",)).as_text())

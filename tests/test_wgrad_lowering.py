@@ -16,7 +16,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import cudnn_moe_jax as cmj  # noqa: E402
-from cudnn_moe_jax import _runtime  # noqa: E402
+from cudnn_moe_jax import _compile, _modules, _runtime  # noqa: E402
 from test_runtime import custom_calls, needs_cutlass  # noqa: E402
 
 MW, NW, L = 384, 320, 5
@@ -46,7 +46,7 @@ def test_wgrad_fingerprint_and_avals_are_token_count_free():
     for tokens in (1000, 4096):
         p = GroupedGemmProblem(op="wgrad", m=MW, n=NW, k=tokens, num_groups=L, ab_dtype="bfloat16",
                                wgrad_dtype="float32", has_global_scales=True, accumulate=True)
-        names = ("a", "b", "offsets", "global_scale_a", "global_scale_b", "wgrad")
+        names = ("a", "b", "padded_offsets", "global_scale_a", "global_scale_b", "wgrad")
         specs.append(_runtime.grouped_gemm_spec(p, None, names, _avals(tokens), [sds((L, MW, NW), jnp.float32)]))
     assert specs[0] == specs[1] and specs[0].avals_key == specs[1].avals_key
     t = _runtime.symbolic_t()
@@ -61,8 +61,8 @@ def test_wgrad_fingerprint_and_avals_are_token_count_free():
 def test_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monkeypatch):
     _runtime.import_cutlass()
     bundle = tmp_path / "bundle"
-    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [bundle])
-    monkeypatch.setattr(_runtime, "_MEMORY", {})
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [bundle])
+    monkeypatch.setattr(_modules, "_MEMORY", {})
     monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", "off")
     with _runtime.recording() as got:
         built = custom_calls(_lower(1000))
@@ -72,9 +72,9 @@ def test_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monk
     assert entry["in_avals"][0]["shape"] == [MW, "8*t_blocks"] and entry["meta"]["problem"]["k"] == "8*t_blocks"
     assert entry["input_output_aliases"] == [[5, 0]]   # wgrad_tensor (operand 5) is the output's buffer
 
-    monkeypatch.setattr(_runtime, "_MEMORY", {})
+    monkeypatch.setattr(_modules, "_MEMORY", {})
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
-    monkeypatch.setattr(_runtime, "compile_module", lambda s: pytest.fail(f"compiled {s.name} again"))
+    monkeypatch.setattr(_compile, "compile_module", lambda s: pytest.fail(f"compiled {s.name} again"))
     for tokens in (1000, 2048, 520):
         text = _lower(tokens)
         (call,) = custom_calls(text)

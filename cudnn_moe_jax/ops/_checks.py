@@ -14,14 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._problem import FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, sf_segment_bytes, sf_shape  # noqa: F401 (re-exported)
 from ..formats import dtype_name  # noqa: F401 (re-exported: the one dtype normaliser of the ops and of formats)
-
-MAX_GROUPS = 1024
-M_ALIGN = GROUP_ALIGN
-SF_DTYPES = ("float8_e8m0fnu", "float8_e4m3fn")
-FLOAT_OUT_DTYPES = ("bfloat16", "float16", "float32")
-FP4 = "float4_e2m1fn"
+from ..formats import sf_physical_shape
+from ..limits import FLOAT_OUT_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, MAX_GROUPS, SF_DTYPES
 
 
 def check_choice(value, allowed, arg: str, why: str = ""):
@@ -73,9 +68,9 @@ def check_k_alignment(k: int, ab_dtype: str, arg: str):
 
 
 def check_m(m: int, arg: str = "a_tensor"):
-    if m <= 0 or m % M_ALIGN:
-        raise ValueError(f"{arg}: rows m={m} must be a positive multiple of {M_ALIGN} (expert groups are "
-                         f"padded to {M_ALIGN} rows): cudnn_moe_jax.nn.route + nn.permute build that layout "
+    if m <= 0 or m % GROUP_ALIGN:
+        raise ValueError(f"{arg}: rows m={m} must be a positive multiple of {GROUP_ALIGN} (expert groups are "
+                         f"padded to {GROUP_ALIGN} rows): cudnn_moe_jax.nn.route + nn.permute build that layout "
                          "(nn.permuted_rows(T, top_k, L) rows), or pad with jnp.pad")
 
 
@@ -255,8 +250,8 @@ def check_static_kwargs(acc_dtype=None, m_aligned=None, cd_major=None, vector_f3
         raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)} (this op does not take them)")
     if acc_dtype is not None and dtype_name(acc_dtype, "acc_dtype") != "float32":
         raise ValueError("acc_dtype: only float32 accumulation is supported")
-    if m_aligned is not None and m_aligned != M_ALIGN:
-        raise ValueError(f"m_aligned: groups are padded to {M_ALIGN} rows; other alignments are not supported")
+    if m_aligned is not None and m_aligned != GROUP_ALIGN:
+        raise ValueError(f"m_aligned: groups are padded to {GROUP_ALIGN} rows; other alignments are not supported")
     if cd_major is not None and cd_major != "n":
         raise ValueError("cd_major: outputs are row-major (cd_major='n') in JAX")
     if vector_f32:
@@ -350,8 +345,8 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         raise ValueError(f"{b_arg}: number of experts L={num_groups} must be in [1, {MAX_GROUPS}]")
     if n <= 0 or n % 8:
         raise ValueError(f"{b_arg}: N={n} must be a positive multiple of 8")
-    offsets = offsets_vector(padded_offsets, num_groups, m, "padded_offsets", M_ALIGN,
-                             f"the cumulative end row of each expert group: non-decreasing multiples of {M_ALIGN} "
+    offsets = offsets_vector(padded_offsets, num_groups, m, "padded_offsets", GROUP_ALIGN,
+                             f"the cumulative end row of each expert group: non-decreasing multiples of {GROUP_ALIGN} "
                              f"in [0, m={m}] (cudnn_moe_jax.nn.route builds them from expert choices)")
 
     if discrete and sfb_tensors is not None and len(sfb_tensors) != num_groups:
@@ -360,15 +355,15 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                                          sf_vec_size, "sfb_tensors" if discrete else "sfb_tensor")
     sfa = sfb = None
     if sf_dtype is not None:
-        sfa = sf_bytes(sfa_tensor, sf_shape(m, k, vec), "sfa_tensor",
+        sfa = sf_bytes(sfa_tensor, sf_physical_shape(m, k, vec), "sfa_tensor",
                        SF_HINT_TILED.format(what="(m, K) activations", x="a", logical="(m, cdiv(K, sf_vec_size))"))
         if discrete:
             hint = SF_HINT_TILED.format(what="(N, K) weight of each expert", x="b_tensors[i]",
                                         logical="(N, cdiv(K, sf_vec_size))")
-            sfb = tuple(sf_bytes(s, sf_shape(n, k, vec), f"sfb_tensors[{i}]", hint) for i, s in enumerate(sfb_tensors))
+            sfb = tuple(sf_bytes(s, sf_physical_shape(n, k, vec), f"sfb_tensors[{i}]", hint)
+                        for i, s in enumerate(sfb_tensors))
         else:
-            shape = (num_groups,) + sf_shape(n, k, vec)[1:]
-            sfb = sf_bytes(sfb_tensor, shape, "sfb_tensor",
+            sfb = sf_bytes(sfb_tensor, sf_physical_shape(n, k, vec, num_groups), "sfb_tensor",
                            SF_HINT_TILED.format(what="(L, N, K) weights", x="b",
                                                 logical="(L, N, cdiv(K, sf_vec_size))"))
     inputs = {"a": a, "b": b, "sfa": sfa, "sfb": sfb, "padded_offsets": offsets}

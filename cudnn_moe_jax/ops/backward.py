@@ -9,13 +9,12 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import _primitive, activations
-from .._problem import FP8_DTYPES, Epilogue, GroupedGemmProblem
+from .._problem import Epilogue, GroupedGemmProblem
 from .._results import OpResult
+from ..formats import sf_segment_bytes
+from ..limits import DBIAS_DTYPES, FLOAT_OUT_DTYPES, FP8_DTYPES, MAX_GROUPS, OUT_DTYPES
 from . import _checks as ck
 from .forward import finish, output_quantization
-
-_D_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
-_C_IN_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_tensor, sfb_tensors,
@@ -36,14 +35,14 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
     if tuple(c.shape) != (m, c_width):
         raise ValueError(f"c_tensor (the saved forward pre-activation) must have shape ({m}, {c_width}), got "
                          f"{tuple(c.shape)}")
-    c_dtype = ck.out_dtype(c.dtype.name, "c_tensor dtype", _C_IN_DTYPES)
-    d_dtype = ck.out_dtype(d_dtype, "d_dtype", _D_DTYPES)
+    c_dtype = ck.out_dtype(c.dtype.name, "c_tensor dtype", OUT_DTYPES)
+    d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES)
     if d_dtype in FP8_DTYPES and c_width % 16:
         raise ValueError(f"d_dtype {d_dtype}: output width {c_width} must be a multiple of 16")
     generate_sfd, norm_const, compute_amax = output_quantization(d_dtype, norm_const_tensor, discrete_col_sfd,
                                                                  compute_amax)
     if generate_dbias:
-        dbias_dtype = ck.out_dtype(dbias_dtype or "bfloat16", "dbias_dtype", ("bfloat16", "float32"))
+        dbias_dtype = ck.out_dtype(dbias_dtype or "bfloat16", "dbias_dtype", DBIAS_DTYPES)
     elif dbias_dtype is not None:
         raise ValueError("dbias_dtype needs generate_dbias=True")
     epilogue = Epilogue(act=act, has_prob=prob_tensor is not None,
@@ -149,15 +148,15 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
     m, n = a.shape[0], b.shape[0]
     offsets = ck.array(offsets_tensor, "offsets_tensor")
     num_groups = offsets.shape[0] if offsets.ndim else 0
-    if not 1 <= num_groups <= ck.MAX_GROUPS:
-        raise ValueError(f"offsets_tensor must have shape (L,) with 1 <= L <= {ck.MAX_GROUPS}")
+    if not 1 <= num_groups <= MAX_GROUPS:
+        raise ValueError(f"offsets_tensor must have shape (L,) with 1 <= L <= {MAX_GROUPS}")
     offsets = ck.offsets_vector(offsets, num_groups, tokens, "offsets_tensor", 1,
                                 f"the cumulative token end of each expert: non-decreasing in [0, T={tokens}]")
     sf_dtype, vec = ck.resolve_block_format(ab_dtype, sfa_tensor, sfb_tensor, sf_vec_size)
     sfa = sfb = None
     if sf_dtype is not None:
-        sfa = ck.sf_bytes(sfa_tensor, (ck.sf_segment_bytes(m, tokens, vec),), "sfa_tensor", ck.SF_HINT_SEGMENTS)
-        sfb = ck.sf_bytes(sfb_tensor, (ck.sf_segment_bytes(n, tokens, vec),), "sfb_tensor", ck.SF_HINT_SEGMENTS)
+        sfa = ck.sf_bytes(sfa_tensor, (sf_segment_bytes(m, tokens, vec),), "sfa_tensor", ck.SF_HINT_SEGMENTS)
+        sfb = ck.sf_bytes(sfb_tensor, (sf_segment_bytes(n, tokens, vec),), "sfb_tensor", ck.SF_HINT_SEGMENTS)
     nvfp4 = sf_dtype == "float8_e4m3fn"
     if nvfp4 and (global_scale_a is None or global_scale_b is None):
         raise ValueError("global_scale_a and global_scale_b are required for NVFP4 (e4m3-scaled) wgrad")
@@ -170,7 +169,7 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
         if tuple(existing.shape) != (num_groups, m, n):
             raise ValueError(f"wgrad_tensor must have shape ({num_groups}, {m}, {n}), got {tuple(existing.shape)}")
         # The accumulated result keeps wgrad_tensor's dtype.
-        existing_dtype = ck.out_dtype(existing.dtype.name, "wgrad_tensor dtype", ("bfloat16", "float16", "float32"))
+        existing_dtype = ck.out_dtype(existing.dtype.name, "wgrad_tensor dtype", FLOAT_OUT_DTYPES)
         if wgrad_dtype is not None and ck.dtype_name(wgrad_dtype, "wgrad_dtype") != existing_dtype:
             raise ValueError(f"wgrad_dtype={wgrad_dtype!r} differs from wgrad_tensor's dtype {existing_dtype}: the "
                              "accumulated gradient keeps wgrad_tensor's dtype")
@@ -178,12 +177,12 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
     elif wgrad_tensor is not None:
         raise ValueError("wgrad_tensor is only read with accumulate_on_output=True")
     else:
-        wgrad_dtype = ck.out_dtype(wgrad_dtype or "bfloat16", "wgrad_dtype", ("bfloat16", "float16", "float32"))
+        wgrad_dtype = ck.out_dtype(wgrad_dtype or "bfloat16", "wgrad_dtype", FLOAT_OUT_DTYPES)
     problem = GroupedGemmProblem(op="wgrad", m=m, n=n, k=tokens, num_groups=num_groups, ab_dtype=ab_dtype,
                                  sf_dtype=sf_dtype, sf_vec_size=vec, wgrad_dtype=wgrad_dtype,
                                  has_global_scales=global_scale_a is not None, accumulate=bool(accumulate_on_output),
                                  **majors)
-    inputs = {"a": a, "b": b, "offsets": offsets, "sfa": sfa, "sfb": sfb,
+    inputs = {"a": a, "b": b, "padded_offsets": offsets, "sfa": sfa, "sfb": sfb,
               "global_scale_a": ck.float_vector(global_scale_a, num_groups, "global_scale_a"),
               "global_scale_b": ck.float_vector(global_scale_b, num_groups, "global_scale_b"),
               "wgrad": wgrad_tensor if accumulate_on_output else None}

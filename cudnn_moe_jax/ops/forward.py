@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from .. import _primitive, activations
-from .._problem import FP8_DTYPES, Epilogue, GroupedGemmProblem
+from .._problem import Epilogue, GroupedGemmProblem
 from .._results import OpResult
+from ..limits import FP8_DTYPES, OUT_DTYPES
 from . import _checks as ck
 
-_C_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
-_D_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 _SF_OUT_KEYS = ("sfd_row_tensor", "sfd_col_tensor", "sfd_tensor", "sfrht_tensor")
 
 
@@ -87,9 +86,9 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
     config = ck.check_static_kwargs(**static_kwargs)
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
                                     padded_offsets, sf_vec_size)
-    d_dtype = ck.out_dtype(d_dtype, "d_dtype", _D_DTYPES)
+    d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES)
     if op != "quant":                      # srelu/glu always produce C (docs/ops.md): None is not "no C"
-        c_dtype = ck.out_dtype(c_dtype, "c_dtype", _C_DTYPES)
+        c_dtype = ck.out_dtype(c_dtype, "c_dtype", OUT_DTYPES)
     n_out = output_width(act, dims)
     if d_dtype in FP8_DTYPES and n_out % 16:
         raise ValueError(f"d_dtype {d_dtype}: N_out={n_out} must be a multiple of 16 (16-byte rows)")

@@ -10,10 +10,9 @@ from typing import Optional
 from .. import activations
 from .._problem import Epilogue
 from .._results import OpResult
+from ..limits import FLOAT_OUT_DTYPES, FP4
 from . import _checks as ck
 from .forward import activation_options, bind_forward, output_width
-
-_FP4 = ck.FP4
 
 
 def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None,
@@ -40,28 +39,28 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
     n_out = output_width(act_func, dims)
     if n_out % 16:
         raise ValueError(f"N_out={n_out} must be a multiple of 16 (16-wide Hadamard blocks)")
-    c_dtype = ck.out_dtype(c_dtype, "c_dtype", ("bfloat16", "float16", "float32"))
-    d_dtype = ck.out_dtype(d_dtype, "d_dtype", ("bfloat16", _FP4))
+    c_dtype = ck.out_dtype(c_dtype, "c_dtype", FLOAT_OUT_DTYPES)
+    d_dtype = ck.out_dtype(d_dtype, "d_dtype", ("bfloat16", FP4))
     ck.check_choice(rht_mode, (None, "rowwise", "colwise"), "rht_mode")
     if rht_mode is None:
         if rht_dtype is not None or rht_norm_const_tensor is not None or hadamard_tensor is not None:
             raise ValueError("rht_dtype / rht_norm_const_tensor / hadamard_tensor need rht_mode='rowwise' or "
                              "'colwise'")
     else:
-        rht_dtype = ck.out_dtype(rht_dtype or (_FP4 if rht_mode == "colwise" else "bfloat16"), "rht_dtype",
-                                 ("bfloat16", _FP4))
-        if rht_mode == "colwise" and rht_dtype != _FP4:
+        rht_dtype = ck.out_dtype(rht_dtype or (FP4 if rht_mode == "colwise" else "bfloat16"), "rht_dtype",
+                                 ("bfloat16", FP4))
+        if rht_mode == "colwise" and rht_dtype != FP4:
             raise ValueError("rht_dtype: the colwise Hadamard output is NVFP4 only (float4_e2m1fn)")
-    fp4_out = d_dtype == _FP4 or rht_dtype == _FP4
+    fp4_out = d_dtype == FP4 or rht_dtype == FP4
     if fp4_out and n_out % 128:
         raise ValueError(f"NVFP4 outputs need N_out % 128 == 0, got N_out={n_out}")
     norm_const = rht_norm_const = None
-    if d_dtype == _FP4:
+    if d_dtype == FP4:
         if norm_const_tensor is None:
             raise ValueError("norm_const_tensor is required for an NVFP4 d_dtype (global encode scale; pass "
                              "jnp.ones((1,), jnp.float32) for none)")
         norm_const = ck.scalar_f32(norm_const_tensor, "norm_const_tensor")
-    if rht_dtype == _FP4:
+    if rht_dtype == FP4:
         if rht_norm_const_tensor is None:
             raise ValueError("rht_norm_const_tensor is required for an NVFP4 Hadamard output (global encode scale; "
                              "pass jnp.ones((1,), jnp.float32) for none)")

@@ -174,9 +174,9 @@ def manifest_entry(problem, config, symbolic_m: bool) -> dict:
 def export(problem, config, symbolic_m: bool, kernel_class=None):
     import cutlass
 
-    from cudnn_moe_jax.kernels.sm90.jax_bridge import make_call
+    from cudnn_moe_jax.kernels.sm90.jax_bridge import call_of, make_call
 
-    call = make_call(problem, config) if kernel_class is None else make_call(problem, config, kernel_class)
+    call = make_call(problem, config) if kernel_class is None else call_of(kernel_class(problem, config))
     named = variants.input_avals(problem)
     if symbolic_m:
         (m,) = jax.export.symbolic_shape("m")

@@ -5,18 +5,18 @@ Entry points used by the JAX layer:
   default_config(problem) -> Config     measured default schedule
   GroupedGemmSm90(problem, config=None) kernel object; its `@cute.jit` `launch(stream, *tensors)` (also
                                         `__call__`) is the launcher to hand to `cutlass.jax.cutlass_call`
-                                        (argument order in `gemm.py`); `kernel.cutlass_call_kwargs` holds the
-                                        matching input/output TensorSpecs.
+                                        (operands: the operand table, cudnn_moe_jax/operands.py)
+  cutlass_call_kwargs(kernel)           the matching input/output TensorSpecs (jax_bridge)
   default_variants()                    (problem, config, input avals) of the default aot bundle.
-Importing `GroupedGemmSm90` imports cutlass (set CUTE_DSL_ARCH=sm_90a before the first `import cutlass`).
+Importing `GroupedGemmSm90` or `cutlass_call_kwargs` imports cutlass (set CUTE_DSL_ARCH=sm_90a before the first
+`import cutlass`).
 """
 
 from .config import Config, config_from_hints, default_config, supports
-from .operands import launch_outputs
 from .variants import default_variants
 
-__all__ = ["Config", "config_from_hints", "GroupedGemmSm90", "default_config", "default_variants", "launch_outputs", "supports", "tensor_specs",
-           "output_shape_dtypes"]
+__all__ = ["Config", "config_from_hints", "GroupedGemmSm90", "cutlass_call_kwargs", "default_config",
+           "default_variants", "supports", "tensor_specs"]
 
 
 def __getattr__(name):
@@ -24,7 +24,7 @@ def __getattr__(name):
         from .gemm import GroupedGemmSm90
 
         return GroupedGemmSm90
-    if name in ("tensor_specs", "output_shape_dtypes"):
+    if name in ("cutlass_call_kwargs", "tensor_specs"):
         from . import jax_bridge
 
         return getattr(jax_bridge, name)

@@ -9,21 +9,12 @@ import dataclasses
 from typing import Optional
 
 from cudnn_moe_jax import activations
-from cudnn_moe_jax._problem import GROUP_ALIGN
+from cudnn_moe_jax.limits import FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, MAX_GROUPS, OUT_DTYPES
 
 SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
 DGRAD_ACTS = {op: tuple(a.derivative for a in activations.TABLE.values() if a.backward_op == op)
               for op in ("dglu", "dsrelu")}
 GLU_ACTS = activations.GLU_NAMES
-# the saved forward C read by the backward epilogue (FP8: the forward's plain satfinite cast, no scale factor;
-# widened to fp32 exactly before beta * C)
-DGRAD_C_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
-AB_DTYPES = ("bfloat16", "float16")
-MXFP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # with e8m0 scales, vec 32 (mainloop_mxfp8)
-OUT_DTYPES = ("bfloat16", "float16", "float32")
-FP8_OUT_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # C: plain satfinite cast; D: with SFD_row/D_col/SFD_col
-BIAS_DTYPES = ("bfloat16", "float16", "float32")
-MAX_GROUPS = 1024
 SMEM_CAPACITY = 232448  # sm_90 opt-in dynamic shared memory per CTA (227 KiB)
 H200_SMS = 132
 # 4-CTA clusters (2 x 2) co-resident on an H200: 24 run at once, 32 do not (the rest ran as a second wave of the
@@ -83,17 +74,17 @@ def supports(problem) -> Optional[str]:
     epi = problem.epilogue
     if problem.op not in SUPPORTED_OPS:
         return f"op {problem.op!r} is not implemented by the sm90 kernel (only {SUPPORTED_OPS})"
-    if problem.block_scaled:
-        if problem.ab_dtype not in MXFP8_DTYPES or problem.sf_dtype != "float8_e8m0fnu" or problem.sf_vec_size != 32:
+    if problem.block_scaled:  # MXFP8: e8m0 scales, vec 32 (mainloop_mxfp8)
+        if problem.ab_dtype not in FP8_DTYPES or problem.sf_dtype != "float8_e8m0fnu" or problem.sf_vec_size != 32:
             return (f"block-scaled {problem.ab_dtype!r} with {problem.sf_dtype!r}/{problem.sf_vec_size}: only MXFP8 "
                     "(e4m3/e5m2 + e8m0, vec 32) is implemented on sm90")
-    elif problem.ab_dtype not in AB_DTYPES:
-        return f"A/B dtype {problem.ab_dtype!r} not in {AB_DTYPES + MXFP8_DTYPES}"
+    elif problem.ab_dtype not in HALF_DTYPES:
+        return f"A/B dtype {problem.ab_dtype!r} not in {HALF_DTYPES + FP8_DTYPES}"
     if problem.discrete_weights:
         return "discrete weights are not implemented on sm90 yet"
     if problem.op != "wgrad" and problem.a_major != "k":
         return "an M-major A is implemented for wgrad only"
-    if problem.b_major != "k" and (problem.block_scaled or problem.ab_dtype not in AB_DTYPES):
+    if problem.b_major != "k" and (problem.block_scaled or problem.ab_dtype not in HALF_DTYPES):
         return "an N-major B needs bf16/fp16 operands (FP8 wgmma reads K-major tiles only)"
     if problem.op in DGRAD_ACTS:
         return _dgrad_support(problem)
@@ -101,10 +92,10 @@ def supports(problem) -> Optional[str]:
         return _wgrad_support(problem)
     if epi.rht or epi.has_hadamard:
         return "RHT and Hadamard are not implemented on sm90 yet"
-    if epi.generate_sfd != (epi.d_dtype in FP8_OUT_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
+    if epi.generate_sfd != (epi.d_dtype in FP8_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
         return "FP8 D comes with SFD_row/D_col/SFD_col (generate_sfd) and only then discrete_col_sfd"
-    if epi.d_dtype not in OUT_DTYPES + FP8_OUT_DTYPES:
-        return f"d_dtype {epi.d_dtype!r} not in {OUT_DTYPES + FP8_OUT_DTYPES}"
+    if epi.d_dtype not in OUT_DTYPES:
+        return f"d_dtype {epi.d_dtype!r} not in {OUT_DTYPES}"
     if epi.generate_sfd and problem.n_out % 16:
         return "FP8 D needs N_out % 16 == 0 (16-byte rows)"
     if problem.op == "quant":
@@ -120,10 +111,10 @@ def supports(problem) -> Optional[str]:
             return f"glu act must be one of {GLU_ACTS}, got {epi.act!r}"
         if problem.n % 64:
             return "GLU needs N % 64 == 0"
-    if epi.c_dtype is not None and epi.c_dtype not in OUT_DTYPES + FP8_OUT_DTYPES:
-        return f"c_dtype {epi.c_dtype!r} not in {OUT_DTYPES + FP8_OUT_DTYPES}"
-    if epi.has_bias and epi.bias_dtype not in BIAS_DTYPES:
-        return f"bias_dtype {epi.bias_dtype!r} not in {BIAS_DTYPES}"
+    if epi.c_dtype is not None and epi.c_dtype not in OUT_DTYPES:
+        return f"c_dtype {epi.c_dtype!r} not in {OUT_DTYPES}"
+    if epi.has_bias and epi.bias_dtype not in FLOAT_OUT_DTYPES:
+        return f"bias_dtype {epi.bias_dtype!r} not in {FLOAT_OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
     if problem.m % GROUP_ALIGN:
@@ -139,16 +130,16 @@ def _dgrad_support(problem) -> Optional[str]:
     """The backward epilogue (epilogue_dgrad): bf16/fp16 dY and weight, C 16/32-bit or FP8 (e4m3 / e5m2), D_row
     16/32-bit or FP8 (with SFD_row, D_col, SFD_col: epilogue_fp8d, both SFD_col layouts)."""
     epi = problem.epilogue
-    if problem.block_scaled or problem.ab_dtype not in AB_DTYPES:
+    if problem.block_scaled or problem.ab_dtype not in HALF_DTYPES:
         return f"{problem.op} with {problem.ab_dtype} inputs: the sm90 backward epilogue takes bf16/fp16 A/B only"
     if epi.act not in DGRAD_ACTS[problem.op]:
         return f"{problem.op} act {epi.act!r} not in {DGRAD_ACTS[problem.op]}"
-    if epi.d_dtype not in OUT_DTYPES + FP8_OUT_DTYPES:
-        return f"{problem.op}: D_row dtype {epi.d_dtype!r} not in {OUT_DTYPES + FP8_OUT_DTYPES}"
-    if epi.generate_sfd != (epi.d_dtype in FP8_OUT_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
+    if epi.d_dtype not in OUT_DTYPES:
+        return f"{problem.op}: D_row dtype {epi.d_dtype!r} not in {OUT_DTYPES}"
+    if epi.generate_sfd != (epi.d_dtype in FP8_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
         return "FP8 D_row comes with SFD_row/D_col/SFD_col (generate_sfd) and only then discrete_col_sfd"
-    if epi.c_dtype not in DGRAD_C_DTYPES:
-        return f"{problem.op}: saved C dtype {epi.c_dtype!r} not in {DGRAD_C_DTYPES}"
+    if epi.c_dtype not in OUT_DTYPES:  # FP8: the forward's satfinite cast, widened to fp32 exactly before beta * C
+        return f"{problem.op}: saved C dtype {epi.c_dtype!r} not in {OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
     if problem.m % GROUP_ALIGN:
@@ -162,10 +153,10 @@ def _wgrad_support(problem) -> Optional[str]:
     """The K-grouped weight gradient (schedule_kgrouped): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit; global
     scales (alpha = gsa[e] * gsb[e]) and accumulate_on_output (W += ..., in place) included. T is dynamic (the
     problem's k may be symbolic: `_runtime.symbolic_t()`)."""
-    if problem.block_scaled or problem.ab_dtype not in AB_DTYPES:
+    if problem.block_scaled or problem.ab_dtype not in HALF_DTYPES:
         return f"wgrad with {problem.ab_dtype} inputs: the sm90 kernel takes bf16/fp16 A/B only"
-    if problem.wgrad_dtype not in OUT_DTYPES:
-        return f"wgrad_dtype {problem.wgrad_dtype!r} not in {OUT_DTYPES}"
+    if problem.wgrad_dtype not in FLOAT_OUT_DTYPES:
+        return f"wgrad_dtype {problem.wgrad_dtype!r} not in {FLOAT_OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
     if problem.m % 128:
@@ -194,7 +185,7 @@ def default_config(problem) -> Config:
         return Config(tile_n=128, cluster_m=2, mx_n_parts=2)
     if problem.op == "wgrad" and problem.m % 256:
         return Config(cluster_m=1)  # a 2-CTA cluster pairs two M tiles of one expert's W
-    if problem.op == "glu" and problem.epilogue.c_dtype in AB_DTYPES and problem.num_groups >= 64:
+    if problem.op == "glu" and problem.epilogue.c_dtype in HALF_DTYPES and problem.num_groups >= 64:
         # many experts (few rows each): B streams from DRAM, so 4 A/B stages (one epilogue buffer) beat 3 stages
         # with two: `small` (64 experts) 593 vs 546 (run 25) and 571 vs 535 (run 10); with 8 experts -3..-12%
         return Config(epi_stages=1)

@@ -57,7 +57,7 @@ from .mainloop import (
     KGroupedWgmmaMainloop,
     WgmmaMainloop,
 )
-from .operands import DGRAD_OPS, input_output_aliases, launcher_operands
+from .operands import DGRAD_OPS, unpack
 from .schedule_kgrouped import KGroupedSchedule
 
 _DTYPES = {
@@ -188,32 +188,9 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
     def cache_key(self):
         return ("GroupedGemmSm90", self.problem, self.config)
 
-    @property
-    def cutlass_call_kwargs(self) -> dict:
-        """TensorSpecs for `cutlass.jax.cutlass_call(self.launch, **kwargs)` (present tensors, launcher order)."""
-        from .jax_bridge import tensor_specs
-
-        ins, outs = tensor_specs(self.problem)
-        kwargs = {"input_spec": tuple(ins), "output_spec": tuple(outs)}
-        aliases = input_output_aliases(self.problem)
-        if aliases:
-            kwargs["input_output_aliases"] = aliases
-        return kwargs
-
     def _unpack(self, tensors):
-        """Launcher tensors by name (`operands.launcher_operands`); absent ones None. Aliased outputs do not reach
-        the launcher (cutlass_call passes only their input)."""
-        ins, outs = launcher_operands(self.problem)
-        aliased = set(input_output_aliases(self.problem).values())
-        present = [x for x in tensors if x is not None]  # absent tensors may arrive as None
-        names = [name for name, _ in ins] + [name for j, (name, _) in enumerate(outs) if j not in aliased]
-        if len(present) != len(names):
-            raise ValueError(f"expected {len(names)} tensors ({names}), got {len(present)}")
-        named = dict.fromkeys(("sfa", "sfb", "prob", "bias", "norm_const", "c", "d_col", "amax", "sfd_row",
-                               "sfd_col", "beta", "dprob_parts", "dbias_parts", "d", "wgrad", "alpha",
-                               "global_scale_a", "global_scale_b"))
-        named.update(zip(names, present))
-        return named
+        """Launcher tensors by name (the operand table's, `operands.unpack`); absent ones None."""
+        return unpack(self.problem, tensors)
 
     @cute.jit
     def launch(self, stream: cuda.CUstream, *tensors):

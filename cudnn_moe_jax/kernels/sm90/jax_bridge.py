@@ -1,100 +1,103 @@
-"""How the sm90 kernel meets `cutlass.jax.cutlass_call`: tensor specs, output shapes, a ready-made call.
+"""How the sm90 kernel meets `cutlass.jax.cutlass_call`: the TensorSpec of each operand kind, the call's keyword
+arguments and a ready-made call.
 
-Canonical JAX arrays (NOTES.md): a (m, K), b (L, N, K), [MXFP8: sfa (1, m/128, Kb, 32, 4, 4), sfb (L, cdiv(N,128),
-Kb, 32, 4, 4) uint8], padded_offsets (L,) int32, alpha (L,) f32, prob (m,) f32, bias (L, N), [FP8 D: norm_const (1,)
-f32]; outputs c (m, N), d (m, N_out), [FP8 D: d_col (m, N_out)], amax (L, 1) f32, [FP8 D: sfd_row (1, m/128,
-cdiv(N_out/32, 4), 32, 4, 4), sfd_col (1, cdiv(N_out,128), m/128, 32, 4, 4) or flat per-expert segments]. Every array is row-major; B is presented to the
-kernel as (N, K, L) through `mode` (no copy). Tensors whose shape involves `m` are dynamic with `m % 256 == 0`
-declared, so one compiled module serves every `m` (and `jax.export` with a symbolic `m` works); likewise wgrad's
-A (m_w, T) / B (n_w, T) with `T % 8 == 0`; the others are static.
+The operands, their order, shapes and kinds are the operand table's (`cudnn_moe_jax.operands`, docs there). Every
+array is row-major unless a major says otherwise; B is presented to the kernel as (N, K, L) through `mode` (no
+copy). Tensors whose shape involves `m` are dynamic with `m % 256 == 0` declared, so one compiled module serves
+every `m` (and `jax.export` with a symbolic `m` works); likewise wgrad's A (m_w, T) / B (n_w, T) with `T % 8 == 0`;
+the others are static.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 from cutlass.jax import TensorSpec, cutlass_call
 
-from cudnn_moe_jax._problem import GROUP_ALIGN as M_ALIGN
-from cudnn_moe_jax._problem import TOKEN_ALIGN, output_specs
+from cudnn_moe_jax import operands as table
+from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS
+from cudnn_moe_jax.limits import GROUP_ALIGN, TOKEN_ALIGN
 
 from .config import supports
 from .gemm import GroupedGemmSm90
-from .operands import DGRAD_OPS, dgrad_kernel_shape_dtypes, input_output_aliases, launcher_operands
 
 
-def _spec(problem, name: str, kind: str) -> TensorSpec:
+def _spec(problem, operand: table.Bound) -> TensorSpec:
+    name, kind, shape = operand.name, operand.kind, operand.shape
     if kind == "tokens":  # wgrad (rows, T), T dynamic; token-major ("m" / "n"): rows contiguous, as stored
         token_major = (problem.a_major, problem.b_major)[name == "b"] != "k"
-        rows = problem.m if name == "a" else problem.n
-        return TensorSpec(layout=(0, 1) if token_major else None, divisibility=(rows, TOKEN_ALIGN))
+        return TensorSpec(layout=(0, 1) if token_major else None, divisibility=(shape[0], TOKEN_ALIGN))
     if kind == "weights" and problem.b_major == "n":
         return TensorSpec(mode=(1, 2, 0), static=True, layout=(2, 0, 1))  # (L, N, K) with N contiguous
     if kind == "rows":  # (m, cols): m dynamic
-        cols = {"a": problem.k, "c": problem.n_out if problem.op in DGRAD_OPS else problem.n}.get(name, problem.n_out)
-        return TensorSpec(divisibility=(M_ALIGN, cols))
+        return TensorSpec(divisibility=(GROUP_ALIGN, shape[1]))
     if kind == "weights":
         return TensorSpec(mode=(1, 2, 0), static=True)  # B (L, N, K) -> (N, K, L)
-    if kind == "sf_rows":
-        return TensorSpec(divisibility=(1, M_ALIGN // 128, 1, 32, 4, 4))  # m/128 row blocks (dynamic)
-    if kind == "sf_cols":
-        return TensorSpec(divisibility=(1, 1, M_ALIGN // 128, 32, 4, 4))
+    if kind == "sf_rows":  # (1, m / 128 row blocks (dynamic), Kb, atom...)
+        return TensorSpec(divisibility=(1, GROUP_ALIGN // SF_ATOM_ROWS, 1) + shape[3:])
+    if kind == "sf_cols":  # (1, cols / 128, m / 128 k-block quads (dynamic), atom...)
+        return TensorSpec(divisibility=(1, 1, GROUP_ALIGN // SF_ATOM_ROWS) + shape[3:])
     if kind == "sf_segments":
-        return TensorSpec(divisibility=(512,))
+        return TensorSpec(divisibility=(SF_ATOM_BYTES,))
     if kind == "m_vector":
-        return TensorSpec(divisibility=(M_ALIGN,))
+        return TensorSpec(divisibility=(GROUP_ALIGN,))
     if kind == "tiles_by_m":
-        return TensorSpec(divisibility=(1, M_ALIGN))
+        return TensorSpec(divisibility=(1, GROUP_ALIGN))
     if kind == "row_tiles":
-        return TensorSpec(divisibility=(M_ALIGN // 128, problem.n_out))
+        return TensorSpec(divisibility=(GROUP_ALIGN // table.ROW_TILE, shape[1]))
     assert kind == "static", kind
     return TensorSpec(static=True)
 
 
-def tensor_specs(problem):
-    """(input_spec, output_spec) lists for the present tensors, in launcher order (`operands.launcher_operands`)."""
-    ins, outs = launcher_operands(problem)
-    return [_spec(problem, *x) for x in ins], [_spec(problem, *x) for x in outs]
+def tensor_specs(problem, config=None):
+    """(input_spec, output_spec) lists for the present tensors, in launcher order (the operand table's)."""
+    return ([_spec(problem, b) for b in table.inputs(problem)],
+            [_spec(problem, b) for b in table.launch_outputs(problem, config)])
 
 
-def output_shape_dtypes(problem, m):
-    """ShapeDtypeStructs of the present outputs for `m` rows (`m` may be symbolic; m % 256 == 0), in launcher
-    order c?, d, d_col?, amax?, sfd_row?, sfd_col? = `_problem.output_specs` order (the one shape table)."""
-    specs = output_specs(dataclasses.replace(problem, m=m))
-    return [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in
-            (v for v in specs.values() if v is not None)]
+def cutlass_call_kwargs(kernel) -> dict:
+    """TensorSpecs (present tensors, launcher order) and aliases for `cutlass.jax.cutlass_call(kernel.launch,
+    **kwargs)`."""
+    ins, outs = tensor_specs(kernel.problem, kernel.config)
+    kwargs = {"input_spec": tuple(ins), "output_spec": tuple(outs)}
+    aliases = table.input_output_aliases(kernel.problem)
+    if aliases:
+        kwargs["input_output_aliases"] = aliases
+    return kwargs
 
 
 def launch_shape_dtypes(problem, config, m):
-    """The launch's output ShapeDtypeStructs: dgrad's partial sums, else the op's outputs (wgrad: W (L, m_w, n_w),
-    whose m is the static weight rows A's first axis holds)."""
-    if problem.op in DGRAD_OPS:
-        return dgrad_kernel_shape_dtypes(problem, config, m)
-    return output_shape_dtypes(problem, m)
+    """The launch's output ShapeDtypeStructs for `m` rows (`m` may be symbolic; wgrad: m is W's static rows)."""
+    import jax
+
+    launch = table.launch_outputs(dataclasses.replace(problem, m=m), config)
+    return [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in launch]
 
 
-def make_call(problem, config=None, kernel_class=GroupedGemmSm90):
-    """A function `(a, b, [sfa, sfb], padded_offsets, alpha, [prob], [bias], [norm_const]) -> tuple(c?, d,
-    d_col?, amax?, sfd_row?, sfd_col?)` for use under jit."""
-    reason = supports(problem)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    kernel = kernel_class(problem, config)
-    ins, outs = tensor_specs(problem)
+def call_of(kernel):
+    """A function `(*present inputs, in the operand table's order) -> tuple(launch outputs)` for use under jit,
+    launching `kernel` (any object with `problem`, `config`, `launch`, `cache_key`)."""
+    kwargs = cutlass_call_kwargs(kernel)
 
     def call(*arrays):
         m = arrays[0].shape[0]
         fn = cutlass_call(
             kernel,
-            output_shape_dtype=tuple(launch_shape_dtypes(problem, kernel.config, m)),
-            input_spec=tuple(ins),
-            output_spec=tuple(outs),
-            input_output_aliases=input_output_aliases(problem),
+            output_shape_dtype=tuple(launch_shape_dtypes(kernel.problem, kernel.config, m)),
+            input_spec=kwargs["input_spec"],
+            output_spec=kwargs["output_spec"],
+            input_output_aliases=kwargs.get("input_output_aliases", {}),
             compile_key=kernel.cache_key,
         )
         return fn(*arrays)
 
     call.kernel = kernel
     return call
+
+
+def make_call(problem, config=None):
+    """`call_of(GroupedGemmSm90(problem, config))`; NotImplementedError where the kernel does not cover `problem`."""
+    reason = supports(problem)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    return call_of(GroupedGemmSm90(problem, config))

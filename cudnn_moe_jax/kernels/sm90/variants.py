@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import itertools
 
-from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem, dynamic_axes
+from cudnn_moe_jax import operands as table
+from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+from cudnn_moe_jax.formats import E4M3, E5M2, E8M0
 from cudnn_moe_jax.shapes import SHAPES  # name: (m, N, K, L)
 
 from .config import default_config
-from .operands import DGRAD_OPS, launcher_operands
 
-INPUT_NAMES = ("a", "b", "sfa", "sfb", "padded_offsets", "alpha", "prob", "bias", "norm_const")
-E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
+# The forward ops' input names in binding order (the operand table's).
+INPUT_NAMES = table.input_order("glu")
 
 
 def epilogue_variants(ab_dtype: str):
@@ -75,61 +76,25 @@ def problems(shape=(2048, 512, 256, 4), ab_dtypes=("bfloat16", "float16"), mxfp8
 
 
 def input_avals(problem):
-    """{name: ShapeDtypeStruct} of the present inputs, in launcher order."""
+    """{name: ShapeDtypeStruct} of the present inputs, in launcher order (the operand table's)."""
     import jax
-    import jax.numpy as jnp
 
-    m, n, k, L = problem.m, problem.n, problem.k, problem.num_groups
-    epi = problem.epilogue
-    if problem.op == "wgrad":
-        avals = {"a": jax.ShapeDtypeStruct((m, k), jnp.dtype(problem.ab_dtype)),
-                 "b": jax.ShapeDtypeStruct((n, k), jnp.dtype(problem.ab_dtype)),
-                 "padded_offsets": jax.ShapeDtypeStruct((L,), jnp.int32)}
-        if problem.has_global_scales:
-            avals["global_scale_a"] = avals["global_scale_b"] = jax.ShapeDtypeStruct((L,), jnp.float32)
-        if problem.accumulate:
-            avals["wgrad"] = jax.ShapeDtypeStruct((L, m, n), jnp.dtype(problem.wgrad_dtype))
-        return avals
-    avals = {
-        "a": jax.ShapeDtypeStruct((m, k), jnp.dtype(problem.ab_dtype)),
-        "b": jax.ShapeDtypeStruct((L, n, k), jnp.dtype(problem.ab_dtype)),
-    }
-    if problem.block_scaled:
-        kb = -(-(-(-k // 32)) // 4)
-        avals["sfa"] = jax.ShapeDtypeStruct((1, m // 128, kb, 32, 4, 4), jnp.uint8)
-        avals["sfb"] = jax.ShapeDtypeStruct((L, -(-n // 128), kb, 32, 4, 4), jnp.uint8)
-    avals["padded_offsets"] = jax.ShapeDtypeStruct((L,), jnp.int32)
-    avals["alpha"] = jax.ShapeDtypeStruct((L,), jnp.float32)
-    if epi.has_prob:
-        avals["prob"] = jax.ShapeDtypeStruct((m,), jnp.float32)
-    if epi.has_bias:
-        avals["bias"] = jax.ShapeDtypeStruct((L, n), jnp.dtype(epi.bias_dtype))
-    if epi.generate_sfd:
-        avals["norm_const"] = jax.ShapeDtypeStruct((1,), jnp.float32)
-    if problem.op in DGRAD_OPS:
-        avals["c"] = jax.ShapeDtypeStruct((m, problem.n_out), jnp.dtype(epi.c_dtype))
-        avals["beta"] = jax.ShapeDtypeStruct((L,), jnp.float32)
-    ins, _ = launcher_operands(problem)
-    return {name: avals[name] for name, _ in ins}
+    return {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in table.input_specs(problem).items()}
 
 
 def symbolic_avals(problem, m):
     """input_avals with the dynamic extent `m` (symbolic under jax.export): the row count (m % 256 == 0), for wgrad
-    the token count T (T % 8 == 0); the axes of `_problem.dynamic_axes`."""
-    _, axes = dynamic_axes(problem)
+    the token count T (T % 8 == 0); the axes of `operands.dynamic_axes`."""
+    import jax
+
+    _, axes = table.dynamic_axes(problem)
     out = {}
     for name, a in input_avals(problem).items():
         if name in axes:
             axis, rows = axes[name]
-            a = jax_sds(a.shape[:axis] + (m // rows,) + a.shape[axis + 1:], a.dtype)
+            a = jax.ShapeDtypeStruct(a.shape[:axis] + (m // rows,) + a.shape[axis + 1:], a.dtype)
         out[name] = a
     return out
-
-
-def jax_sds(shape, dtype):
-    import jax
-
-    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def default_variants(shape_names=tuple(SHAPES)):

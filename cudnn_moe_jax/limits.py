@@ -1,0 +1,27 @@
+"""Limits, alignments and dtype sets of the grouped-GEMM problem: one name each, read by the ops' checks, the
+operand table, the reference and the kernels' support predicate. Pure Python (nothing imported).
+
+What a backend *implements* is narrower than what the ops accept (the kernels' `config.supports` says which of these
+combinations it covers); the sets below are the public contract (docs/ops.md, docs/formats.md).
+"""
+
+from __future__ import annotations
+
+# Expert groups along M are padded to this many rows (cuDNN's m_aligned / FIX_PAD_SIZE, docs/offsets.md): every
+# group end is a multiple of it, so no 128/256-row tile, SF row block or 32-row column-quant block spans two groups.
+GROUP_ALIGN = 256
+
+# Every token count T wgrad accepts is a multiple of this (16-byte rows of 16-bit tokens; FP8 / FP4 need more), so
+# one module compiled for T = TOKEN_ALIGN * t_blocks serves them all.
+TOKEN_ALIGN = 8
+
+# Experts (L) per call.
+MAX_GROUPS = 1024
+
+FP4 = "float4_e2m1fn"                                   # packed two values a byte (uint8 storage)
+HALF_DTYPES = ("bfloat16", "float16")                   # A/B without scale factors
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")           # MXFP8 A/B; FP8 C; FP8 D (with SFD_row, D_col, SFD_col)
+SF_DTYPES = ("float8_e8m0fnu", "float8_e4m3fn")         # scale factors (e4m3: NVFP4 only)
+FLOAT_OUT_DTYPES = ("bfloat16", "float16", "float32")   # bias, wgrad's W, plain (unquantized) outputs
+OUT_DTYPES = FLOAT_OUT_DTYPES + FP8_DTYPES              # C and D of the forward ops, C (input) and D_row of dgrad
+DBIAS_DTYPES = ("bfloat16", "float32")

@@ -1,0 +1,400 @@
+"""The operand table: every tensor of every op, one row each, and everything derived from it.
+
+A row (`Operand`) describes one tensor of an op kind, as rules over the `GroupedGemmProblem`:
+  name     inputs: the name the primitive binds (`input_names`) and the kernel launcher unpacks; outputs: cuDNN's
+           key (`OpResult` field)
+  kind     how a kernel launcher declares it (kernels/sm90/jax_bridge.py turns a kind into a TensorSpec):
+           "rows" (m, cols) row-major, m dynamic; "weights" B (L, N, K), presented to the kernel as (N, K, L);
+           "sf_rows" / "sf_cols" / "sf_segments" scale-factor buffers whose row blocks follow m; "m_vector" (m,);
+           "tiles_by_m" (n_parts, m) per-N-tile row partials; "row_tiles" (m / 128, cols) per-M-tile column
+           partials; "tokens" wgrad's A (m_w, T) / B (n_w, T), T dynamic; "static": its shape involves neither
+  shape    (dims) of the problem; `m` (wgrad: the token count `k`) may be a jax.export symbolic dimension
+  dtype    dtype name ("uint8": packed FP4 data and scale-factor bytes)
+  present  whether the problem has it; an absent operand is neither bound nor passed to a launcher
+  dynamic  inputs whose shape follows the problem's dynamic extent (m; wgrad: T): (axis, extent per index)
+  split    discrete weights: one array per expert, bound as `name:0`, `name:1`, ..., of this shape
+  ops      the ops of the table that have the row at all (None: every op of the table)
+  launch   outputs: the launcher's name for it
+  partial  outputs the launch writes as per-tile partial sums instead, for the lowering to reduce in a fixed order
+           (deterministic without float atomics): `Partial(name, kind, shape(problem, config), reduce)`
+  alias    outputs the launch writes into an input's buffer (`input_output_aliases`)
+
+The tables (`TABLES`, one per op) are the one statement of the operand contract; the binding order of the public
+ops, the output avals, the dynamic axes, the launcher's operands and TensorSpecs and its unpacking are read from
+here. Adding an operand is adding its row. No cutlass import: the kernels' pure-Python modules read it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+from .formats import SF_ATOM_ROWS, cdiv, sf_physical_shape, sf_segment_bytes
+from .limits import FP4
+
+Rule = Callable[[Any], Any]
+
+# Rows per partial of a "row_tiles" output: the kernels' M tile (Config.tile_m).
+ROW_TILE = 128
+# Scale-factor block of the FP8 D outputs (SFD_row / SFD_col, e8m0) and of the NVFP4 outputs (e4m3).
+MX_VEC, NVFP4_VEC = 32, 16
+
+
+def _always(p) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    """A launch-only output standing for an op output: the kernel writes per-tile partial sums, `reduce(problem,
+    parts, named launch inputs)` gives the op's output."""
+
+    name: str
+    kind: str
+    shape: Callable[[Any, Any], tuple]   # (problem, kernel config)
+    reduce: Callable[[Any, Any, dict], Any]
+    dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """One row of the table (the fields: this module's docstring)."""
+
+    name: str
+    kind: Union[str, Rule]
+    shape: Rule
+    dtype: Union[str, Rule]
+    present: Rule = _always
+    dynamic: Union[None, tuple, Rule] = None
+    split: Optional[Rule] = None
+    ops: Optional[tuple] = None
+    launch: Optional[str] = None
+    partial: Optional[Partial] = None
+    alias: Optional[str] = None
+
+
+class Bound(NamedTuple):
+    """One operand of one problem: its rules evaluated."""
+
+    name: str
+    kind: str
+    shape: Optional[tuple]   # None: a partial's shape without a kernel config
+    dtype: str
+
+
+def _eval(rule, p):
+    return rule(p) if callable(rule) else rule
+
+
+# ------------------------------------------------------------------------------------------------ rules
+
+def _storage(dtype: Optional[str]) -> Optional[str]:
+    return "uint8" if dtype == FP4 else dtype
+
+
+def _per_byte(p) -> int:
+    """Logical elements per byte of the A/B storage along K (T for wgrad): packed FP4 holds two."""
+    return 2 if p.ab_dtype == FP4 else 1
+
+
+def _packed_out(rows, cols, dtype):
+    """An output of `dtype`: NVFP4 is packed two values a byte along its columns."""
+    return (rows, cols // 2) if dtype == FP4 else (rows, cols)
+
+
+def _block_scaled(p) -> bool:
+    return p.block_scaled
+
+
+def _has_prob(p) -> bool:
+    return p.epilogue.has_prob
+
+
+def _fp8_d(p) -> bool:
+    return p.epilogue.generate_sfd
+
+
+def _norm_const(p) -> bool:
+    """The D quantization's global encode scale: FP8 D (SFD), or NVFP4 D of the Hadamard op."""
+    return p.epilogue.generate_sfd or (p.op == "glu_hadamard_quant" and p.epilogue.d_dtype == FP4)
+
+
+def _sfd_col_shape(p):
+    if p.epilogue.discrete_col_sfd:
+        return (sf_segment_bytes(p.n_out, p.m, MX_VEC),)
+    return sf_physical_shape(p.n_out, p.m, MX_VEC)
+
+
+def dgrad_n_parts(p, config) -> int:
+    """CTA tiles along N of a dgrad launch (the rows of its dprob partials), cluster padding included."""
+    return cdiv(cdiv(p.n, config.tile_n), config.cluster_n) * config.cluster_n
+
+
+def _sum_tiles(p, parts, inputs):
+    """dprob: the per-N-tile row partials (n_parts, m) summed in tile order."""
+    out = parts[0]
+    for j in range(1, parts.shape[0]):
+        out = out + parts[j]
+    return out
+
+
+def _group_sums(p, parts, inputs):
+    """dbias: per-group sums of the per-M-tile column partials (m / 128, N_out) as a one-hot (L, m / 128) x
+    (m / 128, N_out) fp32 product (exact 0/1 weights, fixed order; rows outside every group add nothing)."""
+    import jax
+    import jax.numpy as jnp
+
+    from .offsets import row_groups, sanitize_offsets
+
+    m = parts.shape[0] * ROW_TILE
+    group = row_groups(sanitize_offsets(inputs["padded_offsets"], m), m)[::ROW_TILE]   # group of each tile
+    onehot = (group[None, :] == jnp.arange(p.num_groups, dtype=group.dtype)[:, None]).astype(jnp.float32)
+    dbias = jnp.dot(onehot, parts, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return dbias.astype(p.epilogue.dbias_dtype)
+
+
+# ------------------------------------------------------------------------------------------------ the rows
+
+# Operands of every M-grouped GEMM (forward and dgrad): A (m, K), B (L, N, K) or L x (N, K), their scale factors
+# (block-scaled A/B), the group ends.
+_GEMM_INPUTS = (
+    Operand("a", "rows", lambda p: (p.m, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype), dynamic=(0, 1)),
+    Operand("b", "weights", lambda p: (p.num_groups, p.n, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype),
+            split=lambda p: (p.n, p.k // _per_byte(p))),
+    Operand("sfa", "sf_rows", lambda p: sf_physical_shape(p.m, p.k, p.sf_vec_size), "uint8", _block_scaled,
+            dynamic=(1, SF_ATOM_ROWS)),
+    Operand("sfb", "static", lambda p: sf_physical_shape(p.n, p.k, p.sf_vec_size, p.num_groups), "uint8",
+            _block_scaled, split=lambda p: sf_physical_shape(p.n, p.k, p.sf_vec_size)),
+    Operand("padded_offsets", "static", lambda p: (p.num_groups,), "int32"),
+)
+_ALPHA = Operand("alpha", "static", lambda p: (p.num_groups,), "float32")
+_PROB = Operand("prob", "m_vector", lambda p: (p.m,), "float32", _has_prob, dynamic=(0, 1))
+_NORM_CONST = Operand("norm_const", "static", lambda p: (1,), "float32", _norm_const)
+
+FORWARD_INPUTS = _GEMM_INPUTS + (
+    _ALPHA,
+    _PROB,
+    Operand("bias", "static", lambda p: (p.num_groups, p.n), lambda p: p.epilogue.bias_dtype,
+            lambda p: p.epilogue.has_bias),
+    _NORM_CONST,
+    Operand("rht_norm_const", "static", lambda p: (1,), "float32", lambda p: p.epilogue.rht_dtype == FP4,
+            ops=("glu_hadamard_quant",)),
+    Operand("hadamard", "static", lambda p: (16, 16), "float32", lambda p: p.epilogue.has_hadamard,
+            ops=("glu_hadamard_quant",)),
+)
+
+# Backward (dgrad) ops: the saved forward pre-activation C is read; beta dequantizes it per group.
+DGRAD_INPUTS = _GEMM_INPUTS + (
+    Operand("c", "rows", lambda p: (p.m, p.n_out), lambda p: p.epilogue.c_dtype, dynamic=(0, 1)),
+    _ALPHA,
+    Operand("beta", "static", lambda p: (p.num_groups,), "float32"),
+    _PROB,
+    _NORM_CONST,
+)
+
+# wgrad: per-expert A[:, T_e] B[:, T_e]^T over the token count T = problem.k (dynamic); problem.m / n are W's rows /
+# columns. padded_offsets holds the token ends (no 256 rule for wgrad).
+WGRAD_INPUTS = (
+    Operand("a", "tokens", lambda p: (p.m, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype),
+            dynamic=lambda p: (1, _per_byte(p))),
+    Operand("b", "tokens", lambda p: (p.n, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype),
+            dynamic=lambda p: (1, _per_byte(p))),
+    Operand("padded_offsets", "static", lambda p: (p.num_groups,), "int32"),
+    Operand("sfa", "sf_segments", lambda p: (sf_segment_bytes(p.m, p.k, p.sf_vec_size),), "uint8", _block_scaled),
+    Operand("sfb", "sf_segments", lambda p: (sf_segment_bytes(p.n, p.k, p.sf_vec_size),), "uint8", _block_scaled),
+    Operand("global_scale_a", "static", lambda p: (p.num_groups,), "float32", lambda p: p.has_global_scales),
+    Operand("global_scale_b", "static", lambda p: (p.num_groups,), "float32", lambda p: p.has_global_scales),
+    Operand("wgrad", "static", lambda p: (p.num_groups, p.m, p.n), lambda p: p.wgrad_dtype, lambda p: p.accumulate),
+)
+
+# C of the forward activation ops (the pre-activation; quant has none). The public ops always ask for it; kernel
+# variants may leave it out (c_dtype None).
+_C_OUT = Operand("c_tensor", "rows", lambda p: (p.m, p.n), lambda p: p.epilogue.c_dtype,
+                 lambda p: p.epilogue.c_dtype is not None, ops=("srelu", "glu", "glu_hadamard_quant"), launch="c")
+_D_COL = Operand("d_col_tensor", "rows", lambda p: (p.m, p.n_out), lambda p: p.epilogue.d_dtype, _fp8_d,
+                 launch="d_col")
+_AMAX = Operand("amax_tensor", "static", lambda p: (p.num_groups, 2 if p.op == "dglu" else 1), "float32",
+                lambda p: p.epilogue.compute_amax, launch="amax")
+_SFD_ROW = Operand("sfd_row_tensor", "sf_rows", lambda p: sf_physical_shape(p.m, p.n_out, MX_VEC), "uint8", _fp8_d,
+                   launch="sfd_row")
+_SFD_COL = Operand("sfd_col_tensor", lambda p: "sf_segments" if p.epilogue.discrete_col_sfd else "sf_cols",
+                   _sfd_col_shape, "uint8", _fp8_d, launch="sfd_col")
+
+FORWARD_OUTPUTS = (
+    _C_OUT,
+    Operand("d_tensor", "rows", lambda p: (p.m, p.n_out), lambda p: p.epilogue.d_dtype, launch="d"),
+    _D_COL,
+    _AMAX,
+    _SFD_ROW,
+    _SFD_COL,
+)
+
+
+def _rht_present(p) -> bool:
+    return p.epilogue.rht is not None
+
+
+def _rht_shape(p):
+    if p.epilogue.rht == "colwise":   # per-expert transposed NVFP4 segments, flat
+        return (p.m * p.n_out // 2,)
+    return _packed_out(p.m, p.n_out, p.epilogue.rht_dtype)
+
+
+def _sfrht_shape(p):
+    if p.epilogue.rht == "colwise":
+        return (sf_segment_bytes(p.n_out, p.m, NVFP4_VEC),)
+    return sf_physical_shape(p.m, p.n_out, NVFP4_VEC)
+
+
+# glu_hadamard_quant: D is bf16 or NVFP4 (packed, with e4m3 vec-16 scales sfd), plus an optional 16-wide Hadamard
+# output, rowwise (bf16 or NVFP4) or colwise (NVFP4 segments). No kernel launches it yet: its kinds say how one would.
+HADAMARD_OUTPUTS = (
+    _C_OUT,
+    Operand("d_tensor", "rows", lambda p: _packed_out(p.m, p.n_out, p.epilogue.d_dtype),
+            lambda p: _storage(p.epilogue.d_dtype), launch="d"),
+    Operand("sfd_tensor", "sf_rows", lambda p: sf_physical_shape(p.m, p.n_out, NVFP4_VEC), "uint8",
+            lambda p: p.epilogue.d_dtype == FP4, launch="sfd"),
+    _AMAX,
+    Operand("rht_tensor", lambda p: "sf_segments" if p.epilogue.rht == "colwise" else "rows", _rht_shape,
+            lambda p: _storage(p.epilogue.rht_dtype), _rht_present, launch="rht"),
+    Operand("sfrht_tensor", lambda p: "sf_segments" if p.epilogue.rht == "colwise" else "sf_rows", _sfrht_shape,
+            "uint8", lambda p: p.epilogue.rht == "colwise" or p.epilogue.rht_dtype == FP4, launch="sfrht"),
+)
+
+DGRAD_OUTPUTS = (
+    Operand("d_row_tensor", "rows", lambda p: (p.m, p.n_out), lambda p: p.epilogue.d_dtype, launch="d"),
+    _D_COL,
+    Operand("dprob_tensor", "m_vector", lambda p: (p.m,), "float32",
+            partial=Partial("dprob_parts", "tiles_by_m", lambda p, cfg: (dgrad_n_parts(p, cfg), p.m), _sum_tiles)),
+    Operand("dbias_tensor", "static", lambda p: (p.num_groups, p.n_out), lambda p: p.epilogue.dbias_dtype,
+            lambda p: p.epilogue.dbias_dtype is not None,
+            partial=Partial("dbias_parts", "row_tiles", lambda p, cfg: (p.m // ROW_TILE, p.n_out), _group_sums)),
+    _AMAX,
+    _SFD_ROW,
+    _SFD_COL,
+)
+
+# With accumulate_on_output the launch writes W into the input "wgrad"'s buffer (it reads each tile's old values).
+WGRAD_OUTPUTS = (
+    Operand("wgrad_tensor", "static", lambda p: (p.num_groups, p.m, p.n), lambda p: p.wgrad_dtype, launch="wgrad",
+            alias="wgrad"),
+)
+
+TABLES = {
+    "quant": (FORWARD_INPUTS, FORWARD_OUTPUTS),
+    "srelu": (FORWARD_INPUTS, FORWARD_OUTPUTS),
+    "glu": (FORWARD_INPUTS, FORWARD_OUTPUTS),
+    "glu_hadamard_quant": (FORWARD_INPUTS, HADAMARD_OUTPUTS),
+    "dglu": (DGRAD_INPUTS, DGRAD_OUTPUTS),
+    "dsrelu": (DGRAD_INPUTS, DGRAD_OUTPUTS),
+    "wgrad": (WGRAD_INPUTS, WGRAD_OUTPUTS),
+}
+
+
+# ------------------------------------------------------------------------------------------------ derived
+
+def rows(op: str) -> tuple[tuple, tuple]:
+    """(input rows, output rows) of `op`, in order."""
+    ins, outs = TABLES[op]
+    return tuple(r for r in ins if r.ops is None or op in r.ops), tuple(r for r in outs if r.ops is None or op in r.ops)
+
+
+def input_order(op: str) -> tuple:
+    """Every input name `op` can bind, in binding order (present or not)."""
+    return tuple(r.name for r in rows(op)[0])
+
+
+def output_keys(op: str) -> tuple:
+    """cuDNN's output keys of `op`, in order: the fields of its OpResult."""
+    return tuple(r.name for r in rows(op)[1])
+
+
+def launch_names() -> frozenset:
+    """Every name a launcher may be handed, over all ops."""
+    names = set()
+    for ins, outs in TABLES.values():
+        names.update(r.name for r in ins)
+        names.update(r.partial.name if r.partial else r.launch for r in outs)
+    return frozenset(names)
+
+
+def inputs(problem) -> list[Bound]:
+    """The problem's present inputs in binding (= launcher) order; discrete weights one per expert (`name:i`)."""
+    out = []
+    for r in rows(problem.op)[0]:
+        if not r.present(problem):
+            continue
+        kind, dtype = _eval(r.kind, problem), _eval(r.dtype, problem)
+        if r.split is not None and problem.discrete_weights:
+            out += [Bound(f"{r.name}:{i}", kind, tuple(r.split(problem)), dtype) for i in range(problem.num_groups)]
+        else:
+            out.append(Bound(r.name, kind, tuple(r.shape(problem)), dtype))
+    return out
+
+
+def input_names(problem) -> tuple:
+    return tuple(b.name for b in inputs(problem))
+
+
+def input_specs(problem) -> dict:
+    """{name: (shape, dtype name)} of the present inputs, in binding order."""
+    return {b.name: (b.shape, b.dtype) for b in inputs(problem)}
+
+
+def check_input_names(problem, names) -> None:
+    """The contract between a binding and the launchers, which take operands by position: `names` must be the
+    problem's present inputs in table order. ValueError naming both lists otherwise."""
+    want = input_names(problem)
+    if tuple(names) != want:
+        raise ValueError(f"{problem.op} operands bound as {list(names)}, but the operand table "
+                         f"(cudnn_moe_jax/operands.py) orders this problem's present operands {list(want)}")
+
+
+def output_specs(problem) -> dict:
+    """{cuDNN key: (shape, dtype name), or None when absent} in key order: the primitive's abstract evaluation."""
+    return {r.name: ((tuple(r.shape(problem)), _eval(r.dtype, problem)) if r.present(problem) else None)
+            for r in rows(problem.op)[1]}
+
+
+def launch_outputs(problem, config=None) -> list[Bound]:
+    """What the launch writes, in launcher order: the present outputs, each partial-summed one as its partial
+    (whose shape needs the kernel `config`; None: shape None)."""
+    out = []
+    for r in rows(problem.op)[1]:
+        if not r.present(problem):
+            continue
+        if r.partial is not None:
+            part = r.partial
+            out.append(Bound(part.name, part.kind, None if config is None else tuple(part.shape(problem, config)),
+                             part.dtype))
+        else:
+            out.append(Bound(r.launch, _eval(r.kind, problem), tuple(r.shape(problem)), _eval(r.dtype, problem)))
+    return out
+
+
+def input_output_aliases(problem) -> dict:
+    """{input index: output index} over the present launch operands: outputs written into an input's buffer."""
+    in_index = {b.name: i for i, b in enumerate(inputs(problem))}
+    present = [r for r in rows(problem.op)[1] if r.present(problem)]
+    return {in_index[r.alias]: j for j, r in enumerate(present) if r.alias in in_index}
+
+
+def finish(problem) -> Optional[Callable]:
+    """None when the launch writes exactly the op's outputs, else `finish(launch outputs, {input name: array})`
+    -> the op's outputs (the partial sums reduced, the rest passed through)."""
+    present = [r for r in rows(problem.op)[1] if r.present(problem)]
+    if not any(r.partial for r in present):
+        return None
+
+    def reduce(launch_outs, named_inputs):
+        return [r.partial.reduce(problem, x, named_inputs) if r.partial else x for r, x in zip(present, launch_outs)]
+
+    return reduce
+
+
+def dynamic_axes(problem) -> tuple[str, dict]:
+    """("m" or "k": the problem field that is dynamic in a kernel module, {present input name: (axis, extent per
+    index)}): the row count m of the M-grouped ops, the token count (k) of wgrad."""
+    field = "k" if problem.op == "wgrad" else "m"
+    return field, {r.name: tuple(_eval(r.dynamic, problem)) for r in rows(problem.op)[0]
+                   if r.dynamic is not None and r.present(problem)}
