@@ -4,6 +4,7 @@ and the defined behaviour of bad device offsets."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -398,6 +399,22 @@ def test_concrete_offsets_breaking_the_rules_raise(data, bad, fragment):
             with pytest.raises(ValueError) as info:
                 call(offsets)
             assert fragment in str(info.value) and "cudnn_moe_jax.nn.route" in str(info.value), str(info.value)
+
+
+def test_offsets_the_host_knows_are_checked_under_jit_too_and_the_docs_say_so(data):
+    """README and docs/ops.md describe what ops/_checks.offsets_vector does: values known on the host (eager, or a
+    NumPy / concrete array closed over under jit) are checked; traced ones are sanitized."""
+    a, b, bad = data["a"], data["b"], [256, 300, 512]
+    for const in (np.asarray(bad, np.int32), jnp.asarray(bad, jnp.int32)):
+        with pytest.raises(ValueError, match=r"padded_offsets\[1\]=300 is not a multiple of 256"):
+            jax.jit(lambda a: cmj.grouped_gemm_quant(a, b, padded_offsets=const).d_tensor)(a)
+    traced = jax.jit(lambda a, o: cmj.grouped_gemm_quant(a, b, padded_offsets=o).d_tensor)(a, jnp.asarray(bad))
+    want = cmj.grouped_gemm_quant(a, b, padded_offsets=jnp.asarray([256, 256, 512])).d_tensor   # sanitized ends
+    np.testing.assert_array_equal(np.asarray(traced, np.float32), np.asarray(want, np.float32))
+    root = Path(__file__).resolve().parents[1]
+    readme, ops = (root / "README.md").read_text(), (root / "docs" / "ops.md").read_text()
+    assert "Offsets known on the host" in readme and "Offset values are checked when the host knows them" in ops
+    assert "offset values, prob values) is never checked" not in ops
 
 
 def test_concrete_wgrad_token_offsets_are_checked(data):
