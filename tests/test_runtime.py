@@ -195,6 +195,29 @@ def _fake_grouped_gemm_bundle(folder, problem, names, in_avals, out_avals):
     return mod
 
 
+def test_export_helper_adds_the_disabled_checks_plain_jax_export_needs(tmp_path, monkeypatch):
+    """Plain jax.export.export of a CUDA lowering refuses the CuTe DSL custom calls and prints each in full (the
+    module bytes); cudnn_moe_jax.export is the same call with export_disabled_checks() added. No compiler needed:
+    the module comes from a bundle."""
+    import cudnn_moe_jax as cmj
+    from cudnn_moe_jax import _primitive
+
+    p, names, ins, outs = quant_call(256)
+    monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
+    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(_runtime, "_MEMORY", {})
+    _fake_grouped_gemm_bundle(tmp_path, p, names, ins, outs)
+    fn = jax.jit(lambda *xs: _primitive.grouped_gemm_p.bind(*xs, problem=p, input_names=names, config=None))
+    with pytest.raises(ValueError, match="Cannot serialize code with custom calls"):
+        jax.export.export(fn, platforms=["cuda"])(*ins)
+    exp = cmj.export(fn, platforms=["cuda"])(*ins)
+    (call,) = custom_calls(exp.mlir_module())
+    assert exp.platforms == ("cuda",) and "not really a module" in call["module"]
+    assert set(exp.disabled_safety_checks) >= set(cmj.export_disabled_checks())
+    readme = (REPO / "README.md").read_text()
+    assert "cudnn_moe_jax.export(" in readme and "jax.export(" not in readme    # jax.export is a module
+
+
 def test_primitive_lowers_grouped_gemm_from_bundle_or_falls_back(tmp_path, monkeypatch):
     """The real primitive's CUDA lowering takes a bundle module through kernel_lowering (no compiler)."""
 
