@@ -314,6 +314,38 @@ def _python(code: str, env: dict, cwd=REPO) -> str:
 
 
 @needs_cutlass
+def test_aot_build_says_which_modules_it_compiled_and_which_came_from_the_cache(tmp_path, monkeypatch, capsys):
+    """A second build takes the modules from the on-disk module cache: every line and the summary say so, and how
+    to compile again (--no-cache)."""
+    from cudnn_moe_jax import aot
+
+    monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [])
+
+    def build(out, *flags):
+        monkeypatch.setattr(_runtime, "_MEMORY", {})              # a fresh process: nothing in memory
+        assert aot.main(["build", "--out", str(tmp_path / out), "--variants", "test_runtime:tiny_variants",
+                         *flags]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == len(TINY_SHAPES) + 1 and all(line.startswith("ok ") for line in lines[:-1]), lines
+        return lines
+
+    first = build("first")
+    assert all(line.endswith("  compiled") for line in first[:-1]) and first[-1].endswith(
+        f"(0 failed): {len(TINY_SHAPES)} compiled"), first
+    second = build("second")
+    cache = f"module cache {tmp_path / 'cache'}"
+    assert all(line.endswith(cache) for line in second[:-1]), second
+    assert f"{len(TINY_SHAPES)} from the {cache}; modules in the cache were not recompiled" in second[-1]
+    assert "--no-cache or CUDNN_MOE_JAX_MODULE_CACHE=off" in second[-1]
+    third = build("third", "--no-cache")
+    assert all(line.endswith("  compiled") for line in third[:-1]), third
+    manifests = [_runtime.read_manifest(tmp_path / out)["entries"] for out in ("first", "second", "third")]
+    assert manifests[0].keys() == manifests[1].keys() == manifests[2].keys()
+    assert {e["key"] for e in manifests[0].values()} == {e["key"] for e in manifests[2].values()}  # same bytes
+
+
+@needs_cutlass
 def test_bundle_lowering_without_cutlass_matches_cutlass_call(tmp_path):
     bundle = tmp_path / "bundle"
     env = {"CUDNN_MOE_JAX_BUNDLE": str(bundle), "CUDNN_MOE_JAX_CACHE": str(tmp_path / "cache")}
