@@ -105,3 +105,14 @@ def test_too_many_devices_says_how_to_get_cpu_devices(monkeypatch):
         bench_ep.main(["--devices", f"1,{n}"])
     assert f"--devices 1,{n}: {n} devices asked for" in str(info.value.code)
     assert (hint in str(info.value.code)) == (jax.default_backend() == "cpu")
+
+
+def test_readme_quick_start_is_the_cpu_install_and_names_a_quick_test_set():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    quick_start = readme[readme.index("## Quick start"):readme.index("## The ops")]
+    commands = re.search(r"```bash\n(.*?)```", quick_start, re.S).group(1).splitlines()
+    assert commands[0].startswith('pip install -e ".[test]"')                    # CPU first; [cuda] for GPUs
+    assert '".[cuda,test]"' in quick_start and "17-20 minutes" in quick_start
+    quick = next(c for c in commands if c.startswith("python -m pytest"))
+    files = re.findall(r"tests/\S+\.py", quick)
+    assert files and all((Path(__file__).resolve().parents[1] / f).is_file() for f in files)
