@@ -4,7 +4,9 @@ This module is the only home of (documented in ``docs/formats.md``):
   * the element codecs (e8m0 RCEIL, e4m3 / e5m2 / e2m1 RNE-satfinite; #element-formats, #rounding),
   * the block quantization rules: rows, columns and NVFP4 with e4m3 scale factors (#quantization),
   * the scale-factor byte layout (the 512-byte 128x4 atoms, #scale-factor-layout) and the per-expert segment
-    layout (#segmented-layout).
+    layout (#segmented-layout),
+  * the block-scaled format names -- "mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4", "nvfp4_e8m0" -- and what each fixes
+    (data dtype, scale dtype, vec; `BLOCK_FORMATS`, #block-scaled-inputs).
 
 Everything is pure jnp and jit-able on any backend; dtype names and block sizes are static Python values.
 Scale factors are handled as **uint8 bit patterns** (e8m0 code = biased exponent, e4m3 code = fp8 bits); inputs
