@@ -204,8 +204,8 @@ def test_export_helper_adds_the_disabled_checks_plain_jax_export_needs(tmp_path,
 
     p, names, ins, outs = quant_call(256)
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
-    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [tmp_path])
-    monkeypatch.setattr(_runtime, "_MEMORY", {})
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(_modules, "_MEMORY", {})
     _fake_grouped_gemm_bundle(tmp_path, p, names, ins, outs)
     fn = jax.jit(lambda *xs: _primitive.grouped_gemm_p.bind(*xs, problem=p, input_names=names, config=None))
     with pytest.raises(ValueError, match="Cannot serialize code with custom calls"):
@@ -320,10 +320,10 @@ def test_aot_build_says_which_modules_it_compiled_and_which_came_from_the_cache(
     from cudnn_moe_jax import aot
 
     monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(_runtime, "bundle_dirs", lambda: [])
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [])
 
     def build(out, *flags):
-        monkeypatch.setattr(_runtime, "_MEMORY", {})              # a fresh process: nothing in memory
+        monkeypatch.setattr(_modules, "_MEMORY", {})              # a fresh process: nothing in memory
         assert aot.main(["build", "--out", str(tmp_path / out), "--variants", "test_runtime:tiny_variants",
                          *flags]) == 0
         lines = capsys.readouterr().out.splitlines()
