@@ -30,8 +30,23 @@ def export_disabled_checks() -> tuple:
 
     return checks()
 
+
+def export(fun_jit, *, platforms=None, disabled_checks=(), **kwargs):
+    """`jax.export.export` for functions using these ops: the same call, with `export_disabled_checks()` added to
+    `disabled_checks`. Use it as `cudnn_moe_jax.export(jax.jit(f), platforms=["cuda"])(*args)`.
+
+    Without those checks disabled, jax.export refuses the CUDA lowering's CuTe DSL custom calls and its error
+    prints every call in full -- the embedded kernel binary, ~100 KB of text per kernel -- which this library
+    cannot intercept from inside `jax.export.export`; hence this helper.
+    """
+    import jax.export
+
+    return jax.export.export(fun_jit, platforms=platforms,
+                             disabled_checks=tuple(disabled_checks) + export_disabled_checks(), **kwargs)
+
+
 __all__ = [
-    "formats", "nn", "OpResult", "export_disabled_checks", "set_kernels_enabled", "GroupedGemmProblem", "Epilogue",
+    "formats", "nn", "OpResult", "export", "export_disabled_checks", "set_kernels_enabled", "GroupedGemmProblem", "Epilogue",
     "grouped_gemm_quant", "grouped_gemm_srelu", "grouped_gemm_swiglu", "grouped_gemm_glu",
     "grouped_gemm_glu_hadamard_quant", "grouped_gemm_dglu", "grouped_gemm_dswiglu", "grouped_gemm_dsrelu",
     "grouped_gemm_wgrad",

@@ -187,6 +187,8 @@ class KernelModule:
     input_layouts: tuple = ()  # JAX major-to-minor order per present operand (None: default row-major)
     output_layouts: tuple = ()
     input_output_aliases: tuple = ()  # ((input index, output index), ...) over present operands
+    # Where this process got it: "compiled", "module cache <dir>" or "bundle <dir>" (aot build reports it).
+    origin: str = dataclasses.field(default="compiled", compare=False)
 
     def __call__(self, operands: Sequence[Any], out_avals: Sequence[Any]) -> list:
         """Traced op: the custom call over the present operands; one array per out aval."""

@@ -154,12 +154,12 @@ def _entry_mismatch(e: dict, akey: Optional[str]) -> Optional[str]:
     return None
 
 
-def _module_of(e: dict, data: bytes) -> KernelModule:
+def _module_of(e: dict, data: bytes, origin: str) -> KernelModule:
     """The KernelModule of entry `e` and its bytes; ValueError if the bytes are not the entry's (sha256)."""
     if hashlib.sha256(data).hexdigest() != e["key"]:
         raise ValueError("sha256 does not match the entry")
     return KernelModule(data, bytes.fromhex(e["key"]), e["target"], layouts(e["input_layouts"]),
-                        layouts(e["output_layouts"]), tuple(tuple(a) for a in e["input_output_aliases"]))
+                        layouts(e["output_layouts"]), tuple(tuple(a) for a in e["input_output_aliases"]), origin)
 
 
 def _from_bundles(fp: str, akey: Optional[str], notes: list[str]) -> Optional[KernelModule]:
@@ -173,7 +173,7 @@ def _from_bundles(fp: str, akey: Optional[str], notes: list[str]) -> Optional[Ke
             if why:
                 notes.append(f"{folder}: {why}")
                 continue
-            return _module_of(e, (folder / e["file"]).read_bytes())
+            return _module_of(e, (folder / e["file"]).read_bytes(), f"bundle {folder}")
         except (OSError, ValueError, KeyError, TypeError) as err:
             notes.append(f"{folder}: unreadable ({err})")
     return None
@@ -184,7 +184,7 @@ def _from_bundles(fp: str, akey: Optional[str], notes: list[str]) -> Optional[Ke
 def _from_cache(fp: str, akey: Optional[str], notes: list[str]) -> Optional[KernelModule]:
     """Entry `fp` (built for avals `akey`, unless None) from the on-disk module cache (`_module_cache`)."""
     got = _module_cache.read(fp, akey, notes)
-    return None if got is None else _module_of(*got)
+    return None if got is None else _module_of(*got, f"module cache {module_cache_dir()}")
 
 
 def _to_cache(spec: KernelSpec, mod: KernelModule) -> Optional[Path]:

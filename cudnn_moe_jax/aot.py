@@ -17,13 +17,15 @@ Items may be:
   - `problem` or `(problem, config)`: inputs from the kernel package's `variants.input_avals(problem)`.
 A None config means the kernel package's `default_config(problem)`, as at lowering time. A grouped-GEMM module
 serves every m (it is compiled and recorded for a symbolic m), so the m of an item does not matter.
-Modules come from the module cache where it holds them (`_runtime.module_cache_dir()`), else are compiled (and
-cached). A build extends an existing bundle; failed variants are reported and make the exit status 1.
+Modules come from a bundle folder or the module cache where one holds them (`_runtime.module_cache_dir()`), else
+are compiled (and cached); each output line and the summary say which (`--no-cache` compiles everything the bundle
+folders do not hold). A build extends an existing bundle; failed variants are reported and make the exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import os
 import sys
@@ -96,11 +98,21 @@ def build(arch: str, out: str, variant_sets: list[str]) -> int:
             for spec, mod in pairs:
                 done[spec.fingerprint] = (spec, mod)
                 print(f"ok   {spec.fingerprint[:16]}  {spec.name:<28} {len(mod.module):>8} B  "
-                      f"{time.perf_counter() - t0:6.2f} s", flush=True)
+                      f"{time.perf_counter() - t0:6.2f} s  {mod.origin}", flush=True)
     if done:
         path = _runtime.write_bundle(out, done.values())
-        print(f"wrote {len(done)} module(s) to {path.parent} ({failed} failed)")
+        print(f"wrote {len(done)} module(s) to {path.parent} ({failed} failed): {_origins(done.values())}")
     return 1 if failed or not done else 0
+
+
+def _origins(pairs) -> str:
+    """'2 compiled, 3 from the module cache DIR (...)': where the modules of a build came from."""
+    counts = collections.Counter(mod.origin for _, mod in pairs)
+    text = ", ".join(f"{n} {'compiled' if o == 'compiled' else 'from the ' + o}" for o, n in sorted(counts.items()))
+    if any(o.startswith("module cache") for o in counts):
+        text += ("; modules in the cache were not recompiled (the cache key covers the kernel sources, config, arch "
+                 "and compiler version): --no-cache or CUDNN_MOE_JAX_MODULE_CACHE=off compiles them again")
+    return text
 
 
 def list_bundle(folder: str) -> int:
@@ -121,10 +133,16 @@ def main(argv=None) -> int:
     b.add_argument("--arch", default=_runtime.DEFAULT_ARCH)
     b.add_argument("--out", required=True)
     b.add_argument("--variants", nargs="+", default=["default"], help="'default' or MODULE:ATTR (several allowed)")
+    b.add_argument("--no-cache", action="store_true",
+                   help="compile every module instead of taking it from the on-disk module cache")
     ls = sub.add_parser("list", help="print a bundle's manifest")
     ls.add_argument("dir")
     args = ap.parse_args(argv)
-    return build(args.arch, args.out, args.variants) if args.cmd == "build" else list_bundle(args.dir)
+    if args.cmd == "list":
+        return list_bundle(args.dir)
+    if args.no_cache:
+        os.environ["CUDNN_MOE_JAX_MODULE_CACHE"] = "off"  # read at every lookup (_module_cache.module_cache_dir)
+    return build(args.arch, args.out, args.variants)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ This module is the only home of (documented in ``docs/formats.md``):
   * the element codecs (e8m0 RCEIL, e4m3 / e5m2 / e2m1 RNE-satfinite; #element-formats, #rounding),
   * the block quantization rules: rows, columns and NVFP4 with e4m3 scale factors (#quantization),
   * the scale-factor byte layout (the 512-byte 128x4 atoms, #scale-factor-layout) and the per-expert segment
-    layout (#segmented-layout).
+    layout (#segmented-layout),
+  * the block-scaled format names -- "mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4", "nvfp4_e8m0" -- and what each fixes
+    (data dtype, scale dtype, vec; `BLOCK_FORMATS`, #block-scaled-inputs).
 
 Everything is pure jnp and jit-able on any backend; dtype names and block sizes are static Python values.
 Scale factors are handled as **uint8 bit patterns** (e8m0 code = biased exponent, e4m3 code = fp8 bits); inputs
@@ -40,9 +42,12 @@ Decisions where the spec leaves room:
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -520,31 +525,125 @@ def dequantize(codes, s_logical, data_dtype, sf_dtype, vec):
 # Convenience for users: operands in the physical form the ops take
 # --------------------------------------------------------------------------------------------------------------------
 
-def to_block_scaled(x, data_dtype, sf_dtype=E8M0, vec=32):
+# The block-scaled input formats by name: (data dtype, scale-factor dtype, vec). A name fixes all three, so a buffer
+# quantized as "nvfp4" can never carry MXFP4 scales (docs/formats.md#block-scaled-inputs; the ops accept exactly
+# these combinations, ops/_checks.resolve_block_format).
+BLOCK_FORMATS = {
+    "mxfp8": (E4M3, E8M0, 32),
+    "mxfp8_e5m2": (E5M2, E8M0, 32),
+    "mxfp4": (E2M1, E8M0, 32),
+    "nvfp4": (E2M1, E4M3, 16),
+    "nvfp4_e8m0": (E2M1, E8M0, 16),
+}
+
+
+def _describe(name: str) -> str:
+    data, sf, vec = BLOCK_FORMATS[name]
+    return f"{name!r} ({data} data, {sf} scales, vec {vec})"
+
+
+def block_format(fmt, sf_dtype=None, vec=None, fn: str = "block_format") -> tuple:
+    """(data dtype, sf dtype, vec) of a format name (`BLOCK_FORMATS`: 'mxfp8', 'mxfp8_e5m2', 'mxfp4', 'nvfp4',
+    'nvfp4_e8m0'), or of a data dtype plus whatever `sf_dtype` / `vec` are given, when exactly one format fits.
+
+    A format name fixes all three: an sf_dtype or vec that contradicts it is an error. A bare data dtype must leave
+    no choice: float8_e4m3fn alone is MXFP8, but float4_e2m1fn alone could be MXFP4, NVFP4 or NVFP4-e8m0.
+    """
+    if sf_dtype is not None:
+        sf_dtype = _dtype_choice(fn, "sf_dtype", sf_dtype, _SF)
+    if isinstance(fmt, str) and fmt.lower() in BLOCK_FORMATS:
+        name = fmt.lower()
+        data, sf, v = BLOCK_FORMATS[name]
+        if sf_dtype not in (None, sf) or vec not in (None, v):
+            raise ValueError(f"{fn}: format {_describe(name)} is fixed by its name; sf_dtype={sf_dtype!r}, "
+                             f"vec={vec!r} contradict it: leave them out, or name another format "
+                             f"({', '.join(BLOCK_FORMATS)})")
+        return data, sf, v
+    try:
+        data = dtype_name(fmt, f"{fn}: data_dtype")
+    except TypeError:
+        data = None
+    if data not in _BLOCK_DATA:
+        raise ValueError(f"{fn}: data_dtype={fmt!r} is neither a block-scaled format ({', '.join(BLOCK_FORMATS)}) "
+                         f"nor one of their data dtypes ({', '.join(_BLOCK_DATA)})")
+    fits = [n for n, (d, sf, v) in BLOCK_FORMATS.items()
+            if d == data and sf_dtype in (None, sf) and vec in (None, v)]
+    if not fits:
+        raise ValueError(f"{fn}: {data} with sf_dtype={sf_dtype!r}, vec={vec!r} is not a block-scaled format; "
+                         f"the formats are {', '.join(map(_describe, BLOCK_FORMATS))}")
+    if len(fits) > 1:
+        raise ValueError(f"{fn}: {data} with sf_dtype={sf_dtype!r}, vec={vec!r} could be "
+                         f"{' or '.join(map(_describe, fits))}: name the format")
+    return BLOCK_FORMATS[fits[0]]
+
+
+def to_block_scaled(x, data_dtype, sf_dtype=None, vec=None):
     """x (R, K) -> (codes, sf (1, Rb, Kb, 32, 4, 4)); x (L, N, K) -> (codes, sf (L, Rb, Kb, 32, 4, 4)).
 
-    Standard MXFP8 / MXFP4 / NVFP4 input quantization (norm_const 1). sf is uint8 e8m0 bit patterns for E8M0 (the
-    ops read uint8 scales as e8m0, docs/formats.md) and a float8_e4m3fn array for E4M3, so neither can be misread.
-    Dtypes may be given in any spelling the ops accept ('float8_e4m3fn', 'e4m3', jnp.float8_e4m3fn, ...).
+    `data_dtype` is a format name -- "mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4" (e4m3 scales, vec 16) or
+    "nvfp4_e8m0" -- which fixes the data dtype, scale dtype and vec (`BLOCK_FORMATS`), or a data dtype in any
+    spelling the ops accept ('float8_e4m3fn', 'e4m3', jnp.float8_e4m3fn, ...) with `sf_dtype` / `vec` as needed to
+    leave one format (`block_format`). Standard MX / NVFP4 input quantization (norm_const 1). codes are float8
+    (FP8) or packed uint8 (FP4, (..., K//2)); sf is uint8 e8m0 bit patterns for e8m0 scales (the ops read uint8
+    scales as e8m0, docs/formats.md) and a float8_e4m3fn array for e4m3, so neither can be misread. Runs jitted
+    (the format static), so a new shape costs one compile, not seconds of eager dispatch.
     """
-    data_dtype = _dtype_choice("to_block_scaled", "data_dtype", data_dtype, _BLOCK_DATA)
-    sf_dtype = _dtype_choice("to_block_scaled", "sf_dtype", sf_dtype, _SF)
+    fmt = block_format(data_dtype, sf_dtype, vec, "to_block_scaled")
     x = jnp.asarray(x, jnp.float32)
     if x.ndim not in (2, 3):
         raise ValueError(f"to_block_scaled: x must be (R, K) or (L, N, K), got shape {x.shape}")
+    if fmt[0] == E2M1 and x.shape[-1] % 2:
+        raise ValueError(f"to_block_scaled: FP4 data needs an even K (two values per byte), got K={x.shape[-1]}")
+    return _to_block_scaled(x, *fmt)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _to_block_scaled(x, data_dtype, sf_dtype, vec):
     codes, s = quantize_rows(x, data_dtype, sf_dtype, vec)
     sf = pack_sf(s)
     return codes, (lax.bitcast_convert_type(sf, jnp.float8_e4m3fn) if sf_dtype == E4M3 else sf)
 
 
-def from_block_scaled(codes, sf_physical, data_dtype, sf_dtype, vec):
-    """Inverse of to_block_scaled: fp32 with the leading shape of codes and the logical K."""
-    data_dtype = _dtype_choice("from_block_scaled", "data_dtype", data_dtype, _BLOCK_DATA)
-    codes = jnp.asarray(codes)
-    k = codes.shape[-1] * (2 if data_dtype == E2M1 else 1)
-    rows = codes.shape[-2]
+def from_block_scaled(codes, sf_physical, data_dtype, sf_dtype=None, vec=None):
+    """Inverse of to_block_scaled: fp32 with the leading shape of codes and the logical K (no division by an op's
+    norm_const). Also reads an op's block-scaled outputs back: FP8 D with its SFD_row ("mxfp8" / "mxfp8_e5m2"),
+    NVFP4 D with its sfd ("nvfp4", then divide by the op's norm_const).
+
+    The format is resolved as in `to_block_scaled`; with a data dtype and no sf_dtype, the scale dtype is the one
+    the buffer records (float8_e4m3fn, or e8m0 for float8_e8m0fnu / uint8). The buffers must agree with the format:
+    the codes' dtype, the scales' dtype and the scale buffer's size for (rows, K, vec).
+    """
+    codes, sf_physical = jnp.asarray(codes), jnp.asarray(sf_physical)
+    recorded = E8M0 if sf_physical.dtype == jnp.uint8 else sf_physical.dtype.name  # uint8 holds e8m0 bits
+    if recorded not in _SF:
+        raise TypeError(f"from_block_scaled: sf_physical has dtype {recorded}, not a scale-factor dtype "
+                        "(float8_e8m0fnu, float8_e4m3fn or uint8 e8m0 bits)")
+    if sf_dtype is None and not (isinstance(data_dtype, str) and data_dtype.lower() in BLOCK_FORMATS):
+        sf_dtype = recorded
+    data, sf, vec = block_format(data_dtype, sf_dtype, vec, "from_block_scaled")
+    if recorded != sf:
+        raise ValueError(f"from_block_scaled: the format has {sf} scales but sf_physical holds {recorded} "
+                         "(uint8 buffers hold e8m0 bits)")
+    want_codes = "uint8" if data == E2M1 else data
+    if codes.dtype.name != want_codes:
+        raise TypeError(f"from_block_scaled: {data} codes are stored as {want_codes}, got {codes.dtype.name}")
+    if codes.ndim not in (2, 3):
+        raise ValueError(f"from_block_scaled: codes must be (R, K) or (L, N, K), got shape {codes.shape}")
+    k = codes.shape[-1] * (2 if data == E2M1 else 1)
     num_groups = codes.shape[0] if codes.ndim == 3 else 1
-    s = unpack_sf(sf_physical, rows, cdiv(k, vec), num_groups)
-    if codes.ndim == 2:
-        s = s[0]
-    return dequantize(codes, s, data_dtype, sf_dtype, vec)
+    want = sf_physical_shape(codes.shape[-2], k, vec, num_groups)
+    size = sf_physical.size
+    if size != int(np.prod(want)):
+        other = [n for n, f in BLOCK_FORMATS.items() if f[:2] == (data, sf) and f[2] != vec
+                 and int(np.prod(sf_physical_shape(codes.shape[-2], k, f[2], num_groups))) == size]
+        hint = f" -- the size of vec {BLOCK_FORMATS[other[0]][2]} scales ({other[0]!r}?)" if other else ""
+        raise ValueError(f"from_block_scaled: sf_physical has {size} bytes{hint}; codes {tuple(codes.shape)} at "
+                         f"vec {vec} need the shape {want}")
+    return _from_block_scaled(codes, sf_physical, data, sf, vec)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _from_block_scaled(codes, sf_physical, data_dtype, sf_dtype, vec):
+    k = codes.shape[-1] * (2 if data_dtype == E2M1 else 1)
+    s = unpack_sf(sf_physical, codes.shape[-2], cdiv(k, vec), codes.shape[0] if codes.ndim == 3 else 1)
+    return dequantize(codes, s if codes.ndim == 3 else s[0], data_dtype, sf_dtype, vec)

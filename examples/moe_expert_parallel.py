@@ -68,7 +68,19 @@ def parse_args(argv=None):
     return args
 
 
+def too_few_devices(asked: int) -> str:
+    """The error for asking more devices than are visible; on a CPU machine, how to get more (virtual) ones."""
+    visible, platform = jax.device_count(), jax.default_backend()
+    why = f"{asked} devices asked for, {visible} visible ({platform})"
+    if platform != "cpu":
+        return why
+    return (f"{why}. A CPU machine shows one device unless XLA is told otherwise before Python starts: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={asked} python ...")
+
+
 def build_mesh(args):
+    if args.devices and args.devices > jax.device_count():
+        raise SystemExit(too_few_devices(args.devices))
     devices = jax.devices()[:args.devices] if args.devices else jax.devices()
     if len(devices) % args.data_parallel:
         raise SystemExit(f"--data-parallel {args.data_parallel} does not divide the {len(devices)} devices")

@@ -4,6 +4,7 @@ and the defined behaviour of bad device offsets."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -309,6 +310,73 @@ def test_uint8_scale_factors_mean_e8m0_and_e4m3_scales_arrive_typed():
         cmj.grouped_gemm_quant(a, b, jax.lax.bitcast_convert_type(sfa, jnp.uint8), sfb, jnp.asarray(OFFSETS))
 
 
+@pytest.mark.parametrize("name, vec_args", [("nvfp4", (None, 16)), ("mxfp4", (32,)), ("nvfp4_e8m0", (16,))])
+def test_fp4_formats_by_name_give_the_exact_result(name, vec_args):
+    """The first-user case: all-equal operands, K = 64 (6.0 is exact in every FP4 format), so D = 36 * K exactly;
+    'nvfp4' used to quantize as MXFP4 and gave half of it with sf_vec_size=16, with no error."""
+    k = 64
+    a, sfa = formats.to_block_scaled(jnp.full((M, k), 6.0), name)
+    b, sfb = formats.to_block_scaled(jnp.full((L, N, k), 6.0), name)
+    for vec in vec_args:
+        d = cmj.grouped_gemm_quant(a, b, sfa, sfb, jnp.asarray(OFFSETS), sf_vec_size=vec, d_dtype="float32").d_tensor
+        np.testing.assert_array_equal(np.asarray(d), np.full((M, N), 36.0 * k, np.float32))
+
+
+def test_fp4_random_operands_by_format_name_match_the_float64_oracle():
+    x = jax.random.normal(jax.random.PRNGKey(12), (M, 128)) * 3
+    w = jax.random.normal(jax.random.PRNGKey(13), (L, N, 128))
+    for name in ("nvfp4", "mxfp4", "nvfp4_e8m0"):
+        a, sfa = formats.to_block_scaled(x, name)
+        b, sfb = formats.to_block_scaled(w, name)
+        vec = formats.BLOCK_FORMATS[name][2]
+        d = cmj.grouped_gemm_quant(a, b, sfa, sfb, jnp.asarray(OFFSETS), sf_vec_size=vec, d_dtype="float32")
+        xa = np.asarray(formats.from_block_scaled(a, sfa, name), np.float64)
+        wb = np.asarray(formats.from_block_scaled(b, sfb, name), np.float64)
+        want = np.zeros((M, N))
+        for g, (start, end) in enumerate(zip([0, *OFFSETS[:-1]], OFFSETS)):
+            want[start:end] = xa[start:end] @ wb[g].T
+        np.testing.assert_allclose(np.asarray(d.d_tensor), want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+
+
+def test_scales_quantized_for_another_vec_size_are_rejected():
+    """Where K tells the vec sizes apart (K > 64), FP4 scales of the other vec have another shape: the error says
+    which vec they were made for. e4m3 scales are NVFP4 (vec 16) by their dtype."""
+    x, w = jnp.ones((M, 128)), jnp.ones((L, N, 128))
+    a, sfa = formats.to_block_scaled(x, "mxfp4")
+    b, sfb = formats.to_block_scaled(w, "mxfp4")
+    with pytest.raises(ValueError, match="sfa_tensor: .*shape is that of sf_vec_size=32 scales"):
+        cmj.grouped_gemm_quant(a, b, sfa, sfb, jnp.asarray(OFFSETS), sf_vec_size=16)
+    a16, sfa16 = formats.to_block_scaled(x, "nvfp4_e8m0")
+    with pytest.raises(ValueError, match="sfa_tensor: .*shape is that of sf_vec_size=16 scales"):
+        cmj.grouped_gemm_quant(a16, b, sfa16, sfb, jnp.asarray(OFFSETS), sf_vec_size=32)
+    with pytest.raises(ValueError, match=r"sfb_tensors\[0\]: .*shape is that of sf_vec_size=32 scales"):
+        cmj.grouped_gemm_quant(a16, b_tensors=list(b), sfa_tensor=sfa16, sfb_tensors=[s[None] for s in sfb],
+                               padded_offsets=jnp.asarray(OFFSETS), sf_vec_size=16)
+    nv_a, nv_sfa = formats.to_block_scaled(x, "nvfp4")
+    nv_b, nv_sfb = formats.to_block_scaled(w, "nvfp4")
+    with pytest.raises(ValueError, match="float8_e4m3fn scale factors require sf_vec_size=16"):
+        cmj.grouped_gemm_quant(nv_a, nv_b, nv_sfa, nv_sfb, jnp.asarray(OFFSETS), sf_vec_size=32)
+    with pytest.raises(ValueError, match="sf_vec_size is required for FP4 inputs with e8m0 scales"):
+        cmj.grouped_gemm_quant(a, b, sfa, sfb, jnp.asarray(OFFSETS))
+
+
+@pytest.mark.parametrize("layout, fix", [
+    ("cudnn (N, K, L)", lambda w: jnp.transpose(w, (2, 0, 1))),
+    ("torch (L, K, N)", lambda w: jnp.swapaxes(w, 1, 2)),
+])
+def test_weights_in_cudnn_or_torch_layout_name_the_transpose(data, layout, fix):
+    w = data["b"]                                        # (L, N, K), N = 128, K = 64
+    held = jnp.transpose(w, (1, 2, 0)) if layout.startswith("cudnn") else jnp.swapaxes(w, 1, 2)
+    with pytest.raises(ValueError) as info:
+        cmj.grouped_gemm_quant(data["a"], held, padded_offsets=data["offsets"])
+    message = str(info.value)
+    assert "(L, N, K)" in message and "has K in the middle" in message, message
+    assert ("jnp.transpose(b, (2, 0, 1))" if layout.startswith("cudnn") else "jnp.swapaxes(b, 1, 2)") in message
+    np.testing.assert_array_equal(fix(held), w)                 # the named transpose is the right one
+    with pytest.raises(ValueError, match=r"looks like \(K, N\): pass its transpose"):
+        cmj.grouped_gemm_quant(data["a"], b_tensors=[x.T for x in w], padded_offsets=data["offsets"])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Concrete (eager) offsets are checked; errors name the argument, the index, the rule and the call that fixes it
 
@@ -331,6 +399,22 @@ def test_concrete_offsets_breaking_the_rules_raise(data, bad, fragment):
             with pytest.raises(ValueError) as info:
                 call(offsets)
             assert fragment in str(info.value) and "cudnn_moe_jax.nn.route" in str(info.value), str(info.value)
+
+
+def test_offsets_the_host_knows_are_checked_under_jit_too_and_the_docs_say_so(data):
+    """README and docs/ops.md describe what ops/_checks.offsets_vector does: values known on the host (eager, or a
+    NumPy / concrete array closed over under jit) are checked; traced ones are sanitized."""
+    a, b, bad = data["a"], data["b"], [256, 300, 512]
+    for const in (np.asarray(bad, np.int32), jnp.asarray(bad, jnp.int32)):
+        with pytest.raises(ValueError, match=r"padded_offsets\[1\]=300 is not a multiple of 256"):
+            jax.jit(lambda a: cmj.grouped_gemm_quant(a, b, padded_offsets=const).d_tensor)(a)
+    traced = jax.jit(lambda a, o: cmj.grouped_gemm_quant(a, b, padded_offsets=o).d_tensor)(a, jnp.asarray(bad))
+    want = cmj.grouped_gemm_quant(a, b, padded_offsets=jnp.asarray([256, 256, 512])).d_tensor   # sanitized ends
+    np.testing.assert_array_equal(np.asarray(traced, np.float32), np.asarray(want, np.float32))
+    root = Path(__file__).resolve().parents[1]
+    readme, ops = (root / "README.md").read_text(), (root / "docs" / "ops.md").read_text()
+    assert "Offsets known on the host" in readme and "Offset values are checked when the host knows them" in ops
+    assert "offset values, prob values) is never checked" not in ops
 
 
 def test_concrete_wgrad_token_offsets_are_checked(data):

@@ -480,3 +480,82 @@ def test_every_dtype_spelling_the_ops_accept_works_here():
         F.to_block_scaled(x, F.E4M3, jnp.float8_e5m2)
     with pytest.raises(TypeError, match="decode: data_dtype: 'e9m9' is not a dtype"):
         F.decode(np.zeros(4, np.uint8), "e9m9")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# format names: a name fixes data dtype, scale dtype and vec; buffers must agree with the format they are read as
+# ------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(F.BLOCK_FORMATS))
+def test_a_format_name_fixes_data_scale_dtype_and_vec(name):
+    data, sf, vec = F.BLOCK_FORMATS[name]
+    x = np.random.default_rng(23).standard_normal((2, 130, 160)).astype(np.float32) * 5
+    codes, sf_phys = F.to_block_scaled(x, name)
+    assert codes.dtype == (jnp.uint8 if data == F.E2M1 else jnp.dtype(data))
+    assert sf_phys.dtype == (jnp.float8_e4m3fn if sf == F.E4M3 else jnp.uint8)
+    assert sf_phys.shape == F.sf_physical_shape(130, 160, vec, 2)
+    want_codes, want_sf = O.np_to_block_scaled(x, data, sf, vec)          # the float64 oracle, same format
+    assert_bits_equal(codes, want_codes, "codes")
+    assert_bits_equal(np.asarray(sf_phys).reshape(-1), want_sf, "sf")
+    back = np.asarray(F.from_block_scaled(codes, sf_phys, name))
+    s = O.np_unpack_sf(want_sf, 130, -(-160 // vec), 2)
+    ref = np.stack([O.np_dequantize(c, s[i], data, sf, vec) for i, c in enumerate(np.asarray(want_codes))])
+    assert np.array_equal(back, ref.astype(np.float32))
+    # the same format spelled as dtypes (and upper case) is the same bytes
+    assert_bits_equal(F.to_block_scaled(x, data, sf, vec)[1], sf_phys, "sf by dtypes")
+    assert_bits_equal(F.to_block_scaled(x, name.upper())[0], codes, "codes by upper-case name")
+
+
+def test_nvfp4_is_e4m3_scales_vec_16_not_mxfp4():
+    """The first-user bug: 'nvfp4' used to be a data-dtype alias, so to_block_scaled(x, 'nvfp4') gave MXFP4
+    (e8m0, vec 32) scales that an op called with sf_vec_size=16 misread without an error."""
+    assert F.BLOCK_FORMATS["nvfp4"] == (F.E2M1, F.E4M3, 16)
+    assert F.BLOCK_FORMATS["mxfp4"] == (F.E2M1, F.E8M0, 32)
+    _, sf = F.to_block_scaled(np.ones((128, 64), np.float32), "nvfp4")
+    assert sf.dtype == jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("nvfp4", F.E8M0), "fixed by its name"),
+    (("mxfp8", None, 16), "fixed by its name"),
+    (("mxfp4", F.E4M3), "fixed by its name"),
+    (("fp4",), "could be 'mxfp4'"),                                # a dtype alias, not a format
+    ((F.E2M1, F.E8M0), "could be 'mxfp4'"),                        # e8m0 FP4: vec 16 or 32
+    ((F.E4M3, None, 16), "is not a block-scaled format"),
+    ((F.E4M3, F.E4M3), "is not a block-scaled format"),
+    (("mxfp9",), "neither a block-scaled format"),
+    ((jnp.bfloat16,), "neither a block-scaled format"),
+])
+def test_format_contradictions_and_ambiguities_are_errors(args, fragment):
+    with pytest.raises(ValueError) as info:
+        F.to_block_scaled(np.ones((128, 64), np.float32), *args)
+    assert fragment in str(info.value) and "to_block_scaled" in str(info.value), str(info.value)
+
+
+def test_from_block_scaled_rejects_buffers_of_another_format():
+    x = np.random.default_rng(5).standard_normal((128, 128)).astype(np.float32)
+    mx_codes, mx_sf = F.to_block_scaled(x, "mxfp4")
+    nv_codes, nv_sf = F.to_block_scaled(x, "nvfp4")
+    e8_codes, e8_sf = F.to_block_scaled(x, "nvfp4_e8m0")
+    with pytest.raises(ValueError, match="float8_e4m3fn scales but sf_physical holds float8_e8m0fnu"):
+        F.from_block_scaled(mx_codes, mx_sf, "nvfp4")
+    with pytest.raises(ValueError, match="float8_e8m0fnu scales but sf_physical holds float8_e4m3fn"):
+        F.from_block_scaled(nv_codes, nv_sf, "mxfp4")
+    with pytest.raises(ValueError, match=r"the size of vec 16 scales \('nvfp4_e8m0'\?\)"):
+        F.from_block_scaled(e8_codes, e8_sf, "mxfp4")               # K = 128 tells vec 16 from vec 32
+    with pytest.raises(TypeError, match="stored as uint8"):
+        F.from_block_scaled(F.to_block_scaled(x, "mxfp8")[0], mx_sf, "mxfp4")
+    # a data dtype alone takes the scale dtype the buffer records
+    np.testing.assert_array_equal(np.asarray(F.from_block_scaled(nv_codes, nv_sf, F.E2M1)),
+                                  np.asarray(F.from_block_scaled(nv_codes, nv_sf, "nvfp4")))
+
+
+def test_to_block_scaled_is_one_jitted_program_per_shape():
+    """Eager jnp dispatch of the quantizer took 2-3 s per new shape; it runs as one jit (format static) instead:
+    a new shape adds one cache entry, a repeated shape none."""
+    before = F._to_block_scaled._cache_size()
+    x = np.ones((384, 96), np.float32)
+    F.to_block_scaled(x, "mxfp8")
+    assert F._to_block_scaled._cache_size() == before + 1
+    F.to_block_scaled(2 * x, "mxfp8")
+    assert F._to_block_scaled._cache_size() == before + 1

@@ -195,6 +195,29 @@ def _fake_grouped_gemm_bundle(folder, problem, names, in_avals, out_avals):
     return mod
 
 
+def test_export_helper_adds_the_disabled_checks_plain_jax_export_needs(tmp_path, monkeypatch):
+    """Plain jax.export.export of a CUDA lowering refuses the CuTe DSL custom calls and prints each in full (the
+    module bytes); cudnn_moe_jax.export is the same call with export_disabled_checks() added. No compiler needed:
+    the module comes from a bundle."""
+    import cudnn_moe_jax as cmj
+    from cudnn_moe_jax import _primitive
+
+    p, names, ins, outs = quant_call(256)
+    monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(_modules, "_MEMORY", {})
+    _fake_grouped_gemm_bundle(tmp_path, p, names, ins, outs)
+    fn = jax.jit(lambda *xs: _primitive.grouped_gemm_p.bind(*xs, problem=p, input_names=names, config=None))
+    with pytest.raises(ValueError, match="Cannot serialize code with custom calls"):
+        jax.export.export(fn, platforms=["cuda"])(*ins)
+    exp = cmj.export(fn, platforms=["cuda"])(*ins)
+    (call,) = custom_calls(exp.mlir_module())
+    assert exp.platforms == ("cuda",) and "not really a module" in call["module"]
+    assert set(exp.disabled_safety_checks) >= set(cmj.export_disabled_checks())
+    readme = (REPO / "README.md").read_text()
+    assert "cudnn_moe_jax.export(" in readme and not re.search(r"(?<![\w.])jax\.export\(", readme)  # a module
+
+
 def test_primitive_lowers_grouped_gemm_from_bundle_or_falls_back(tmp_path, monkeypatch):
     """The real primitive's CUDA lowering takes a bundle module through kernel_lowering (no compiler)."""
 
@@ -288,6 +311,38 @@ def _python(code: str, env: dict, cwd=REPO) -> str:
                        env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
+
+
+@needs_cutlass
+def test_aot_build_says_which_modules_it_compiled_and_which_came_from_the_cache(tmp_path, monkeypatch, capsys):
+    """A second build takes the modules from the on-disk module cache: every line and the summary say so, and how
+    to compile again (--no-cache)."""
+    from cudnn_moe_jax import aot
+
+    monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [])
+
+    def build(out, *flags):
+        monkeypatch.setattr(_modules, "_MEMORY", {})              # a fresh process: nothing in memory
+        assert aot.main(["build", "--out", str(tmp_path / out), "--variants", "test_runtime:tiny_variants",
+                         *flags]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == len(TINY_SHAPES) + 1 and all(line.startswith("ok ") for line in lines[:-1]), lines
+        return lines
+
+    first = build("first")
+    assert all(line.endswith("  compiled") for line in first[:-1]) and first[-1].endswith(
+        f"(0 failed): {len(TINY_SHAPES)} compiled"), first
+    second = build("second")
+    cache = f"module cache {tmp_path / 'cache'}"
+    assert all(line.endswith(cache) for line in second[:-1]), second
+    assert f"{len(TINY_SHAPES)} from the {cache}; modules in the cache were not recompiled" in second[-1]
+    assert "--no-cache or CUDNN_MOE_JAX_MODULE_CACHE=off" in second[-1]
+    third = build("third", "--no-cache")
+    assert all(line.endswith("  compiled") for line in third[:-1]), third
+    manifests = [_runtime.read_manifest(tmp_path / out)["entries"] for out in ("first", "second", "third")]
+    assert manifests[0].keys() == manifests[1].keys() == manifests[2].keys()
+    assert {e["key"] for e in manifests[0].values()} == {e["key"] for e in manifests[2].values()}  # same bytes
 
 
 @needs_cutlass

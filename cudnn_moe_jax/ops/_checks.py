@@ -52,7 +52,7 @@ def operand_dtype(x, arg: str) -> str:
     if name not in HALF_DTYPES + FP8_DTYPES:
         raise TypeError(f"{arg}: dtype {name} is not supported; use bfloat16, float16, float8_e4m3fn, "
                         "float8_e5m2 or uint8 (packed FP4): cast with x.astype(jnp.bfloat16), or quantize with "
-                        "cudnn_moe_jax.formats.to_block_scaled(x, 'float8_e4m3fn')")
+                        "cudnn_moe_jax.formats.to_block_scaled(x, 'mxfp8')")
     return name
 
 
@@ -140,24 +140,32 @@ def scalar_f32(x, arg: str):
 
 
 # How to build each kind of scale-factor buffer (the hint of a wrong one).
-SF_HINT_TILED = ("quantize the {what} with cudnn_moe_jax.formats.to_block_scaled({x}, data_dtype, sf_dtype, vec), or "
+SF_HINT_TILED = ("quantize the {what} with cudnn_moe_jax.formats.to_block_scaled({x}, format), or "
                  "pack logical {logical} scales with cudnn_moe_jax.formats.pack_sf")
 SF_HINT_SEGMENTS = ("this op takes per-expert segment scales: pack the logical (rows, cdiv(T, sf_vec_size)) scales "
                     "with cudnn_moe_jax.formats.pack_sf_segments(s, offsets_tensor, sf_vec_size)")
 
 
-def sf_bytes(x, expected_shape: tuple, arg: str, hint: str):
+def _is_layout(x, shape: tuple) -> bool:
+    """Whether buffer x is the physical array of `shape` or its flat bytes."""
+    return math.prod(x.shape) == math.prod(shape) and (x.ndim <= 1 or tuple(x.shape) == tuple(shape))
+
+
+def sf_bytes(x, expected_shape: tuple, arg: str, hint: str, other_vec: Optional[tuple] = None):
     """A scale-factor buffer -> uint8 with `expected_shape` (accepts the physical array or its flat bytes); `hint`
-    says which call builds the right buffer."""
+    says which call builds the right buffer. `other_vec` = (sf_vec_size, shape): the operand's layout at the other
+    vec size FP4 allows, named in the error when the buffer has it (scales quantized for the other vec)."""
     x = array(x, arg)
     name = x.dtype.name
     if name not in SF_DTYPES + ("uint8",):
         raise TypeError(f"{arg}: dtype {name} is not a scale-factor dtype (float8_e8m0fnu, float8_e4m3fn or "
                         "uint8 bit patterns)")
-    size = math.prod(expected_shape)
-    if math.prod(x.shape) != size or (x.ndim > 1 and tuple(x.shape) != tuple(expected_shape)):
+    if not _is_layout(x, expected_shape):
+        if other_vec is not None and _is_layout(x, other_vec[1]):
+            hint = (f"its shape is that of sf_vec_size={other_vec[0]} scales: pass sf_vec_size={other_vec[0]} if "
+                    f"they were quantized so, else quantize with formats.to_block_scaled(x, 'nvfp4' | 'mxfp4')")
         raise ValueError(f"{arg}: expected the packed MMA-tiled buffer of shape {tuple(expected_shape)} (or its "
-                         f"{size} flat bytes), got shape {tuple(x.shape)}; {hint}")
+                         f"{math.prod(expected_shape)} flat bytes), got shape {tuple(x.shape)}; {hint}")
     if name != "uint8":
         x = jax.lax.bitcast_convert_type(x, jnp.uint8)
     return jnp.reshape(x, expected_shape)
@@ -195,8 +203,8 @@ def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "s
         return None, None
     if sfa is None or sfb is None:
         raise TypeError(f"sfa_tensor and {sfb_arg} are required for block-scaled {ab_dtype} inputs: quantize "
-                        "operands with cudnn_moe_jax.formats.to_block_scaled(x, data_dtype), which returns "
-                        "(codes, scales)")
+                        "operands with cudnn_moe_jax.formats.to_block_scaled(x, format) (format 'mxfp8', 'nvfp4', "
+                        "...), which returns (codes, scales)")
     named = [(sfa, "sfa_tensor")] + ([(t, f"{sfb_arg}[{i}]") for i, t in enumerate(sfbs)] if sfbs is not None
                                      else [(sfb, sfb_arg)])
     # uint8 bit patterns carry no dtype: e8m0.
@@ -295,6 +303,19 @@ def finite_float(value, arg: str) -> Optional[float]:
 
 
 
+def _weight_layout_hint(b_shape: tuple, a_k: int) -> str:
+    """What to do with a weight whose K axis is not last: the layouts cuDNN ((N, K, L)) and torch ((L, K, N),
+    per expert (K, N)) store, and the transpose that gives this library's (L, N, K) / (N, K)."""
+    if len(b_shape) == 3 and b_shape[1] == a_k:
+        return (f"; weights are (L, N, K) here (expert-major, K contiguous), and {tuple(b_shape)} has K in the "
+                "middle: cuDNN's (N, K, L) layout converts with jnp.transpose(b, (2, 0, 1)); torch's (L, K, N) with "
+                "jnp.swapaxes(b, 1, 2) (bf16/fp16: add b_major='n' and the kernel reads the original buffer, no copy)")
+    if len(b_shape) == 2 and b_shape[0] == a_k:
+        return (f"; each expert's weight is (N, K) here, and {tuple(b_shape)} looks like (K, N): pass its "
+                "transpose (w.T; bf16/fp16: add b_major='n' and the kernel reads the original buffer, no copy)")
+    return "; weights are (L, N, K) here (expert-major, K contiguous), per expert (N, K)"
+
+
 def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors, padded_offsets,
                   sf_vec_size, b_arg="b_tensor"):
     """Validate and canonicalise the grouped-GEMM operands shared by every forward and dgrad op.
@@ -332,6 +353,7 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                              f"{tuple(b.shape)}; per-expert (N, K) weights go in b_tensors=[...] (or jnp.stack "
                              "them)")
         b_dtype = operand_dtype(b, b_arg)
+        b_shape = b.shape
         num_groups, n, b_k = b.shape[0], b.shape[1], logical_k(b, b_dtype)
         if sfb_tensors is not None:
             raise ValueError("sfb_tensors goes with b_tensors; with a dense b_tensor pass sfb_tensor")
@@ -339,7 +361,8 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         raise TypeError(f"a_tensor ({ab_dtype}) and {b_arg} ({b_dtype}) must have the same dtype: cast one "
                         "with .astype(...)")
     if b_k != k:
-        raise ValueError(f"{b_arg}: K={b_k} does not match a_tensor's K={k}")
+        raise ValueError(f"{b_arg}: K={b_k} does not match a_tensor's K={k}"
+                         f"{_weight_layout_hint(b_shape, a.shape[-1])}")
     check_k_alignment(k, ab_dtype, "a_tensor")
     if not 1 <= num_groups <= MAX_GROUPS:
         raise ValueError(f"{b_arg}: number of experts L={num_groups} must be in [1, {MAX_GROUPS}]")
@@ -355,17 +378,26 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                                          sf_vec_size, "sfb_tensors" if discrete else "sfb_tensor")
     sfa = sfb = None
     if sf_dtype is not None:
+        # FP4 scales quantized for the other vec size have another layout, except where K cannot tell them apart
+        # (K <= 64: one atom of 4 k-blocks either way); that is why e8m0 FP4 calls must state sf_vec_size.
+        other = {16: 32, 32: 16}[vec] if ab_dtype == FP4 else None
+
+        def other_layout(rows, num_groups=1):
+            return None if other is None else (other, sf_physical_shape(rows, k, other, num_groups))
+
         sfa = sf_bytes(sfa_tensor, sf_physical_shape(m, k, vec), "sfa_tensor",
-                       SF_HINT_TILED.format(what="(m, K) activations", x="a", logical="(m, cdiv(K, sf_vec_size))"))
+                       SF_HINT_TILED.format(what="(m, K) activations", x="a", logical="(m, cdiv(K, sf_vec_size))"),
+                       other_layout(m))
         if discrete:
             hint = SF_HINT_TILED.format(what="(N, K) weight of each expert", x="b_tensors[i]",
                                         logical="(N, cdiv(K, sf_vec_size))")
-            sfb = tuple(sf_bytes(s, sf_physical_shape(n, k, vec), f"sfb_tensors[{i}]", hint)
+            sfb = tuple(sf_bytes(s, sf_physical_shape(n, k, vec), f"sfb_tensors[{i}]", hint, other_layout(n))
                         for i, s in enumerate(sfb_tensors))
         else:
             sfb = sf_bytes(sfb_tensor, sf_physical_shape(n, k, vec, num_groups), "sfb_tensor",
                            SF_HINT_TILED.format(what="(L, N, K) weights", x="b",
-                                                logical="(L, N, cdiv(K, sf_vec_size))"))
+                                                logical="(L, N, cdiv(K, sf_vec_size))"),
+                           other_layout(n, num_groups))
     inputs = {"a": a, "b": b, "sfa": sfa, "sfb": sfb, "padded_offsets": offsets}
     dims = dict(m=m, n=n, k=k, num_groups=num_groups, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=vec,
                 discrete=discrete, b_arg="b_tensors" if discrete else b_arg)
