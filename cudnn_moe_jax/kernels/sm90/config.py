@@ -150,7 +150,7 @@ def _dgrad_support(problem) -> Optional[str]:
 
 
 def _wgrad_support(problem) -> Optional[str]:
-    """The K-grouped weight gradient (schedule_kgrouped): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit; global
+    """The K-grouped weight gradient (scheduler.K_GROUPED): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit; global
     scales (alpha = gsa[e] * gsb[e]) and accumulate_on_output (W += ..., in place) included. T is dynamic (the
     problem's k may be symbolic: `_runtime.symbolic_t()`)."""
     if problem.block_scaled or problem.ab_dtype not in HALF_DTYPES:

@@ -46,7 +46,7 @@ from cudnn_moe_jax.formats import rcp_limit
 
 from .. import quantize as q8
 from ..epilogue import DgradRecipe, EpilogueRecipe
-from ..scheduler import GroupedTileScheduler, KGroupedTileScheduler
+from ..scheduler import K_GROUPED, M_GROUPED, GroupedTileScheduler
 from . import mainloop_mxfp8 as mx
 from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
 from .epilogue import EpilogueDriver
@@ -58,7 +58,6 @@ from .mainloop import (
     WgmmaMainloop,
 )
 from .operands import DGRAD_OPS, unpack
-from .schedule_kgrouped import KGroupedSchedule
 
 _DTYPES = {
     "bfloat16": cutlass.BFloat16,
@@ -74,7 +73,7 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
 
-class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput, KGroupedSchedule):
+class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput):
     """`acc[r, :] = A[r, :] @ B[g(r)]^T` for the rows of every group, with the problem's epilogue fused.
 
     MXFP8_MAINLOOP: the block-scaled mainloop class (a subclass may bring another: the lab's timing variants)."""
@@ -124,11 +123,6 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
             self.cin_step_bytes = self.tile_m * EPI_N * self.cin_dtype.width // 8 * self.d_per_step
             if self.epi_steps % (2 * C_LOAD_BUFFERS):  # the C-load mbarrier phases repeat per tile
                 raise NotImplementedError(f"dgrad epilogue needs tile_n % {2 * C_LOAD_BUFFERS * EPI_N} == 0")
-        if self.is_wgrad:
-            self.sched = KGroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups,
-                                               problem.m // (self.tile_m * self.cluster_m))
-        else:
-            self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
         self.max_clusters = cfg.num_sms // self.cluster_size
         if self.cluster_size == 4:
             self.max_clusters = min(self.max_clusters, H200_4CTA_CLUSTERS)
@@ -141,6 +135,14 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         self.mainloop_class = (self.MXFP8_MAINLOOP if self.block_scaled
                                else KGroupedWgmmaMainloop if self.is_wgrad else WgmmaMainloop)
         self.tile_k = self.mainloop_class.TILE_K
+        if self.is_wgrad:
+            self.sched = GroupedTileScheduler(K_GROUPED, self.tile_m, self.tile_n, self.cluster_m, self.cluster_n,
+                                              self.num_groups, self.n_blocks, self.tile_k,
+                                              m_blocks=problem.m // (self.tile_m * self.cluster_m))
+        else:
+            self.sched = GroupedTileScheduler(M_GROUPED, self.tile_m, self.tile_n, self.cluster_m, self.cluster_n,
+                                              self.num_groups, self.n_blocks, self.tile_k,
+                                              k_tiles=-(-self.k // self.tile_k), group_m=cfg.group_m)
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         self.mainloop = self.mainloop_class.from_problem(problem, cfg, self.ab_dtype, self.ab_stages)
         # lanes arriving on a stage's worker barrier (every lane of every stage worker), besides the TMA's
@@ -286,10 +288,7 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
             # group and SF padding must read 0x00)
             self.zero_bytes_kernel(mSfdRow, mSfdCol).launch(grid=[264, 1, 1], block=[256, 1, 1], stream=stream)
 
-        total = (m_rows // self.sched.block_m) * self.n_blocks
-        if const_expr(self.is_wgrad):
-            total = self.num_groups * self.sched.m_blocks * self.n_blocks
-        num_clusters = cutlass.min(total, Int32(self.max_clusters))
+        num_clusters = cutlass.min(self.sched.num_tiles(m_rows), Int32(self.max_clusters))
         self.kernel(
             tiled_mma,
             tma_atom_a, tma_a, tma_atom_b, tma_b,
@@ -404,7 +403,7 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
                 sZero[0] = Int32(0)
         if warp_idx == 0:
             # wgrad: the token ends, clipped to T (A is (m_w, T))
-            self.sched.load_group_ends(mOffsets, mA.shape[1] if const_expr(self.is_wgrad) else m_rows, sEnds, sValid)
+            self.sched.load_group_ends(mOffsets, self.sched.group_extent(mA), sEnds, sValid)
         ml_smem = self.mainloop.smem_tensors(storage, tidx, NUM_THREADS)
         cute.arch.sync_threads()
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
@@ -415,11 +414,8 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                if const_expr(self.is_wgrad):
-                    self.kgrouped_producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds)
-                else:
-                    self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
-                                  tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem)
+                self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
+                              tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem)
             for worker in self.mainloop_class.STAGE_WORKERS:
                 if warp_idx == worker[0]:
                     self.stage_worker(ab_pipeline, dec_mbar, worker, ml_smem, sA, sEnds, sValid, m_rows)
@@ -452,15 +448,6 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
 
     # ------------------------------------------------------------------------------------------ roles
     @cute.jit
-    def _cluster_work(self, sValid: cute.Tensor, m_rows: Int32):
-        """(first tile, stride, total tiles, valid M blocks) of this CTA's cluster."""
-        _, _, cluster_id = cute.arch.block_idx()
-        _, _, num_clusters = cute.arch.grid_dim()
-        total = (m_rows // self.sched.block_m) * self.n_blocks
-        valid_blocks = sValid[0] // self.sched.block_m
-        return cluster_id, num_clusters, total, valid_blocks
-
-    @cute.jit
     def _mcast_masks(self, rank_m, rank_n):
         """TMA multicast masks of this CTA: A goes to its cluster row (along N), B to its column (along M)."""
         cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
@@ -484,38 +471,61 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         """Warp 0: TMA loads for every compute tile of this CTA (A multicast along the cluster's N, B along M;
         block-scaled mainloops: their scale factors travel with A / B)."""
         rank_m, rank_n = self._cluster_coord()
-        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L)
-        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
-        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
+        ab = self.ab_partitions(tma_atom_a, mA, tma_atom_b, mB, sA, sB, rank_m, rank_n)
+        a_mcast_mask, b_mcast_mask = self._mcast_masks(rank_m, rank_n)
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        scale_loads = self.mainloop.partition_scale_loads(tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem,
+                                                          rank_m, rank_n)
+        work = self.sched.work(sValid, m_rows, self.ab_k_tiles(ab))
+        t = work.first
+        while t < work.total:
+            tile = self.sched.tile(t, work, sEnds, rank_m, rank_n)
+            tAgA, tAsA, tBgB, tBsB = self.tile_ab(ab, tile, tma_atom_a, mA, tma_atom_b, mB, sA, sB, rank_m, rank_n)
+            prod_state = self.mainloop.load_tile(
+                ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
+                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, (tile.m_tile, tile.n_tile, tile.group),
+            )
+            t += work.stride
+        ab_pipeline.producer_tail(prod_state)
+
+    @cute.jit
+    def _tma_partitions(self, tma_atom_a, gA, tma_atom_b, gB, sA, sB, rank_m, rank_n):
+        """(tAsA, tAgA, tBsB, tBgB): A's TMA multicast along the cluster's N, B's along M."""
         tAsA, tAgA = cpasync.tma_partition(
             tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
         tBsB, tBgB = cpasync.tma_partition(
             tma_atom_b, rank_m, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
-        a_mcast_mask, b_mcast_mask = self._mcast_masks(rank_m, rank_n)
-        k_tiles = cute.size(gA, mode=[3])
-        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        scale_loads = self.mainloop.partition_scale_loads(tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem,
-                                                          rank_m, rank_n)
+        return tAsA, tAgA, tBsB, tBgB
 
-        t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
-        while t < total:
-            m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
-            g = cutlass.min(self.sched.group_of_row(m_block * self.sched.block_m, sEnds), Int32(self.num_groups - 1))
-            k_count = Int32(0)
-            if is_compute:
-                k_count = k_tiles
-            m_tile = m_block * self.cluster_m + rank_m
-            n_tile = n_block * self.cluster_n + rank_n
-            prod_state = self.mainloop.load_tile(
-                ab_pipeline, prod_state,
-                tma_atom_a, tAgA[(None, m_tile, None)], tAsA,
-                tma_atom_b, tBgB[(None, n_tile, None, g)], tBsB,
-                a_mcast_mask, b_mcast_mask, k_count, scale_loads, (m_tile, n_tile, g),
-            )
-            t += stride
-        ab_pipeline.producer_tail(prod_state)
+    @cute.jit
+    def ab_partitions(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, rank_m, rank_n):
+        """The producer's A / B TMA partitions made once (M-grouped: every tile reads the whole static K)."""
+        if const_expr(self.is_wgrad):
+            return None
+        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L)
+        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
+        return self._tma_partitions(tma_atom_a, gA, tma_atom_b, gB, sA, sB, rank_m, rank_n)
+
+    def ab_k_tiles(self, ab):
+        """M-grouped: the k-tiles of A's TMA partition (K as A's shape says)."""
+        if self.is_wgrad:
+            return None
+        return cute.size(ab[1], mode=[2])
+
+    @cute.jit
+    def tile_ab(self, ab, tile, tma_atom_a, mA, tma_atom_b, mB, sA, sB, rank_m, rank_n):
+        """(tAgA, tAsA, tBgB, tBsB) of one tile: its A rows and B[group] over K (K-grouped: over the expert's
+        tokens from tile.k_start, a k-tile boundary)."""
+        if const_expr(self.is_wgrad):
+            gA = cute.local_tile(cute.domain_offset((0, tile.k_start), mA), (self.tile_m, self.tile_k), (None, None))
+            gB = cute.local_tile(cute.domain_offset((0, tile.k_start), mB), (self.tile_n, self.tile_k), (None, None))
+            tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_atom_a, gA, tma_atom_b, gB, sA, sB, rank_m, rank_n)
+            return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None)], tBsB
+        tAsA, tAgA, tBsB, tBgB = ab
+        return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None, tile.group)], tBsB
 
     @cute.jit
     def stage_worker(self, ab_pipeline, stage_mbar, worker: cutlass.Constexpr, ml_smem, sA, sEnds, sValid, m_rows):
@@ -525,28 +535,19 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         the stage's worker barrier."""
         lane = cute.arch.lane_idx()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        if const_expr(self.is_wgrad):
-            t, stride, total = self._kgrouped_work()
-        else:
-            t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
-        while t < total:
-            k_count = Int32(0)
-            tile_ctx = None
-            if const_expr(self.is_wgrad):
-                e, _, _ = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
-                _, k_count, head, keep = self.sched.token_tiles(e, sEnds, self.tile_k)
-                tile_ctx = (head, keep)
-            else:
-                _, _, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
-                if is_compute:
-                    k_count = Int32((self.k + self.tile_k - 1) // self.tile_k)
+        rank_m, rank_n = self._cluster_coord()
+        work = self.sched.work(sValid, m_rows)
+        t = work.first
+        while t < work.total:
+            tile = self.sched.tile(t, work, sEnds, rank_m, rank_n)
+            k_count = tile.k_count
             for k in cutlass.range(k_count, unroll=1):
                 ab_pipeline.consumer_wait(state)
-                self.mainloop.process_stage(worker, ml_smem, sA, state.index, k, k_count, tile_ctx, lane)
+                self.mainloop.process_stage(worker, ml_smem, sA, state.index, k, k_count, tile, lane)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.mbarrier_arrive(stage_mbar + state.index)
                 state.advance()
-            t += stride
+            t += work.stride
 
     @cute.jit
     def consumer(
@@ -607,9 +608,6 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         )
         epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=256)
         is_store_warp = warp_idx == 4
-        k_tiles = None  # wgrad: per expert (sched.token_tiles)
-        if const_expr(not self.is_wgrad):
-            k_tiles = (self.k + self.tile_k - 1) // self.tile_k
         # FP8 D: D_col store partition (same smem layout as D), norm_const
         bSG_gDcol = tRS_rDcol = None
         norm_const = Float32(1.0)
@@ -637,29 +635,12 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
 
-        if const_expr(self.is_wgrad):
-            t, stride, total = self._kgrouped_work()
-        else:
-            t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
-        while t < total:
-            if const_expr(self.is_wgrad):
-                # K-grouped: tile (expert g, m, n) of W; K = g's token range; W[g] rows sit at g * m_w
-                g, m_block, n_block = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
-                _, k_count, _, _ = self.sched.token_tiles(g, sEnds, self.tile_k)
-                is_compute = True
-                m_tile = m_block * self.cluster_m + rank_m
-                n_tile = n_block * self.cluster_n + rank_n
-                out_m_tile = g * (self.sched.m_blocks * self.cluster_m) + m_tile
-            else:
-                m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
-                g = cutlass.min(self.sched.group_of_row(m_block * self.sched.block_m, sEnds),
-                                Int32(self.num_groups - 1))
-                m_tile = m_block * self.cluster_m + rank_m
-                n_tile = n_block * self.cluster_n + rank_n
-                out_m_tile = m_tile
-                k_count = Int32(0)
-                if is_compute:
-                    k_count = Int32(k_tiles)
+        work = self.sched.work(sValid, m_rows)
+        t = work.first
+        while t < work.total:
+            tile = self.sched.tile(t, work, sEnds, rank_m, rank_n)
+            g, m_tile, n_tile, out_m_tile = tile.group, tile.m_tile, tile.n_tile, tile.out_m_tile
+            is_compute, k_count = tile.is_compute, tile.k_count
             # per-tile epilogue operands, loaded before the mainloop so their latency hides under it
             alpha = Float32(1.0)
             if const_expr(not self.is_wgrad):
@@ -684,16 +665,16 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
                 ab_pipeline, read_state, release_state, mma_operands, acc, k_count, dec_mbar
             )
             if const_expr(self.is_dgrad):
-                tile = (tRS_rAcc, tRS_cD, frag_size, alpha, beta, prob_v, sProb, is_compute, ctid,
+                epi_args = (tRS_rAcc, tRS_cD, frag_size, alpha, beta, prob_v, sProb, is_compute, ctid,
                         r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
                         sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
                         epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sZero)
-                self.run_epilogue(self.dgrad_hooks(), tile, store_pipeline, epi_barrier, is_store_warp)
+                self.run_epilogue(self.dgrad_hooks(), epi_args, store_pipeline, epi_barrier, is_store_warp)
             else:
-                tile = (acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute,
+                epi_args = (acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute,
                         ctid, r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
                         r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
                         epi_barrier, out_m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC, old_w)
-                self.run_epilogue(self.forward_hooks(), tile, store_pipeline, epi_barrier, is_store_warp)
-            t += stride
+                self.run_epilogue(self.forward_hooks(), epi_args, store_pipeline, epi_barrier, is_store_warp)
+            t += work.stride
         store_pipeline.producer_tail()

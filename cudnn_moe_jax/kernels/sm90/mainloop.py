@@ -226,9 +226,10 @@ class KGroupedWgmmaMainloop(WgmmaMainloop):
     @cute.jit
     def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
                       lane: Int32):
-        """Zero A's columns (tokens) outside the expert's range in its first / last k-tile; tile_ctx = (head, keep):
-        the first valid column of k-tile 0 and the end of the valid columns of the last k-tile."""
-        head, keep = tile_ctx
+        """Zero A's columns (tokens) outside the expert's range in its first / last k-tile; tile_ctx: the
+        schedule's tile (`scheduler.Tile`), whose k_head / k_keep are the first valid column of k-tile 0 and the end
+        of the valid columns of the last k-tile."""
+        head, keep = tile_ctx.k_head, tile_ctx.k_keep
         lo = Int32(0)
         hi = Int32(self.TILE_K)
         if k == 0:
