@@ -6,8 +6,8 @@ SFD_col bytes stored from registers (kernels/quantize.py holds the math, docs/fo
 A step calls `_quantize_d_rows` before its first barrier and `_quantize_d_cols` after it (the column maxima of
 the partner warp are in smem then; the table is rewritten only after the step's second barrier).
 
-A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): it reads the kernel's static attributes (tile shape, problem,
-`rcp_limit`, `discrete_col_sfd`; `is_dgrad` / `d_per_step` to place a subtile among D's 32-column blocks).
+A mixin of the kernel classes' shared body (gemm.GroupedGemmSm90Base): it reads the kernel's static attributes (tile
+shape, problem, `rcp_limit`, `discrete_col_sfd`) and its `d_block` (a subtile's place among D's 32-column blocks).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ class Fp8DOutput:
         """After the step's first barrier: rDcol <- rVal column-quantized, then the subtile's SF bytes (zero
         tiles: D_col zeros, no SF bytes -- the zeroing kernel wrote 0x00). `j`: which of the step's subtiles
         (the backward dglu stores a gate and an up subtile per step)."""
-        _, _, _, mSfdRow, mSfdCol, norm_const, sEnds, m_rows = fp8
-        code_c = q8.quantize_cols(rVal, rDcol, sColMax, warp_e, lane, self.rcp_limit, norm_const)
+        mSfdRow, mSfdCol, sEnds, m_rows = fp8.mSfdRow, fp8.mSfdCol, fp8.sEnds, fp8.m_rows
+        code_c = q8.quantize_cols(rVal, rDcol, sColMax, warp_e, lane, self.rcp_limit, fp8.norm_const)
         if is_compute:
             self._store_sf_bytes(code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows,
                                  m_tile, n_tile, step, g, warp_e, lane, j)
@@ -54,12 +54,7 @@ class Fp8DOutput:
         (the first warp of each 32-row pair), at their byte offsets (cudnn_moe_jax.formats.sf_atom_start /
         sf_atom_byte: docs/formats.md#scale-factor-layout, #segmented-layout). Rows r, r+8 sit 128 bytes apart."""
         n_out = self.problem.n_out
-        # D 32-column block of the subtile. Forward: one per step (GLU: from a gate/up pair of accumulator
-        # subtiles); backward: d_per_step per step (dglu: gate block 2b and up block 2b + 1)
-        if const_expr(self.is_dgrad):
-            col_block = (n_tile * self.epi_steps + step) * self.d_per_step + j
-        else:
-            col_block = n_tile * (self.tile_n // self.c_per_step // EPI_N) + step
+        col_block = self.d_block(n_tile, step, j)  # D's 32-column block of the subtile
         kb_atoms = (-(-n_out // EPI_N) + 3) // 4
         # this thread's first row in the tile (0..127; = its fragment's row, checked by check_fragment_layout);
         # its second row is r_in + 8
