@@ -32,8 +32,6 @@ class Config:
     ab_stages: A/B shared-memory pipeline depth (None: as many as fit);
     epi_stages: epilogue shared-memory buffers per output (TMA-store overlap), 1, 2 or 4 (None: 2); A/B stages
       take the rest of shared memory (3 for GLU with a 16-bit C, else 4);
-    epi_pin: re-read alpha from shared memory every epilogue step (keeps ptxas from hoisting all steps' math
-      above the step barriers: fewer registers, less overlap);
     group_m: M blocks per raster swizzle group (L2 reuse);
     mx_n_parts: MXFP8 only: run each 32-K block's data and scale wgmmas per column part (1, 2 or 4 parts of the
       128-column tile) so a part is folded while the others compute (mainloop_mxfp8.Mxfp8Mainloop.mma_tile_parts);
@@ -47,7 +45,6 @@ class Config:
     cluster_n: int = 1
     ab_stages: Optional[int] = None
     epi_stages: Optional[int] = None
-    epi_pin: bool = False
     group_m: int = 8
     num_sms: int = H200_SMS
     mx_n_parts: int = 1

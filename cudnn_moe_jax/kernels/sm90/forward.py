@@ -145,10 +145,6 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
                 bias_v = args.mBias[g, col].to(Float32)
         return TileContext(tile.out_m_tile, tile.n_tile, g, tile.is_compute, alpha, prob_v, bias_v, None)
 
-    def d_block(self, n_tile, step: int, j: int = 0):
-        """D's 32-column block of epilogue step `step` (GLU: from a gate/up pair of accumulator subtiles)."""
-        return n_tile * (self.tile_n // EPI_N // self.c_per_step) + step
-
     def epilogue_hooks(self) -> EpilogueHooks:
         return EpilogueHooks(begin=self._fwd_begin, visit=self._fwd_visit, finish=self._fwd_finish,
                              writes=self._fwd_writes, stores=self._fwd_stores, end=self._fwd_end)
@@ -309,7 +305,7 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
         """rOld = this thread's old W values of 32-column subtile `step` of W tile (m_tile, n_tile) (W seen as
         (L * m_w, n_w): rows always inside, m_w % 128 == 0); columns past N read nothing (their stores are clipped
         by the TMA)."""
-        col0 = (n_tile * self.epi_steps + step) * EPI_N
+        col0 = self.d_block(n_tile, step) * EPI_N
         # 64-bit element offset: L * m_w * n_w may pass 2^31
         base = mW.iterator + (cutlass.Int64(m_tile * self.tile_m) * self.n + col0)
         tWgW = thr_w.partition_D(cute.make_tensor(base, cute.make_layout(self.epi_tile, stride=(self.n, 1))))

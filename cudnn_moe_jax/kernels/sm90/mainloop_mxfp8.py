@@ -364,19 +364,11 @@ class Mxfp8Mainloop:
                 cute.gemm(scale_mma, S, tCrSA[(None, None, 0, kb, idx)], tCrSB[(None, None, 0, kb, idx)], S)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                self.fold(acc, P, S, 0)
+                fold(acc, P, S, 0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
         return read_state, release_state
-
-    @staticmethod
-    def fold(acc, P, S, base: int):
-        """acc[base + i] += P[i] * S[i] for every value of one part (plain Python, traced inline). The timing
-        variants of tools/gpu/build_timing_variants.py replace it (keeping P and S read, or ptxas deletes the
-        wgmmas)."""
-        for i in range(cute.size(P)):
-            acc[base + i] = acc[base + i] + P[i] * S[i]
 
     @cute.jit
     def issue_part(self, tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h: cutlass.Constexpr,
@@ -423,13 +415,19 @@ class Mxfp8Mainloop:
                 # groups issued after part h: the later parts of this block, and (not last) the earlier parts of
                 # the next
                 warpgroup.wait_group(parts - 1 - h if last else parts - 1)
-                self.fold(acc, P[h], S[h], h * nh)
+                fold(acc, P[h], S[h], h * nh)
                 if not last:
                     self.issue_part(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h, kb + 1, idx)
         # every wgmma reading this stage has retired (its last block is folded)
         ab_pipeline.consumer_release(release_state)
         release_state.advance()
         return read_state, release_state
+
+
+def fold(acc, P, S, base: int):
+    """acc[base + i] += P[i] * S[i] for every value of one part (plain Python, traced inline)."""
+    for i in range(cute.size(P)):
+        acc[base + i] = acc[base + i] + P[i] * S[i]
 
 
 @cute.jit
