@@ -1,7 +1,7 @@
 """The per-tile epilogue driver of the sm90 grouped GEMM and the reductions its hooks share.
 
-`run_epilogue` owns the step loop and the store sequence of one tile; the forward (epilogue_fwd) and the backward
-(epilogue_dgrad) epilogues are two sets of `EpilogueHooks` it calls. Per tile:
+`run_epilogue` owns the step loop and the store sequence of one tile; the forward (forward.py) and the backward
+(dgrad.py) epilogues are two sets of `EpilogueHooks` it calls. Per tile:
 
   state = begin(setup, ctx)                    per-tile set-up (smem staging, thread coordinates, reductions' zeros)
   for each 32-column step (unrolled):

@@ -1,4 +1,4 @@
-"""FP8 D output of the sm90 epilogues, shared by the forward (epilogue_fwd) and the backward (epilogue_dgrad) one:
+"""FP8 D output of the sm90 epilogues, shared by the forward (forward.py) and the backward (dgrad.py) one:
 per 128 x 32 subtile of fp32 values, D_row quantized per row (32 columns = the subtile), D_col per column (32 rows
 = two warps, combined through the `sColMax` table between the epilogue step's two barriers), and the e8m0 SFD_row /
 SFD_col bytes stored from registers (kernels/quantize.py holds the math, docs/formats.md the layouts).

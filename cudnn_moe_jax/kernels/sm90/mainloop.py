@@ -219,7 +219,7 @@ class KGroupedWgmmaMainloop(WgmmaMainloop):
     warp 1) zeroes them in A (B x 0 adds nothing, as the reference masks A) and arrives on the stage's worker
     barrier; the consumers wait for it as well as for the TMA, so no divergent store sits next to their wgmmas.
     (k-tiles start on 64-token boundaries: with TMA boxes starting at the expert's first token, e.g. token 300,
-    the kernel raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200, RESULTS.md runs 31-33.)"""
+    the kernel raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200.)"""
 
     STAGE_WORKERS = ((1,),)  # (warp,): warp 1 of the producer warpgroup (idle in the bf16 mainloop)
 

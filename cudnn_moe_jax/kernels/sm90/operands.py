@@ -1,5 +1,5 @@
 """The sm90 launcher's operands, read from the operand table (`cudnn_moe_jax.operands`): their names and kinds in
-the launcher's argument order, the aliased outputs, and the launcher's unpacking (`GroupedGemmSm90._unpack`). Pure
+the launcher's argument order, the aliased outputs, and the launcher's unpacking (`GroupedGemmSm90Base._unpack`). Pure
 Python (no cutlass import).
 
 The launcher receives what `cutlass.jax.cutlass_call` passes after the stream: the present inputs in binding order,
