@@ -232,7 +232,7 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
                    for _ in range(self.d_per_step)]
         warp_e = ctid_o // 32
         lane = ctid_o % 32
-        r0 = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4   # the thread's two rows: r0, r0 + 8
+        r0 = q8.first_row(warp_e, lane)   # the thread's two rows: r0, r0 + 8
         if const_expr(rec.has_prob):
             if ctid < self.tile_m:
                 sProb[ctid] = prob_v

@@ -16,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from cudnn_moe_jax.formats import sf_atom_byte, sf_atom_start
+from cudnn_moe_jax.formats import sf_atom_byte, sf_atom_start, sf_row_byte
 
 from .. import quantize as q8
 
@@ -52,21 +52,22 @@ class Fp8DOutput:
                         step: cutlass.Constexpr, g, warp_e, lane, j: cutlass.Constexpr = 0):
         """SFD_row bytes of the thread's two rows (quad leaders) and the SFD_col byte of subtile column `lane`
         (the first warp of each 32-row pair), at their byte offsets (cudnn_moe_jax.formats.sf_atom_start /
-        sf_atom_byte: docs/formats.md#scale-factor-layout, #segmented-layout). Rows r, r+8 sit 128 bytes apart."""
+        sf_row_byte / sf_atom_byte: docs/formats.md#scale-factor-layout, #segmented-layout)."""
         n_out = self.problem.n_out
         col_block = self.d_block(n_tile, step, j)  # D's 32-column block of the subtile
         kb_atoms = (-(-n_out // EPI_N) + 3) // 4
         # this thread's first row in the tile (0..127; = its fragment's row, checked by check_fragment_layout);
         # its second row is r_in + 8
-        r_in = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4
+        r_in = q8.first_row(warp_e, lane)
         # a 2-CTA cluster along N over an odd number of N tiles runs one tile wholly past N (it still loads and
         # multicasts its half of A): its blocks lie past the SF buffers' padded width, nothing to store
         in_n = col_block < 4 * kb_atoms
         if (lane % 4 == 0) & in_n:
-            row_off = sf_atom_start((m_tile * self.tile_m) >> 7, col_block >> 2, kb_atoms) \
-                + sf_atom_byte(r_in & 31, (r_in >> 5) & 3, col_block & 3)
+            row_off = (sf_atom_start((m_tile * self.tile_m) >> 7, col_block >> 2, kb_atoms)
+                       + sf_row_byte(r_in, col_block))
             mSfdRow[row_off] = code_r0.to(cutlass.Uint8)
-            mSfdRow[row_off + 128] = code_r1.to(cutlass.Uint8)
+            # r_in % 16 < 8: row r_in + 8 is r0 + 8 of the same 32-row quarter, a constant offset
+            mSfdRow[row_off + sf_atom_byte(8, 0, 0)] = code_r1.to(cutlass.Uint8)
         if (warp_e % 2 == 0) & in_n:
             rb32 = ((m_tile * self.tile_m) >> 5) + (r_in >> 5)  # global 32-row block (SFD_col k-block)
             atoms = m_rows // 128
