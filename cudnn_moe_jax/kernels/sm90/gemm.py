@@ -4,9 +4,8 @@ The op kinds are thin subclasses (kernel.py picks one per problem): `GroupedGemm
 srelu / glu), `GroupedGemmSm90Dgrad` (dgrad.py: dglu / dsrelu), `GroupedGemmSm90Wgrad` (wgrad.py). Each composes
 a mainloop (mainloop.py / mainloop_mxfp8.py), a schedule (`kernels.scheduler`, M- or K-grouped) and a set of
 epilogue hooks run by the per-tile driver (epilogue.py), and says which tensors it sets up. This body holds no
-op-kind test: what differs is a method of the op's class (`init_epilogue`, `epilogue_smem_bytes`,
-`output_operands`, `epilogue_operands`, `epilogue_smem_fields`, `init_epilogue_barriers`, `init_epilogue_smem`,
-`epilogue_setup`, `tile_context`, `epilogue_hooks`; wgrad also `make_scheduler`, `ab_partitions`, `tile_ab`).
+op-kind test: what differs is a method of the op's class (the "composition" section below; the M-grouped schedule
+and the bf16 / MXFP8 mainloop choice are the defaults, which wgrad overrides).
 
 Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
   warpgroup 0, warp 0   `producer`: TMA loads of A (128 x 64) and B[g] (tile_n x 64, multicast to the cluster)
@@ -223,8 +222,30 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         self.stage_arrivals = 32 * len(self.mainloop_class.STAGE_WORKERS)
 
     # ------------------------------------------------------------------------------------------ composition
+    # What an op kind's class defines (the first group has no default).
     def init_epilogue(self, problem):
-        """Op kind: set `recipe` (and the op's own attributes); return the Epilogue of the stored outputs."""
+        """Set `recipe`, `d_per_step` / `c_per_step` and the op's own attributes; return the Epilogue of the stored
+        outputs (their dtypes)."""
+        raise NotImplementedError
+
+    def epilogue_smem_bytes(self, epi_stages: int) -> int:
+        """Shared memory of the epilogue with `epi_stages` store buffers (the A/B stage fit)."""
+        raise NotImplementedError
+
+    def epilogue_smem_fields(self, args):
+        """The SharedStorage fields after sD, in offset order (the mainloop's `smem_fields()` among them)."""
+        raise NotImplementedError
+
+    def op_epilogue_setup(self, args, cta, tiled_copy_acc, ctid):
+        """The op's part of the consumer's epilogue state (`EpilogueSetup.op`), built once per kernel."""
+        raise NotImplementedError
+
+    def tile_context(self, tile, args, setup):
+        """The tile's `TileContext` (loaded before its mainloop, so the latency hides under it)."""
+        raise NotImplementedError
+
+    def epilogue_hooks(self):
+        """The op's `EpilogueHooks` for `run_epilogue`."""
         raise NotImplementedError
 
     def mainloop_class_for(self, problem):
