@@ -39,8 +39,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-# FIX_PAD_SIZE of cuDNN: group boundaries are multiples of 256 rows (the one copy of the constant is in _problem)
-from cudnn_moe_jax._problem import GROUP_ALIGN
+# FIX_PAD_SIZE of cuDNN: group boundaries are multiples of 256 rows
+from cudnn_moe_jax.limits import GROUP_ALIGN
 
 M_GROUPED = "m"  # groups are row ranges of A and the output (forward, dgrad)
 K_GROUPED = "k"  # groups are token ranges of the reduction (wgrad)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from cudnn_moe_jax._problem import DGRAD_OPS
+
 from .config import Config
 from .dgrad import GroupedGemmSm90Dgrad
 from .forward import GroupedGemmSm90Forward
-from .operands import DGRAD_OPS
 from .wgrad import GroupedGemmSm90Wgrad
 
 
