@@ -54,6 +54,12 @@ def col_slot(i: int) -> int:
     return (i % 2) + 2 * (i // 4)
 
 
+def first_row(warp, lane):
+    """The thread's first fragment row in the 128-row subtile (its second is + 8; warp 0..7 of the consumer
+    warpgroups): the layout documented above."""
+    return 64 * (warp // 4) + 16 * (warp % 4) + lane // 4
+
+
 def slot_col(slot: int) -> int:
     """Column offset (from the thread's base column) of column slot `slot`."""
     v0, v2, v3 = slot % 2, (slot // 2) % 2, slot // 4

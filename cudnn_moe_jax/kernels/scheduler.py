@@ -1,65 +1,121 @@
-"""Persistent tile scheduler over `padded_offsets` (device side, CuTe DSL).
+"""Persistent tile scheduler over a grouped GEMM (device side, CuTe DSL), one class for both groupings.
 
 One compiled module serves every routing draw: group sizes are read on device, never baked into the kernel.
 
-Work space. Rows of A are cut into *M blocks* of `block_m = tile_m * cluster_m` rows (128 or 256). The sanitized
-group ends (NOTES.md "Device offsets") are multiples of 256, so every M block lies inside exactly one group, or
-entirely past `valid_m = end_{L-1}`. With `n_tiles = ceil(N / tile_n)` the linear work index `t` runs over
-`(m / block_m) * n_tiles` cluster tiles (`n_tiles` counts cluster tiles along N: `cluster_n` CTA tiles each):
+Groupings (`M_GROUPED`, `K_GROUPED`):
 
-* `t <  valid_m / block_m * n_tiles`: a *compute* tile, decoded with a grouped swizzle (`group_m` M blocks at a
-  time, M fastest inside a swizzle group) so that concurrently running clusters share A rows and B columns in L2;
-* `t >= ...`: a *zero* tile: rows `>= valid_m`; the epilogue writes zeros there (XLA outputs are uninitialised)
-  and the producer issues no loads. Empty experts own no M block, so they are skipped for free.
+* M-grouped (forward, dgrad): `acc[r, :] = A[r, :] @ B[g(r)]^T`, groups are row ranges of A and of the output.
+  Rows are cut into *M blocks* of `block_m = tile_m * cluster_m` rows (128 or 256). The sanitized group ends are
+  multiples of 256, so every M block lies inside exactly one group, or entirely past `valid_m = end_{L-1}`. The
+  linear work index `t` runs over `(m / block_m) * n_blocks` cluster tiles:
+  - `t <  valid_m / block_m * n_blocks`: a *compute* tile, decoded with a grouped swizzle (`group_m` M blocks at a
+    time, M fastest inside a swizzle group) so that concurrently running clusters share A rows and B columns in L2;
+  - `t >= ...`: a *zero* tile: rows `>= valid_m`; the epilogue writes zeros there (XLA outputs are uninitialised)
+    and the producer issues no loads. Empty groups own no M block, so they are skipped for free.
+  The group of a tile is a lookup of its first row in the ends (`group_of_row`). (Groups ending at any row would
+  change only this part: the tiles of each group, clipped at its end, and the group of a tile.)
+* K-grouped (wgrad): `W[e] = A[:, T_e] @ B[:, T_e]^T`, groups are token (K) ranges. Output tiles (expert e,
+  M block, N block) of W (L, m_w, n_w), every expert's tiles in turn (M fastest: consecutive clusters share B
+  columns in L2); the reduction runs over the expert's tokens `[end_{e-1}, end_e)`, in k-tiles from its first
+  token rounded down to `tile_k` (`k_start`; the mainloop masks the neighbours' tokens at both ends, `k_head` /
+  `k_keep`). An expert without tokens still owns its tiles: they store zeros.
 
-Cluster `c` of `C` handles `t = c, c + C, c + 2C, ...` (static persistent schedule; all CTAs of a cluster walk
-the same sequence, which TMA multicast of B needs). Each warp role runs its own copy of the schedule; nothing
-about it is communicated through shared memory except the sanitized group ends.
+Cluster `c` of `C` handles `t = c, c + C, c + 2C, ...` (static persistent schedule; all CTAs of a cluster walk the
+same sequence, which TMA multicast needs). Each warp role runs its own copy of the schedule; nothing about it is
+communicated through shared memory except the sanitized group ends.
 
-Group lookup. Warp 0 turns `padded_offsets` into the sanitized ends once per CTA, into shared memory:
-`s_g = clip(offsets[g], 0, m) & ~255`, `end_g = max_{j<=g} s_j` (a chunked warp scan), plus `valid_m = end_{L-1}`.
-The group of an M block starting at row `r` is `#{g : end_g <= r}` (ends are non-decreasing), found by a
-branch-free binary search over the ends (`ceil(log2(L+1))` shared-memory reads per tile).
+Group ends. Warp 0 turns the offsets into the sanitized ends once per CTA, into shared memory:
+`s_g = clip(offsets[g], 0, extent)` (M-grouped: `& ~255`), `end_g = max_{j<=g} s_j` (a chunked warp scan), plus
+`valid = end_{L-1}`. The group of an M block starting at row `r` is `#{g : end_g <= r}` (ends are
+non-decreasing), found by a branch-free binary search over the ends (`ceil(log2(L+1))` shared-memory reads).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-# FIX_PAD_SIZE of cuDNN: group boundaries are multiples of 256 rows (the one copy of the constant is in _problem)
-from cudnn_moe_jax._problem import GROUP_ALIGN as OFFSET_ALIGN
+# FIX_PAD_SIZE of cuDNN: group boundaries are multiples of 256 rows
+from cudnn_moe_jax.limits import GROUP_ALIGN
+
+M_GROUPED = "m"  # groups are row ranges of A and the output (forward, dgrad)
+K_GROUPED = "k"  # groups are token ranges of the reduction (wgrad)
+
+
+class Tile(NamedTuple):
+    """One tile of the schedule as a CTA sees it."""
+
+    m_tile: Any       # CTA tile row of A (M-grouped: and of the output)
+    n_tile: Any       # CTA tile column
+    group: Any        # the tile's group (expert)
+    out_m_tile: Any   # CTA tile row of the output (K-grouped: W[e]'s rows start at e * m_w)
+    is_compute: Any   # False: a zero tile (no loads, zeros stored)
+    k_count: Any      # k-tiles of the reduction
+    k_start: Any = None  # K-grouped: first token of k-tile 0 (the expert's first token rounded down to tile_k)
+    k_head: Any = None   # K-grouped: tokens to drop at the head of k-tile 0
+    k_keep: Any = None   # K-grouped: tokens to keep in the last k-tile
+
+
+class Work(NamedTuple):
+    """The tiles of this CTA's cluster: t = first, first + stride, ... < total."""
+
+    first: Any
+    stride: Any
+    total: Any
+    valid_blocks: Any = None  # M-grouped: M blocks below valid_m
+    k_tiles: Any = None       # M-grouped: k-tiles of a compute tile
 
 
 class GroupedTileScheduler:
-    """Static description + device functions of the grouped persistent schedule.
+    """Static description + device functions of the persistent schedule of one grouping.
 
-    tile_m, tile_n: CTA tile; cluster_m: CTAs per cluster along M (1 or 2); num_groups: L (static);
-    group_m: M blocks per swizzle group.
+    tile_m, tile_n: CTA tile; cluster_m, cluster_n: CTAs per cluster along M / N; num_groups: L (static);
+    n_blocks: cluster tiles along N; tile_k: K of one k-tile. M-grouped: k_tiles (the static K's k-tiles), group_m
+    (M blocks per swizzle group). K-grouped: m_blocks (cluster tiles along W's m_w).
     """
 
-    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, num_groups: int, group_m: int = 8):
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.cluster_m = cluster_m
+    def __init__(self, grouping: str, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, num_groups: int,
+                 n_blocks: int, tile_k: int, *, k_tiles: int = None, group_m: int = 8, m_blocks: int = None):
+        if grouping not in (M_GROUPED, K_GROUPED):
+            raise ValueError(f"grouping must be {M_GROUPED!r} or {K_GROUPED!r}")
+        self.grouping = grouping
+        self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
+        self.cluster_m, self.cluster_n = cluster_m, cluster_n
         self.block_m = tile_m * cluster_m
-        if OFFSET_ALIGN % self.block_m != 0:
-            raise ValueError(f"block_m={self.block_m} must divide {OFFSET_ALIGN}")
         self.num_groups = num_groups
-        self.group_m = group_m
-        self.align = OFFSET_ALIGN
+        self.n_blocks = n_blocks
+        if grouping == M_GROUPED:
+            if GROUP_ALIGN % self.block_m != 0:
+                raise ValueError(f"block_m={self.block_m} must divide {GROUP_ALIGN}")
+            self.align = GROUP_ALIGN
+            self.k_tiles, self.group_m = k_tiles, group_m
+        else:
+            self.align = 1  # token ends: any alignment
+            self.m_blocks = m_blocks
         # ends are scanned by one warp: each lane owns a contiguous chunk of ceil(L/32) groups
         self.chunk = (num_groups + 31) // 32
         self.search_steps = [1 << s for s in reversed(range(max(1, math.ceil(math.log2(num_groups + 1)))))]
 
+    # ---------------------------------------------------------------------------------------- host
+    def num_tiles(self, m_rows):
+        """Cluster tiles of the whole schedule (the persistent grid is at most this many clusters)."""
+        if self.grouping == K_GROUPED:
+            return self.num_groups * self.m_blocks * self.n_blocks
+        return (m_rows // self.block_m) * self.n_blocks
+
+    def group_extent(self, mA: cute.Tensor):
+        """The extent the offsets index: A's rows (M-grouped) or its tokens (K-grouped: A is (m_w, T))."""
+        return mA.shape[1] if self.grouping == K_GROUPED else mA.shape[0]
+
     # ---------------------------------------------------------------------------------------- setup
     @cute.jit
-    def load_group_ends(self, mOffsets: cute.Tensor, m_rows: Int32, sEnds: cute.Tensor, sValid: cute.Tensor):
+    def load_group_ends(self, mOffsets: cute.Tensor, extent: Int32, sEnds: cute.Tensor, sValid: cute.Tensor):
         """Warp-collective (call from one full warp). sEnds: (L,) Int32 smem; sValid: (1,) Int32 smem. Ends are
-        rounded down to `self.align` (256 rows; 1 for the token offsets of a K-grouped weight gradient)."""
+        clipped to `extent` and rounded down to `self.align`."""
         lane = cute.arch.lane_idx()
         L = self.num_groups
         run = Int32(0)
@@ -67,7 +123,7 @@ class GroupedTileScheduler:
             j = lane * self.chunk + i
             if j < L:
                 v = mOffsets[j]
-                v = cutlass.max(cutlass.min(v, m_rows), Int32(0))
+                v = cutlass.max(cutlass.min(v, extent), Int32(0))
                 if const_expr(self.align > 1):
                     v = v & Int32(~(self.align - 1))
                 run = cutlass.max(run, v)
@@ -90,8 +146,45 @@ class GroupedTileScheduler:
             sValid[0] = total
 
     # ---------------------------------------------------------------------------------------- queries
-    def num_n_tiles(self, n: int) -> int:
-        return (n + self.tile_n - 1) // self.tile_n
+    @cute.jit
+    def work(self, sValid: cute.Tensor, m_rows: Int32, k_tiles=None) -> Work:
+        """The tiles of this CTA's cluster. k_tiles (M-grouped): the k-tiles of a compute tile, if not the static
+        K's (the producer counts them from A's TMA partition)."""
+        _, _, cluster_id = cute.arch.block_idx()
+        _, _, num_clusters = cute.arch.grid_dim()
+        if const_expr(self.grouping == K_GROUPED):
+            return Work(cluster_id, num_clusters, Int32(self.num_tiles(None)))
+        if const_expr(k_tiles is None):
+            k_tiles = Int32(self.k_tiles)
+        return Work(cluster_id, num_clusters, self.num_tiles(m_rows), sValid[0] // self.block_m, k_tiles)
+
+    @cute.jit
+    def tile(self, t: Int32, work: Work, sEnds: cute.Tensor, rank_m: Int32, rank_n: Int32) -> Tile:
+        """Linear cluster-tile index t -> this CTA's tile (rank_m, rank_n: its place in the cluster)."""
+        if const_expr(self.grouping == K_GROUPED):
+            return self._k_grouped_tile(t, sEnds, rank_m, rank_n)
+        return self._m_grouped_tile(t, work.valid_blocks, work.k_tiles, sEnds, rank_m, rank_n)
+
+    @cute.jit
+    def _m_grouped_tile(self, t: Int32, valid_blocks: Int32, k_tiles, sEnds: cute.Tensor, rank_m: Int32,
+                        rank_n: Int32):
+        m_block, n_block, is_compute = self.decode(t, valid_blocks, Int32(self.n_blocks))
+        g = cutlass.min(self.group_of_row(m_block * self.block_m, sEnds), Int32(self.num_groups - 1))
+        m_tile = m_block * self.cluster_m + rank_m
+        n_tile = n_block * self.cluster_n + rank_n
+        k_count = Int32(0)
+        if is_compute:
+            k_count = k_tiles
+        return Tile(m_tile, n_tile, g, m_tile, is_compute, k_count)
+
+    @cute.jit
+    def _k_grouped_tile(self, t: Int32, sEnds: cute.Tensor, rank_m: Int32, rank_n: Int32):
+        e, m_block, n_block = self.decode_kgrouped(t, Int32(self.n_blocks))
+        k_start, k_count, k_head, k_keep = self.token_tiles(e, sEnds)
+        m_tile = m_block * self.cluster_m + rank_m
+        n_tile = n_block * self.cluster_n + rank_n
+        out_m_tile = e * (self.m_blocks * self.cluster_m) + m_tile
+        return Tile(m_tile, n_tile, e, out_m_tile, True, k_count, k_start, k_head, k_keep)
 
     @cute.jit
     def group_of_row(self, row: Int32, sEnds: cute.Tensor) -> Int32:
@@ -108,7 +201,7 @@ class GroupedTileScheduler:
 
     @cute.jit
     def decode(self, t: Int32, valid_blocks: Int32, n_tiles: Int32):
-        """Linear cluster-tile index -> (m_block, n_tile, is_compute)."""
+        """M-grouped: linear cluster-tile index -> (m_block, n_block, is_compute)."""
         num_compute = valid_blocks * n_tiles
         m_block = Int32(0)
         n_tile = Int32(0)
@@ -127,31 +220,20 @@ class GroupedTileScheduler:
             n_tile = z % n_tiles
         return m_block, n_tile, is_compute
 
-
-class KGroupedTileScheduler(GroupedTileScheduler):
-    """The weight-gradient schedule: output tiles (expert e, M block, N block) of W (L, m_w, n_w), every expert's
-    tiles in turn (M fastest: consecutive clusters share B columns in L2); the reduction runs over the expert's
-    token range [end_{e-1}, end_e) of the sanitized token ends (`load_group_ends(..., align=1)`, m_rows = T). An
-    expert without tokens still owns its tiles: they store zeros."""
-
-    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, num_groups: int, m_blocks: int):
-        super().__init__(tile_m, tile_n, cluster_m, num_groups)
-        self.m_blocks = m_blocks
-        self.align = 1
-
     @cute.jit
     def decode_kgrouped(self, t: Int32, n_blocks: Int32):
-        """Linear cluster-tile index -> (expert, m_block, n_block)."""
+        """K-grouped: linear cluster-tile index -> (expert, m_block, n_block)."""
         per_expert = self.m_blocks * n_blocks
         e = t // per_expert
         local = t - e * per_expert
         return e, local % self.m_blocks, local // self.m_blocks
 
     @cute.jit
-    def token_tiles(self, e: Int32, sEnds: cute.Tensor, tile_k: cutlass.Constexpr):
+    def token_tiles(self, e: Int32, sEnds: cute.Tensor):
         """Expert e's k-tiles: (first token of k-tile 0 = its first token rounded down to tile_k, k-tile count,
         tokens to drop at the head of k-tile 0, tokens to keep in the last k-tile). TMA boxes then start on
         tile_k boundaries; the masker zeroes the other experts' tokens at both ends."""
+        tile_k = self.tile_k
         start = Int32(0)
         if e > 0:
             start = sEnds[e - 1]

@@ -21,7 +21,7 @@ __all__ = ["Config", "config_from_hints", "GroupedGemmSm90", "cutlass_call_kwarg
 
 def __getattr__(name):
     if name == "GroupedGemmSm90":
-        from .gemm import GroupedGemmSm90
+        from .kernel import GroupedGemmSm90
 
         return GroupedGemmSm90
     if name in ("cutlass_call_kwargs", "tensor_specs"):

@@ -18,7 +18,7 @@ GLU_ACTS = activations.GLU_NAMES
 SMEM_CAPACITY = 232448  # sm_90 opt-in dynamic shared memory per CTA (227 KiB)
 H200_SMS = 132
 # 4-CTA clusters (2 x 2) co-resident on an H200: 24 run at once, 32 do not (the rest ran as a second wave of the
-# persistent grid at half speed; RESULTS.md run 23)
+# persistent grid at half speed)
 H200_4CTA_CLUSTERS = 24
 
 
@@ -32,13 +32,11 @@ class Config:
     ab_stages: A/B shared-memory pipeline depth (None: as many as fit);
     epi_stages: epilogue shared-memory buffers per output (TMA-store overlap), 1, 2 or 4 (None: 2); A/B stages
       take the rest of shared memory (3 for GLU with a 16-bit C, else 4);
-    epi_pin: re-read alpha from shared memory every epilogue step (keeps ptxas from hoisting all steps' math
-      above the step barriers: fewer registers, less overlap);
     group_m: M blocks per raster swizzle group (L2 reuse);
     mx_n_parts: MXFP8 only: run each 32-K block's data and scale wgmmas per column part (1, 2 or 4 parts of the
       128-column tile) so a part is folded while the others compute (mainloop_mxfp8.Mxfp8Mainloop.mma_tile_parts);
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. 2 x 2 clusters use at most H200_4CTA_CLUSTERS
-      of them (GroupedGemmSm90.max_clusters).
+      of them (gemm.GroupedGemmSm90Base.max_clusters).
     """
 
     tile_m: int = 128
@@ -47,7 +45,6 @@ class Config:
     cluster_n: int = 1
     ab_stages: Optional[int] = None
     epi_stages: Optional[int] = None
-    epi_pin: bool = False
     group_m: int = 8
     num_sms: int = H200_SMS
     mx_n_parts: int = 1
@@ -127,7 +124,7 @@ def supports(problem) -> Optional[str]:
 
 
 def _dgrad_support(problem) -> Optional[str]:
-    """The backward epilogue (epilogue_dgrad): bf16/fp16 dY and weight, C 16/32-bit or FP8 (e4m3 / e5m2), D_row
+    """The backward epilogue (dgrad.py): bf16/fp16 dY and weight, C 16/32-bit or FP8 (e4m3 / e5m2), D_row
     16/32-bit or FP8 (with SFD_row, D_col, SFD_col: epilogue_fp8d, both SFD_col layouts)."""
     epi = problem.epilogue
     if problem.block_scaled or problem.ab_dtype not in HALF_DTYPES:
@@ -150,7 +147,7 @@ def _dgrad_support(problem) -> Optional[str]:
 
 
 def _wgrad_support(problem) -> Optional[str]:
-    """The K-grouped weight gradient (schedule_kgrouped): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit; global
+    """The K-grouped weight gradient (scheduler.K_GROUPED): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit; global
     scales (alpha = gsa[e] * gsb[e]) and accumulate_on_output (W += ..., in place) included. T is dynamic (the
     problem's k may be symbolic: `_runtime.symbolic_t()`)."""
     if problem.block_scaled or problem.ab_dtype not in HALF_DTYPES:
@@ -167,19 +164,19 @@ def _wgrad_support(problem) -> Optional[str]:
 
 
 def default_config(problem) -> Config:
-    """Measured choice (benchmarks/RESULTS.md, H200): 128x256 tiles, 2x1 cluster multicasting B, 2 epilogue
+    """Measured choice (H200, benchmarks/RESULTS.md): 128x256 tiles, 2x1 cluster multicasting B, 2 epilogue
     buffers (GLU with a 16-bit C then has 3 A/B stages, everything else 4), except GLU with >= 64 experts: one.
 
     Measured alternatives: no cluster -12% (fc1); 2x2 clusters -45% with 33 clusters (only ~24 are co-resident),
-    -30% with the cap of 24 (run 25: 547 vs 779 on fc1; per SM no better); 1x2 -5..10%; one epilogue buffer (4 A/B
-    stages for GLU) -12% on fc1, +9% on `small` (run 25); tile 128x128 -5% on fc1/fc2; swizzle group 4/8/16
-    within noise; one barrier per epilogue step -8..13%. ncu, one launch: fc1 1.25 ms (torch CUTLASS 1.24), fc2
-    645 us (652), small 192 us (171, DRAM-bound).
+    -30% with the cap of 24 (547 vs 779 TFLOP/s on fc1; per SM no better); 1x2 -5..10%; one epilogue buffer (4 A/B
+    stages for GLU) -12% on fc1, +9% on `small`; tile 128x128 -5% on fc1/fc2; swizzle group 4/8/16 within noise;
+    one barrier per epilogue step -8..13%. ncu, one launch: fc1 1.25 ms (torch CUTLASS 1.24), fc2 645 us (652),
+    small 192 us (171, DRAM-bound).
     MXFP8 runs 128 x 128 tiles (acc + the data and scale-product partials, 3 x 64 registers, leave no room for
-    256); measured there (RESULTS.md runs 12-15, fc1 TFLOP/s): cluster 2x1 597-600 vs 1x1 591; the block's wgmmas
-    in two 64-column parts 624-631 vs 592-600 whole (fc2 572 vs 545), in four parts 473 (shared-memory bound);
-    runs 19-23: 4 A/B stages 607 vs 617, 2x2 clusters per SM no better (626 from 24 clusters on 96 SMs); run 24:
-    raster group 4 / 16 603 / 602, 1x2 cluster 602 vs 615.
+    256); measured there (fc1 TFLOP/s): cluster 2x1 597-600 vs 1x1 591; the block's wgmmas in two 64-column parts
+    624-631 vs 592-600 whole (fc2 572 vs 545), in four parts 473 (shared-memory bound); 4 A/B stages 607 vs 617,
+    2x2 clusters per SM no better (626 from 24 clusters on 96 SMs); raster group 4 / 16 603 / 602, 1x2 cluster 602
+    vs 615.
     """
     if problem.block_scaled:
         return Config(tile_n=128, cluster_m=2, mx_n_parts=2)
@@ -187,7 +184,7 @@ def default_config(problem) -> Config:
         return Config(cluster_m=1)  # a 2-CTA cluster pairs two M tiles of one expert's W
     if problem.op == "glu" and problem.epilogue.c_dtype in HALF_DTYPES and problem.num_groups >= 64:
         # many experts (few rows each): B streams from DRAM, so 4 A/B stages (one epilogue buffer) beat 3 stages
-        # with two: `small` (64 experts) 593 vs 546 (run 25) and 571 vs 535 (run 10); with 8 experts -3..-12%
+        # with two: `small` (64 experts) 593 vs 546 and 571 vs 535 TFLOP/s (two runs); with 8 experts -3..-12%
         return Config(epi_stages=1)
     return Config()
 

@@ -1,9 +1,9 @@
 """The per-tile epilogue driver of the sm90 grouped GEMM and the reductions its hooks share.
 
-`run_epilogue` owns the step loop and the store sequence of one tile; the forward (epilogue_fwd) and the backward
-(epilogue_dgrad) epilogues are two sets of `EpilogueHooks` it calls. Per tile:
+`run_epilogue` owns the step loop and the store sequence of one tile; the forward (forward.py) and the backward
+(dgrad.py) epilogues are two sets of `EpilogueHooks` it calls. Per tile:
 
-  state = begin(*tile)                         per-tile set-up (smem staging, thread coordinates, reductions' zeros)
+  state = begin(setup, ctx)                    per-tile set-up (smem staging, thread coordinates, reductions' zeros)
   for each 32-column step (unrolled):
       frags = visit(step, state)               the step's output register fragments (dgrad: waits for its C first)
       store warp: store_pipeline.producer_acquire()     (the TMA store `epi_stages` steps back read the buffer)
@@ -21,7 +21,8 @@
 when the driver asks for it, right before its copy, so the emitted operations come in the order of the former
 hand-written loops (kept because the acceptance test of this structure is byte-identical SASS).
 
-A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py), traced inside the consumer warpgroups' tile loop.
+`setup` is the consumer's `gemm.EpilogueSetup` (built once per kernel), `ctx` the tile's `gemm.TileContext`. A mixin
+of the kernel classes' shared body (`gemm.GroupedGemmSm90Base`), traced inside the consumer warpgroups' tile loop.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ class EpilogueHooks(NamedTuple):
 
 class EpilogueDriver:
     @cute.jit
-    def run_epilogue(self, hooks, tile, store_pipeline, epi_barrier, is_store_warp):
-        """One tile's epilogue: `hooks.begin(*tile)`, then per step the visit and the store sequence, then the end.
+    def run_epilogue(self, hooks, setup, ctx, store_pipeline):
+        """One tile's epilogue: `hooks.begin(setup, ctx)`, then per step the visit and the store sequence, then the
+        end.
 
         Two named barriers per step (measured: one barrier with the store warp draining the previous store first
         was 8-13% slower)."""
-        state = hooks.begin(*tile)
+        epi_barrier, is_store_warp = setup.epi_barrier, setup.is_store_warp
+        state = hooks.begin(setup, ctx)
         for step in cutlass.range_constexpr(self.epi_steps):
             frags = hooks.visit(step, state)
             # ---- registers -> smem, once the TMA store `epi_stages` steps back has read this buffer

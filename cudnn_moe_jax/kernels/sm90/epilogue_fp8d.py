@@ -1,4 +1,4 @@
-"""FP8 D output of the sm90 epilogues, shared by the forward (epilogue_fwd) and the backward (epilogue_dgrad) one:
+"""FP8 D output of the sm90 epilogues, shared by the forward (forward.py) and the backward (dgrad.py) one:
 per 128 x 32 subtile of fp32 values, D_row quantized per row (32 columns = the subtile), D_col per column (32 rows
 = two warps, combined through the `sColMax` table between the epilogue step's two barriers), and the e8m0 SFD_row /
 SFD_col bytes stored from registers (kernels/quantize.py holds the math, docs/formats.md the layouts).
@@ -6,8 +6,8 @@ SFD_col bytes stored from registers (kernels/quantize.py holds the math, docs/fo
 A step calls `_quantize_d_rows` before its first barrier and `_quantize_d_cols` after it (the column maxima of
 the partner warp are in smem then; the table is rewritten only after the step's second barrier).
 
-A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py): it reads the kernel's static attributes (tile shape, problem,
-`rcp_limit`, `discrete_col_sfd`; `is_dgrad` / `d_per_step` to place a subtile among D's 32-column blocks).
+A mixin of the kernel classes' shared body (gemm.GroupedGemmSm90Base): it reads the kernel's static attributes (tile
+shape, problem, `rcp_limit`, `discrete_col_sfd`) and its `d_block` (a subtile's place among D's 32-column blocks).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from cudnn_moe_jax.formats import sf_atom_byte, sf_atom_start
+from cudnn_moe_jax.formats import sf_atom_byte, sf_atom_start, sf_row_byte
 
 from .. import quantize as q8
 
@@ -39,8 +39,8 @@ class Fp8DOutput:
         """After the step's first barrier: rDcol <- rVal column-quantized, then the subtile's SF bytes (zero
         tiles: D_col zeros, no SF bytes -- the zeroing kernel wrote 0x00). `j`: which of the step's subtiles
         (the backward dglu stores a gate and an up subtile per step)."""
-        _, _, _, mSfdRow, mSfdCol, norm_const, sEnds, m_rows = fp8
-        code_c = q8.quantize_cols(rVal, rDcol, sColMax, warp_e, lane, self.rcp_limit, norm_const)
+        mSfdRow, mSfdCol, sEnds, m_rows = fp8.mSfdRow, fp8.mSfdCol, fp8.sEnds, fp8.m_rows
+        code_c = q8.quantize_cols(rVal, rDcol, sColMax, warp_e, lane, self.rcp_limit, fp8.norm_const)
         if is_compute:
             self._store_sf_bytes(code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows,
                                  m_tile, n_tile, step, g, warp_e, lane, j)
@@ -52,26 +52,22 @@ class Fp8DOutput:
                         step: cutlass.Constexpr, g, warp_e, lane, j: cutlass.Constexpr = 0):
         """SFD_row bytes of the thread's two rows (quad leaders) and the SFD_col byte of subtile column `lane`
         (the first warp of each 32-row pair), at their byte offsets (cudnn_moe_jax.formats.sf_atom_start /
-        sf_atom_byte: docs/formats.md#scale-factor-layout, #segmented-layout). Rows r, r+8 sit 128 bytes apart."""
+        sf_row_byte / sf_atom_byte: docs/formats.md#scale-factor-layout, #segmented-layout)."""
         n_out = self.problem.n_out
-        # D 32-column block of the subtile. Forward: one per step (GLU: from a gate/up pair of accumulator
-        # subtiles); backward: d_per_step per step (dglu: gate block 2b and up block 2b + 1)
-        if const_expr(self.is_dgrad):
-            col_block = (n_tile * self.epi_steps + step) * self.d_per_step + j
-        else:
-            col_block = n_tile * (self.tile_n // self.c_per_step // EPI_N) + step
+        col_block = self.d_block(n_tile, step, j)  # D's 32-column block of the subtile
         kb_atoms = (-(-n_out // EPI_N) + 3) // 4
         # this thread's first row in the tile (0..127; = its fragment's row, checked by check_fragment_layout);
         # its second row is r_in + 8
-        r_in = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4
+        r_in = q8.first_row(warp_e, lane)
         # a 2-CTA cluster along N over an odd number of N tiles runs one tile wholly past N (it still loads and
         # multicasts its half of A): its blocks lie past the SF buffers' padded width, nothing to store
         in_n = col_block < 4 * kb_atoms
         if (lane % 4 == 0) & in_n:
-            row_off = sf_atom_start((m_tile * self.tile_m) >> 7, col_block >> 2, kb_atoms) \
-                + sf_atom_byte(r_in & 31, (r_in >> 5) & 3, col_block & 3)
+            row_off = (sf_atom_start((m_tile * self.tile_m) >> 7, col_block >> 2, kb_atoms)
+                       + sf_row_byte(r_in, col_block))
             mSfdRow[row_off] = code_r0.to(cutlass.Uint8)
-            mSfdRow[row_off + 128] = code_r1.to(cutlass.Uint8)
+            # r_in % 16 < 8: row r_in + 8 is r0 + 8 of the same 32-row quarter, a constant offset
+            mSfdRow[row_off + sf_atom_byte(8, 0, 0)] = code_r1.to(cutlass.Uint8)
         if (warp_e % 2 == 0) & in_n:
             rb32 = ((m_tile * self.tile_m) >> 5) + (r_in >> 5)  # global 32-row block (SFD_col k-block)
             atoms = m_rows // 128

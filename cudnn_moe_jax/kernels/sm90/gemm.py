@@ -1,4 +1,11 @@
-"""The sm90 grouped-GEMM kernel class: one persistent, warp-specialized kernel for every forward fusion.
+"""The shared body of the sm90 grouped-GEMM kernel classes: one persistent, warp-specialized kernel.
+
+The op kinds are thin subclasses (kernel.py picks one per problem): `GroupedGemmSm90Forward` (forward.py: quant /
+srelu / glu), `GroupedGemmSm90Dgrad` (dgrad.py: dglu / dsrelu), `GroupedGemmSm90Wgrad` (wgrad.py). Each composes
+a mainloop (mainloop.py / mainloop_mxfp8.py), a schedule (`kernels.scheduler`, M- or K-grouped) and a set of
+epilogue hooks run by the per-tile driver (epilogue.py), and says which tensors it sets up. This body holds no
+op-kind test: what differs is a method of the op's class (the "composition" section below; the M-grouped schedule
+and the bf16 / MXFP8 mainloop choice are the defaults, which wgrad overrides).
 
 Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
   warpgroup 0, warp 0   `producer`: TMA loads of A (128 x 64) and B[g] (tile_n x 64, multicast to the cluster)
@@ -7,29 +14,24 @@ Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; 
                         scale operands, mainloop_mxfp8), the wgrad token masker (warp 1);
   warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n; MXFP8: per 32-K block
                         a data and a scale-product wgmma, folded with one FFMA per element), then the epilogue
-                        (`run_epilogue`, sm90/epilogue.py, with the forward or backward hooks): fused math per
-                        32-column subtile -> swizzled smem -> TMA store (the first consumer warp
-                        issues the stores; `epi_stages` buffers keep stores in flight under the next subtile).
-                        FP8 D: row/column quantization of each subtile, e8m0 bytes stored from registers
-                        (kernels/quantize.py); the SF outputs are zeroed by a small kernel launched first.
-The schedule (which tile, which expert) is `kernels.scheduler.GroupedTileScheduler`, run independently by every
-role. Rows past `valid_m` are written as zeros by the epilogue ("zero tiles"): XLA outputs are uninitialised.
-amax, when requested, is zeroed by a one-block kernel launched just before the GEMM in the same call, then merged
-with per-warp `atomicMax` on the bit patterns of |D| (exact, so deterministic).
+                        (`run_epilogue` with the op's hooks): fused math per 32-column subtile -> swizzled smem ->
+                        TMA store (the first consumer warp issues the stores; `epi_stages` buffers keep stores in
+                        flight under the next subtile). FP8 D: row/column quantization of each subtile, e8m0 bytes
+                        stored from registers (kernels/quantize.py); the SF outputs are zeroed by a small kernel
+                        launched first.
+The schedule (which tile, which expert) is run independently by every role. Rows past `valid_m` are written as
+zeros by the epilogue ("zero tiles"): XLA outputs are uninitialised. amax, when requested, is zeroed by a one-block
+kernel launched just before the GEMM in the same call, then merged with per-warp `atomicMax` on the bit patterns of
+|D| (exact, so deterministic).
 
-Launcher argument order (what `cutlass.jax.cutlass_call` passes: the stream first, then inputs, then outputs):
-  stream, a (m, K), b (L, N, K), [sfa (1, m/128, Kb, 32, 4, 4) u8, sfb (L, cdiv(N,128), Kb, 32, 4, 4) u8],
-  padded_offsets (L,) i32, alpha (L,) f32, [prob (m,) f32], [bias (L, N)], [norm_const (1,) f32],
-  [c (m, N)], d (m, N_out), [d_col (m, N_out)], [amax (L, 1) f32], [sfd_row, sfd_col u8]
-(bracketed tensors present iff the problem has them). `m` is dynamic: one module serves every m % 256 == 0.
-wgrad (schedule_kgrouped): stream, a (m_w, T), b (n_w, T), token ends (L,) i32, [gsa, gsb (L,) f32], W (L, m_w, n_w)
-(with accumulate_on_output an input aliased to the output); T is dynamic (T % 8 == 0).
+Launcher arguments: what `cutlass.jax.cutlass_call` passes, the stream first, then the inputs and outputs of
+`operands.launcher_operands` (the one table; `_unpack` names them). `m` is dynamic (one module serves every
+m % 256 == 0); wgrad's T likewise (T % 8 == 0).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -41,26 +43,18 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from cudnn_moe_jax._problem import Epilogue
 from cudnn_moe_jax.formats import rcp_limit
 
 from .. import quantize as q8
-from ..epilogue import DgradRecipe, EpilogueRecipe
-from ..scheduler import GroupedTileScheduler, KGroupedTileScheduler
+from ..scheduler import M_GROUPED, GroupedTileScheduler
 from . import mainloop_mxfp8 as mx
 from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
 from .epilogue import EpilogueDriver
-from .epilogue_dgrad import C_LOAD_BUFFERS, EPI_WARPS, DgradEpilogue
 from .epilogue_fp8d import EPI_N, Fp8DOutput
-from .epilogue_fwd import ForwardEpilogue
-from .mainloop import (
-    KGroupedWgmmaMainloop,
-    WgmmaMainloop,
-)
-from .operands import DGRAD_OPS, unpack
-from .schedule_kgrouped import KGroupedSchedule
+from .mainloop import WgmmaMainloop
+from .operands import unpack
 
-_DTYPES = {
+DTYPES = {
     "bfloat16": cutlass.BFloat16,
     "float16": cutlass.Float16,
     "float32": cutlass.Float32,
@@ -74,100 +68,214 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
 
-class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput, KGroupedSchedule):
-    """`acc[r, :] = A[r, :] @ B[g(r)]^T` for the rows of every group, with the problem's epilogue fused.
+class KernelArgs(NamedTuple):
+    """The kernel's parameters in launch order (absent ones None): the order is the parameters' layout in the
+    kernel's constant bank."""
 
-    MXFP8_MAINLOOP: the block-scaled mainloop class (a subclass may bring another: the lab's timing variants)."""
+    tiled_mma: Any
+    tma_atom_a: Any
+    mA: Any
+    tma_atom_b: Any
+    mB: Any
+    tma_atom_c: Any      # forward: C store
+    mC: Any
+    tma_atom_d: Any
+    mD: Any
+    mOffsets: Any
+    mAlpha: Any          # wgrad: gsa
+    mProb: Any
+    mBias: Any
+    mAmax: Any
+    a_layout: Any
+    b_layout: Any
+    c_layout: Any
+    d_layout: Any
+    tma_atom_sfa: Any
+    mSFA: Any
+    tma_atom_sfb: Any
+    mSFB: Any
+    tma_atom_dcol: Any
+    mDcol: Any
+    mSfdRow: Any
+    mSfdCol: Any
+    mNormConst: Any
+    tma_atom_cin: Any    # dgrad: C loads
+    mCin: Any
+    cin_layout: Any
+    mBeta: Any           # dgrad: beta; wgrad: gsb
+    mDprobParts: Any
+    mDbiasParts: Any
+    mWold: Any           # wgrad with accumulation: the old W
 
-    MXFP8_MAINLOOP = mx.Mxfp8Mainloop
+
+class CtaSetup(NamedTuple):
+    """What the kernel sets up once per CTA for its roles."""
+
+    storage: Any
+    ab_pipeline: Any
+    stage_mbar: Any      # the stage workers' per-stage barriers (None without stage workers)
+    epi_mbar: Any        # the op's epilogue barriers (dgrad: C loads)
+    sZero: Any           # dgrad with FP8 D: a zero word (q8.fresh)
+    sEnds: Any           # the sanitized group ends
+    sValid: Any
+    m_rows: Any          # A's rows
+    ml_smem: Any         # the mainloop's shared-memory views
+    sA: Any
+    sB: Any
+
+
+class Fp8Setup(NamedTuple):
+    """FP8 D outputs (epilogue_fp8d): D_col store partition, column-maxima table, SF outputs."""
+
+    tma_atom_dcol: Any
+    bSG_gDcol: Any
+    tRS_rDcol: Any
+    sColMax: Any
+    mSfdRow: Any
+    mSfdCol: Any
+    norm_const: Any
+    sEnds: Any
+    m_rows: Any
+
+
+class EpilogueSetup(NamedTuple):
+    """The consumer's epilogue state built once per kernel: register / smem partitions of the accumulator and D,
+    D's TMA store, staging smem, `fp8` (FP8 D) and `op` (the op kind's own: forward.CStores, dgrad.CLoads)."""
+
+    ctid: Any            # thread index in the consumer warpgroups
+    acc: Any
+    tRS_rAcc: Any        # the accumulator retiled as D's register->smem copy source
+    tRS_cD: Any          # (row, col) of each fragment value in a 128 x 32 subtile
+    frag_size: Any       # values per thread per subtile (Python int)
+    r2s_d: Any
+    tRS_rD: Any
+    tRS_sD: Any
+    bSG_sD: Any
+    bSG_gD: Any
+    tma_atom_d: Any
+    sD: Any
+    sProb: Any
+    sBias: Any
+    sScalars: Any
+    epi_barrier: Any
+    is_store_warp: Any
+    mAmax: Any
+    fp8: Any
+    op: Any
+
+
+class TileContext(NamedTuple):
+    """What the epilogue hooks get per tile."""
+
+    m_tile: Any          # output tile row (wgrad: W[e]'s rows start at e * m_w)
+    n_tile: Any
+    group: Any
+    is_compute: Any      # False: a zero tile (rows past valid_m)
+    alpha: Any
+    prob: Any            # this thread's row's prob (ctid < tile_m)
+    bias: Any            # this thread's column's bias (ctid < tile_n)
+    beta: Any            # dgrad: x = beta * C
+
+
+class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
+    """The body every op kind shares: host-side layout choices, the launcher, the kernel and its warp roles."""
+
+    # epilogue buffers tried per store (the most A/B stages win, then the most buffers)
+    EPI_STAGE_CANDIDATES = (2,)
+    d_per_step = 1  # output subtiles per epilogue step (dglu: gate and up)
+    c_per_step = 1  # accumulator subtiles per epilogue step (glu: gate and up)
 
     def __init__(self, problem, config: Optional[Config] = None):
         reason = supports(problem)
         if reason is not None:
             raise NotImplementedError(reason)
         self.problem = problem
-        self.config = config if config is not None else default_config(problem)
-        # wgrad: the K-grouped schedule (schedule_kgrouped), W = alpha * acc (+ the old W) stored by the quant
-        # epilogue (no prob; alpha = gsa[e] * gsb[e] with global scales, else 1)
-        self.is_wgrad = problem.op == "wgrad"
-        self.accumulate = self.is_wgrad and problem.accumulate
-        self.wgrad_scaled = self.is_wgrad and problem.has_global_scales
-        epi_problem = problem
-        if self.is_wgrad:
-            epi_problem = dataclasses.replace(problem, op="quant",
-                                              epilogue=Epilogue(has_prob=False, d_dtype=problem.wgrad_dtype))
-        cfg, epi = self.config, epi_problem.epilogue
-        # backward ops (dglu / dsrelu): C is an input, each step stores d_per_step D_row subtiles
-        self.is_dgrad = problem.op in DGRAD_OPS
-        self.recipe = DgradRecipe(problem) if self.is_dgrad else EpilogueRecipe(epi_problem)
-        self.cin_dtype = _DTYPES[epi.c_dtype] if self.is_dgrad else None
-        self.d_per_step = 2 if self.is_dgrad and self.recipe.is_glu else 1
-
-        self.ab_dtype = _DTYPES[problem.ab_dtype]
+        self.config = cfg = config if config is not None else default_config(problem)
+        self.ab_dtype = DTYPES[problem.ab_dtype]
         self.a_mn, self.b_mn = problem.a_major == "m", problem.b_major == "n"  # M / N-contiguous operands
-        self.d_dtype = _DTYPES[epi.d_dtype]
-        self.c_dtype = _DTYPES[epi.c_dtype] if self.recipe.has_c else None
-        self.bias_dtype = _DTYPES[epi.bias_dtype] if epi.has_bias else None
         self.tile_m, self.tile_n, self.cluster_m, self.cluster_n = cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n
         self.cluster_size = self.cluster_m * self.cluster_n
-        self.n, self.k, self.num_groups = problem.n, problem.k, problem.num_groups
-        if self.is_wgrad:
-            self.k = None  # the token count T is dynamic: the kernel reads it from A's shape (load_group_ends)
+        self.n, self.num_groups = problem.n, problem.num_groups
         self.n_tiles = -(-problem.n // self.tile_n)
         self.n_blocks = -(-self.n_tiles // self.cluster_n)  # cluster tiles along N
-        self.is_glu = self.recipe.is_glu and not self.is_dgrad
-        # epilogue steps per tile: one D subtile each (GLU: from a gate/up pair of C subtiles)
-        self.c_per_step = 2 if self.is_glu else 1
-        self.epi_steps = self.tile_n // EPI_N // self.c_per_step
-        self.epi_tile = (self.tile_m, EPI_N)
-        if self.is_dgrad:
-            self.cin_step_bytes = self.tile_m * EPI_N * self.cin_dtype.width // 8 * self.d_per_step
-            if self.epi_steps % (2 * C_LOAD_BUFFERS):  # the C-load mbarrier phases repeat per tile
-                raise NotImplementedError(f"dgrad epilogue needs tile_n % {2 * C_LOAD_BUFFERS * EPI_N} == 0")
-        if self.is_wgrad:
-            self.sched = KGroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups,
-                                               problem.m // (self.tile_m * self.cluster_m))
-        else:
-            self.sched = GroupedTileScheduler(self.tile_m, self.tile_n, self.cluster_m, self.num_groups, cfg.group_m)
         self.max_clusters = cfg.num_sms // self.cluster_size
         if self.cluster_size == 4:
             self.max_clusters = min(self.max_clusters, H200_4CTA_CLUSTERS)
-        # MXFP8: FP8 wgmma + scale-product wgmma per 32-wide K block (mainloop_mxfp8); FP8 D: SFD row/col outputs
-        self.block_scaled = problem.block_scaled
+        epi = self.init_epilogue(problem)
+        self.d_dtype = DTYPES[epi.d_dtype]
+        self.c_dtype = DTYPES[epi.c_dtype] if self.recipe.has_c else None
+        self.bias_dtype = DTYPES[epi.bias_dtype] if epi.has_bias else None
+        # FP8 D: SFD row/col outputs
         self.quant_d = epi.generate_sfd
         self.discrete_col_sfd = epi.discrete_col_sfd
-        self.has_norm_const = self.quant_d
         self.rcp_limit = rcp_limit(epi.d_dtype) if self.quant_d else None  # float32(1 / q_max) of FP8 D
-        self.mainloop_class = (self.MXFP8_MAINLOOP if self.block_scaled
-                               else KGroupedWgmmaMainloop if self.is_wgrad else WgmmaMainloop)
+        # epilogue steps per tile: one 32-column block of D each (d_per_step subtiles), from c_per_step accumulator
+        # subtiles
+        self.epi_steps = self.tile_n // EPI_N // self.c_per_step
+        self.epi_tile = (self.tile_m, EPI_N)
+        self.mainloop_class = self.mainloop_class_for(problem)
         self.tile_k = self.mainloop_class.TILE_K
+        self.sched = self.make_scheduler(problem)
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         self.mainloop = self.mainloop_class.from_problem(problem, cfg, self.ab_dtype, self.ab_stages)
         # lanes arriving on a stage's worker barrier (every lane of every stage worker), besides the TMA's
         self.stage_arrivals = 32 * len(self.mainloop_class.STAGE_WORKERS)
 
+    # ------------------------------------------------------------------------------------------ composition
+    # What an op kind's class defines (the first group has no default).
+    def init_epilogue(self, problem):
+        """Set `recipe`, `d_per_step` / `c_per_step` and the op's own attributes; return the Epilogue of the stored
+        outputs (their dtypes)."""
+        raise NotImplementedError
+
+    def epilogue_smem_bytes(self, epi_stages: int) -> int:
+        """Shared memory of the epilogue with `epi_stages` store buffers (the A/B stage fit)."""
+        raise NotImplementedError
+
+    def epilogue_smem_fields(self, args):
+        """The SharedStorage fields after sD, in offset order (the mainloop's `smem_fields()` among them)."""
+        raise NotImplementedError
+
+    def op_epilogue_setup(self, args, cta, tiled_copy_acc, ctid):
+        """The op's part of the consumer's epilogue state (`EpilogueSetup.op`), built once per kernel."""
+        raise NotImplementedError
+
+    def tile_context(self, tile, args, setup):
+        """The tile's `TileContext` (loaded before its mainloop, so the latency hides under it)."""
+        raise NotImplementedError
+
+    def epilogue_hooks(self):
+        """The op's `EpilogueHooks` for `run_epilogue`."""
+        raise NotImplementedError
+
+    def mainloop_class_for(self, problem):
+        """MXFP8 inputs: FP8 wgmma + scale-product wgmma per 32-wide K block (mainloop_mxfp8); else bf16 / fp16."""
+        return mx.Mxfp8Mainloop if problem.block_scaled else WgmmaMainloop
+
+    def make_scheduler(self, problem):
+        """M-grouped: groups are row ranges of A and the output (the forward and dgrad schedule)."""
+        return GroupedTileScheduler(M_GROUPED, self.tile_m, self.tile_n, self.cluster_m, self.cluster_n,
+                                    self.num_groups, self.n_blocks, self.tile_k,
+                                    k_tiles=-(-problem.k // self.tile_k), group_m=self.config.group_m)
+
+    def d_block(self, n_tile, step: int, j: int = 0):
+        """D's 32-column block of output subtile j of epilogue step `step` of N tile n_tile."""
+        return (n_tile * self.epi_steps + step) * self.d_per_step + j
+
+    # ------------------------------------------------------------------------------------------ host
     def _smem_fit(self, epi_stages: int) -> int:
         """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
         header = 16 * 8 + 4 * self.num_groups + 32 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 stages) ..
         header = -(-header // 1024) * 1024  # sA/sB/sC/sD are 1024-aligned, each a multiple of 1 KiB
-        d_bytes = self.d_dtype.width // 8 * (2 if self.quant_d else 1)  # FP8 D: D and D_col buffers
-        epi = self.tile_m * EPI_N * epi_stages * (
-            d_bytes + (self.c_per_step * self.c_dtype.width // 8 if self.c_dtype else 0))
-        if self.quant_d:
-            epi += 4 * EPI_N * 8 + 1024  # per-warp column maxima (+ alignment)
-        if self.is_dgrad:  # D_row (FP8: + D_col) subtiles per step, C load buffers, dbias column partials (+ alignment)
-            epi = self.tile_m * EPI_N * self.d_per_step * (epi_stages * d_bytes
-                                                           + C_LOAD_BUFFERS * self.cin_dtype.width // 8)
-            epi += 4 * EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS + 2048
-            if self.quant_d:
-                epi += 4 * EPI_N * 8 * self.d_per_step + 1024  # per-warp column maxima of each subtile
-        return (SMEM_CAPACITY - header - epi) // self.mainloop_class.smem_stage_bytes(self.ab_dtype, self.tile_m,
-                                                                                      self.tile_n)
+        return (SMEM_CAPACITY - header - self.epilogue_smem_bytes(epi_stages)) // self.mainloop_class.smem_stage_bytes(
+            self.ab_dtype, self.tile_m, self.tile_n)
+
+    def _d_bytes(self) -> int:
+        """Bytes per element of D's smem buffers (FP8 D: D and D_col)."""
+        return self.d_dtype.width // 8 * (2 if self.quant_d else 1)
 
     def _choose_stages(self, cfg: Config):
-        # dgrad with 32-bit C and D_row: two store buffers would leave < 2 A/B stages, so one may be chosen
-        default = [2, 1] if self.is_dgrad else [2]
-        candidates = [cfg.epi_stages] if cfg.epi_stages is not None else default
+        candidates = [cfg.epi_stages] if cfg.epi_stages is not None else list(self.EPI_STAGE_CANDIDATES)
         candidates = [s for s in candidates if self.epi_steps % s == 0]
         if not candidates:
             raise NotImplementedError(f"epi_stages must divide the {self.epi_steps} epilogue steps of a tile")
@@ -183,7 +291,6 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
             raise NotImplementedError("not even 2 A/B stages fit in shared memory")
         return best, ab
 
-    # ------------------------------------------------------------------------------------------ host
     @property
     def cache_key(self):
         return ("GroupedGemmSm90", self.problem, self.config)
@@ -192,21 +299,20 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         """Launcher tensors by name (the operand table's, `operands.unpack`); absent ones None."""
         return unpack(self.problem, tensors)
 
+    def output_operands(self, t):
+        """(D, alpha, beta, the old D to add to) tensors of the launch (absent ones None)."""
+        return t["d"], t["alpha"], t["beta"], None
+
+    def epilogue_operands(self, t):
+        """Op kind: its epilogue's own TMA atoms, tensors and smem layouts, as KernelArgs fields (a dict)."""
+        return {}
+
     @cute.jit
     def launch(self, stream: cuda.CUstream, *tensors):
         t = self._unpack(tensors)
         a, b = t["a"], t["b"]
         m_rows = a.shape[0]
-        m_alpha, m_beta, m_wold = t["alpha"], t["beta"], None
-        if const_expr(self.is_wgrad):  # W (L, m_w, n_w) as (L * m_w, n_w): expert e's rows start at e * m_w
-            d = cute.make_tensor(t["wgrad"].iterator, cute.make_layout((self.num_groups * self.problem.m, self.n),
-                                                                      stride=(self.n, 1)))
-            # global scales ride in the alpha / beta slots (wgrad has neither): alpha of expert e = gsa[e] * gsb[e]
-            m_alpha, m_beta = t["global_scale_a"], t["global_scale_b"]
-            if const_expr(self.accumulate):
-                m_wold = t["wgrad"]  # the buffer W is written to holds the old W (input_output_aliases)
-        else:
-            d = t["d"]
+        d, m_alpha, m_beta, m_wold = self.output_operands(t)
 
         tiled_mma = self.mainloop.tiled_mma()
         a_layout, b_layout = self.mainloop.ab_smem_layouts()
@@ -233,26 +339,20 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
             )
             mSfdRow = cute.make_tensor(t["sfd_row"].iterator, cute.make_layout(cute.size(t["sfd_row"])))
             mSfdCol = cute.make_tensor(t["sfd_col"].iterator, cute.make_layout(cute.size(t["sfd_col"])))
-        c_layout = None
-        tma_atom_c = None
-        tma_c = None
-        if const_expr(self.recipe.has_c):
-            c_layout = sm90_utils.make_smem_layout_epi(
-                self.c_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages * self.c_per_step
-            )
-            tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), t["c"], cute.slice_(c_layout, (None, None, 0)), self.epi_tile
-            )
+        args = dict.fromkeys(KernelArgs._fields)
+        args.update(
+            tiled_mma=tiled_mma, tma_atom_a=tma_atom_a, mA=tma_a, tma_atom_b=tma_atom_b, mB=tma_b,
+            tma_atom_d=tma_atom_d, mD=tma_d, mOffsets=t["padded_offsets"], mAlpha=m_alpha, mProb=t["prob"],
+            mBias=t["bias"], mAmax=t["amax"], a_layout=a_layout, b_layout=b_layout, d_layout=d_layout,
+            tma_atom_sfa=tma_atom_sfa, mSFA=tma_sfa, tma_atom_sfb=tma_atom_sfb, mSFB=tma_sfb,
+            tma_atom_dcol=tma_atom_dcol, mDcol=tma_dcol, mSfdRow=mSfdRow, mSfdCol=mSfdCol,
+            mNormConst=t["norm_const"], mBeta=m_beta, mDprobParts=t["dprob_parts"], mDbiasParts=t["dbias_parts"],
+            mWold=m_wold,
+        )
+        args.update(self.epilogue_operands(t))
+        args = KernelArgs(**args)
 
-        cin_layout = tma_atom_cin = tma_cin = None
-        if const_expr(self.is_dgrad):
-            cin_layout = sm90_utils.make_smem_layout_epi(self.cin_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
-                                                         C_LOAD_BUFFERS * self.d_per_step)
-            tma_atom_cin, tma_cin = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), t["c"], cute.slice_(cin_layout, (None, None, 0)), self.epi_tile
-            )
-
-        # field order = offsets: the mainloop's own shared memory sits after the epilogue's C buffer
+        # field order = offsets
         Align, MemRange = cute.struct.Align, cute.struct.MemRange
         fields = [("ab_mbar", MemRange[cutlass.Int64, self.ab_stages * 2])]
         if const_expr(self.stage_arrivals > 0):  # MXFP8: decoded scales; wgrad: masked A
@@ -263,17 +363,7 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
                    ("sA", Align[MemRange[self.ab_dtype, cute.cosize(a_layout)], 1024]),
                    ("sB", Align[MemRange[self.ab_dtype, cute.cosize(b_layout)], 1024]),
                    ("sD", Align[MemRange[self.d_dtype, cute.cosize(d_layout)], 1024])]
-        if const_expr(self.recipe.has_c):
-            fields.append(("sC", Align[MemRange[self.c_dtype, cute.cosize(c_layout)], 1024]))
-        fields += self.mainloop.smem_fields()
-        if const_expr(self.quant_d):
-            fields.append(("col_max", Align[MemRange[Int32, EPI_N * 8 * self.d_per_step], 16]))
-        if const_expr(self.is_dgrad):
-            fields += [("cin_mbar", MemRange[cutlass.Int64, C_LOAD_BUFFERS]),
-                       ("sCin", Align[MemRange[self.cin_dtype, cute.cosize(cin_layout)], 1024]),
-                       ("col_sum", Align[MemRange[Float32, EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS], 16])]
-            if const_expr(self.quant_d):
-                fields.append(("zero", MemRange[Int32, 4]))  # 0, read per step by q8.fresh (epilogue_dgrad)
+        fields += self.epilogue_smem_fields(args)
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": dict(fields)}))
 
         self.shared_storage = SharedStorage
@@ -286,20 +376,8 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
             # group and SF padding must read 0x00)
             self.zero_bytes_kernel(mSfdRow, mSfdCol).launch(grid=[264, 1, 1], block=[256, 1, 1], stream=stream)
 
-        total = (m_rows // self.sched.block_m) * self.n_blocks
-        if const_expr(self.is_wgrad):
-            total = self.num_groups * self.sched.m_blocks * self.n_blocks
-        num_clusters = cutlass.min(total, Int32(self.max_clusters))
-        self.kernel(
-            tiled_mma,
-            tma_atom_a, tma_a, tma_atom_b, tma_b,
-            tma_atom_c, tma_c, tma_atom_d, tma_d,
-            t["padded_offsets"], m_alpha, t["prob"], t["bias"], t["amax"],
-            a_layout, b_layout, c_layout, d_layout,
-            tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb,
-            tma_atom_dcol, tma_dcol, mSfdRow, mSfdCol, t["norm_const"],
-            tma_atom_cin, tma_cin, cin_layout, m_beta, t["dprob_parts"], t["dbias_parts"], m_wold,
-        ).launch(
+        num_clusters = cutlass.min(self.sched.num_tiles(m_rows), Int32(self.max_clusters))
+        self.kernel(args).launch(
             grid=[self.cluster_m, self.cluster_n, num_clusters],
             block=[NUM_THREADS, 1, 1],
             cluster=[self.cluster_m, self.cluster_n, 1],
@@ -308,6 +386,12 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         )
 
     __call__ = launch
+
+    def col_max_field(self):
+        """FP8 D: the per-warp column maxima of each subtile of a step (epilogue_fp8d)."""
+        if not self.quant_d:
+            return []
+        return [("col_max", cute.struct.Align[cute.struct.MemRange[Int32, EPI_N * 8 * self.d_per_step], 16])]
 
     def _check_smem(self, size: int) -> None:
         """Trace time: refuse a layout that could not launch (the stage count comes from an estimate)."""
@@ -339,22 +423,12 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
 
     # ------------------------------------------------------------------------------------------ kernel
     @cute.kernel
-    def kernel(
-        self,
-        tiled_mma: cute.TiledMma,
-        tma_atom_a: cute.CopyAtom, mA: cute.Tensor,
-        tma_atom_b: cute.CopyAtom, mB: cute.Tensor,
-        tma_atom_c, mC, tma_atom_d: cute.CopyAtom, mD: cute.Tensor,
-        mOffsets: cute.Tensor, mAlpha: cute.Tensor, mProb, mBias, mAmax,
-        a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, c_layout, d_layout: cute.ComposedLayout,
-        tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst,
-        tma_atom_cin, mCin, cin_layout, mBeta, mDprobParts, mDbiasParts, mWold,
-    ):
+    def kernel(self, args: KernelArgs):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_c, tma_atom_sfa, tma_atom_sfb, tma_atom_dcol,
-                         tma_atom_cin):
+            for atom in (args.tma_atom_a, args.tma_atom_b, args.tma_atom_d, args.tma_atom_c, args.tma_atom_sfa,
+                         args.tma_atom_sfb, args.tma_atom_dcol, args.tma_atom_cin):
                 if const_expr(atom is not None):  # the problem's TMA descriptors
                     cpasync.prefetch_descriptor(atom)
 
@@ -373,92 +447,59 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
-        dec_mbar = None
+        stage_mbar = None
         if const_expr(self.stage_arrivals > 0):
             # the stage workers' per-stage barrier (MXFP8: decoded scales; wgrad: masked A): the consumers wait for
             # it after the TMA's
-            dec_mbar = storage.dec_mbar.data_ptr()
+            stage_mbar = storage.dec_mbar.data_ptr()
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.ab_stages):
-                        cute.arch.mbarrier_init(dec_mbar + s, self.stage_arrivals)
+                        cute.arch.mbarrier_init(stage_mbar + s, self.stage_arrivals)
             cute.arch.mbarrier_init_fence()
-        cin_bars = None
-        if const_expr(self.is_dgrad):
-            # one mbarrier per C load buffer: the store warp's lane 0 arrives with the expected bytes
-            cin_bars = storage.cin_mbar.data_ptr()
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    for s in cutlass.range_constexpr(C_LOAD_BUFFERS):
-                        cute.arch.mbarrier_init(cin_bars + s, 1)
-            cute.arch.mbarrier_init_fence()
+        epi_mbar = self.init_epilogue_barriers(storage, warp_idx)
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
         sEnds = storage.ends.get_tensor(cute.make_layout(self.num_groups))
         sValid = storage.valid.get_tensor(cute.make_layout(4))
+        mA = args.mA
         m_rows = mA.shape[0]
-        sZero = None
-        if const_expr(self.is_dgrad and self.quant_d):
-            sZero = storage.zero.get_tensor(cute.make_layout(4))
-            if tidx == 0:
-                sZero[0] = Int32(0)
+        sZero = self.init_epilogue_smem(storage, tidx)
         if warp_idx == 0:
-            # wgrad: the token ends, clipped to T (A is (m_w, T))
-            self.sched.load_group_ends(mOffsets, mA.shape[1] if const_expr(self.is_wgrad) else m_rows, sEnds, sValid)
+            self.sched.load_group_ends(args.mOffsets, self.sched.group_extent(mA), sEnds, sValid)
         ml_smem = self.mainloop.smem_tensors(storage, tidx, NUM_THREADS)
         cute.arch.sync_threads()
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
 
-        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-        sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-
+        a_layout, b_layout = args.a_layout, args.b_layout
+        cta = CtaSetup(storage, ab_pipeline, stage_mbar, epi_mbar, sZero, sEnds, sValid, m_rows, ml_smem,
+                       storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner),
+                       storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner))
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                if const_expr(self.is_wgrad):
-                    self.kgrouped_producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds)
-                else:
-                    self.producer(ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
-                                  tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem)
+                self.producer(args, cta)
             for worker in self.mainloop_class.STAGE_WORKERS:
                 if warp_idx == worker[0]:
-                    self.stage_worker(ab_pipeline, dec_mbar, worker, ml_smem, sA, sEnds, sValid, m_rows)
+                    self.stage_worker(cta, worker)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
-            sC = None
-            if const_expr(self.recipe.has_c):
-                sC = storage.sC.get_tensor(c_layout.outer, swizzle=c_layout.inner)
-            sProb = storage.prob.get_tensor(cute.make_layout(self.tile_m))
-            sScalars = storage.scalars.get_tensor(cute.make_layout(4))
-            sBias = storage.bias.get_tensor(cute.make_layout(self.tile_n))
-            sColMax = None
-            if const_expr(self.quant_d):
-                # (column, warp) per subtile of a step (dglu: gate and up)
-                col_max_shape = (EPI_N, 8, self.d_per_step) if const_expr(self.is_dgrad) else (EPI_N, 8)
-                sColMax = storage.col_max.get_tensor(cute.make_layout(col_max_shape))
-            dgrad = None
-            if const_expr(self.is_dgrad):
-                sCin = storage.sCin.get_tensor(cin_layout.outer, swizzle=cin_layout.inner)
-                sColSum = storage.col_sum.get_tensor(
-                    cute.make_layout((EPI_N, EPI_WARPS, self.d_per_step, C_LOAD_BUFFERS)))
-                dgrad = (tma_atom_cin, mCin, sCin, cin_bars, mBeta, mDprobParts, mDbiasParts, sColSum, sZero)
-            self.consumer(
-                ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
-                tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, tidx - 128, warp_idx,
-                dec_mbar, ml_smem, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad,
-                (mBeta, mWold),
-            )
+            self.consumer(args, cta, tidx - 128, warp_idx)
+
+    def init_epilogue_barriers(self, storage, warp_idx):
+        """Op kind: initialise its epilogue's mbarriers (before the cluster's init arrive); returns them."""
+        return None
+
+    def init_epilogue_smem(self, storage, tidx):
+        """Op kind: shared memory its epilogue needs written before the CTA barrier; returns its view."""
+        return None
 
     # ------------------------------------------------------------------------------------------ roles
     @cute.jit
-    def _cluster_work(self, sValid: cute.Tensor, m_rows: Int32):
-        """(first tile, stride, total tiles, valid M blocks) of this CTA's cluster."""
-        _, _, cluster_id = cute.arch.block_idx()
-        _, _, num_clusters = cute.arch.grid_dim()
-        total = (m_rows // self.sched.block_m) * self.n_blocks
-        valid_blocks = sValid[0] // self.sched.block_m
-        return cluster_id, num_clusters, total, valid_blocks
+    def _cluster_coord(self):
+        """(rank_m, rank_n) of this CTA in its cluster (cluster dims (cm, cn, 1): rank = x + cm * y)."""
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        return rank % self.cluster_m, rank // self.cluster_m
 
     @cute.jit
     def _mcast_masks(self, rank_m, rank_n):
@@ -473,98 +514,122 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         return a_mcast_mask, b_mcast_mask
 
     @cute.jit
-    def _cluster_coord(self):
-        """(rank_m, rank_n) of this CTA in its cluster (cluster dims (cm, cn, 1): rank = x + cm * y)."""
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        return rank % self.cluster_m, rank // self.cluster_m
-
-    @cute.jit
-    def producer(self, ab_pipeline, tma_atom_a, mA, tma_atom_b, mB, sA, sB, sEnds, sValid, m_rows,
-                 tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem):
+    def producer(self, args: KernelArgs, cta: CtaSetup):
         """Warp 0: TMA loads for every compute tile of this CTA (A multicast along the cluster's N, B along M;
         block-scaled mainloops: their scale factors travel with A / B)."""
         rank_m, rank_n = self._cluster_coord()
-        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L)
-        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
-        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-        )
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b, rank_m, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-        )
+        ab = self.ab_partitions(args, cta, rank_m, rank_n)
         a_mcast_mask, b_mcast_mask = self._mcast_masks(rank_m, rank_n)
-        k_tiles = cute.size(gA, mode=[3])
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        scale_loads = self.mainloop.partition_scale_loads(tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, ml_smem,
-                                                          rank_m, rank_n)
-
-        t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
-        while t < total:
-            m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
-            g = cutlass.min(self.sched.group_of_row(m_block * self.sched.block_m, sEnds), Int32(self.num_groups - 1))
-            k_count = Int32(0)
-            if is_compute:
-                k_count = k_tiles
-            m_tile = m_block * self.cluster_m + rank_m
-            n_tile = n_block * self.cluster_n + rank_n
+        scale_loads = self.mainloop.partition_scale_loads(args.tma_atom_sfa, args.mSFA, args.tma_atom_sfb, args.mSFB,
+                                                          cta.ml_smem, rank_m, rank_n)
+        work = self.sched.work(cta.sValid, cta.m_rows, self.ab_k_tiles(ab))
+        t = work.first
+        while t < work.total:
+            tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
+            tAgA, tAsA, tBgB, tBsB = self.tile_ab(ab, tile, args, cta, rank_m, rank_n)
             prod_state = self.mainloop.load_tile(
-                ab_pipeline, prod_state,
-                tma_atom_a, tAgA[(None, m_tile, None)], tAsA,
-                tma_atom_b, tBgB[(None, n_tile, None, g)], tBsB,
-                a_mcast_mask, b_mcast_mask, k_count, scale_loads, (m_tile, n_tile, g),
+                cta.ab_pipeline, prod_state, args.tma_atom_a, tAgA, tAsA, args.tma_atom_b, tBgB, tBsB,
+                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, (tile.m_tile, tile.n_tile, tile.group),
             )
-            t += stride
-        ab_pipeline.producer_tail(prod_state)
+            t += work.stride
+        cta.ab_pipeline.producer_tail(prod_state)
 
     @cute.jit
-    def stage_worker(self, ab_pipeline, stage_mbar, worker: cutlass.Constexpr, ml_smem, sA, sEnds, sValid, m_rows):
+    def tma_partitions(self, args: KernelArgs, gA, gB, cta: CtaSetup, rank_m, rank_n):
+        """(tAsA, tAgA, tBsB, tBgB): A's TMA multicast along the cluster's N, B's along M."""
+        tAsA, tAgA = cpasync.tma_partition(
+            args.tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(cta.sA, 0, 2),
+            cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(
+            args.tma_atom_b, rank_m, cute.make_layout(self.cluster_m), cute.group_modes(cta.sB, 0, 2),
+            cute.group_modes(gB, 0, 2))
+        return tAsA, tAgA, tBsB, tBgB
+
+    @cute.jit
+    def ab_partitions(self, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
+        """M-grouped: the producer's A / B TMA partitions, made once (every tile reads the whole K)."""
+        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L)
+        gA = cute.local_tile(args.mA, (self.tile_m, self.tile_k), (None, None))
+        gB = cute.local_tile(args.mB, (self.tile_n, self.tile_k), (None, None, None))
+        return self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
+
+    def ab_k_tiles(self, ab):
+        """M-grouped: the k-tiles of a compute tile as the producer counts them (A's partition: K as A's shape
+        says)."""
+        return cute.size(ab[1], mode=[2])
+
+    @cute.jit
+    def tile_ab(self, ab, tile, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
+        """M-grouped: (tAgA, tAsA, tBgB, tBsB) of one tile: its A rows and B[group], over K."""
+        tAsA, tAgA, tBsB, tBgB = ab
+        return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None, tile.group)], tBsB
+
+    @cute.jit
+    def stage_worker(self, cta: CtaSetup, worker: cutlass.Constexpr):
         """A stage worker of the mainloop (MXFP8: a scale decoder; wgrad: the token masker): for every stage the
         producer loads (same schedule), once its TMA landed, `mainloop.process_stage` reworks it in shared memory;
         then the generic-proxy stores are fenced against the wgmma's async-proxy reads and all 32 lanes arrive on
         the stage's worker barrier."""
         lane = cute.arch.lane_idx()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        if const_expr(self.is_wgrad):
-            t, stride, total = self._kgrouped_work()
-        else:
-            t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
-        while t < total:
-            k_count = Int32(0)
-            tile_ctx = None
-            if const_expr(self.is_wgrad):
-                e, _, _ = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
-                _, k_count, head, keep = self.sched.token_tiles(e, sEnds, self.tile_k)
-                tile_ctx = (head, keep)
-            else:
-                _, _, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
-                if is_compute:
-                    k_count = Int32((self.k + self.tile_k - 1) // self.tile_k)
+        rank_m, rank_n = self._cluster_coord()
+        work = self.sched.work(cta.sValid, cta.m_rows)
+        t = work.first
+        while t < work.total:
+            tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
+            k_count = tile.k_count
             for k in cutlass.range(k_count, unroll=1):
-                ab_pipeline.consumer_wait(state)
-                self.mainloop.process_stage(worker, ml_smem, sA, state.index, k, k_count, tile_ctx, lane)
+                cta.ab_pipeline.consumer_wait(state)
+                self.mainloop.process_stage(worker, cta.ml_smem, cta.sA, state.index, k, k_count, tile, lane)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(stage_mbar + state.index)
+                cute.arch.mbarrier_arrive(cta.stage_mbar + state.index)
                 state.advance()
-            t += stride
+            t += work.stride
 
     @cute.jit
-    def consumer(
-        self, ab_pipeline, tiled_mma, sA, sB, sC, sD, sProb, sBias, sScalars, sEnds, sValid, m_rows,
-        tma_atom_c, mC, tma_atom_d, mD, mAlpha, mProb, mBias, mAmax, ctid: Int32, warp_idx: Int32,
-        dec_mbar, ml_smem, sColMax, tma_atom_dcol, mDcol, mSfdRow, mSfdCol, mNormConst, dgrad, wgrad,
-    ):
-        """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA.
-        wgrad: (gsb or None, the old W (L * m_w, n_w) or None); gsa arrives as mAlpha."""
+    def consumer(self, args: KernelArgs, cta: CtaSetup, ctid: Int32, warp_idx: Int32):
+        """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA."""
         rank_m, rank_n = self._cluster_coord()
         wg = warp_idx // 4 - 1
+        tiled_mma = args.tiled_mma
         thr_mma = tiled_mma.get_slice(wg * 128)
-        mma_operands = self.mainloop.consumer_operands(tiled_mma, sA, sB, ml_smem, wg)
+        mma_operands = self.mainloop.consumer_operands(tiled_mma, cta.sA, cta.sB, cta.ml_smem, wg)
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        setup = self.epilogue_setup(args, cta, acc, ctid, warp_idx)
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+        )
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        hooks = self.epilogue_hooks()
 
-        # epilogue partitions: register fragments follow the stmatrix source layout of the accumulator
+        work = self.sched.work(cta.sValid, cta.m_rows)
+        t = work.first
+        while t < work.total:
+            tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
+            # per-tile epilogue operands, loaded before the mainloop so their latency hides under it
+            ctx = self.tile_context(tile, args, setup)
+            read_state, release_state = self.mainloop.mma_tile(
+                cta.ab_pipeline, read_state, release_state, mma_operands, acc, tile.k_count, cta.stage_mbar
+            )
+            self.run_epilogue(hooks, setup, ctx, store_pipeline)
+            t += work.stride
+        store_pipeline.producer_tail()
+
+    @cute.jit
+    def epilogue_setup(self, args: KernelArgs, cta: CtaSetup, acc, ctid: Int32, warp_idx: Int32) -> EpilogueSetup:
+        """The consumer's epilogue state, built once: smem views, D's partitions (register fragments follow the
+        stmatrix source layout of the accumulator), FP8 D's, then the op kind's (`op_epilogue_setup`)."""
+        storage = cta.storage
+        d_layout = args.d_layout
+        sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
+        sProb = storage.prob.get_tensor(cute.make_layout(self.tile_m))
+        sScalars = storage.scalars.get_tensor(cute.make_layout(4))
+        sBias = storage.bias.get_tensor(cute.make_layout(self.tile_n))
         copy_atom_layout = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
-        tiled_copy_acc = cute.make_tiled_copy_C_atom(copy_atom_layout, tiled_mma)
+        tiled_copy_acc = cute.make_tiled_copy_C_atom(copy_atom_layout, args.tiled_mma)
         r2s_d = cute.make_tiled_copy_S(
             sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.d_dtype, Float32), tiled_copy_acc
         )
@@ -573,127 +638,30 @@ class GroupedGemmSm90(EpilogueDriver, ForwardEpilogue, DgradEpilogue, Fp8DOutput
         tRS_rAcc = r2s_d.retile(acc)
         tRS_cD = thr_r2s_d.partition_S(cute.make_identity_tensor(self.epi_tile))  # (row, col) in a subtile
         frag_shape = tRS_cD.shape
-        frag_size = cute.size(frag_shape)
         tRS_rD = cute.make_rmem_tensor(frag_shape, self.d_dtype)
-        gD = cute.zipped_divide(mD, self.epi_tile)
         bSG_sD, bSG_gD = cpasync.tma_partition(
-            tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD
-        )
-        r2s_c = None
-        tRS_sC = None
-        tRS_rC0 = None
-        tRS_rC1 = None
-        bSG_sC = None
-        bSG_gC = None
-        if const_expr(self.recipe.has_c):
-            r2s_c = cute.make_tiled_copy_S(
-                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32), tiled_copy_acc
-            )
-            thr_r2s_c = r2s_c.get_slice(ctid)
-            tRS_sC = thr_r2s_c.partition_D(sC)
-            # same TV layout as D's copy, so flat index i is the same (row, col) in both fragments; only the
-            # split into atom/rest modes differs between stmatrix (16-bit) and plain stores (32-bit)
-            c_frag_shape = thr_r2s_c.partition_S(cute.make_identity_tensor(self.epi_tile)).shape
-            tRS_rC0 = cute.make_rmem_tensor(c_frag_shape, self.c_dtype)
-            tRS_rC1 = cute.make_rmem_tensor(c_frag_shape, self.c_dtype)
-            gC = cute.zipped_divide(mC, self.epi_tile)
-            bSG_sC, bSG_gC = cpasync.tma_partition(
-                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC
-            )
-
-        store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+            args.tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.zipped_divide(args.mD,
+                                                                                                   self.epi_tile)
         )
         epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=256)
         is_store_warp = warp_idx == 4
-        k_tiles = None  # wgrad: per expert (sched.token_tiles)
-        if const_expr(not self.is_wgrad):
-            k_tiles = (self.k + self.tile_k - 1) // self.tile_k
-        # FP8 D: D_col store partition (same smem layout as D), norm_const
-        bSG_gDcol = tRS_rDcol = None
-        norm_const = Float32(1.0)
+        fp8 = None
         if const_expr(self.quant_d):
+            # D_col store partition (same smem layout as D), the column-maxima table, norm_const
             q8.check_fragment_layout(tRS_cD)
             tRS_rDcol = cute.make_rmem_tensor(frag_shape, self.d_dtype)
             _, bSG_gDcol = cpasync.tma_partition(
-                tma_atom_dcol, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.zipped_divide(mDcol, self.epi_tile)
+                args.tma_atom_dcol, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
+                cute.zipped_divide(args.mDcol, self.epi_tile)
             )
-            norm_const = mNormConst[0]
-        fp8 = (bSG_gDcol, tRS_rDcol, sColMax, mSfdRow, mSfdCol, norm_const, sEnds, m_rows)
-        bSG_sCin = bSG_gCin = cin_copy = None
-        if const_expr(self.is_dgrad):
-            cin_copy = cute.make_tiled_copy_S(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.cin_dtype),
-                                              tiled_copy_acc)
-            tma_atom_cin, mCin, sCin, cin_bars, mBeta, mDprobParts, mDbiasParts, sColSum, sZero = dgrad
-            bSG_sCin, bSG_gCin = cpasync.tma_partition(
-                tma_atom_cin, 0, cute.make_layout(1), cute.group_modes(sCin, 0, 2), cute.zipped_divide(mCin, self.epi_tile)
-            )
-        old_w = None
-        if const_expr(self.accumulate):
-            # the old W, read with the accumulator's thread-value layout (plain loads, as the dgrad's C)
-            old_w = (wgrad[1], cute.make_tiled_copy_S(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype),
-                                                      tiled_copy_acc))
-        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            sColMax = storage.col_max.get_tensor(cute.make_layout(self.col_max_shape()))
+            fp8 = Fp8Setup(args.tma_atom_dcol, bSG_gDcol, tRS_rDcol, sColMax, args.mSfdRow, args.mSfdCol,
+                           args.mNormConst[0], cta.sEnds, cta.m_rows)
+        op = self.op_epilogue_setup(args, cta, tiled_copy_acc, ctid)
+        return EpilogueSetup(ctid, acc, tRS_rAcc, tRS_cD, cute.size(frag_shape), r2s_d, tRS_rD, tRS_sD, bSG_sD,
+                             bSG_gD, args.tma_atom_d, sD, sProb, sBias, sScalars, epi_barrier, is_store_warp,
+                             args.mAmax, fp8, op)
 
-        if const_expr(self.is_wgrad):
-            t, stride, total = self._kgrouped_work()
-        else:
-            t, stride, total, valid_blocks = self._cluster_work(sValid, m_rows)
-        while t < total:
-            if const_expr(self.is_wgrad):
-                # K-grouped: tile (expert g, m, n) of W; K = g's token range; W[g] rows sit at g * m_w
-                g, m_block, n_block = self.sched.decode_kgrouped(t, Int32(self.n_blocks))
-                _, k_count, _, _ = self.sched.token_tiles(g, sEnds, self.tile_k)
-                is_compute = True
-                m_tile = m_block * self.cluster_m + rank_m
-                n_tile = n_block * self.cluster_n + rank_n
-                out_m_tile = g * (self.sched.m_blocks * self.cluster_m) + m_tile
-            else:
-                m_block, n_block, is_compute = self.sched.decode(t, valid_blocks, Int32(self.n_blocks))
-                g = cutlass.min(self.sched.group_of_row(m_block * self.sched.block_m, sEnds),
-                                Int32(self.num_groups - 1))
-                m_tile = m_block * self.cluster_m + rank_m
-                n_tile = n_block * self.cluster_n + rank_n
-                out_m_tile = m_tile
-                k_count = Int32(0)
-                if is_compute:
-                    k_count = Int32(k_tiles)
-            # per-tile epilogue operands, loaded before the mainloop so their latency hides under it
-            alpha = Float32(1.0)
-            if const_expr(not self.is_wgrad):
-                alpha = mAlpha[g]
-            elif const_expr(self.wgrad_scaled):
-                alpha = mAlpha[g] * wgrad[0][g]  # gsa[e] * gsb[e], rounded once as the reference's (1 * gsa) * gsb
-            prob_v = Float32(1.0)
-            if const_expr(self.recipe.has_prob):
-                if ctid < self.tile_m:
-                    prob_v = mProb[m_tile * self.tile_m + ctid]
-            bias_v = Float32(0.0)
-            if const_expr(self.recipe.has_bias):
-                col = n_tile * self.tile_n + ctid
-                if ctid < self.tile_n and col < self.n:
-                    bias_v = mBias[g, col].to(Float32)
-            beta = Float32(1.0)
-            if const_expr(self.is_dgrad):
-                beta = mBeta[g]
-                self.prefetch_c(tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, is_store_warp, m_tile, n_tile)
-
-            read_state, release_state = self.mainloop.mma_tile(
-                ab_pipeline, read_state, release_state, mma_operands, acc, k_count, dec_mbar
-            )
-            if const_expr(self.is_dgrad):
-                tile = (tRS_rAcc, tRS_cD, frag_size, alpha, beta, prob_v, sProb, is_compute, ctid,
-                        r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
-                        sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
-                        epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sZero)
-                self.run_epilogue(self.dgrad_hooks(), tile, store_pipeline, epi_barrier, is_store_warp)
-            else:
-                tile = (acc, tRS_rAcc, tRS_cD, frag_size, alpha, prob_v, bias_v, sProb, sBias, sScalars, is_compute,
-                        ctid, r2s_d, tRS_rD, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
-                        r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, tma_atom_c,
-                        epi_barrier, out_m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sC, old_w)
-                self.run_epilogue(self.forward_hooks(), tile, store_pipeline, epi_barrier, is_store_warp)
-            t += stride
-        store_pipeline.producer_tail()
+    def col_max_shape(self):
+        """(column, warp) of the FP8-D column-maxima table (dgrad: per subtile of a step)."""
+        return (EPI_N, 8)

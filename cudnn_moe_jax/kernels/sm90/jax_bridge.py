@@ -19,7 +19,7 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS
 from cudnn_moe_jax.limits import GROUP_ALIGN, TOKEN_ALIGN
 
 from .config import supports
-from .gemm import GroupedGemmSm90
+from .kernel import GroupedGemmSm90
 
 
 def _spec(problem, operand: table.Bound) -> TensorSpec:

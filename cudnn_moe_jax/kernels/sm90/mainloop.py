@@ -219,16 +219,17 @@ class KGroupedWgmmaMainloop(WgmmaMainloop):
     warp 1) zeroes them in A (B x 0 adds nothing, as the reference masks A) and arrives on the stage's worker
     barrier; the consumers wait for it as well as for the TMA, so no divergent store sits next to their wgmmas.
     (k-tiles start on 64-token boundaries: with TMA boxes starting at the expert's first token, e.g. token 300,
-    the kernel raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200, RESULTS.md runs 31-33.)"""
+    the kernel raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200.)"""
 
     STAGE_WORKERS = ((1,),)  # (warp,): warp 1 of the producer warpgroup (idle in the bf16 mainloop)
 
     @cute.jit
     def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
                       lane: Int32):
-        """Zero A's columns (tokens) outside the expert's range in its first / last k-tile; tile_ctx = (head, keep):
-        the first valid column of k-tile 0 and the end of the valid columns of the last k-tile."""
-        head, keep = tile_ctx
+        """Zero A's columns (tokens) outside the expert's range in its first / last k-tile; tile_ctx: the
+        schedule's tile (`scheduler.Tile`), whose k_head / k_keep are the first valid column of k-tile 0 and the end
+        of the valid columns of the last k-tile."""
+        head, keep = tile_ctx.k_head, tile_ctx.k_keep
         lo = Int32(0)
         hi = Int32(self.TILE_K)
         if k == 0:

@@ -9,13 +9,13 @@ Hopper has no block-scaled MMA (docs/numerics.md#sm90-kernels). For every 32-wid
 The e8m0 scales are powers of two and bf16 has fp32's exponent range, so S is exact, and so are P * S; the FFMA
 rounds once: the same as accumulating the exact dequantized products in fp32 (only the order differs).
 
-Why a wgmma for S (H200, benchmarks/RESULTS.md runs 8-9): computing S on the FP32 pipe costs an FMUL per element,
+Why a wgmma for S (measured on the H200): computing S on the FP32 pipe costs an FMUL per element,
 and each thread needs 32 distinct fp32 column scales per block (32 lanes x 4 B per shared-memory wavefront:
 256 wavefronts per block per SM, next to the wgmma operand reads and TMA writes of the same shared memory). That
 delivery bounded the FMUL + FFMA kernel at 367 TFLOP/s on fc1 (612 with the scale loads made free). The S wgmma
 costs tensor time equal to the data wgmma's (64 cycles per warpgroup per block) and 6 KB of operand reads, and no
 thread loads a scale. Taking half the tile's scale products from the FP32 pipe again (fp32 scales decoded into
-conflict-free shared memory, FMUL + FFMA) measured 29% slower on fc1 (RESULTS.md run 28).
+conflict-free shared memory, FMUL + FFMA) measured 29% slower on fc1.
 
 Scale operands (bf16, K-major, no swizzle: "interleaved" 8 x 16-byte core matrices of 128 B), per stage:
   A' (dense) per 8-row group: chunks [D Z]; row r of D = (sfa[r, 0..3], 0, 0, 0, 0), Z = zeros. Every block
@@ -36,9 +36,9 @@ Pipeline per CTA (stage = 128 K elements = 4 scale blocks = one 512-byte SF atom
   consumers       two warpgroups x 64 rows: per block and 64-column part (Config.mx_n_parts, default 2), both
                   wgmmas (one commit group), then wait for the oldest part, fold it, issue it for the next block.
 
-Measured (H200, fc1 MXFP8 SwiGLU, device-timed, RESULTS.md runs 10-18): 490 TFLOP/s with one decoder warp and
+Measured (H200, fc1 MXFP8 SwiGLU, device-timed): 490 TFLOP/s with one decoder warp and
 26 KB of scale operands per stage; 597-600 with this layout and 2-3 decoder warps; 620-631 with two column parts
-(the default; fc2 557-575). Where the time goes (runs 14-17; ptxas deletes a wgmma whose result is never read, so
+(the default; fc2 557-575). Where the time goes (ptxas deletes a wgmma whose result is never read, so
 timing variants must keep P and S alive): the scale wgmma costs the data wgmma's tensor time, 2 x 128 cycles per
 block and CTA (~950 TFLOP/s ceiling at 1.75 GHz); without any tensor work the TMA / decode pipeline and the
 epilogue run at 1252, with the fold's FFMAs added 966; the data wgmma with acc += P 759; the full kernel 624.
@@ -277,7 +277,7 @@ class Mxfp8Mainloop:
                      quarters: cutlass.Constexpr, idx: Int32, last: cutlass.Boolean, lane: Int32):
         """Warp-collective: rows `lane + 32 i` (i in `quarters`) of one stage's SF atom of `operand` (0: A, 1: B) ->
         their bf16 scale elements in A' / B'. The decode is on the consumers' critical path (one warp for both
-        operands measured -20%, RESULTS.md run 11): warp 1 writes A' (one 8-byte store per row), warps 2 and 3
+        operands measured -20%): warp 1 writes A' (one 8-byte store per row), warps 2 and 3
         half of B' each (four 2-byte stores per column).
 
         sRaw32: (4 words, 32 lanes, 2 operands, stages) Int32 view of the raw atoms -- lane l's 16 bytes are
@@ -345,7 +345,7 @@ class Mxfp8Mainloop:
 
         No wgmma stays in flight across a stage: acc + P + S fill 192 of the 232 registers. n_parts == 1: both
         warpgroups issue their pairs together and fold together (the tensor core idles during the folds; making
-        them take turns measured slower, 561 / 568 vs 597-600 TFLOP/s on fc1, RESULTS.md run 12). n_parts > 1:
+        them take turns measured slower, 561 / 568 vs 597-600 TFLOP/s on fc1). n_parts > 1:
         mma_tile_parts.
         """
         tiled_mma, scale_mma, tCrA, tCrB, tCrSA, tCrSB, P, S = operands
@@ -364,19 +364,11 @@ class Mxfp8Mainloop:
                 cute.gemm(scale_mma, S, tCrSA[(None, None, 0, kb, idx)], tCrSB[(None, None, 0, kb, idx)], S)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                self.fold(acc, P, S, 0)
+                fold(acc, P, S, 0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
         return read_state, release_state
-
-    @staticmethod
-    def fold(acc, P, S, base: int):
-        """acc[base + i] += P[i] * S[i] for every value of one part (plain Python, traced inline). The timing
-        variants of tools/gpu/build_timing_variants.py replace it (keeping P and S read, or ptxas deletes the
-        wgmmas)."""
-        for i in range(cute.size(P)):
-            acc[base + i] = acc[base + i] + P[i] * S[i]
 
     @cute.jit
     def issue_part(self, tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h: cutlass.Constexpr,
@@ -397,9 +389,9 @@ class Mxfp8Mainloop:
         part: wait for it, fold it, issue it for the next block. Same 192 registers (parts of P / S); each part
         re-reads the A / A' operand. The stage is drained at its end: no wgmma in flight across the stage loop's
         back-edge (ptxas would serialize every wgmma). Two stages per iteration (the second one waited for while
-        the first one's last block computes; half the drains) measured slower: 578 vs 620 TFLOP/s on fc1
-        (RESULTS.md run 18). acc's values are the parts' in order (wgmma C layout: value v0 + 2 v1 + 4 j is
-        column 2 quad + v0 + 8 j, so part h holds columns h * 128 / parts onwards)."""
+        the first one's last block computes; half the drains) measured slower: 578 vs 620 TFLOP/s on fc1.
+        acc's values are the parts' in order (wgmma C layout: value v0 + 2 v1 + 4 j is column 2 quad + v0 + 8 j,
+        so part h holds columns h * 128 / parts onwards)."""
         for _s in cutlass.range(k_count, unroll=1):
             read_state, release_state = self.stage_parts(
                 ab_pipeline, dec_mbar, read_state, release_state, tiled_mma, scale_mma, acc, P, S, tCrA, tCrB, tCrSA,
@@ -423,13 +415,19 @@ class Mxfp8Mainloop:
                 # groups issued after part h: the later parts of this block, and (not last) the earlier parts of
                 # the next
                 warpgroup.wait_group(parts - 1 - h if last else parts - 1)
-                self.fold(acc, P[h], S[h], h * nh)
+                fold(acc, P[h], S[h], h * nh)
                 if not last:
                     self.issue_part(tiled_mma, scale_mma, P, S, tCrA, tCrB, tCrSA, tCrSB, h, kb + 1, idx)
         # every wgmma reading this stage has retired (its last block is folded)
         ab_pipeline.consumer_release(release_state)
         release_state.advance()
         return read_state, release_state
+
+
+def fold(acc, P, S, base: int):
+    """acc[base + i] += P[i] * S[i] for every value of one part (plain Python, traced inline)."""
+    for i in range(cute.size(P)):
+        acc[base + i] = acc[base + i] + P[i] * S[i]
 
 
 @cute.jit

@@ -1,6 +1,6 @@
 """The sm90 launcher's operands, read from the operand table (`cudnn_moe_jax.operands`): their names and kinds in
-the launcher's argument order, the aliased outputs, and the launcher's unpacking (`GroupedGemmSm90._unpack`). Pure
-Python (no cutlass import).
+the launcher's argument order, the aliased outputs, and the launcher's unpacking (`GroupedGemmSm90Base._unpack`).
+Pure Python (no cutlass import).
 
 The launcher receives what `cutlass.jax.cutlass_call` passes after the stream: the present inputs in binding order,
 then the present launch outputs (an output aliased to an input is passed once, as the input). Backward ops (dglu,
@@ -11,7 +11,6 @@ a fixed order (`operands.finish`), so the result is deterministic without float 
 from __future__ import annotations
 
 from cudnn_moe_jax import operands as table
-from cudnn_moe_jax._problem import DGRAD_OPS  # noqa: F401 (the kernel reads it from here)
 
 # Every name a launcher may look up (absent tensors: None), over all ops.
 _LAUNCH_NAMES = table.launch_names()

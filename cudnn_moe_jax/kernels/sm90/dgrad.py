@@ -1,8 +1,10 @@
-"""Backward epilogue of the sm90 grouped GEMM (dglu: dswiglu / dgeglu, dsrelu): the FC2 dgrad accumulator fused
-with the activation derivative on the saved forward pre-activation C.
+"""The dgrad kernel class of the sm90 grouped GEMM (dglu: dswiglu / dgeglu, dsrelu): the FC2 dgrad accumulator fused
+with the activation derivative on the saved forward pre-activation C. The shared body (gemm.py) with the M-grouped
+schedule, the bf16 / fp16 mainloop and this epilogue; besides the shared body's it sets up C's TMA load ring (two
+buffers, one mbarrier each), the dbias column-sum table and the partial-sum outputs.
 
 Per tile (128 rows x tile_n accumulator columns) and 32-column step s (one accumulator subtile = one GLU block), as
-hooks (`dgrad_hooks`) of the driver `run_epilogue` (epilogue.py), which owns the step loop and the store sequence:
+hooks (`epilogue_hooks`) of the driver `run_epilogue` (epilogue.py), which owns the step loop and the store sequence:
   begin   prob of the tile's rows -> smem; the C subtiles of steps 0 and 1 are already on their way (TMA, issued by
           `prefetch_c` before the mainloop) into two load buffers, one mbarrier each;
   visit   wait for step s's C subtile(s) (`_wait_c`; dsrelu: 1; dglu: gate block 2b and up block 2b + 1; an FP8 C
@@ -16,27 +18,149 @@ hooks (`dgrad_hooks`) of the driver `run_epilogue` (epilogue.py), which owns the
           sum, stored to `dprob_parts (n_parts, m)`; amax per group by `atomicMax` on |x| bits (exact).
 The lowering sums the partials in a fixed order (operands.finish_dgrad_outputs): no float atomics, so every output
 is bit-identical run to run. Rows past `valid_m` (zero tiles) store zeros everywhere.
-
-A mixin of `GroupedGemmSm90` (kernels/sm90/gemm.py), traced inside the consumer warpgroups' tile loop.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+from cutlass.tensor_utils import LayoutEnum
 
 from .. import quantize as q8
+from ..epilogue import DgradRecipe
 from .epilogue import EpilogueHooks, fold_amax, fold_row_sum, merge_amax, store_row_partials
 from .epilogue_fp8d import EPI_N
+from .gemm import DTYPES, GroupedGemmSm90Base, TileContext
 
 C_LOAD_BUFFERS = 2  # C subtiles in flight: step s + 2 is loaded while steps s and s + 1 compute
 EPI_WARPS = 8
 
 
-class DgradEpilogue:
+class CLoads(NamedTuple):
+    """The dgrad's own epilogue state (`EpilogueSetup.op`): C's load ring (smem buffers, thread-value copy, TMA
+    partitions, mbarriers), the dbias column-sum table, the partial-sum outputs, the zero word (FP8 D)."""
+
+    sCin: Any
+    cin_copy: Any
+    cin_bars: Any
+    tma_atom_cin: Any
+    bSG_sCin: Any
+    bSG_gCin: Any
+    sColSum: Any
+    mDprobParts: Any
+    mDbiasParts: Any
+    sZero: Any
+
+
+class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
+    """`dC[r, :] = act'(beta * C[r, :]) * alpha * (dD[r, :] @ B[g(r)]^T)` for the rows of every group (dglu: per
+    step a gate and an up subtile of D_row), with the dprob / dbias partials and amax."""
+
+    # 32-bit C and D_row: two store buffers would leave < 2 A/B stages, so one may be chosen
+    EPI_STAGE_CANDIDATES = (2, 1)
+
+    def init_epilogue(self, problem):
+        self.recipe = DgradRecipe(problem)
+        epi = problem.epilogue
+        self.cin_dtype = DTYPES[epi.c_dtype]
+        self.d_per_step = 2 if self.recipe.is_glu else 1  # C is an input; each step stores d_per_step subtiles
+        self.cin_step_bytes = self.tile_m * EPI_N * self.cin_dtype.width // 8 * self.d_per_step
+        if (self.tile_n // EPI_N) % (2 * C_LOAD_BUFFERS):  # the C-load mbarrier phases repeat per tile
+            raise NotImplementedError(f"dgrad epilogue needs tile_n % {2 * C_LOAD_BUFFERS * EPI_N} == 0")
+        return epi
+
+    def epilogue_smem_bytes(self, epi_stages: int) -> int:
+        """D_row (FP8: + D_col) subtiles per step, C load buffers, dbias column partials (+ alignment), FP8 D's
+        per-warp column maxima of each subtile."""
+        epi = self.tile_m * EPI_N * self.d_per_step * (epi_stages * self._d_bytes()
+                                                       + C_LOAD_BUFFERS * self.cin_dtype.width // 8)
+        epi += 4 * EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS + 2048
+        if self.quant_d:
+            epi += 4 * EPI_N * 8 * self.d_per_step + 1024
+        return epi
+
+    def epilogue_operands(self, t):
+        """C's TMA load and its ring's layout (C_LOAD_BUFFERS buffers of d_per_step subtiles)."""
+        cin_layout = sm90_utils.make_smem_layout_epi(self.cin_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
+                                                     C_LOAD_BUFFERS * self.d_per_step)
+        tma_atom_cin, tma_cin = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), t["c"], cute.slice_(cin_layout, (None, None, 0)), self.epi_tile
+        )
+        return {"tma_atom_cin": tma_atom_cin, "mCin": tma_cin, "cin_layout": cin_layout}
+
+    def epilogue_smem_fields(self, args):
+        """After sD: the mainloop's own shared memory, FP8 D's column maxima, C's load ring and its mbarriers, the
+        dbias column sums, FP8 D's zero word."""
+        Align, MemRange = cute.struct.Align, cute.struct.MemRange
+        fields = self.mainloop.smem_fields() + self.col_max_field()
+        fields += [("cin_mbar", MemRange[cutlass.Int64, C_LOAD_BUFFERS]),
+                   ("sCin", Align[MemRange[self.cin_dtype, cute.cosize(args.cin_layout)], 1024]),
+                   ("col_sum", Align[MemRange[Float32, EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS], 16])]
+        if self.quant_d:
+            fields.append(("zero", MemRange[Int32, 4]))  # 0, read per step by q8.fresh
+        return fields
+
+    @cute.jit
+    def init_epilogue_barriers(self, storage, warp_idx):
+        """One mbarrier per C load buffer: the store warp's lane 0 arrives with the expected bytes."""
+        cin_bars = storage.cin_mbar.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(C_LOAD_BUFFERS):
+                    cute.arch.mbarrier_init(cin_bars + s, 1)
+        cute.arch.mbarrier_init_fence()
+        return cin_bars
+
+    @cute.jit
+    def init_epilogue_smem(self, storage, tidx):
+        """FP8 D: the zero word q8.fresh reads."""
+        sZero = None
+        if const_expr(self.quant_d):
+            sZero = storage.zero.get_tensor(cute.make_layout(4))
+            if tidx == 0:
+                sZero[0] = Int32(0)
+        return sZero
+
+    def col_max_shape(self):
+        return (EPI_N, 8, self.d_per_step)
+
+    @cute.jit
+    def op_epilogue_setup(self, args, cta, tiled_copy_acc, ctid) -> CLoads:
+        storage = cta.storage
+        cin_layout = args.cin_layout
+        sCin = storage.sCin.get_tensor(cin_layout.outer, swizzle=cin_layout.inner)
+        sColSum = storage.col_sum.get_tensor(cute.make_layout((EPI_N, EPI_WARPS, self.d_per_step, C_LOAD_BUFFERS)))
+        cin_copy = cute.make_tiled_copy_S(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.cin_dtype),
+                                          tiled_copy_acc)
+        bSG_sCin, bSG_gCin = cpasync.tma_partition(
+            args.tma_atom_cin, 0, cute.make_layout(1), cute.group_modes(sCin, 0, 2),
+            cute.zipped_divide(args.mCin, self.epi_tile)
+        )
+        return CLoads(sCin, cin_copy, cta.epi_mbar, args.tma_atom_cin, bSG_sCin, bSG_gCin, sColSum,
+                      args.mDprobParts, args.mDbiasParts, cta.sZero)
+
+    @cute.jit
+    def tile_context(self, tile, args, setup) -> TileContext:
+        """alpha and beta of the tile's group, prob of this thread's row; issues the tile's first C loads."""
+        ctid = setup.ctid
+        g = tile.group
+        alpha = args.mAlpha[g]
+        prob_v = Float32(1.0)
+        if const_expr(self.recipe.has_prob):
+            if ctid < self.tile_m:
+                prob_v = args.mProb[tile.m_tile * self.tile_m + ctid]
+        beta = args.mBeta[g]
+        op = setup.op
+        self.prefetch_c(op.tma_atom_cin, op.bSG_sCin, op.bSG_gCin, op.cin_bars, setup.is_store_warp, tile.m_tile,
+                        tile.n_tile)
+        return TileContext(tile.out_m_tile, tile.n_tile, g, tile.is_compute, alpha, prob_v, Float32(0.0), beta)
+
     @cute.jit
     def prefetch_c(self, tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, is_store_warp, m_tile, n_tile):
         """Store warp, before the tile's mainloop: issue the C loads of steps 0 and 1 (the previous tile's reads of
@@ -53,7 +177,7 @@ class DgradEpilogue:
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(cin_bars + buf, self.cin_step_bytes)
         for j in cutlass.range_constexpr(self.d_per_step):
-            col = (n_tile * self.epi_steps + step) * self.d_per_step + j   # 32-column block of C / D_row
+            col = self.d_block(n_tile, step, j)   # 32-column block of C / D_row
             cute.copy(tma_atom_cin, bSG_gCin[(None, (m_tile, col))], bSG_sCin[(None, buf * self.d_per_step + j)],
                       tma_bar_ptr=cin_bars + buf)
 
@@ -68,38 +192,36 @@ class DgradEpilogue:
         """After step s's first barrier every thread has read load buffer s % 2: the store warp refills it with
         step s + 2's C."""
         if const_expr(step + C_LOAD_BUFFERS < self.epi_steps):
-            if st.is_store_warp:
-                self._load_c_step(st.tma_atom_cin, st.bSG_sCin, st.bSG_gCin, st.cin_bars, st.m_tile, st.n_tile,
+            op, ctx = st.op, st.ctx
+            if st.setup.is_store_warp:
+                self._load_c_step(op.tma_atom_cin, op.bSG_sCin, op.bSG_gCin, op.cin_bars, ctx.m_tile, ctx.n_tile,
                                   step + C_LOAD_BUFFERS)
 
-    def dgrad_hooks(self) -> EpilogueHooks:
+    def epilogue_hooks(self) -> EpilogueHooks:
         return EpilogueHooks(begin=self._dgrad_begin, visit=self._dgrad_visit, writes=self._dgrad_writes,
                              stores=self._dgrad_stores, end=self._dgrad_end, blocks=self.d_per_step,
                              refill=self._refill_c, finish=self._dgrad_finish, after_store=self._dgrad_after_store)
 
     @cute.jit
-    def _dgrad_begin(
-        self, tRS_rAcc, tRS_cD, frag_size: cutlass.Constexpr, alpha, beta, prob_v, sProb, is_compute, ctid,
-        r2s_d, tRS_sD, bSG_sD, bSG_gD, tma_atom_d,
-        sCin, cin_copy, cin_bars, tma_atom_cin, bSG_sCin, bSG_gCin, sColSum, mDprobParts, mDbiasParts,
-        epi_barrier, is_store_warp, m_tile, n_tile, g, mAmax, fp8, tma_atom_dcol, sD, sZero,
-    ):
+    def _dgrad_begin(self, setup, ctx):
         """The tile's set-up: per-tile thread coordinates, prob staged in smem, the reductions' zeros and the
         step fragments (the C loads of steps 0 and 1 were issued before the mainloop by `prefetch_c`)."""
         rec = self.recipe
-        bSG_gDcol, _, sColMax, _, _, norm_const, _, _ = fp8
+        op = setup.op
+        ctid = setup.ctid
+        sProb, prob_v = setup.sProb, ctx.prob
         zero_addr = None
         if const_expr(self.quant_d):
-            zero_addr = sZero.iterator.toint()
-        q8.check_fragment_layout(tRS_cD)
+            zero_addr = op.sZero.iterator.toint()
+        q8.check_fragment_layout(setup.tRS_cD)
         # thread coordinates re-derived per tile from an opaque copy of ctid: otherwise ptxas hoists every address
         # computed from them above the tile loop and holds them across the mainloop (spills next to 128
         # accumulators; the forward epilogue does the same for FP8 D)
         ctid_o = q8.opaque(ctid)
-        tRS_cD = r2s_d.get_slice(ctid_o).partition_S(cute.make_identity_tensor(self.epi_tile))
+        tRS_cD = setup.r2s_d.get_slice(ctid_o).partition_S(cute.make_identity_tensor(self.epi_tile))
         # C subtiles read with the accumulator's thread-value layout (plain loads: flat index i is the same (row,
         # col) as in the accumulator and D fragments)
-        tRS_sCin = cin_copy.get_slice(ctid_o).partition_D(sCin)
+        tRS_sCin = op.cin_copy.get_slice(ctid_o).partition_D(op.sCin)
         rC = [cute.make_rmem_tensor(tRS_sCin[(None, None, None, 0)].shape, self.cin_dtype)
               for _ in range(self.d_per_step)]
         # FP8 C: widened to fp16 per fragment (one unpack per pair of columns; exact for e4m3 and e5m2), each
@@ -110,11 +232,11 @@ class DgradEpilogue:
                    for _ in range(self.d_per_step)]
         warp_e = ctid_o // 32
         lane = ctid_o % 32
-        r0 = 64 * (warp_e // 4) + 16 * (warp_e % 4) + lane // 4   # the thread's two rows: r0, r0 + 8
+        r0 = q8.first_row(warp_e, lane)   # the thread's two rows: r0, r0 + 8
         if const_expr(rec.has_prob):
             if ctid < self.tile_m:
                 sProb[ctid] = prob_v
-        epi_barrier.arrive_and_wait()
+        setup.epi_barrier.arrive_and_wait()
 
         row_sum = [Float32(0.0), Float32(0.0)]
         amax_bits = [Int32(0), Int32(0)]
@@ -128,14 +250,9 @@ class DgradEpilogue:
             rVal = [cute.make_rmem_tensor(tRS_cD.shape, Float32) for _ in range(self.d_per_step)]
             rDcol = [cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype) for _ in range(self.d_per_step)]
         return SimpleNamespace(
-            tRS_rAcc=tRS_rAcc, tRS_cD=tRS_cD, frag_size=frag_size, alpha=alpha, beta=beta, sProb=sProb,
-            is_compute=is_compute, ctid=ctid, r2s_d=r2s_d, tRS_sD=tRS_sD, bSG_sD=bSG_sD, bSG_gD=bSG_gD,
-            tma_atom_d=tma_atom_d, sCin=sCin, cin_copy=cin_copy, cin_bars=cin_bars, tma_atom_cin=tma_atom_cin,
-            bSG_sCin=bSG_sCin, bSG_gCin=bSG_gCin, sColSum=sColSum, mDprobParts=mDprobParts,
-            mDbiasParts=mDbiasParts, is_store_warp=is_store_warp, m_tile=m_tile, n_tile=n_tile, g=g, mAmax=mAmax,
-            fp8=fp8, tma_atom_dcol=tma_atom_dcol, sD=sD, bSG_gDcol=bSG_gDcol, sColMax=sColMax,
-            norm_const=norm_const, zero_addr=zero_addr, tRS_sCin=tRS_sCin, rC=rC, rCh=rCh, warp_e=warp_e, lane=lane,
-            r0=r0, row_sum=row_sum, amax_bits=amax_bits, rD=rD, rVal=rVal, rDcol=rDcol,
+            setup=setup, ctx=ctx, op=op, fp8=setup.fp8, tRS_cD=tRS_cD, tRS_sD=setup.tRS_sD, zero_addr=zero_addr,
+            tRS_sCin=tRS_sCin, rC=rC, rCh=rCh, warp_e=warp_e, lane=lane, r0=r0, row_sum=row_sum,
+            amax_bits=amax_bits, rD=rD, rVal=rVal, rDcol=rDcol,
         )
 
     @cute.jit
@@ -144,10 +261,11 @@ class DgradEpilogue:
         row-quantized), folding amax, the dprob row sums and the dbias column sums; the dbias column partials of
         the warp -> smem. Returns the row codes (FP8 D) for `_dgrad_finish`."""
         rec = self.recipe
-        frag_size = st.frag_size
+        setup, ctx, op = st.setup, st.ctx, st.op
+        frag_size = setup.frag_size
         tRS_cD, rC, rD, rVal = st.tRS_cD, st.rC, st.rD, st.rVal
         lb = step % C_LOAD_BUFFERS
-        self._wait_c(step, st.cin_bars)
+        self._wait_c(step, op.cin_bars)
         col_sum = [[Float32(0.0)] * 8 for _ in range(self.d_per_step)]
         if const_expr(self.quant_d):
             # FP8 D: every per-thread address of the step (C loads, D / D_col smem stores, SF bytes, column
@@ -155,11 +273,11 @@ class DgradEpilogue:
             # through `opaque`) and holds them from one use to the next -- the 8-bit stores alone need 8
             # swizzled addresses per buffer, 4 * d_per_step buffers -- and spills next to the accumulators.
             # The end of the tile uses the last step's lane.
-            ctid_s = q8.fresh(st.ctid, st.zero_addr)
+            ctid_s = q8.fresh(setup.ctid, st.zero_addr)
             st.warp_e = ctid_s // 32
             st.lane = ctid_s % 32
-            st.tRS_sCin = st.cin_copy.get_slice(ctid_s).partition_D(st.sCin)
-            st.tRS_sD = st.r2s_d.get_slice(ctid_s).partition_D(st.sD)
+            st.tRS_sCin = op.cin_copy.get_slice(ctid_s).partition_D(op.sCin)
+            st.tRS_sD = setup.r2s_d.get_slice(ctid_s).partition_D(setup.sD)
         for j in cutlass.range_constexpr(self.d_per_step):
             cute.autovec_copy(st.tRS_sCin[(None, None, None, lb * self.d_per_step + j)], rC[j])
             if const_expr(self.cin_dtype.width == 8):
@@ -170,20 +288,20 @@ class DgradEpilogue:
             row = tRS_cD[i][0]
             prob = Float32(1.0)
             if const_expr(rec.has_prob):
-                prob = st.sProb[row]
-            dd = st.alpha * st.tRS_rAcc[step * frag_size + i]
+                prob = setup.sProb[row]
+            dd = ctx.alpha * setup.tRS_rAcc[step * frag_size + i]
             value = Float32(0.0)
             vals = []
             if const_expr(rec.is_glu):
-                x_g = st.beta * rC[0][i].to(Float32)
-                x_u = st.beta * rC[1][i].to(Float32)
+                x_g = ctx.beta * rC[0][i].to(Float32)
+                x_u = ctx.beta * rC[1][i].to(Float32)
                 value, d_gate, d_up = rec.dglu(x_g, x_u)
                 if const_expr(rec.glu_alpha is not None):
                     dd = dd * Float32(rec.glu_alpha)
                 scale = dd * prob
                 vals = [scale * d_gate, scale * d_up]
             else:
-                x = st.beta * rC[0][i].to(Float32)
+                x = ctx.beta * rC[0][i].to(Float32)
                 value, dvalue = rec.dsrelu(x)
                 vals = [dd * prob * dvalue]
             for j in cutlass.range_constexpr(self.d_per_step):
@@ -201,12 +319,12 @@ class DgradEpilogue:
                 for i in cutlass.range_constexpr(frag_size):
                     self._amax_dbias(rVal[j][i], i, st.amax_bits, col_sum[j], j)
                 # D_row per row of the subtile (= one 32-column block), column maxima
-                codes[j] = self._quantize_d_rows(rVal[j], rD[j], st.sColMax[(None, None, j)], st.warp_e, st.lane,
-                                                 st.norm_const)
-            if not st.is_compute:  # rows past valid_m: zeros (amax and dprob are not stored for them)
+                codes[j] = self._quantize_d_rows(rVal[j], rD[j], st.fp8.sColMax[(None, None, j)], st.warp_e, st.lane,
+                                                 st.fp8.norm_const)
+            if not ctx.is_compute:  # rows past valid_m: zeros (amax and dprob are not stored for them)
                 rD[j].fill(0.0)
             if const_expr(rec.has_dbias):
-                self._column_partials(col_sum[j], st.is_compute, st.sColSum, lb, j, st.warp_e, st.lane)
+                self._column_partials(col_sum[j], ctx.is_compute, op.sColSum, lb, j, st.warp_e, st.lane)
         return codes
 
     @cute.jit
@@ -214,38 +332,41 @@ class DgradEpilogue:
         """FP8 D, after the first barrier: D_col of subtile j per 32-row block (this warp and its partner), SF
         bytes."""
         if const_expr(self.quant_d):
-            self._quantize_d_cols(st.rVal[j], st.rDcol[j], st.sColMax[(None, None, j)], codes[j][0], codes[j][1],
-                                  st.is_compute, st.fp8, st.m_tile, st.n_tile, step, st.g, st.warp_e, st.lane, j)
+            fp8, ctx = st.fp8, st.ctx
+            self._quantize_d_cols(st.rVal[j], st.rDcol[j], fp8.sColMax[(None, None, j)], codes[j][0], codes[j][1],
+                                  ctx.is_compute, fp8, ctx.m_tile, ctx.n_tile, step, ctx.group, st.warp_e, st.lane, j)
 
     def _dgrad_writes(self, step: int, buf: int, j: int, st, codes):
         """(copy, fragment, smem buffer) of subtile j: [D_col,] D_row."""
         if self.quant_d:
-            yield st.r2s_d, st.rDcol[j], st.tRS_sD[(None, None, None, self._dcol_buffer(buf, j))]
-        yield st.r2s_d, st.rD[j], st.tRS_sD[(None, None, None, buf * self.d_per_step + j)]
+            yield st.setup.r2s_d, st.rDcol[j], st.tRS_sD[(None, None, None, self._dcol_buffer(buf, j))]
+        yield st.setup.r2s_d, st.rD[j], st.tRS_sD[(None, None, None, buf * self.d_per_step + j)]
 
     def _dgrad_stores(self, step: int, buf: int, st):
         """(TMA atom, smem buffer, global tile) of the step's subtiles: per subtile D_row[, D_col]."""
+        setup, m_tile = st.setup, st.ctx.m_tile
         for j in range(self.d_per_step):
-            col = (st.n_tile * self.epi_steps + step) * self.d_per_step + j
-            yield st.tma_atom_d, st.bSG_sD[(None, buf * self.d_per_step + j)], st.bSG_gD[(None, (st.m_tile, col))]
+            col = self.d_block(st.ctx.n_tile, step, j)
+            yield setup.tma_atom_d, setup.bSG_sD[(None, buf * self.d_per_step + j)], setup.bSG_gD[(None, (m_tile, col))]
             if self.quant_d:
-                yield (st.tma_atom_dcol, st.bSG_sD[(None, self._dcol_buffer(buf, j))],
-                       st.bSG_gDcol[(None, (st.m_tile, col))])
+                yield (st.fp8.tma_atom_dcol, setup.bSG_sD[(None, self._dcol_buffer(buf, j))],
+                       st.fp8.bSG_gDcol[(None, (m_tile, col))])
 
     @cute.jit
     def _dgrad_after_store(self, step: cutlass.Constexpr, st):
         if const_expr(self.recipe.has_dbias):
-            self._store_column_partials(st.sColSum, step % C_LOAD_BUFFERS, st.mDbiasParts, st.m_tile, st.n_tile,
-                                        step, st.ctid)
+            self._store_column_partials(st.op.sColSum, step % C_LOAD_BUFFERS, st.op.mDbiasParts, st.ctx.m_tile,
+                                        st.ctx.n_tile, step, st.setup.ctid)
 
     @cute.jit
     def _dgrad_end(self, st):
         """dprob partials of the thread's rows (quad sum, fixed order), amax per subtile kind (dglu: gate, up)."""
-        store_row_partials(st.row_sum, st.is_compute, st.lane, st.r0, st.mDprobParts, st.m_tile, st.n_tile,
+        ctx = st.ctx
+        store_row_partials(st.row_sum, ctx.is_compute, st.lane, st.r0, st.op.mDprobParts, ctx.m_tile, ctx.n_tile,
                            self.tile_m)
         if const_expr(self.recipe.compute_amax):
             for j in cutlass.range_constexpr(self.d_per_step):
-                merge_amax(st.amax_bits[j], st.mAmax, st.g, st.is_compute, st.lane, j, self.d_per_step)
+                merge_amax(st.amax_bits[j], st.setup.mAmax, ctx.group, ctx.is_compute, st.lane, j, self.d_per_step)
 
     @cute.jit
     def _amax_dbias(self, v, i: cutlass.Constexpr, amax_bits, col_sum, j: cutlass.Constexpr):
@@ -284,6 +405,6 @@ class DgradEpilogue:
             v = Float32(0.0)
             for w in cutlass.range_constexpr(EPI_WARPS):
                 v = v + sColSum[(c, w, j, lb)]
-            col = ((n_tile * self.epi_steps + step) * self.d_per_step + j) * EPI_N + c
+            col = self.d_block(n_tile, step, j) * EPI_N + c
             if col < self.problem.n_out:
                 mDbiasParts[m_tile, col] = v

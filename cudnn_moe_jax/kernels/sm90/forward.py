@@ -1,0 +1,315 @@
+"""The forward kernel class of the sm90 grouped GEMM (quant / srelu / glu): the shared body (gemm.py) with the
+M-grouped schedule, the bf16 / fp16 or MXFP8 mainloop and the forward epilogue.
+
+Per 32-column step the epilogue does the fused math on the accumulator -> C / D subtiles (FP8 D: row/column
+quantization, SFD bytes) -> swizzled smem -> TMA store. It is a set of hooks (`epilogue_hooks`) run by the per-tile
+driver `run_epilogue` (epilogue.py), which owns the step loop, the barriers and the store sequence: `_fwd_begin`
+stages prob / alpha / bias, `_fwd_visit` computes a step's C / D fragments, `_fwd_finish` the FP8 column
+quantization between the barriers, `_fwd_writes` / `_fwd_stores` list the subtiles' smem buffers and global tiles,
+`_fwd_end` merges amax. What this class sets up besides the shared body's: C's TMA store and staging buffers.
+
+The K-grouped wgrad (wgrad.py) stores W through this epilogue (D = alpha * acc), with accumulate_on_output adding
+the old W first (`_load_old_w`).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.tensor_utils import LayoutEnum
+
+from .. import quantize as q8
+from ..epilogue import EpilogueRecipe
+from .epilogue import EpilogueHooks, fold_amax, merge_amax
+from .epilogue_fp8d import EPI_N  # epilogue subtile width = one GLU block
+from .gemm import GroupedGemmSm90Base, TileContext
+
+
+@cute.jit
+def add_rn(a: Float32, b: Float32) -> Float32:
+    """a + b rounded on its own: an explicit `.rn` keeps ptxas from contracting it with the product feeding it into
+    one FFMA (measured: alpha * acc + old W became FFMA), so the result is the reference's fl(fl(alpha*acc) + W)."""
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Float32(a).ir_value(), Float32(b).ir_value()],
+        "add.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+class CStores(NamedTuple):
+    """The forward's own epilogue state (`EpilogueSetup.op`): C's register->smem copy, fragments (GLU: gate and
+    up), staging buffers and TMA store partition; `old_w`: (the old D, its thread-value copy) when accumulating."""
+
+    r2s_c: Any
+    tRS_rC0: Any
+    tRS_rC1: Any
+    tRS_sC: Any
+    bSG_sC: Any
+    bSG_gC: Any
+    tma_atom_c: Any
+    sC: Any
+    old_w: Any
+
+
+class GroupedGemmSm90Forward(GroupedGemmSm90Base):
+    """`D[r, :] = epilogue(A[r, :] @ B[g(r)]^T)` for the rows of every group. Per step one D subtile (and its one
+    or two C subtiles). FP8 D (`quant_d`): D row-quantized per 32 columns (the subtile), D_col per 32 rows (two
+    warps' halves combined through smem), SFD_row / SFD_col e8m0 bytes stored from registers (epilogue_fp8d)."""
+
+    accumulate = False  # D = old D + the epilogue's value (wgrad's accumulate_on_output)
+
+    def init_epilogue(self, problem):
+        self.recipe = EpilogueRecipe(problem)
+        self.is_glu = self.recipe.is_glu
+        self.c_per_step = 2 if self.is_glu else 1  # GLU: a step reads a gate/up pair of accumulator subtiles
+        return problem.epilogue
+
+    def epilogue_smem_bytes(self, epi_stages: int) -> int:
+        """D (FP8: and D_col) and C store buffers, FP8 D's per-warp column maxima (+ alignment)."""
+        epi = self.tile_m * EPI_N * epi_stages * (
+            self._d_bytes() + (self.c_per_step * self.c_dtype.width // 8 if self.c_dtype else 0))
+        if self.quant_d:
+            epi += 4 * EPI_N * 8 + 1024
+        return epi
+
+    def epilogue_operands(self, t):
+        """C's TMA store and its staging layout (epi_stages buffers of c_per_step subtiles)."""
+        if not self.recipe.has_c:
+            return {}
+        c_layout = sm90_utils.make_smem_layout_epi(self.c_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
+                                                   self.epi_stages * self.c_per_step)
+        tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), t["c"], cute.slice_(c_layout, (None, None, 0)), self.epi_tile
+        )
+        return {"tma_atom_c": tma_atom_c, "mC": tma_c, "c_layout": c_layout}
+
+    def epilogue_smem_fields(self, args):
+        """After sD: C's staging buffers, the mainloop's own shared memory, FP8 D's column maxima."""
+        fields = []
+        if self.recipe.has_c:
+            fields.append(("sC", cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(args.c_layout)],
+                                                   1024]))
+        return fields + self.mainloop.smem_fields() + self.col_max_field()
+
+    @cute.jit
+    def op_epilogue_setup(self, args, cta, tiled_copy_acc, ctid) -> CStores:
+        r2s_c = tRS_sC = tRS_rC0 = tRS_rC1 = bSG_sC = bSG_gC = sC = None
+        if const_expr(self.recipe.has_c):
+            c_layout = args.c_layout
+            sC = cta.storage.sC.get_tensor(c_layout.outer, swizzle=c_layout.inner)
+            r2s_c = cute.make_tiled_copy_S(
+                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32), tiled_copy_acc
+            )
+            thr_r2s_c = r2s_c.get_slice(ctid)
+            tRS_sC = thr_r2s_c.partition_D(sC)
+            # same TV layout as D's copy, so flat index i is the same (row, col) in both fragments; only the
+            # split into atom/rest modes differs between stmatrix (16-bit) and plain stores (32-bit)
+            c_frag_shape = thr_r2s_c.partition_S(cute.make_identity_tensor(self.epi_tile)).shape
+            tRS_rC0 = cute.make_rmem_tensor(c_frag_shape, self.c_dtype)
+            tRS_rC1 = cute.make_rmem_tensor(c_frag_shape, self.c_dtype)
+            bSG_sC, bSG_gC = cpasync.tma_partition(
+                args.tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                cute.zipped_divide(args.mC, self.epi_tile)
+            )
+        old_w = None
+        if const_expr(self.accumulate):
+            # the old W, read with the accumulator's thread-value layout (plain loads, as the dgrad's C)
+            old_w = (args.mWold, cute.make_tiled_copy_S(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype), tiled_copy_acc))
+        return CStores(r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, args.tma_atom_c, sC, old_w)
+
+    @cute.jit
+    def tile_alpha(self, g, args):
+        return args.mAlpha[g]
+
+    @cute.jit
+    def tile_context(self, tile, args, setup) -> TileContext:
+        """alpha of the tile's group, prob of this thread's row, bias of its column."""
+        ctid = setup.ctid
+        g = tile.group
+        alpha = self.tile_alpha(g, args)
+        prob_v = Float32(1.0)
+        if const_expr(self.recipe.has_prob):
+            if ctid < self.tile_m:
+                prob_v = args.mProb[tile.m_tile * self.tile_m + ctid]
+        bias_v = Float32(0.0)
+        if const_expr(self.recipe.has_bias):
+            col = tile.n_tile * self.tile_n + ctid
+            if ctid < self.tile_n and col < self.n:
+                bias_v = args.mBias[g, col].to(Float32)
+        return TileContext(tile.out_m_tile, tile.n_tile, g, tile.is_compute, alpha, prob_v, bias_v, None)
+
+    def epilogue_hooks(self) -> EpilogueHooks:
+        return EpilogueHooks(begin=self._fwd_begin, visit=self._fwd_visit, finish=self._fwd_finish,
+                             writes=self._fwd_writes, stores=self._fwd_stores, end=self._fwd_end)
+
+    @cute.jit
+    def _fwd_begin(self, setup, ctx):
+        """The tile's set-up: prob / alpha / bias staged in smem, per-tile thread coordinates, the old W's first
+        step (accumulate_on_output), the amax accumulator."""
+        recipe = self.recipe
+        op = setup.op
+        ctid = setup.ctid
+        sProb, sBias, sScalars = setup.sProb, setup.sBias, setup.sScalars
+        prob_v, bias_v = ctx.prob, ctx.bias
+        tRS_sD, tRS_sC = setup.tRS_sD, op.tRS_sC
+        # thread coordinates re-derived per tile from an opaque copy: otherwise every address computed from them is
+        # hoisted above the tile loop and held across the MXFP8 mainloop (192 accumulator registers) -> spills
+        warp_e = lane = None
+        if const_expr(self.quant_d or self.mainloop_class.REGISTER_TIGHT):
+            ctid_o = q8.opaque(ctid)
+            warp_e = ctid_o // 32
+            lane = ctid_o % 32
+            # non-stmatrix smem stores (8-bit / 32-bit outputs) need 8 swizzled addresses per buffer: recomputed
+            # per tile instead of held across the MXFP8 mainloop
+            tRS_sD = setup.r2s_d.get_slice(ctid_o).partition_D(setup.sD)
+            if const_expr(recipe.has_c):
+                tRS_sC = op.r2s_c.get_slice(ctid_o).partition_D(op.sC)
+        # stage per-row prob and per-column bias in smem (previous tile's readers passed its last barrier)
+        if const_expr(recipe.has_prob):
+            if ctid < self.tile_m:
+                sProb[ctid] = prob_v
+        if ctid == 0:
+            sScalars[0] = ctx.alpha
+        if const_expr(recipe.has_bias):
+            if ctid < self.tile_n:
+                sBias[ctid] = bias_v
+        setup.epi_barrier.arrive_and_wait()
+
+        # wgrad accumulate_on_output: W = old W + alpha * acc, added in fp32 and rounded once to W's dtype, as the
+        # reference. The old values come by plain global loads in the accumulator's thread-value layout, one step
+        # ahead of the math that adds them, so their latency hides under a step's math and stores. Chosen over a
+        # TMA load ring in shared memory (the dgrad's C): no smem (a 128 x 32 fp32 buffer pair is 32 KB, an A/B
+        # stage), no mbarriers, no store-warp protocol; W is read once, 1/K of the tile's A/B traffic.
+        thr_w = tWcW = None
+        rOld = [None, None]
+        if const_expr(self.accumulate):
+            thr_w = op.old_w[1].get_slice(q8.opaque(ctid))  # per tile, like the FP8-D addresses: not hoisted
+            tWcW = thr_w.partition_D(cute.make_identity_tensor(self.epi_tile))
+            if const_expr(cute.size(tWcW) != setup.frag_size):
+                raise NotImplementedError("old-W fragment does not match the accumulator fragment")
+            rOld = [cute.make_rmem_tensor(tWcW.shape, self.d_dtype) for _ in range(2)]
+            self._load_old_w(op.old_w[0], thr_w, tWcW, rOld[0], ctx.m_tile, ctx.n_tile, 0)
+
+        amax_bits = Int32(0)
+        rVal = cute.make_rmem_tensor(setup.tRS_cD.shape, Float32)
+        return SimpleNamespace(setup=setup, ctx=ctx, op=op, fp8=setup.fp8, tRS_sD=tRS_sD, tRS_sC=tRS_sC,
+                               warp_e=warp_e, lane=lane, thr_w=thr_w, tWcW=tWcW, rOld=rOld, amax_bits=amax_bits,
+                               rVal=rVal)
+
+    @cute.jit
+    def _fwd_visit(self, step: cutlass.Constexpr, st):
+        """The step's math (fp32, one element at a time) -> rVal, C fragments, D (FP8: row-quantized, the warp's
+        column maxima to smem); zero tiles: zeros. Returns the row codes (FP8 D) for `_fwd_finish`."""
+        recipe = self.recipe
+        setup, op = st.setup, st.op
+        frag_size = setup.frag_size
+        tRS_cD, tRS_rAcc, rVal = setup.tRS_cD, setup.tRS_rAcc, st.rVal
+        s0 = step * self.c_per_step
+        if const_expr(self.accumulate and step + 1 < self.epi_steps):
+            self._load_old_w(op.old_w[0], st.thr_w, st.tWcW, st.rOld[(step + 1) % 2], st.ctx.m_tile, st.ctx.n_tile,
+                             step + 1)
+        alpha = st.ctx.alpha
+        for i in cutlass.range_constexpr(frag_size):
+            col = tRS_cD[i][1]
+            prob = Float32(1.0)
+            if const_expr(recipe.has_prob):
+                prob = setup.sProb[tRS_cD[i][0]]
+            if const_expr(self.is_glu):
+                bias_g = Float32(0.0)
+                bias_u = Float32(0.0)
+                if const_expr(recipe.has_bias):
+                    bias_g = setup.sBias[s0 * EPI_N + col]
+                    bias_u = setup.sBias[(s0 + 1) * EPI_N + col]
+                cg = recipe.c_value(tRS_rAcc[s0 * frag_size + i], alpha, bias_g)
+                cu = recipe.c_value(tRS_rAcc[(s0 + 1) * frag_size + i], alpha, bias_u)
+                if const_expr(recipe.has_c):
+                    op.tRS_rC0[i] = cg.to(self.c_dtype)
+                    op.tRS_rC1[i] = cu.to(self.c_dtype)
+                rVal[i] = recipe.d_glu(cg, cu, prob)
+            else:
+                bias = Float32(0.0)
+                if const_expr(recipe.has_bias):
+                    bias = setup.sBias[s0 * EPI_N + col]
+                acc_i = tRS_rAcc[s0 * frag_size + i]
+                c = recipe.c_value(acc_i, alpha, bias)
+                if const_expr(recipe.has_c):
+                    op.tRS_rC0[i] = c.to(self.c_dtype)
+                rVal[i] = recipe.d_value(acc_i, c, alpha, prob, bias)
+                if const_expr(self.accumulate):
+                    # flat index i is the same (row, col) in both fragments (same thread-value layout)
+                    rVal[i] = add_rn(st.rOld[step % 2][i].to(Float32), rVal[i])
+            if const_expr(recipe.compute_amax):
+                st.amax_bits = fold_amax(st.amax_bits, rVal[i])
+        # plain names inside the dynamic `if`: a method called on `st` there would carry all of st through it
+        tRS_rD, tRS_rC0, tRS_rC1 = setup.tRS_rD, op.tRS_rC0, op.tRS_rC1
+        codes = None
+        if const_expr(self.quant_d):
+            codes = self._quantize_d_rows(rVal, tRS_rD, st.fp8.sColMax, st.warp_e, st.lane, st.fp8.norm_const)
+        else:
+            tRS_rD.store(rVal.load().to(self.d_dtype))
+        if not st.ctx.is_compute:  # rows past valid_m: zeros
+            tRS_rD.fill(0.0)
+            if const_expr(recipe.has_c):
+                tRS_rC0.fill(0.0)
+                tRS_rC1.fill(0.0)
+        return codes
+
+    @cute.jit
+    def _fwd_finish(self, step: cutlass.Constexpr, j: cutlass.Constexpr, st, codes):
+        """FP8 D, after the step's first barrier: D_col and the SF bytes (the partner warp's maxima are in smem)."""
+        if const_expr(self.quant_d):
+            fp8, ctx = st.fp8, st.ctx
+            self._quantize_d_cols(st.rVal, fp8.tRS_rDcol, fp8.sColMax, codes[0], codes[1], ctx.is_compute, fp8,
+                                  ctx.m_tile, ctx.n_tile, step, ctx.group, st.warp_e, st.lane)
+
+    def _fwd_writes(self, step: int, buf: int, j: int, st, codes):
+        """(copy, fragment, smem buffer) of the step's subtiles: [D_col,] D, [C (GLU: gate, up)]."""
+        setup, op = st.setup, st.op
+        if self.quant_d:
+            yield setup.r2s_d, st.fp8.tRS_rDcol, st.tRS_sD[(None, None, None, self.epi_stages + buf)]
+        yield setup.r2s_d, setup.tRS_rD, st.tRS_sD[(None, None, None, buf)]
+        if self.recipe.has_c:
+            yield op.r2s_c, op.tRS_rC0, st.tRS_sC[(None, None, None, buf * self.c_per_step)]
+            if self.is_glu:
+                yield op.r2s_c, op.tRS_rC1, st.tRS_sC[(None, None, None, buf * self.c_per_step + 1)]
+
+    def _fwd_stores(self, step: int, buf: int, st):
+        """(TMA atom, smem buffer, global tile) of the step's subtiles: D, [D_col], [C]."""
+        setup, op = st.setup, st.op
+        subtiles_per_tile = self.tile_n // EPI_N
+        s0 = step * self.c_per_step
+        m_tile, n_tile = st.ctx.m_tile, st.ctx.n_tile
+        yield setup.tma_atom_d, setup.bSG_sD[(None, buf)], setup.bSG_gD[(None, (m_tile, self.d_block(n_tile, step)))]
+        if self.quant_d:
+            yield (st.fp8.tma_atom_dcol, setup.bSG_sD[(None, self.epi_stages + buf)],
+                   st.fp8.bSG_gDcol[(None, (m_tile, self.d_block(n_tile, step)))])
+        if self.recipe.has_c:
+            for j in range(self.c_per_step):
+                yield (op.tma_atom_c, op.bSG_sC[(None, buf * self.c_per_step + j)],
+                       op.bSG_gC[(None, (m_tile, n_tile * subtiles_per_tile + s0 + j))])
+
+    @cute.jit
+    def _fwd_end(self, st):
+        if const_expr(self.recipe.compute_amax):
+            merge_amax(st.amax_bits, st.setup.mAmax, st.ctx.group, st.ctx.is_compute)
+
+    @cute.jit
+    def _load_old_w(self, mW, thr_w, tWcW, rOld, m_tile, n_tile, step: cutlass.Constexpr):
+        """rOld = this thread's old W values of 32-column subtile `step` of W tile (m_tile, n_tile) (W seen as
+        (L * m_w, n_w): rows always inside, m_w % 128 == 0); columns past N read nothing (their stores are clipped
+        by the TMA)."""
+        col0 = self.d_block(n_tile, step) * EPI_N
+        # 64-bit element offset: L * m_w * n_w may pass 2^31
+        base = mW.iterator + (cutlass.Int64(m_tile * self.tile_m) * self.n + col0)
+        tWgW = thr_w.partition_D(cute.make_tensor(base, cute.make_layout(self.epi_tile, stride=(self.n, 1))))
+        for i in cutlass.range_constexpr(cute.size(rOld)):
+            rOld[i] = self.d_dtype(0.0)
+            if col0 + tWcW[i][1] < self.n:
+                rOld[i] = tWgW[i]
