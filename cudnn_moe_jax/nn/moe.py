@@ -35,7 +35,8 @@ def _fused_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
 
 def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
     dtype = x_perm.dtype
-    w1, w2 = w1.astype(dtype), w2.astype(dtype)   # float32 master weights -> the compute dtype (else no-op)
+    # float32 master weights (and any bias) -> the compute dtype (else no-op), as a Flax Dense with param_dtype
+    w1, w2, b1 = w1.astype(dtype), w2.astype(dtype), None if b1 is None else b1.astype(dtype)
     if not activations.TABLE[act].glu:
         fc1 = ops.grouped_gemm_srelu(x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
                                      c_dtype=dtype, d_dtype=dtype, compute_amax=False)
