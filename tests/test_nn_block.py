@@ -227,6 +227,6 @@ def test_modules_route_with_options_and_return_aux(framework):
 
 
 def test_module_rejects_a_gate_without_a_shared_expert():
-    eqx = pytest.importorskip("equinox")  # noqa: F841
+    pytest.importorskip("equinox")
     with pytest.raises(ValueError, match="shared_gate=True needs a shared expert"):
         nn.EquinoxMoE(H, I, L, key=jax.random.PRNGKey(0), shared_gate=True)

@@ -1,4 +1,6 @@
-"""Neural-network building blocks on top of the fused ops: routing, the custom_vjp MoE MLP, layer wrappers.
+"""Neural-network building blocks on top of the fused ops (docs/nn.md): the router (`RouterConfig`, `apply_router`),
+the permutation (`route`, `permute`, `unpermute`), the custom_vjp expert MLP (`moe_mlp`), the layers (`moe_layer`,
+`moe_layer_ep`), the router losses and the Flax / Equinox modules.
 
 `FlaxMoE` (flax.nnx) and `EquinoxMoE` are created on first access, so neither framework is a dependency.
 """

@@ -8,7 +8,8 @@ the product of the `data_axes` sizes and D). Per device:
     router (local tokens)  ->  ep_dispatch: each (token, choice) copied into a fixed slot for the device that owns
     its expert, one all_to_all  ->  route/permute into 256-padded groups of the local experts  ->  nn.moe_mlp (the
     fused custom_vjp MLP; the gate weight travels with the row and is applied inside it, as in nn.moe_layer)  ->
-    unpermute  ->  ep_combine: the reverse all_to_all and the sum of each token's k expert outputs.
+    unpermute  ->  ep_combine: the reverse all_to_all and the sum of each token's k expert outputs  ->  the
+    token-side terms of nn.block (FC2 bias, shared expert; their parameters replicated) on the local tokens.
 
 JAX differentiates the collectives (the transpose of an all_to_all is the reverse all_to_all), so `jax.grad` of a
 loss gives the same gradients as `nn.moe_layer` on the gathered tokens, up to summation order.

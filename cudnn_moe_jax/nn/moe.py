@@ -6,6 +6,10 @@ Per expert e (rows of its group in the permuted layout), with W1 (L, 2I, H) gate
 Forward: grouped_gemm_glu / grouped_gemm_srelu (FC1), grouped_gemm_quant (FC2).
 Backward: grouped_gemm_dglu / grouped_gemm_dsrelu (FC2 dgrad + activation derivative, dprob, db1),
 grouped_gemm_quant (FC1 dgrad), grouped_gemm_wgrad x2.
+
+x_perm's dtype is the compute dtype. Weights may be float32 master weights: cast to it inside the custom_vjp, so
+the wgrad ops write their fp32 accumulators as float32 gradients (a cast outside would round them to bf16 first).
+A float32 x_perm runs the same math on the reference functions in jnp instead (the ops take 16-bit A/B only).
 """
 
 from __future__ import annotations

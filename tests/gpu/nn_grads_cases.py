@@ -89,7 +89,7 @@ def _option_inputs(name, seed):
     store = jnp.float32 if o.get("master") else jnp.dtype(o["dtype"])
     in_out = o.get("layout") == "in_out"
     w = lambda shape, fan, scale=1.0: (scale * jax.random.normal(next(k), shape) / fan ** 0.5).astype(store)  # noqa
-    turn = lambda shape: shape[:-2] + shape[-2:][::-1] if in_out else shape  # noqa: E731  (.., out, in) -> (.., in, out)
+    turn = lambda shape: shape[:-2] + shape[-2:][::-1] if in_out else shape  # noqa: E731  (out, in) -> (in, out)
     out = {"x": base["x"].astype(o["dtype"]), "router": jax.random.normal(next(k), (H, L)) / H ** 0.5,
            "target": base["target"], "w_gate": w(turn((L, I, H)), H), "w_up": w(turn((L, I, H)), H),
            "w2": w(turn((L, H, I)), I)}
