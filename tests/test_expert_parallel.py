@@ -236,3 +236,18 @@ def test_layers_move_rows_by_gathers_only():
         loss = lambda x, r, w1, w2, layer=layer: jnp.sum(layer(x, r, w1, w2).astype(jnp.float32) ** 2)
         jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, router, w1, w2).jaxpr
         assert _row_scatters(jaxpr, hidden) == [], name
+
+
+def test_float32_reference_path_runs_expert_parallel():
+    """dtype=float32 (the jnp reference path) inside the shard_map: moe_layer's float32 result on a 1-device mesh."""
+    tokens, hidden, inter, experts = 32, 64, 64, 4
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    x = jax.random.normal(keys[0], (tokens, hidden))
+    router = jax.random.normal(keys[1], (hidden, experts)) / 8
+    w1 = jax.random.normal(keys[2], (experts, 2 * inter, hidden)) / 8
+    w2 = jax.random.normal(keys[3], (experts, hidden, inter)) / 8
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    y_ep, aux = nn.moe_layer_ep(x, router, w1, w2, mesh=mesh, b2=jnp.ones((experts, hidden)))
+    y, _ = nn.moe_layer(x, router, w1, w2, b2=jnp.ones((experts, hidden)))
+    assert y_ep.dtype == jnp.float32 and int(aux["dropped"]) == 0
+    np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y), rtol=1e-5, atol=1e-6)
