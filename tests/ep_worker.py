@@ -62,13 +62,15 @@ def problem(tokens, hidden, inter, experts, act, bias, skew, seed):
 
 
 def masked_reference(keep, x, router, w1, w2, b1=None, *, top_k, act):
-    """Single-device routing and nn.moe_mlp with the gate weight of every dropped assignment (keep (T, k) False)
-    set to 0: what the overflow policy promises (a dropped copy contributes nothing and receives no gradient)."""
-    experts, weights = nn.top_k_gating(jnp.dot(x.astype(jnp.float32), router), top_k)
-    plan = nn.route(experts, router.shape[1])
-    x_perm, prob = nn.permute(x, weights * keep, plan)
-    y_perm = nn.moe_mlp(x_perm, w1, w2, prob, b1, plan.padded_offsets, act, None)
-    return nn.unpermute(y_perm, plan, x.shape[0]), None
+    """Single-device nn.moe_layer on the router's own decision with the gate weight of every dropped assignment
+    (keep (T, k) False) set to 0: what the overflow policy promises (a dropped copy contributes nothing and
+    receives no gradient)."""
+    g = nn.apply_router(x, router, nn.RouterConfig(top_k=top_k))
+    return nn.moe_layer(x, None, w1, w2, b1, gating=(g.experts, g.weights * keep), act=act)
+
+
+def chosen_experts(x, router, top_k):
+    return np.asarray(nn.apply_router(x, router, nn.RouterConfig(top_k=top_k)).experts)
 
 
 def simulate_keep(experts, shards, devices, num_local, capacity):
@@ -129,10 +131,10 @@ def compare(case, mesh, *, tokens=256, experts=8, act="swiglu", bias=True, skew=
     shards = devices * int(np.prod([mesh.shape[a] for a in ((data_axes,) if isinstance(data_axes, str)
                                                             else data_axes)]))
     capacity = ep.ep_capacity(tokens // shards, top_k, experts, devices, capacity_factor)
-    chosen, _ = nn.top_k_gating(jnp.dot(x.astype(jnp.float32), router), top_k)
+    chosen = chosen_experts(x, router, top_k)
     keep = None
     if capacity_factor is not None:
-        keep = simulate_keep(np.asarray(chosen), shards, devices, experts // devices, capacity)
+        keep = simulate_keep(chosen, shards, devices, experts // devices, capacity)
 
     layer = functools.partial(ep.moe_layer_ep, mesh=mesh, top_k=top_k, act=act, data_axes=data_axes,
                               capacity_factor=capacity_factor)
@@ -141,7 +143,7 @@ def compare(case, mesh, *, tokens=256, experts=8, act="swiglu", bias=True, skew=
         y_ref, _, want = grads_of(_reference(top_k, act, False), args, cot)
     else:
         y_ref, _, want = grads_of(_reference(top_k, act, True), args, cot, (jnp.asarray(keep, jnp.float32),))
-    load_ref = np.bincount(np.asarray(chosen).ravel(), minlength=experts)
+    load_ref = np.bincount(chosen.ravel(), minlength=experts)
     out = {"y_err": rel_err(y.reshape(y_ref.shape), y_ref), "y_shape": list(y.shape),
            "y_spec": str(y.sharding.spec), "grad_err": {n: rel_err(g, w) for n, g, w in zip(NAMES, got, want)},
            "grad_norm": {n: float(np.linalg.norm(np.asarray(g, np.float64))) for n, g in zip(NAMES, got)},
@@ -154,6 +156,65 @@ def compare(case, mesh, *, tokens=256, experts=8, act="swiglu", bias=True, skew=
         out["all_dropped_max_abs"] = float(np.abs(np.asarray(y, np.float32).reshape(tokens, -1)[all_dropped]).max()
                                            if all_dropped.any() else 0.0)
     emit(case, **out)
+
+
+OPTIONS_CONFIG = nn.RouterConfig(top_k=2, score="sigmoid", bias="selection", n_groups=4, topk_groups=2,
+                                 scaling=2.0)
+
+
+def options_params(tokens, experts, hidden=64, inter=64, shared_inter=96, seed=3):
+    """float32 master weights of a DeepSeek-style block in the (E, in, out) layout with separate gate / up halves,
+    a selection bias, an FC2 bias and a gated shared expert; bf16 tokens."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape, s=1.0: jnp.asarray(s * rng.standard_normal(shape, np.float32))  # noqa: E731
+    return {"x": normal(tokens, hidden).astype(jnp.bfloat16), "router": normal(hidden, experts, s=1 / 8),
+            "router_bias": normal(experts, s=0.1), "w_gate": normal(experts, hidden, inter, s=1 / 8),
+            "w_up": normal(experts, hidden, inter, s=1 / 8), "w2": normal(experts, inter, hidden, s=1 / 8),
+            "b2": normal(experts, hidden, s=0.1), "s_gate": normal(hidden, shared_inter, s=1 / 8),
+            "s_up": normal(hidden, shared_inter, s=1 / 8), "s_w2": normal(shared_inter, hidden, s=1 / 8),
+            "s_g": normal(hidden, s=1 / 8)}
+
+
+def options_layer(p, *, gating=None, **parallel):
+    """The block through nn.moe_layer_ep (with `parallel` = mesh, capacity_factor) or nn.moe_layer (without)."""
+    shared = nn.SharedExpert((p["s_gate"], p["s_up"]), p["s_w2"], None, p["s_g"])
+    router = dict(router_config=OPTIONS_CONFIG, router_bias=p["router_bias"]) if gating is None else {}
+    layer = functools.partial(ep.moe_layer_ep, **parallel) if parallel else nn.moe_layer
+    return layer(p["x"], None if gating is not None else p["router"], (p["w_gate"], p["w_up"]), p["w2"],
+                 gating=gating, b2=p["b2"], shared=shared, weight_layout="in_out", **router)
+
+
+def compare_options(case, mesh, *, capacity_factor=None, precomputed=False):
+    """Router options, FC2 bias, shared expert, layouts and float32 master weights on the EP layer against the
+    single-device layer: outputs, aux and every gradient. precomputed: gating=(experts, weights) from the router
+    outside the layer (differentiable, so the router still gets its gradient); with a capacity factor the
+    reference zeroes the dropped copies' gate weights (their expert output and FC2 bias both vanish)."""
+    tokens, experts = 256, 8
+    p = options_params(tokens, experts)
+    cot = jnp.asarray(np.random.default_rng(4).standard_normal((tokens, 64), np.float32))
+    devices = mesh.shape["expert"]
+    capacity = ep.ep_capacity(tokens // devices, 2, experts, devices, capacity_factor)
+    routed = nn.apply_router(p["x"], p["router"], OPTIONS_CONFIG, p["router_bias"])
+    keep = simulate_keep(np.asarray(routed.experts), devices, devices, experts // devices, capacity)
+
+    def loss(p, keep, reference):
+        gating = None
+        if precomputed or reference:
+            g = nn.apply_router(p["x"], p["router"], OPTIONS_CONFIG, p["router_bias"])
+            gating = (g.experts, g.weights * keep)
+        y, aux = options_layer(p, gating=gating) if reference else options_layer(
+            p, gating=gating if precomputed else None, mesh=mesh, capacity_factor=capacity_factor)
+        return jnp.sum(y.astype(jnp.float32) * cot), (y, aux)
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)
+    (_, (y, aux)), got = step(p, jnp.ones_like(routed.weights), False)
+    (_, (y_ref, aux_ref)), want = step(p, jnp.asarray(keep, jnp.float32), True)
+    emit(case, y_err=rel_err(y, y_ref), dropped=int(aux["dropped"]), dropped_ref=int(np.sum(~keep)),
+         experts_equal=bool(np.array_equal(np.asarray(aux["experts"]), np.asarray(routed.experts))),
+         has_logits="logits" in aux, y_dtype=str(y.dtype),
+         grad_dtypes={n: str(g.dtype) for n, g in got.items() if n != "x"},
+         grad_err={n: rel_err(got[n], want[n]) for n in got if n != "router_bias"},
+         grad_norm={n: float(np.linalg.norm(np.asarray(got[n], np.float64))) for n in got})
 
 
 def mesh_of(shape, names, explicit=False):
@@ -221,6 +282,9 @@ CASES = {
     "d2x2_data_explicit_batched": lambda: _explicit_case(),
     "errors": lambda: errors(),
     "modules": lambda: modules(),
+    "d4_options": lambda: compare_options("d4_options", mesh_of((4,), ("expert",))),
+    "d4_gating_overflow": lambda: compare_options("d4_gating_overflow", mesh_of((4,), ("expert",)),
+                                                  capacity_factor=1.0, precomputed=True),
 }
 
 

@@ -26,7 +26,7 @@ WORKER = os.path.join(HERE, "ep_worker.py")
 EXAMPLE = os.path.join(HERE, "..", "examples", "moe_expert_parallel.py")
 EXAMPLE_ARGS = ("--tokens-per-device", "64", "--hidden", "64", "--intermediate", "64", "--steps", "1",
                 "--time-exchange", "--bias")
-GROUPS = ("d2,d4_skew_empty,d4_overflow", "d2x2_data_explicit_batched,errors,modules")
+GROUPS = ("d2,d4_skew_empty,d4_overflow,d4_options", "d2x2_data_explicit_batched,errors,modules,d4_gating_overflow")
 TIMEOUT_S = 600
 
 
@@ -124,6 +124,21 @@ def test_capacity_overflow_drops_as_documented(runs):
     assert case["all_dropped_tokens"] > 0 and case["all_dropped_max_abs"] == 0.0
 
 
+@pytest.mark.parametrize("name", ["d4_options", "d4_gating_overflow"])
+def test_router_options_block_pieces_and_master_weights(runs, name):
+    """Sigmoid / group-limited / selection-bias routing, FC2 bias, gated shared expert, (E, in, out) gate / up
+    halves and float32 master weights on 4 devices: the single-device layer's outputs and gradients (float32), the
+    same routing; with a precomputed gating and capacity 1.0, drops as simulated, each dropped copy without its
+    FC2 bias."""
+    case = _case(runs, name)
+    _assert_close(case, 1e-5, 1e-4)
+    assert case["experts_equal"] and case["y_dtype"] == "bfloat16"
+    assert set(case["grad_dtypes"].values()) == {"float32"}
+    assert case["grad_norm"]["router_bias"] == 0.0                        # selection only: no gradient
+    assert case["has_logits"] == (name == "d4_options")
+    assert case["dropped"] == case["dropped_ref"] and (case["dropped"] > 0) == (name == "d4_gating_overflow")
+
+
 @pytest.mark.parametrize("name, kind, words", [
     ("experts_not_divisible", "ValueError", ["num_experts=6", "divisible", "'expert' axis size 4"]),
     ("tokens_not_divisible", "ValueError", ["token count 62", "token shards 4"]),
@@ -131,8 +146,8 @@ def test_capacity_overflow_drops_as_documented(runs):
     ("bad_capacity", "ValueError", ["capacity_factor=0", "> 0"]),
     ("bad_top_k", "ValueError", ["top_k=5"]),
     ("not_a_mesh", "TypeError", ["mesh must be a jax.sharding.Mesh"]),
-    ("router_vs_w1", "ValueError", ["w1 (6, 128, 64)", "router_weight.shape[1]=4"]),
-    ("router_not_2d", "ValueError", ["router_weight must be (H, L)"]),
+    ("router_vs_w1", "ValueError", ["router_weight must have shape (H, L) = (64, 6)", "L from w1", "(64, 4)"]),
+    ("router_not_2d", "ValueError", ["router_weight must have shape (H, L)", "got (1, 64, 4)"]),
     ("same_axes", "ValueError", ["distinct mesh axes"]),
 ])
 def test_bad_layouts_raise(runs, name, kind, words):
@@ -211,9 +226,28 @@ def test_layers_move_rows_by_gathers_only():
     w1 = (jax.random.normal(keys[2], (experts, 2 * inter, hidden)) / 8).astype(jnp.bfloat16)
     w2 = (jax.random.normal(keys[3], (experts, hidden, inter)) / 8).astype(jnp.bfloat16)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    pieces = dict(b2=jnp.zeros((experts, hidden)), shared=nn.SharedExpert(w1[0], w2[0], None, router[:, 0]))
     layers = {"moe_layer": lambda *a: nn.moe_layer(*a)[0],
-              "moe_layer_ep": lambda *a: nn.moe_layer_ep(*a, mesh=mesh, capacity_factor=1.25)[0]}
+              "moe_layer_ep": lambda *a: nn.moe_layer_ep(*a, mesh=mesh, capacity_factor=1.25)[0],
+              "moe_layer with b2 and a shared expert": lambda *a: nn.moe_layer(*a, **pieces)[0],
+              "moe_layer_ep with b2 and a shared expert": lambda *a: nn.moe_layer_ep(
+                  *a, mesh=mesh, capacity_factor=1.25, **pieces)[0]}
     for name, layer in layers.items():
         loss = lambda x, r, w1, w2, layer=layer: jnp.sum(layer(x, r, w1, w2).astype(jnp.float32) ** 2)
         jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, router, w1, w2).jaxpr
         assert _row_scatters(jaxpr, hidden) == [], name
+
+
+def test_float32_reference_path_runs_expert_parallel():
+    """dtype=float32 (the jnp reference path) inside the shard_map: moe_layer's float32 result on a 1-device mesh."""
+    tokens, hidden, inter, experts = 32, 64, 64, 4
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    x = jax.random.normal(keys[0], (tokens, hidden))
+    router = jax.random.normal(keys[1], (hidden, experts)) / 8
+    w1 = jax.random.normal(keys[2], (experts, 2 * inter, hidden)) / 8
+    w2 = jax.random.normal(keys[3], (experts, hidden, inter)) / 8
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    y_ep, aux = nn.moe_layer_ep(x, router, w1, w2, mesh=mesh, b2=jnp.ones((experts, hidden)))
+    y, _ = nn.moe_layer(x, router, w1, w2, b2=jnp.ones((experts, hidden)))
+    assert y_ep.dtype == jnp.float32 and int(aux["dropped"]) == 0
+    np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y), rtol=1e-5, atol=1e-6)

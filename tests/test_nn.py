@@ -167,14 +167,14 @@ def test_framework_modules_train_step(framework):
         loss = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)
         value, grads = nnx.value_and_grad(loss)(model)
         leaves = jax.tree_util.tree_leaves(nnx.state(grads))
-        direct = moe_module.moe_layer(x, model.router[...], model.w1[...], model.w2[...], model.b1[...])[0]
+        direct = nn.moe_layer(x, model.router[...], model.w1[...], model.w2[...], model.b1[...])[0]
     else:
         eqx = pytest.importorskip("equinox")
         model = nn.EquinoxMoE(64, 64, 4, key=jax.random.PRNGKey(0), act="srelu")
         loss = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)
         value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model)
         leaves = jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array))
-        direct = moe_module.moe_layer(x, model.router, model.w1, model.w2, act="srelu")[0]
+        direct = nn.moe_layer(x, model.router, model.w1, model.w2, act="srelu")[0]
     np.testing.assert_allclose(float(value), float(jnp.mean(direct.astype(jnp.float32) ** 2)), rtol=1e-5)
     assert len(leaves) >= 3 and all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in leaves)
     assert any(float(jnp.linalg.norm(g.astype(jnp.float32))) > 0 for g in leaves)
@@ -249,8 +249,8 @@ def test_framework_modules_take_batched_tokens_and_read_well(framework):
 
 BAD_LAYER_ARGS = [
     # (description, change to (x, router, w1, w2, b1), exception, fragments the message must contain)
-    ("x float32", lambda x, r, w1, w2, b1: (x.astype(jnp.float32), r, w1, w2, b1), TypeError,
-     ["x: dtype float32", "x.astype(jnp.bfloat16)"]),
+    ("x int32", lambda x, r, w1, w2, b1: (x.astype(jnp.int32), r, w1, w2, b1), TypeError,
+     ["x: compute dtype int32", "x.astype(jnp.bfloat16)"]),
     ("x a vector", lambda x, r, w1, w2, b1: (x[0, 0], r, w1, w2, b1), ValueError, ["x must have shape (..., H)"]),
     ("w1 wrong H", lambda x, r, w1, w2, b1: (x, r, w1[:, :, :32], w2, b1), ValueError,
      ["w1 must have shape (L, 2I, H)", "interleave_glu_weights", "H=64"]),

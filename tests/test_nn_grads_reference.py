@@ -13,7 +13,8 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 import nn_grads_cases as cases  # noqa: E402  (tests/conftest.py puts tests/gpu/ on sys.path)
 
-FAST = ("moe_mlp_geglu_bias", "moe_layer_swiglu_bias", "moe_layer_srelu")
+FAST = ("moe_mlp_geglu_bias", "moe_layer_swiglu_bias", "moe_layer_srelu", "moe_layer_deepseek_style",
+        "moe_layer_gpt_oss_style", "moe_layer_qwen_style_fp16")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c[0] in FAST else pytest.mark.slow) for c in cases.CASES],
@@ -26,12 +27,14 @@ def test_plain_layer_matches_reference_backend_within_bound(case):
     want = cases.reference(case, x)
     assert not cases.compare(case, got, want)
     # measured worst 0.80 of the bound over the 12 cases: room for the kernels' other fp32 summation order
-    assert max(cases.worst_ratio(got, want).values()) < 0.9
-    if case[1] == "moe_layer":
+    ratios = cases.worst_ratio(got, want)
+    print(case[0], "worst |err| / bound:", ratios)
+    assert max(ratios.values()) < 0.9
+    if case[1] == "moe_layer" and case[0] not in cases.OPTIONS:
         load = [int(v) for v in got[1]["expert_load"]]
         assert load[cases.EMPTY_EXPERT] == 0 and load[cases.BIG_EXPERT] == max(load), load
     # the bound catches a fault of 1/8 of the gradient's largest element in a single place
     loss, aux, grads = got
-    w1 = grads["w1"].astype(jnp.float32)
-    bad = w1.at[0, 0, 0].add(jnp.max(jnp.abs(w1)) * 2 ** -3)
-    assert cases.compare(case, (loss, aux, {**grads, "w1": bad}), want)
+    w2 = grads["w2"].astype(jnp.float32)
+    bad = w2.at[0, 0, 0].add(jnp.max(jnp.abs(w2)) * 2 ** -3)
+    assert cases.compare(case, (loss, aux, {**grads, "w2": bad}), want)

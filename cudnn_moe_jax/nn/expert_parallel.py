@@ -8,7 +8,8 @@ the product of the `data_axes` sizes and D). Per device:
     router (local tokens)  ->  ep_dispatch: each (token, choice) copied into a fixed slot for the device that owns
     its expert, one all_to_all  ->  route/permute into 256-padded groups of the local experts  ->  nn.moe_mlp (the
     fused custom_vjp MLP; the gate weight travels with the row and is applied inside it, as in nn.moe_layer)  ->
-    unpermute  ->  ep_combine: the reverse all_to_all and the sum of each token's k expert outputs.
+    unpermute  ->  ep_combine: the reverse all_to_all and the sum of each token's k expert outputs  ->  the
+    token-side terms of nn.block (FC2 bias, shared expert; their parameters replicated) on the local tokens.
 
 JAX differentiates the collectives (the transpose of an all_to_all is the reverse all_to_all), so `jax.grad` of a
 loss gives the same gradients as `nn.moe_layer` on the gathered tokens, up to summation order.
@@ -45,7 +46,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import routing as _routing
+from .block import SharedExpert, add_token_terms
+from .layer import LayerSpec, expert_load, gating_of, prepare, shared_of, token_aux
 from .moe import moe_mlp
+from .router import RouterConfig
 
 
 class Dispatch(NamedTuple):
@@ -139,7 +143,7 @@ def _axis_tuple(data_axes) -> tuple:
     return (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
 
 
-def _check_layout(mesh, expert_axis, data_axes, num_tokens, num_experts, top_k):
+def _check_layout(mesh, expert_axis, data_axes, num_tokens, num_experts):
     """Mesh, axes and divisibility rules of the layer; returns (num_devices D, token shards S)."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -152,29 +156,12 @@ def _check_layout(mesh, expert_axis, data_axes, num_tokens, num_experts, top_k):
     num_devices = mesh.shape[expert_axis]
     shards = num_devices * math.prod(mesh.shape[a] for a in data_axes)
     if num_experts % num_devices:
-        raise ValueError(f"num_experts={num_experts} (router_weight.shape[1]) must be divisible by the "
-                         f"{expert_axis!r} axis size {num_devices}: experts are sharded evenly")
+        raise ValueError(f"num_experts={num_experts} (w1.shape[0]) must be divisible by the {expert_axis!r} axis "
+                         f"size {num_devices}: experts are sharded evenly")
     if num_tokens % shards:
         raise ValueError(f"the token count {num_tokens} (product of x.shape[:-1]) must be divisible by the "
                          f"number of token shards {shards} (axes {(*data_axes, expert_axis)})")
-    if not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and 1 <= top_k <= num_experts):
-        raise ValueError(f"top_k={top_k!r} must be an int in [1, num_experts={num_experts}]")
     return num_devices, shards
-
-
-def _check_shapes(x, router_weight, w1, w2, b1):
-    if x.ndim < 2:
-        raise ValueError(f"x must be (..., H) with at least one token dimension, got shape {x.shape}")
-    if router_weight.ndim != 2:
-        raise ValueError(f"router_weight must be (H, L), got shape {router_weight.shape}")
-    hidden, num_experts = router_weight.shape
-    if x.shape[-1] != hidden:
-        raise ValueError(f"x.shape[-1]={x.shape[-1]} must equal router_weight.shape[0]={hidden} (H)")
-    if w1.ndim != 3 or w2.ndim != 3 or w1.shape[0] != num_experts or w2.shape[0] != num_experts:
-        raise ValueError(f"w1 {w1.shape} and w2 {w2.shape} must be (L, *, *) with L = router_weight.shape[1]="
-                         f"{num_experts}")
-    if b1 is not None and b1.shape != w1.shape[:2]:
-        raise ValueError(f"b1.shape={b1.shape} must be w1.shape[:2]={w1.shape[:2]}")
 
 
 def _place(a, mesh, spec):
@@ -189,56 +176,75 @@ def _place(a, mesh, spec):
     return jax.lax.with_sharding_constraint(a, sharding)
 
 
-def moe_layer_ep(x, router_weight, w1, w2, b1=None, *, mesh: jax.sharding.Mesh, expert_axis: str = "expert",
-                 data_axes: Sequence[str] | str = (), top_k: int = 2, act: str = "swiglu",
-                 glu_limit: Optional[float] = None, capacity_factor: Optional[float] = None):
-    """Expert-parallel `nn.moe_layer`: the same math, experts sharded over `mesh` axis `expert_axis`.
+_EXPERT_SHARDED = ("w1", "w2", "b1")          # along L over the expert axis
+_TOKEN_SHARDED = ("experts", "weights")       # a precomputed gating: like x; every other parameter replicated
 
-    x (..., H) bf16/fp16 tokens, sharded over (`data_axes`..., `expert_axis`) along the flattened token dimension
-    T (T divisible by the number of token shards S); router_weight (H, L) replicated; w1 (L, 2I or I, H), w2
-    (L, H, I), b1 (L, 2I or I) or None sharded along L over `expert_axis` (L divisible by its size D); inputs in
-    another layout are resharded. `capacity_factor`: see the module doc (None: exact, no drops).
-    Returns (y (..., H) in x's dtype and layout, aux) with aux["expert_load"] (L,) int32 assignments per expert
-    over all tokens (before drops) and aux["dropped"] () int32 assignments dropped for capacity.
+
+def moe_layer_ep(x, router_weight, w1, w2, b1=None, *, mesh: jax.sharding.Mesh, expert_axis: str = "expert",
+                 data_axes: Sequence[str] | str = (), top_k: Optional[int] = None, act: str = "swiglu",
+                 glu_limit: Optional[float] = None, capacity_factor: Optional[float] = None,
+                 router_config: Optional[RouterConfig] = None, router_bias=None, gating=None, b2=None,
+                 shared: Optional[SharedExpert] = None, weight_layout: str = "out_in", dtype=None):
+    """Expert-parallel `nn.moe_layer`: the same math and arguments, experts sharded over `mesh` axis `expert_axis`.
+
+    x (..., H) tokens, sharded over (`data_axes`..., `expert_axis`) along the flattened token dimension T (T
+    divisible by the number of token shards S; a precomputed `gating` likewise); w1, w2, b1 sharded along L over
+    `expert_axis` (L divisible by its size D); the router, router_bias, b2 and the shared expert replicated; inputs
+    in another layout are resharded. `capacity_factor`: see the module doc (None: exact, no drops; a dropped
+    assignment adds neither its expert's output nor its FC2 bias).
+    Returns (y (..., H) in the compute dtype and x's layout, aux) with aux["expert_load"] (L,) int32 assignments
+    per expert over all tokens (before drops), aux["dropped"] () int32 assignments dropped for capacity, and the
+    per-token aux["experts"], aux["weights"] (and with a router aux["logits"], aux["scores"]) as `nn.moe_layer`.
     On a mesh with Explicit axes (`jax.make_mesh`'s default) call it under `jax.set_mesh(mesh)`, as JAX requires
     for differentiating through explicitly sharded arrays."""
     data_axes = _axis_tuple(data_axes)
-    _check_shapes(x, router_weight, w1, w2, b1)
-    batch_shape, hidden = x.shape[:-1], x.shape[-1]
-    num_tokens, num_experts = math.prod(batch_shape), router_weight.shape[1]
-    num_devices, shards = _check_layout(mesh, expert_axis, data_axes, num_tokens, num_experts, top_k)
-    capacity = ep_capacity(num_tokens // shards, top_k, num_experts, num_devices, capacity_factor)
-    layer = _sharded_layer(mesh, expert_axis, data_axes, top_k, act, glu_limit, capacity, b1 is not None)
-    y, load, dropped = layer(x.reshape(num_tokens, hidden), router_weight, w1, w2, *(() if b1 is None else (b1,)))
-    return y.reshape(*batch_shape, hidden), {"expert_load": load, "dropped": dropped}
+    batch_shape = x.shape[:-1]
+    x2d, params, spec = prepare(x, router_weight, w1, w2, b1, top_k=top_k, router_config=router_config,
+                                router_bias=router_bias, gating=gating, b2=b2, shared=shared, act=act,
+                                glu_limit=glu_limit, weight_layout=weight_layout, dtype=dtype)
+    num_tokens, num_experts = x2d.shape[0], params["w1"].shape[0]
+    num_devices, shards = _check_layout(mesh, expert_axis, data_axes, num_tokens, num_experts)
+    capacity = ep_capacity(num_tokens // shards, spec.top_k, num_experts, num_devices, capacity_factor)
+    layer = _sharded_layer(mesh, expert_axis, data_axes, spec, capacity, tuple(sorted(params)))
+    y, per_token, load, dropped = layer(x2d, params)
+    aux = {"expert_load": load, "dropped": dropped,
+           **{k: v.reshape(*batch_shape, v.shape[-1]) for k, v in per_token.items()}}
+    return y.reshape(*batch_shape, x.shape[-1]), aux
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded_layer(mesh, expert_axis, data_axes, top_k, act, glu_limit, capacity, has_bias):
+def _sharded_layer(mesh, expert_axis, data_axes, spec: LayerSpec, capacity, names):
     """The jitted shard_map of the layer for one static configuration (cached: an eager call compiles once
     instead of dispatching every op inside shard_map; under an outer jit it is inlined)."""
     token_axes = (*data_axes, expert_axis)
+    x_spec = P(token_axes)
+    specs = {n: P(expert_axis) if n in _EXPERT_SHARDED else x_spec if n in _TOKEN_SHARDED else P() for n in names}
 
-    def body(x_loc, router, w1_loc, w2_loc, *maybe_b1):
-        num_experts = router.shape[1]
-        logits = jnp.dot(x_loc.astype(jnp.float32), router.astype(jnp.float32))
-        experts, weights = _routing.top_k_gating(logits, top_k)
-        dispatch = ep_dispatch(x_loc, experts, weights, axis_name=expert_axis, num_local_experts=w1_loc.shape[0],
-                               capacity=capacity)
-        y_recv = local_expert_mlp(dispatch, w1_loc, w2_loc, *maybe_b1, act=act, glu_limit=glu_limit)
+    def body(x_loc, params):
+        num_local = params["w1"].shape[0]
+        num_experts = num_local * jax.lax.axis_size(expert_axis)
+        gating = gating_of(x_loc, params, spec, num_experts)
+        dispatch = ep_dispatch(x_loc, gating.experts, gating.weights, axis_name=expert_axis,
+                               num_local_experts=num_local, capacity=capacity)
+        y_recv = local_expert_mlp(dispatch, params["w1"], params["w2"], params.get("b1"), act=spec.act,
+                                  glu_limit=spec.glu_limit)
         y_loc = ep_combine(y_recv, dispatch, axis_name=expert_axis)
-        load = jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
-        return y_loc, jax.lax.psum(load, token_axes), jax.lax.psum(dispatch.dropped, token_axes)
+        kept = jnp.where(dispatch.slot < dispatch.x.shape[0], gating.weights, 0.0)   # a dropped copy adds no b2
+        y_loc = add_token_terms(y_loc, x_loc, gating.experts, kept, params.get("b2"), shared_of(params), spec.act,
+                                spec.glu_limit)
+        load = expert_load(gating.experts, num_experts)
+        per_token = token_aux(gating, gating.experts.shape[:1])
+        return y_loc, per_token, jax.lax.psum(load, token_axes), jax.lax.psum(dispatch.dropped, token_axes)
 
-    x_spec, w_spec = P(token_axes), P(expert_axis)
-    specs = (x_spec, P(), w_spec, w_spec) + ((w_spec,) if has_bias else ())
+    per_token_names = ("experts", "weights") + (("logits", "scores") if spec.config is not None else ())
+    out_specs = (x_spec, {k: x_spec for k in per_token_names}, P(), P())
     # check_vma=False: the fused ops' primitive does not propagate varying-manual-axes types (its abstract eval
     # returns plain avals), which the vma checker rejects inside custom_vjp. Without the checker shard_map's
     # transpose psums the cotangents of inputs replicated over an axis (the router), which is the right rule here.
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(x_spec, P(), P()), check_vma=False)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, specs), out_specs=out_specs, check_vma=False)
 
-    def layer(*args):
-        return mapped(*(_place(a, mesh, spec) for a, spec in zip(args, specs)))
+    def layer(x, params):
+        return mapped(_place(x, mesh, x_spec), {n: _place(a, mesh, specs[n]) for n, a in params.items()})
     return jax.jit(layer)
 
 

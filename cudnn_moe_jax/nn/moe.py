@@ -6,6 +6,10 @@ Per expert e (rows of its group in the permuted layout), with W1 (L, 2I, H) gate
 Forward: grouped_gemm_glu / grouped_gemm_srelu (FC1), grouped_gemm_quant (FC2).
 Backward: grouped_gemm_dglu / grouped_gemm_dsrelu (FC2 dgrad + activation derivative, dprob, db1),
 grouped_gemm_quant (FC1 dgrad), grouped_gemm_wgrad x2.
+
+x_perm's dtype is the compute dtype. Weights may be float32 master weights: cast to it inside the custom_vjp, so
+the wgrad ops write their fp32 accumulators as float32 gradients (a cast outside would round them to bf16 first).
+A float32 x_perm runs the same math on the reference functions in jnp instead (the ops take 16-bit A/B only).
 """
 
 from __future__ import annotations
@@ -16,8 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .. import activations, ops
-from . import routing as _routing
+from .. import activations, ops, reference
 from .weights import check_expert_mlp, check_permuted
 
 
@@ -28,17 +31,16 @@ def _swap_last(w):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def moe_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act: str = "swiglu", glu_limit: Optional[float] = None):
-    """Expert MLP on permuted rows. x_perm (m, H) bf16/fp16; w1 (L, 2I or I, H); w2 (L, H, I); prob (m,) f32;
-    b1 (L, 2I or I) or None; padded_offsets (L,) int32 (static-shaped, device values). Returns y_perm (m, H)."""
+def _fused_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
+    """moe_mlp on the fused ops (bf16 / fp16 x_perm; w1 / w2 in its dtype or float32, cast here)."""
     y, _ = _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit)
     return y
 
 
 def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
-    _check_options(act, glu_limit)
-    check_permuted(x_perm, prob, padded_offsets, check_expert_mlp(x_perm, w1, w2, b1, act, "x_perm")[0])
     dtype = x_perm.dtype
+    # float32 master weights (and any bias) -> the compute dtype (else no-op), as a Flax Dense with param_dtype
+    w1, w2, b1 = w1.astype(dtype), w2.astype(dtype), None if b1 is None else b1.astype(dtype)
     if not activations.TABLE[act].glu:
         fc1 = ops.grouped_gemm_srelu(x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
                                      c_dtype=dtype, d_dtype=dtype, compute_amax=False)
@@ -57,20 +59,21 @@ def _moe_mlp_fwd(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
 
 
 def _moe_mlp_bwd(act, glu_limit, residuals, dy):
-    x_perm, w1, w2, prob, b1, padded_offsets, c, h = residuals
+    x_perm, w1, w2, prob, b1, padded_offsets, c, h = residuals   # w1 / w2 as given: their dtype is the wgrad's
     dtype = x_perm.dtype
     dy = dy.astype(dtype)
+    w1_c, w2_c = w1.astype(dtype), w2.astype(dtype)
     # FC2 dgrad fused with the activation derivative: dC, dprob, db1.
     common = dict(padded_offsets=padded_offsets, prob_tensor=prob, d_dtype=dtype, compute_amax=False,
                   generate_dbias=b1 is not None, dbias_dtype="float32" if b1 is not None else None)
     if not activations.TABLE[act].glu:
-        bwd = ops.grouped_gemm_dsrelu(dy, _swap_last(w2), c, b_major="n", **common)
+        bwd = ops.grouped_gemm_dsrelu(dy, _swap_last(w2_c), c, b_major="n", **common)
     else:
-        bwd = ops.grouped_gemm_dglu(dy, _swap_last(w2), c, act_func=activations.TABLE[act].derivative, glu_limit=glu_limit, b_major="n",
+        bwd = ops.grouped_gemm_dglu(dy, _swap_last(w2_c), c, act_func=activations.TABLE[act].derivative, glu_limit=glu_limit, b_major="n",
                                     **common)
     dc = bwd.d_row_tensor
     # FC1 dgrad: dx = dC W1[e] (quant op with B = W1 seen as (L, H, 2I)).
-    dx = ops.grouped_gemm_quant(dc, _swap_last(w1), padded_offsets=padded_offsets, d_dtype=dtype, b_major="n",
+    dx = ops.grouped_gemm_quant(dc, _swap_last(w1_c), padded_offsets=padded_offsets, d_dtype=dtype, b_major="n",
                                 compute_amax=False).d_tensor
     # Weight gradients: tokens are the rows of the permuted layout; the group ends are the token offsets.
     # token-major operands (a_major="m", b_major="n"): the kernel reads dy, h, dC, x as they are, no transpose
@@ -82,7 +85,7 @@ def _moe_mlp_bwd(act, glu_limit, residuals, dy):
     return dx, dw1, dw2, bwd.dprob_tensor, db1, None
 
 
-moe_mlp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)
+_fused_mlp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)
 
 
 def _check_options(act, glu_limit):
@@ -92,27 +95,33 @@ def _check_options(act, glu_limit):
         raise ValueError(f"glu_limit applies to act in {activations.GLU_NAMES}, not {act!r}")
 
 
-def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: int = 2, act: str = "swiglu",
-              glu_limit: Optional[float] = None):
-    """A full MoE FFN on tokens x (..., H), e.g. (T, H) or (batch, seq, H): softmax top-k router (router_weight
-    (H, L)), permutation into 256-padded expert groups, the fused expert MLP, and the weighted sum back to tokens.
-    w1 (L, 2I, H) gate/up interleaved in 32-row blocks (`interleave_glu_weights` converts [gate; up] halves) or
-    (L, I, H) for srelu; w2 (L, H, I); b1 (L, 2I or I). Returns (y with x's shape, aux) with
-    aux = {"padded_offsets", "expert_load"} for logging; leading dims of x are flattened into one token axis."""
+def _reference_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
+    """The float32 expert MLP: the reference backend's functions for the same two ops on float32 operands
+    (`reference` is the library's definition of the ops' math), differentiated by JAX. For debugging: exact fp32
+    products and sums, no kernel, and JAX's scan-based gradients are slow at scale."""
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+    ones = jnp.ones((w1.shape[0],), jnp.float32)
+    common = dict(ab_dtype="float32", d_dtype="float32")
+    if activations.TABLE[act].glu:
+        h = reference.grouped_gemm_glu(f32(x_perm), f32(w1), None, None, padded_offsets, ones, prob, f32(b1),
+                                       act_func=act, glu_limit=glu_limit, c_dtype="float32", **common)
+    else:
+        h = reference.grouped_gemm_srelu(f32(x_perm), f32(w1), None, None, padded_offsets, ones, prob, f32(b1),
+                                         c_dtype="float32", **common)
+    return reference.grouped_gemm_quant(h["d_tensor"], f32(w2), None, None, padded_offsets, ones, None,
+                                        **common)["d_tensor"]
+
+
+def moe_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act: str = "swiglu", glu_limit: Optional[float] = None):
+    """Expert MLP on permuted rows. x_perm (m, H); w1 (L, 2I or I, H); w2 (L, H, I); prob (m,) f32;
+    b1 (L, 2I or I) or None; padded_offsets (L,) int32 (static-shaped, device values). Returns y_perm (m, H) in
+    x_perm's dtype, which is the compute dtype:
+
+    - bfloat16 / float16: the fused ops (custom_vjp). w1 / w2 in x_perm's dtype, or float32 master weights: cast
+      inside, and their gradients come back float32 straight from the wgrad GEMM's fp32 accumulators.
+    - float32: the same math on the reference functions in jnp, differentiated by JAX (for debugging)."""
     _check_options(act, glu_limit)
-    num_experts, hidden, _ = check_expert_mlp(x, w1, w2, b1, act)
-    if tuple(router_weight.shape) != (hidden, num_experts):
-        raise ValueError(f"router_weight must have shape (H, L) = ({hidden}, {num_experts}) (H from x, L from w1); "
-                         f"got {tuple(router_weight.shape)}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k} must be in [1, L={num_experts}]")
-    batch_shape = x.shape[:-1]
-    x = jnp.reshape(x, (-1, hidden))
-    logits = jnp.dot(x.astype(jnp.float32), router_weight.astype(jnp.float32))
-    experts, weights = _routing.top_k_gating(logits, top_k)
-    plan = _routing.route(experts, num_experts)
-    x_perm, prob = _routing.permute(x, weights, plan)
-    y_perm = moe_mlp(x_perm, w1, w2, prob, b1, plan.padded_offsets, act, glu_limit)
-    y = _routing.unpermute(y_perm, plan, x.shape[0])
-    load = jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
-    return jnp.reshape(y, batch_shape + (hidden,)), {"padded_offsets": plan.padded_offsets, "expert_load": load}
+    check_permuted(x_perm, prob, padded_offsets, check_expert_mlp(x_perm, w1, w2, b1, act, "x_perm")[0])
+    if x_perm.dtype == jnp.float32:
+        return _reference_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit)
+    return _fused_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit)

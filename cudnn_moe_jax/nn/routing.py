@@ -1,4 +1,5 @@
-"""Token routing for the MoE layer: top-k gating and permutation into 256-padded contiguous expert groups.
+"""Token routing for the MoE layer: the permutation of (token, choice) pairs into 256-padded contiguous expert
+groups and back (the router that chooses them is `nn.router`).
 
 Everything here is plain jnp (differentiable by JAX): gradients reach the router through `prob`.
 """
@@ -25,15 +26,6 @@ def permuted_rows(num_tokens: int, top_k: int, num_experts: int) -> int:
     """Static row count that holds any routing: every expert padded up to 256 rows (worst case)."""
     assignments = num_tokens * top_k
     return -(-(assignments + num_experts * (GROUP_ALIGN - 1)) // GROUP_ALIGN) * GROUP_ALIGN
-
-
-def top_k_gating(logits: jax.Array, top_k: int, normalize: bool = True):
-    """Softmax router: returns (expert index (T, k) int32, gate weight (T, k) float32)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return experts.astype(jnp.int32), weights
 
 
 def route(experts: jax.Array, num_experts: int) -> Routing:

@@ -33,6 +33,6 @@ def test_nn_grads_on_kernels_match_plain_layer(case):
     want = cases.reference(case, x)
     print(case[0], "worst |err| / bound:", cases.worst_ratio(got, want))
     assert not cases.compare(case, got, want)
-    if case[1] == "moe_layer":   # the data gives what the case is about: skewed groups and an empty expert
+    if case[1] == "moe_layer" and case[0] not in cases.OPTIONS:   # the data gives skewed groups, an empty expert
         load = [int(v) for v in got[1]["expert_load"]]
         assert load[cases.EMPTY_EXPERT] == 0 and load[cases.BIG_EXPERT] == max(load), load
