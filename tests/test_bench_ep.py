@@ -69,13 +69,13 @@ def test_bench_ep_rows_on_two_virtual_devices(tmp_path):
 # replaced by a recorder: the (op, fingerprint, avals key) of every module asked for, no compiling.
 _RECORD = """
 import json, sys, warnings
-from cudnn_moe_jax import _runtime
+from cudnn_moe_jax import _modules, _runtime
 import bench_ep
 asked = []
 def record(spec):
     asked.append((spec.name, spec.fingerprint, spec.avals_key))
     raise _runtime.KernelUnavailable("recorded, not compiled")
-_runtime.get_module = record
+_modules.get_module = record   # the lowering looks modules up through _modules
 out = {}
 argv = sys.argv[1:]
 for name, items in (("d1", bench_ep.bundle_items(1, argv)), ("d2", bench_ep.two_device_items(argv))):
