@@ -1,7 +1,7 @@
 """The MoE training step (nn.moe_mlp forward + backward) lowered for CUDA on this CPU machine: every op lowers to
-a kernel (a fallback to the reference would warn, and the warning is an error here), for swiglu, geglu and srelu,
-with and without bias; the backward's weights and token-major activations reach their kernels without transposes
-(the kernels declare the transposed layouts, checked in the lowered custom calls).
+a kernel (a fallback to the reference would warn, and the warning is an error here), for swiglu, geglu, srelu and
+gpt_oss_swiglu, with and without bias; the backward's weights and token-major activations reach their kernels
+without transposes (the kernels declare the transposed layouts, checked in the lowered custom calls).
 
 Compiles ~20 small kernel modules for sm_90a (skipped without the CuTe DSL compiler).
 """
@@ -30,7 +30,7 @@ def _compiler():
         pytest.skip(f"CuTe DSL compiler not importable: {e}")
 
 
-@pytest.mark.parametrize("act", ["swiglu", "geglu", "srelu"])
+@pytest.mark.parametrize("act", ["swiglu", "geglu", "srelu", "gpt_oss_swiglu"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_training_step_lowers_to_kernels_only(act, bias):
     _compiler()

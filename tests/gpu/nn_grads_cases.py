@@ -25,7 +25,7 @@ from cudnn_moe_jax import aot, nn
 L, H, I, T, TOP_K = 4, 256, 256, 384, 2       # moe_layer: T tokens -> permuted_rows(384, 2, 4) = 1792 rows
 M = 1792                                       # moe_mlp rows (the same m: one wgrad module per weight shape)
 MLP_ENDS = (768, 768, 1024, 1536)              # expert 1 empty, expert 0 holds 3x expert 2; rows 1536.. in no group
-ACTS = ("swiglu", "geglu", "srelu")
+ACTS = ("swiglu", "geglu", "srelu", "gpt_oss_swiglu")
 # (name, layer, act, bias)
 CASES = [(f"{layer}_{act}{'_bias' if bias else ''}", layer, act, bias)
          for layer in ("moe_mlp", "moe_layer") for act in ACTS for bias in (False, True)]
@@ -162,10 +162,10 @@ def bundle_items():
 # through every expert, masked by its gate weight), float32 with HIGHEST-precision einsums, differentiated by JAX.
 
 def _glu(act, g, u):
-    if act == "swiglu":
-        return u * g * jax.nn.sigmoid(g)
-    g, u = jnp.minimum(g, 7.0), jnp.clip(u, -7.0, 7.0)   # cuDNN's geglu: default clamps g <= 7, -7 <= u <= 7
-    return (u + 1.0) * g * jax.nn.sigmoid(1.702 * g)
+    """act(g, u) of a GLU: the float64 oracle's formula (tests/np_ops.py) in jnp; an unknown act raises."""
+    from np_ops import np_glu_value   # tests/ on sys.path (tests/conftest.py; tools/gpu/_paths.py)
+
+    return np_glu_value(g, u, act, {}, xp=jnp)
 
 
 def _act(act, c):
