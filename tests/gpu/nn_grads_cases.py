@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_moe_jax import aot, nn
+from cudnn_moe_jax import activations, aot, nn
 
 L, H, I, T, TOP_K = 4, 256, 256, 384, 2       # moe_layer: T tokens -> permuted_rows(384, 2, 4) = 1792 rows
 M = 1792                                       # moe_mlp rows (the same m: one wgrad module per weight shape)
 MLP_ENDS = (768, 768, 1024, 1536)              # expert 1 empty, expert 0 holds 3x expert 2; rows 1536.. in no group
-ACTS = ("swiglu", "geglu", "srelu", "gpt_oss_swiglu")
+ACTS = tuple(activations.TABLE)                 # every activation
 # (name, layer, act, bias)
 CASES = [(f"{layer}_{act}{'_bias' if bias else ''}", layer, act, bias)
          for layer in ("moe_mlp", "moe_layer") for act in ACTS for bias in (False, True)]
@@ -51,7 +51,7 @@ CASES += [(name, "moe_layer", o["act"], o["bias"]) for name, o in OPTIONS.items(
 def inputs(case, seed: int = 0) -> dict:
     """Random operands (never zeros): x ~ N(0, 1), W scaled so C and y are O(1), b1 ~ 0.1 N(0, 1)."""
     _, layer, act, bias = case
-    n1 = I if act == "srelu" else 2 * I
+    n1 = activations.TABLE[act].input_width(I)
     k = iter(jax.random.split(jax.random.PRNGKey(seed), 9))
     rows = M if layer == "moe_mlp" else T
     x = jax.random.normal(next(k), (rows, H))
