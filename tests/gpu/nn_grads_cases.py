@@ -8,7 +8,7 @@ so the swiglu modules serve both. The wgrad modules are specific to the token co
 
 OPTIONS adds moe_layer cases for the router variants and expert-block pieces (docs/nn.md): a sigmoid,
 group-limited router with a selection bias and routed scaling, a shared expert, (E, in, out) gate / up halves and
-float32 master weights (DeepSeek-V3 style); top-k-first softmax with a logits bias, geglu at its clamps, FC1 and
+float32 master weights (DeepSeek-V3 style); top-k-first softmax with a logits bias, GPT-OSS's SwiGLU, FC1 and
 gate-weighted FC2 biases (GPT-OSS style); fp16 compute on float32 masters, unnormalized weights and a gated shared
 expert (Qwen style). The shared expert adds the one-group modules of 512 rows; float32 masters the float32
 wgrad outputs.
@@ -36,11 +36,11 @@ OPTIONS = {
     "moe_layer_deepseek_style": dict(act="swiglu", bias=False, dtype="bfloat16", master=True, layout="in_out",
                                      router=dict(score="sigmoid", bias="selection", n_groups=2, topk_groups=1,
                                                  scaling=2.5), shared="plain"),
-    # geglu's clamps (GPT-OSS's at 7) stay inactive here: where C is within a bf16 rounding of +-7 the forward
+    # GPT-OSS's clamps (at 7) stay inactive here: where C is within a bf16 rounding of +-7 the forward
     # (fp32 C) and the backward (the stored bf16 C) may see the clamp differently from a float32 reference, an
     # O(1) local difference no per-element bound admits; the clamps are covered by the op tests and
     # tests/test_nn_models.py
-    "moe_layer_gpt_oss_style": dict(act="geglu", bias=True, b2=True, dtype="bfloat16",
+    "moe_layer_gpt_oss_style": dict(act="gpt_oss_swiglu", bias=True, b2=True, dtype="bfloat16",
                                     router=dict(topk_first=True, bias="logits")),
     "moe_layer_qwen_style_fp16": dict(act="swiglu", bias=False, dtype="float16", master=True,
                                       router=dict(normalize=False), shared="gated"),
