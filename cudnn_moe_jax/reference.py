@@ -530,8 +530,8 @@ def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm
     dequant scale beta.
 
     dD = alpha*acc (m, I); gate/up = beta*C; dC (m, 2I) interleaved like C = dD*prob*scale*d act (zero
-    where clamped; scale as in the forward); dprob = sum_n dD*scale*act; dbias = per-group column sums of dC; amax (L, 2) =
-    (max|d_gate|, max|d_up|).
+    where clamped; scale as in the forward); dprob = sum_n dD*scale*act; dbias = per-group column sums of dC;
+    amax (L, 2) = (max|d_gate|, max|d_up|).
     """
     entry = activations.get(act_func)
     options = dict(glu_limit=glu_limit, glu_alpha=glu_alpha)

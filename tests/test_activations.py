@@ -68,9 +68,9 @@ def _f32_steps(v):
     return [np.nextafter(v, np.float32(-np.inf)), v, np.nextafter(v, np.float32(np.inf))]
 
 
-@pytest.mark.parametrize("act, options", [("gpt_oss_swiglu", {}), ("gpt_oss_swiglu", dict(glu_limit=2.5, glu_alpha=1.1)),
-                                          ("geglu", {}), ("geglu", dict(glu_limit=2.5)),
-                                          ("swiglu", dict(glu_limit=2.5))])
+@pytest.mark.parametrize("act, options", [
+    ("gpt_oss_swiglu", {}), ("gpt_oss_swiglu", dict(glu_limit=2.5, glu_alpha=1.1)), ("geglu", {}),
+    ("geglu", dict(glu_limit=2.5)), ("swiglu", dict(glu_limit=2.5))])
 def test_glu_derivatives_at_the_clamp_bounds(act, options):
     entry = activations.TABLE[act]
     lim = options.get("glu_limit", 7.0)
