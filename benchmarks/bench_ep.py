@@ -57,6 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples import moe_expert_parallel as example  # noqa: E402
 
+from cudnn_moe_jax import activations  # noqa: E402
+
 FALLBACK = "no GPU kernel"  # the reference-fallback warning's text (tools/gpu/run_all.sh greps for it too)
 
 
@@ -69,7 +71,7 @@ def parse_args(argv=None):
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    ap.add_argument("--act", choices=("swiglu", "geglu", "srelu"), default="swiglu")
+    ap.add_argument("--act", choices=tuple(activations.TABLE), default="swiglu")
     ap.add_argument("--capacity-factor", default="1.25", help="per device-pair slot factor, or 'none' (no drops)")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds per program (median reported)")
     ap.add_argument("--no-single", action="store_true", help="skip the single-device nn.moe_layer row")
@@ -89,7 +91,7 @@ def example_args(args, devices: int):
 
 def flops_per_row(args) -> float:
     """Expert-MLP FLOPs of one routed row, forward + backward: fc1 2*H*N1, fc2 2*I*H, backward twice both."""
-    n1 = args.intermediate if args.act == "srelu" else 2 * args.intermediate
+    n1 = activations.TABLE[args.act].input_width(args.intermediate)
     return 3.0 * (2 * args.hidden * n1 + 2 * args.intermediate * args.hidden)
 
 

@@ -1,12 +1,12 @@
 """Kernel modules: fingerprints, where a module comes from, and bundles.
 
 A module is found by its fingerprint (sha256 of what it depends on: for the grouped GEMM the problem with its dynamic
-extent symbolic, the input names, the config, the arch, every kernels/**.py and the cutlass DSL version: installed,
-else the pin, so a GPU machine without the compiler computes the build machine's; `_lowering`) in: memory -> bundle
-folders (`CUDNN_MOE_JAX_BUNDLE`, os.pathsep-separated, then `<package>/_bundle`, `<repo>/.bundle`) -> the on-disk
-module cache (`_module_cache`, `module_cache_dir()`) -> a CuTe DSL compile (`_compile`; if `cutlass` imports and
-CUDNN_MOE_JAX_NO_COMPILE is unset; the result is written to the module cache) -> `KernelUnavailable(reason)`. The
-avals a module was built for are recorded beside it and checked, not trusted.
+extent symbolic, the input names, the config, the arch, every kernels/**.py and activations.py and the cutlass DSL
+version: installed, else the pin, so a GPU machine without the compiler computes the build machine's; `_lowering`)
+in: memory -> bundle folders (`CUDNN_MOE_JAX_BUNDLE`, os.pathsep-separated, then `<package>/_bundle`,
+`<repo>/.bundle`) -> the on-disk module cache (`_module_cache`, `module_cache_dir()`) -> a CuTe DSL compile
+(`_compile`; if `cutlass` imports and CUDNN_MOE_JAX_NO_COMPILE is unset; the result is written to the module cache)
+-> `KernelUnavailable(reason)`. The avals a module was built for are recorded beside it and checked, not trusted.
 
 Bundle: `manifest.json` ({"format": 2, "entries": {fingerprint: {file, key, target, layouts, aliases, avals, ...}}})
 plus `<fingerprint>.o` per module. Module cache: one file `<fingerprint>.module` per module, the same entry and the
@@ -73,13 +73,13 @@ def fingerprint(*parts: Any) -> str:
 
 @functools.lru_cache(maxsize=1)
 def kernels_source_digest() -> str:
-    """sha256 over every cudnn_moe_jax/kernels/**.py (relative path + bytes).
+    """sha256 over every cudnn_moe_jax/kernels/**.py and activations.py (the device code reads its constants and
+    option defaults) (relative path + bytes).
     Read once per process: the kernel code a process runs is what it imported, so later edits do not apply."""
-    root = PACKAGE_DIR / "kernels"
     h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")):
+    for p in sorted((PACKAGE_DIR / "kernels").rglob("*.py")) + [PACKAGE_DIR / "activations.py"]:
         if "__pycache__" not in p.parts:
-            h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+            h.update(p.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
 

@@ -26,8 +26,10 @@ OPS = FORWARD_OPS + BACKWARD_OPS
 class Epilogue:
     """What happens to the fp32 accumulator tile before it is stored.
 
-    act: None (quant: plain alpha*acc), "srelu", "swiglu", "geglu" (forward) or "dswiglu", "dgeglu", "dsrelu"
-    (backward: the GEMM is the FC2 dgrad, C is the saved forward pre-activation read as an input).
+    act: None (quant: plain alpha*acc), a forward act_func of the activation table (activations.py: "srelu",
+    "swiglu", ...) or a backward one ("dsrelu", "dswiglu", ...: the GEMM is the FC2 dgrad, C is the saved forward
+    pre-activation read as an input). glu_limit / glu_alpha / tanh_clamp_scale: the activation's options (None:
+    its default).
     """
 
     act: Optional[str] = None
@@ -94,9 +96,9 @@ class GroupedGemmProblem:
 
     @property
     def n_out(self) -> int:
-        """Width of D: half of N for the forward GLU ops, N otherwise (backward D_row is dC, as wide as C)."""
-        if self.op in ("glu", "glu_hadamard_quant") and self.epilogue.is_glu:
-            return self.n // 2
-        if self.op == "dglu":
-            return 2 * self.n
-        return self.n
+        """Width of D: the activation's output width of N (GLU: half); backward D_row is dC, as wide as C (the
+        activation's input width of N)."""
+        if self.op == "wgrad" or self.epilogue.act is None:
+            return self.n
+        act = activations.get(self.epilogue.act, "act")
+        return act.input_width(self.n) if self.op in BACKWARD_OPS else act.output_width(self.n)

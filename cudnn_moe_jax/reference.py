@@ -13,7 +13,8 @@ Rows outside every group produce zeros everywhere (SF bytes 0, dprob 0) and add 
 group's amax and dbias are 0 (docs/offsets.md#rows-outside-every-group).
 
 Backward ops are the exact gradients of our forward ops (docs/ops.md, docs/activations.md). Forward/backward
-activations share one definition each (`_glu`, `_srelu`) that returns the value and, on request, its derivatives.
+activations are the table's jnp functions (`activations.TABLE[name].reference`): one definition each that returns
+the value and, on request, its derivatives.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from . import activations
+from .activations import GLU_BLOCK
 from . import formats as F
 from .limits import FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN
 from .offsets import group_starts, row_groups, sanitize_offsets, sanitize_token_offsets  # noqa: F401 (API)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
-GLU_BLOCK = 32        # GLU pairing block width (docs/activations.md#glu-layout): even 32-col blocks gate, odd up
 COL_VEC = 32          # D_col quantization block (32 rows, docs/formats.md#column-quantization)
 NVFP4_VEC = 16        # Hadamard op: NVFP4 outputs, vec 16, e4m3 scales (docs/formats.md#nvfp4)
 
@@ -291,7 +292,7 @@ def _fwd_outputs(c, dfp, ends, gid, *, c_dtype, d_dtype, norm_const, compute_ama
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Activations (value and derivatives from one definition)
+# GLU layout
 
 
 def glu_split(x):
@@ -308,74 +309,6 @@ def glu_interleave(gate, up):
     g = gate.reshape(m, h // GLU_BLOCK, 1, GLU_BLOCK)
     u = up.reshape(m, h // GLU_BLOCK, 1, GLU_BLOCK)
     return jnp.concatenate([g, u], axis=2).reshape(m, 2 * h)
-
-
-def _glu_clamps(act: str, glu_limit):
-    """(gate_lo, gate_hi, up_lo, up_hi); None = unbounded. glu_limit replaces the GeGLU defaults
-    (docs/activations.md#glu)."""
-    if glu_limit is not None:
-        lim = float(glu_limit)
-        return -lim, lim, -lim, lim
-    if act == "geglu":
-        return None, 7.0, -7.0, 7.0
-    return None, None, None, None
-
-
-def _clamp(x, lo, hi):
-    """Clamped value and the pass-through mask (inclusive bounds: gradient flows at the bound)."""
-    y, ok = x, jnp.ones(x.shape, bool)
-    if lo is not None:
-        ok = ok & (x >= lo)
-        y = jnp.maximum(y, lo)
-    if hi is not None:
-        ok = ok & (x <= hi)
-        y = jnp.minimum(y, hi)
-    return y, ok
-
-
-def _glu(gate, up, act: str, glu_limit=None, grad: bool = False):
-    """act(gate, up) = swiglu: u' g' sigmoid(g'); geglu: (u' + 1) g' sigmoid(1.702 g') with clamped g', u'.
-
-    grad=True also returns d act / d gate and d act / d up (zero where the clamp is active).
-    """
-    glo, ghi, ulo, uhi = _glu_clamps(act, glu_limit)
-    g, g_ok = _clamp(gate, glo, ghi)
-    u, u_ok = _clamp(up, ulo, uhi)
-    if act == "swiglu":
-        sig = jax.nn.sigmoid(g)
-        lin, k = u, 1.0
-    elif act == "geglu":
-        sig = jax.nn.sigmoid(1.702 * g)
-        lin, k = u + 1.0, 1.702
-    else:
-        raise ValueError(f"act_func {act!r}")
-    gact = g * sig
-    value = lin * gact
-    if not grad:
-        return value
-    d_gate = jnp.where(g_ok, lin * sig * (1.0 + k * g * (1.0 - sig)), 0.0)
-    d_up = jnp.where(u_ok, gact, 0.0)
-    return value, d_gate, d_up
-
-
-def _srelu(x, tanh_clamp_scale=None, grad: bool = False):
-    """relu(x)^2, or (s * min(tanh(relu(x)/s), 1))^2 with s = tanh_clamp_scale; grad: also d/dx
-    (docs/activations.md#srelu)."""
-    pos = x > 0
-    r = jnp.where(pos, x, 0.0)
-    if tanh_clamp_scale is None:
-        value = r * r
-        return (value, 2.0 * r) if grad else value
-    s = float(tanh_clamp_scale)
-    u = r / s
-    t = jnp.minimum(jnp.tanh(u), 1.0)
-    st = s * t
-    value = st * st
-    if not grad:
-        return value
-    # 1 - t^2 = sech^2(u) = 4e / (1 + e)^2 with e = exp(-2u): no cancellation as t -> 1 (fp32 1 - t*t is 0 there).
-    e = jnp.exp(-2.0 * u)
-    return value, jnp.where(pos, 2.0 * st * (4.0 * e / ((1.0 + e) * (1.0 + e))), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -411,14 +344,14 @@ def _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, *, ab_dtype, sf_dtype, 
     return c, ends, gid
 
 
-def _activation(c, prob, *, act, glu_limit=None, glu_alpha=None, tanh_clamp_scale=None):
-    prob_r = _prob_rows(prob, c.shape[0])
-    if act == "srelu":
-        return prob_r * _srelu(c, tanh_clamp_scale)
-    gate, up = glu_split(c)
-    dfp = prob_r * _glu(gate, up, act, glu_limit)
-    if glu_alpha is not None:
-        dfp = dfp * jnp.float32(glu_alpha)
+def _activation(c, prob, *, act, **options):
+    """D = prob * act(C) (GLU: of the gate/up blocks of C) times the entry's output scale, if any."""
+    entry = activations.get(act)
+    x = glu_split(c) if entry.glu else (c,)
+    dfp = _prob_rows(prob, c.shape[0]) * entry.reference(*x, **entry.constants(options))
+    scale = entry.output_scale(options)
+    if scale is not None:
+        dfp = dfp * jnp.float32(scale)
     return dfp
 
 
@@ -440,8 +373,8 @@ def grouped_gemm_glu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, nor
                      act_func: str = "swiglu", c_dtype: str = "bfloat16", d_dtype: str,
                      glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
                      compute_amax: bool = False, discrete_col_sfd: bool = False):
-    """C = alpha*acc (+ bias) (m, N) stored pre-clamp; D = glu_alpha * prob * act(gate, up) (m, N/2)
-    (docs/ops.md#grouped_gemm_glu, docs/activations.md)."""
+    """C = alpha*acc (+ bias) (m, N) stored pre-clamp; D = scale * prob * act(gate, up) (m, N/2), scale = glu_alpha
+    for swiglu / geglu (docs/ops.md#grouped_gemm_glu, docs/activations.md)."""
     c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
                            sf_vec_size=sf_vec_size)
     dfp = _activation(c, prob, act=act_func, glu_limit=glu_limit, glu_alpha=glu_alpha)
@@ -596,18 +529,19 @@ def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm
     """GLU backward (docs/ops.md#grouped_gemm_dglu). a = dY (m, H), b = W2^T (L, I, H), c = saved C (m, 2I) with
     dequant scale beta.
 
-    dD = alpha*acc (m, I); gate/up = beta*C; dC (m, 2I) interleaved like C = dD*prob*glu_alpha*d act (zero
-    where clamped); dprob = sum_n dD*glu_alpha*act; dbias = per-group column sums of dC; amax (L, 2) =
-    (max|d_gate|, max|d_up|).
+    dD = alpha*acc (m, I); gate/up = beta*C; dC (m, 2I) interleaved like C = dD*prob*scale*d act (zero
+    where clamped; scale as in the forward); dprob = sum_n dD*scale*act; dbias = per-group column sums of dC;
+    amax (L, 2) = (max|d_gate|, max|d_up|).
     """
-    act = activations.get(act_func).name
+    entry = activations.get(act_func)
+    options = dict(glu_limit=glu_limit, glu_alpha=glu_alpha)
     dd, x, prob_r, ends, gid, valid = _bwd_prologue(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob,
                                                     ab_dtype=ab_dtype, sf_dtype=sf_dtype,
                                                     sf_vec_size=sf_vec_size, c_dtype=c_dtype)
-    gate, up = glu_split(x)
-    value, d_gate, d_up = _glu(gate, up, act, glu_limit, grad=True)
-    if glu_alpha is not None:
-        dd = dd * jnp.float32(glu_alpha)
+    value, d_gate, d_up = entry.reference(*glu_split(x), **entry.constants(options), grad=True)
+    scale = entry.output_scale(options)
+    if scale is not None:
+        dd = dd * jnp.float32(scale)
     g_scale = dd * prob_r
     d_gate, d_up = g_scale * d_gate, g_scale * d_up
     dprob = jnp.sum(dd * value, axis=1)
@@ -634,7 +568,8 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
     dd, x, prob_r, ends, gid, valid = _bwd_prologue(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob,
                                                     ab_dtype=ab_dtype, sf_dtype=sf_dtype,
                                                     sf_vec_size=sf_vec_size, c_dtype=c_dtype)
-    value, dvalue = _srelu(x, tanh_clamp_scale, grad=True)
+    entry = activations.get("dsrelu")
+    value, dvalue = entry.reference(x, **entry.constants(dict(tanh_clamp_scale=tanh_clamp_scale)), grad=True)
     dc = dd * prob_r * dvalue
     dprob = jnp.sum(dd * value, axis=1)
     return _bwd_outputs(dc, dprob, (dc,), ends, gid, valid, d_dtype=d_dtype, norm_const=norm_const,

@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 
-from cudnn_moe_jax import nn  # noqa: E402
+from cudnn_moe_jax import activations, nn  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -49,7 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=256, help="model width H (default 256)")
     parser.add_argument("--intermediate", type=int, default=256, help="expert width I, multiple of 32 (default 256)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--act", choices=("swiglu", "geglu", "srelu"), default="swiglu")
+    parser.add_argument("--act", choices=tuple(activations.TABLE), default="swiglu")
     parser.add_argument("--bias", action="store_true", help="give FC1 a per-expert bias")
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="per device-pair slots = ceil(f * tokens/device * k / devices); default: no drops")
@@ -92,7 +92,7 @@ def init(args, mesh):
     """Parameters and tokens created directly in their shards (jit with out_shardings: fine on many hosts)."""
     d_expert = mesh.shape["expert"]
     experts, tokens = args.experts_per_device * d_expert, args.tokens_per_device * mesh.size
-    fc1_out = args.intermediate if args.act == "srelu" else 2 * args.intermediate
+    fc1_out = activations.TABLE[args.act].input_width(args.intermediate)
     shard = nn.expert_parallel_shardings(mesh, "expert", "data")
     dtype = jnp.dtype(args.dtype)
     keys = iter(jax.random.split(jax.random.PRNGKey(args.seed), 6))

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from cudnn_moe_jax import nn  # noqa: E402
+from cudnn_moe_jax import activations, nn  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -38,7 +38,7 @@ def parse_args(argv=None):
                         help="expert width I (GLU: FC1 has 2I outputs; multiple of 32) (default 256)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
                         help="activation/weight dtype (default bfloat16)")
-    parser.add_argument("--act", choices=("swiglu", "geglu", "srelu"), default="swiglu",
+    parser.add_argument("--act", choices=tuple(activations.TABLE), default="swiglu",
                         help="expert activation (default swiglu)")
     parser.add_argument("--bias", action="store_true", help="give FC1 a per-expert bias")
     parser.add_argument("--gate-up-halves", action="store_true",
@@ -51,7 +51,7 @@ def parse_args(argv=None):
 def init_params(key, args):
     dtype = jnp.dtype(args.dtype)
     k_router, k_w1, k_w2, k_b1 = jax.random.split(key, 4)
-    fc1_out = args.intermediate if args.act == "srelu" else 2 * args.intermediate
+    fc1_out = activations.TABLE[args.act].input_width(args.intermediate)
     params = {
         "router": jax.random.normal(k_router, (args.hidden, args.experts), jnp.float32) / args.hidden ** 0.5,
         "w1": (jax.random.normal(k_w1, (args.experts, fc1_out, args.hidden)) / args.hidden ** 0.5).astype(dtype),
@@ -93,8 +93,8 @@ def lower_step_for(args, platform: str = "cuda"):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.gate_up_halves and args.act == "srelu":
-        print("--gate-up-halves applies to the GLU activations (srelu has no gate)", file=sys.stderr)
+    if args.gate_up_halves and not activations.TABLE[args.act].glu:
+        print(f"--gate-up-halves applies to the GLU activations ({args.act} has no gate)", file=sys.stderr)
         return 2
     step, params, x = make_step(args)
     print(f"backend={jax.default_backend()} devices={jax.devices()}")

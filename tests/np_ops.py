@@ -18,6 +18,7 @@ C, D and amax of a forward problem described by its manifest dict, from the oper
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -178,21 +179,53 @@ def _forward_result(c, dfp, groups, c_dtype, d_dtype, norm_const, compute_amax, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# activations (float64, written out per 32-column block pair)
+# activations (float64, written out per 32-column block pair; keyed by the names of cudnn_moe_jax.activations)
 
 
-def np_sigmoid(x):
-    """1 / (1 + e^-x) without cancellation in either tail."""
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+def np_sigmoid(x, xp=np):
+    """1 / (1 + e^-x) without cancellation in either tail (xp=jax.numpy: the same formula, differentiable)."""
+    e_pos, e_neg = xp.exp(-xp.where(x >= 0, x, 0.0)), xp.exp(xp.where(x < 0, x, 0.0))
+    return xp.where(x >= 0, 1.0 / (1.0 + e_pos), e_neg / (1.0 + e_neg))
 
 
-def _limits(act, glu_limit):
-    if glu_limit is not None:
-        return -glu_limit, glu_limit, -glu_limit, glu_limit
-    if act == "geglu":
-        return -math.inf, 7.0, -7.0, 7.0
-    return -math.inf, math.inf, -math.inf, math.inf
+class NpGlu(NamedTuple):
+    """act(gate, up) = (u' + offset) * g' * sigmoid(k * g'), g' = clip(gate, glo, ghi), u' = clip(up, ulo, uhi)
+    (bounds = (glo, ghi, ulo, uhi)); the op multiplies D by `scale`."""
+    k: float
+    offset: float
+    bounds: tuple
+    scale: float
+
+
+def _np_swiglu(glu_limit=None, glu_alpha=None):
+    lim = math.inf if glu_limit is None else glu_limit
+    return NpGlu(1.0, 0.0, (-lim, lim, -lim, lim), 1.0 if glu_alpha is None else glu_alpha)
+
+
+def _np_geglu(glu_limit=None, glu_alpha=None):
+    """cuDNN's GeGLU: gate <= 7 and up in [-7, 7] unless glu_limit L clamps both to [-L, L]."""
+    bounds = (-math.inf, 7.0, -7.0, 7.0) if glu_limit is None else (-glu_limit, glu_limit, -glu_limit, glu_limit)
+    return NpGlu(1.702, 1.0, bounds, 1.0 if glu_alpha is None else glu_alpha)
+
+
+def _np_gpt_oss_swiglu(glu_limit=None, glu_alpha=None):
+    """GPT-OSS: sigmoid(alpha * gate) with alpha = glu_alpha (1.702), gate <= limit (from above only), up in
+    [-limit, limit], limit = glu_limit (7); D is not scaled."""
+    alpha = 1.702 if glu_alpha is None else glu_alpha
+    lim = 7.0 if glu_limit is None else glu_limit
+    return NpGlu(alpha, 1.0, (-math.inf, lim, -lim, lim), 1.0)
+
+
+NP_GLU = {"swiglu": _np_swiglu, "geglu": _np_geglu, "gpt_oss_swiglu": _np_gpt_oss_swiglu}
+
+
+def np_glu(act, **options) -> NpGlu:
+    """The oracle's GLU of a forward or backward ("d" + name) act_func with its options (glu_limit, glu_alpha);
+    ValueError for any other name."""
+    name = act[1:] if act not in NP_GLU and act.startswith("d") else act
+    if name not in NP_GLU:
+        raise ValueError(f"the oracle knows no GLU activation {act!r} (only {tuple(NP_GLU)})")
+    return NP_GLU[name](**options)
 
 
 def np_glu_pairs(x):
@@ -201,43 +234,39 @@ def np_glu_pairs(x):
         yield j, slice(64 * j, 64 * j + 32), slice(64 * j + 32, 64 * j + 64)
 
 
-def np_glu_value(gate, up, act, glu_limit, sigmoid=np_sigmoid):
-    glo, ghi, ulo, uhi = _limits(act, glu_limit)
-    g = np.minimum(np.maximum(gate, glo), ghi)
-    u = np.minimum(np.maximum(up, ulo), uhi)
-    if act == "swiglu":
-        return u * g * sigmoid(g)
-    return (u + 1.0) * g * sigmoid(1.702 * g)
+def _clipped(p: NpGlu, gate, up, xp=np):
+    glo, ghi, ulo, uhi = p.bounds
+    return xp.minimum(xp.maximum(gate, glo), ghi), xp.minimum(xp.maximum(up, ulo), uhi)
 
 
-def np_glu_derivatives(gate, up, act, glu_limit, masked=True):
-    """(d act/d gate, d act/d up) in float64; zero where the clamp is active (bounds inclusive) if `masked`."""
-    glo, ghi, ulo, uhi = _limits(act, glu_limit)
-    g_in = (gate >= glo) & (gate <= ghi)
-    u_in = (up >= ulo) & (up <= uhi)
-    g = np.minimum(np.maximum(gate, glo), ghi)
-    u = np.minimum(np.maximum(up, ulo), uhi)
-    if act == "swiglu":
-        sg = np_sigmoid(g)
-        dg = u * (sg + g * sg * (1.0 - sg))          # d/dg [u g s(g)]
-        du = g * sg
-    else:
-        sg = np_sigmoid(1.702 * g)
-        dg = (u + 1.0) * (sg + 1.702 * g * sg * (1.0 - sg))   # d/dg [(u+1) g s(1.702 g)]
-        du = g * sg
-    if not masked:
-        return dg, du
-    return np.where(g_in, dg, 0.0), np.where(u_in, du, 0.0)
+def np_glu_value(gate, up, act, options, sigmoid=np_sigmoid, xp=np):
+    """act(gate, up), without the op's scale. xp=jax.numpy: the same formula for jax.grad (tests that
+    differentiate a plain layer; `sigmoid` is then ignored)."""
+    p = np_glu(act, **options)
+    g, u = _clipped(p, gate, up, xp)
+    sg = sigmoid(p.k * g) if xp is np else np_sigmoid(p.k * g, xp)
+    return (u + p.offset) * g * sg
 
 
-def np_glu_derivative_mags(gate, up, act, glu_limit):
+def np_glu_derivatives(gate, up, act, options):
+    """(d act/d gate, d act/d up) in float64; zero where the clamp is active (bounds inclusive: at a bound the
+    derivative of the unclamped function)."""
+    p = np_glu(act, **options)
+    glo, ghi, ulo, uhi = p.bounds
+    g, u = _clipped(p, gate, up)
+    sg = np_sigmoid(p.k * g)
+    dg = (u + p.offset) * (sg + p.k * g * sg * (1.0 - sg))      # d/dg [(u + offset) g s(k g)]
+    du = g * sg
+    return np.where((gate >= glo) & (gate <= ghi), dg, 0.0), np.where((up >= ulo) & (up <= uhi), du, 0.0)
+
+
+def np_glu_derivative_mags(gate, up, act, options):
     """Sums of |terms| of the two derivatives (their fp32 evaluation noise scale; no cancellation)."""
-    glo, ghi, ulo, uhi = _limits(act, glu_limit)
-    g = np.minimum(np.maximum(gate, glo), ghi)
-    u = np.minimum(np.maximum(up, ulo), uhi)
-    k, lin = (1.0, np.abs(u)) if act == "swiglu" else (1.702, np.abs(u + 1.0) + 1.0)
-    sg = np_sigmoid(k * g)
-    return lin * (sg + k * np.abs(g) * sg * (1.0 - sg)), np.abs(g) * sg
+    p = np_glu(act, **options)
+    g, u = _clipped(p, gate, up)
+    lin = np.abs(u + p.offset) + abs(p.offset)
+    sg = np_sigmoid(p.k * g)
+    return lin * (sg + abs(p.k) * np.abs(g) * sg * (1.0 - sg)), np.abs(g) * sg
 
 
 def np_srelu_value(x, s):
@@ -261,22 +290,26 @@ def _srelu_forward(c, c_mag, prob, s):
     return d, np.abs(prob[:, None] * np_srelu_derivative(c, s)) * c_mag + np.abs(d)
 
 
-def _glu_d(c, prob, act, glu_limit, glu_alpha, sigmoid=np_sigmoid):
-    """D = glu_alpha * prob * act(gate, up) per 32-column pair."""
+NP_POINTWISE = {"srelu": (np_srelu_value, np_srelu_derivative)}
+NP_ACTIVATIONS = (*NP_GLU, *NP_POINTWISE)         # every name the oracle knows (the table's, tests check)
+
+
+def _glu_d(c, prob, act, options, sigmoid=np_sigmoid):
+    """D = scale * prob * act(gate, up) per 32-column pair."""
     d = np.zeros((c.shape[0], c.shape[1] // 2))
     for j, gs, us in np_glu_pairs(c):
-        d[:, 32 * j: 32 * j + 32] = prob[:, None] * np_glu_value(c[:, gs], c[:, us], act, glu_limit, sigmoid)
-    return d * (1.0 if glu_alpha is None else glu_alpha)
+        d[:, 32 * j: 32 * j + 32] = prob[:, None] * np_glu_value(c[:, gs], c[:, us], act, options, sigmoid)
+    return d * np_glu(act, **options).scale
 
 
-def _glu_forward(c, c_mag, prob, act, glu_limit, glu_alpha):
-    """(D, mag) of D = glu_alpha * prob * act(gate, up) per 32-column pair."""
-    d = _glu_d(c, prob, act, glu_limit, glu_alpha)
+def _glu_forward(c, c_mag, prob, act, options):
+    """(D, mag) of D = scale * prob * act(gate, up) per 32-column pair."""
+    d = _glu_d(c, prob, act, options)
     mag = np.zeros_like(d)
     for j, gs, us in np_glu_pairs(c):
-        dg, du = np_glu_derivative_mags(c[:, gs], c[:, us], act, glu_limit)
+        dg, du = np_glu_derivative_mags(c[:, gs], c[:, us], act, options)
         mag[:, 32 * j: 32 * j + 32] = np.abs(prob[:, None]) * (dg * c_mag[:, gs] + du * c_mag[:, us])
-    return d, (1.0 if glu_alpha is None else abs(glu_alpha)) * mag + np.abs(d)
+    return d, abs(np_glu(act, **options).scale) * mag + np.abs(d)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -351,7 +384,8 @@ def grouped_gemm_glu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, nor
                      sf_dtype=None, sf_vec_size=None, act_func="swiglu", c_dtype="bfloat16", d_dtype,
                      glu_limit=None, glu_alpha=None, compute_amax=False, discrete_col_sfd=False):
     c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size)
-    dfp, d_mag = _glu_forward(c, c_mag, _prob(prob, c.shape[0]), act_func, glu_limit, glu_alpha)
+    dfp, d_mag = _glu_forward(c, c_mag, _prob(prob, c.shape[0]), act_func,
+                              dict(glu_limit=glu_limit, glu_alpha=glu_alpha))
     return _forward_result(c, _mask_rows(dfp, groups), groups, c_dtype, d_dtype, norm_const, compute_amax,
                            discrete_col_sfd, dict(c=c_mag, d=d_mag))
 
@@ -372,7 +406,8 @@ def np_forward_from_acc(p: dict, acc, offsets, alpha, prob, bias, sigmoid=np_sig
         if p["op"] == "srelu":
             d = pr[:, None] * np_srelu_value(c, epi.get("tanh_clamp_scale"))
         else:
-            d = _glu_d(c, pr, epi["act"], epi.get("glu_limit"), epi.get("glu_alpha"), sigmoid)
+            d = _glu_d(c, pr, epi["act"], dict(glu_limit=epi.get("glu_limit"), glu_alpha=epi.get("glu_alpha")),
+                       sigmoid)
         d = _mask_rows(d, groups)
     amax = np.array([[np.abs(d[s:e]).max() if e > s else 0.0] for s, e in groups])
     return {"c": c, "d": d, "amax": amax}
@@ -429,10 +464,10 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
     """`d_bf16` (test hook): use this bf16-rounded D as the transform input instead of the oracle's own."""
     c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size)
     p_row = _prob(prob, c.shape[0])
-    if act_func == "srelu":
+    if act_func in NP_POINTWISE:
         dfp, d_mag = _srelu_forward(c, c_mag, p_row, tanh_clamp_scale)
     else:
-        dfp, d_mag = _glu_forward(c, c_mag, p_row, act_func, glu_limit, glu_alpha)
+        dfp, d_mag = _glu_forward(c, c_mag, p_row, act_func, dict(glu_limit=glu_limit, glu_alpha=glu_alpha))
     dfp = _mask_rows(dfp, groups)
     mag = dict(c=c_mag, d=d_mag)
     out = dict(c_tensor=np_cast(c, c_dtype), d_tensor=None, sfd_tensor=None, amax_tensor=None, rht_tensor=None,
@@ -515,25 +550,25 @@ def _backward_result(dc, dprob, amax_parts, groups, d_dtype, norm_const, dbias_d
 def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm_const=None, *, ab_dtype,
                       sf_dtype=None, sf_vec_size=None, c_dtype=None, act_func="dswiglu", glu_limit=None,
                       glu_alpha=None, d_dtype, dbias_dtype=None, compute_amax=False, discrete_col_sfd=False):
-    act = {"dswiglu": "swiglu", "dgeglu": "geglu"}.get(act_func, act_func)
+    options = dict(glu_limit=glu_limit, glu_alpha=glu_alpha)
+    ga = np_glu(act_func, **options).scale
     dd, dd_mag, x, groups = _backward_common(a, b, c, sfa, sfb, padded_offsets, alpha, beta, ab_dtype, sf_dtype,
                                              sf_vec_size, c_dtype)
-    ga = 1.0 if glu_alpha is None else glu_alpha
     p = _prob(prob, x.shape[0])[:, None]
     dc, dc_mag = np.zeros_like(x), np.zeros_like(x)
     dprob, dprob_mag = np.zeros(x.shape[0]), np.zeros(x.shape[0])
     d_gate_all, d_up_all = np.zeros_like(dd), np.zeros_like(dd)
     for j, gs, us in np_glu_pairs(x):
         gate, up, ddj = x[:, gs], x[:, us], dd[:, 32 * j: 32 * j + 32]
-        dg, du = np_glu_derivatives(gate, up, act, glu_limit)
+        dg, du = np_glu_derivatives(gate, up, act_func, options)
         dc[:, gs] = ddj * p * ga * dg
         dc[:, us] = ddj * p * ga * du
         d_gate_all[:, 32 * j: 32 * j + 32] = dc[:, gs]
         d_up_all[:, 32 * j: 32 * j + 32] = dc[:, us]
-        value = np_glu_value(gate, up, act, glu_limit)
+        value = np_glu_value(gate, up, act_func, options)
         dprob += (ddj * ga * value).sum(axis=1)
         magj = dd_mag[:, 32 * j: 32 * j + 32] * abs(ga)
-        dg_mag, du_mag = np_glu_derivative_mags(gate, up, act, glu_limit)
+        dg_mag, du_mag = np_glu_derivative_mags(gate, up, act_func, options)
         dc_mag[:, gs] = magj * np.abs(p) * dg_mag
         dc_mag[:, us] = magj * np.abs(p) * du_mag
         dprob_mag += (magj * np.abs(value)).sum(axis=1)

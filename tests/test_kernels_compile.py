@@ -185,6 +185,56 @@ def test_other_mxfp8_configs_compile(cfg):
         _check_sass(sass_of(module, tool), True)
 
 
+# GPT-OSS SwiGLU: not in the default variant set (the GPU bundle takes its modules from the tests/gpu case tables);
+# forward with bias and the default options, MXFP8 with FP8 D and options, the backward with options
+GPT_OSS = {
+    "fwd_bf16_bias": GroupedGemmProblem(op="glu", m=2048, n=512, k=256, num_groups=4, ab_dtype="bfloat16",
+                                        epilogue=Epilogue(act="gpt_oss_swiglu", has_bias=True, bias_dtype="bfloat16",
+                                                          c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True)),
+    "fwd_mxfp8_e4m3d_opts": GroupedGemmProblem(op="glu", m=2048, n=512, k=256, num_groups=4, ab_dtype=E4M3,
+                                               sf_dtype=E8M0, sf_vec_size=32,
+                                               epilogue=Epilogue(act="gpt_oss_swiglu", c_dtype="bfloat16",
+                                                                 d_dtype=E4M3, generate_sfd=True, glu_limit=3.0,
+                                                                 glu_alpha=1.2)),
+    "dglu_opts": GroupedGemmProblem(op="dglu", m=2048, n=512, k=256, num_groups=4, ab_dtype="bfloat16",
+                                    epilogue=Epilogue(act="dgpt_oss_swiglu", c_dtype="bfloat16", d_dtype="bfloat16",
+                                                      compute_amax=True, dbias_dtype="float32", glu_limit=3.0,
+                                                      glu_alpha=1.2)),
+}
+
+
+@pytest.mark.parametrize("name", list(GPT_OSS))
+def test_gpt_oss_swiglu_compiles_without_spills(name):
+    problem = GPT_OSS[name]
+    assert sm90_config.supports(problem) is None
+    module = compile_module(problem)
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    _check_sass(sass_of(module, tool), problem.block_scaled)
+
+
+def _instructions(sass: str) -> list:
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)", sass)
+
+
+@pytest.mark.parametrize("op", ["glu", "dglu"])
+def test_gpt_oss_swiglu_defaults_compile_to_the_geglu_kernel(op):
+    """With its defaults (alpha 1.702, limit 7) GPT-OSS SwiGLU is cuDNN's default GeGLU function: the kernels must
+    be instruction for instruction the same (the geglu ones are validated on the GPU)."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    epi = dict(c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True)
+    epi.update(has_bias=True, bias_dtype="float32") if op == "glu" else epi.update(dbias_dtype="float32")
+    sass = {}
+    for act in ("geglu", "gpt_oss_swiglu"):
+        problem = GroupedGemmProblem(op=op, m=2048, n=512, k=256, num_groups=4, ab_dtype="bfloat16",
+                                     epilogue=Epilogue(act=act if op == "glu" else "d" + act, **epi))
+        sass[act] = _instructions(sass_of(compile_module(problem), tool))
+    assert len(sass["geglu"]) > 1000 and sass["geglu"] == sass["gpt_oss_swiglu"]
+
+
 @pytest.mark.parametrize("tile_n", [256, 128])
 def test_fp8_outputs_from_bf16_inputs_compile(tile_n):
     """FP8 C and D (SFD_row / D_col / SFD_col) from bf16 inputs at both tile widths: supported, no spills (GPU:

@@ -9,6 +9,7 @@ import pytest
 
 from cudnn_moe_jax import nn
 from cudnn_moe_jax.nn import moe as moe_module
+from np_ops import np_glu_value
 
 
 def test_route_builds_padded_contiguous_groups():
@@ -77,16 +78,10 @@ def _plain_mlp(x_perm, w1, w2, prob, b1, offsets, act, glu_limit=None):
         c = c + b1.astype(jnp.float32)[g]
     if act == "srelu":
         h = jnp.maximum(c, 0.0) ** 2
-    else:
+    else:  # the float64 oracle's GLU formula (tests/np_ops.py), in jnp; an unknown act raises
         blocks = c.reshape(c.shape[0], -1, 2, 32)
-        gate, up = blocks[:, :, 0], blocks[:, :, 1]
-        if act == "swiglu":
-            if glu_limit is not None:
-                gate, up = jnp.clip(gate, -glu_limit, glu_limit), jnp.clip(up, -glu_limit, glu_limit)
-            h = (up * gate * jax.nn.sigmoid(gate)).reshape(c.shape[0], -1)
-        else:
-            gate, up = jnp.minimum(gate, 7.0), jnp.clip(up, -7.0, 7.0)
-            h = ((up + 1.0) * gate * jax.nn.sigmoid(1.702 * gate)).reshape(c.shape[0], -1)
+        options = dict(glu_limit=glu_limit)
+        h = np_glu_value(blocks[:, :, 0], blocks[:, :, 1], act, options, xp=jnp).reshape(c.shape[0], -1)
     h = h * prob[:, None] * in_group[:, None]
     return jnp.einsum("mi,mhi->mh", h, w2.astype(jnp.float32)[g], precision="highest")
 
@@ -97,7 +92,8 @@ def _rel_err(a, b):
 
 
 @pytest.mark.parametrize("act, bias, glu_limit", [("swiglu", False, None), ("geglu", True, None),
-                                                  ("srelu", True, None), ("swiglu", True, 2.5)])
+                                                  ("srelu", True, None), ("swiglu", True, 2.5),
+                                                  ("gpt_oss_swiglu", True, None), ("gpt_oss_swiglu", False, 3.0)])
 def test_moe_mlp_gradients_match_plain_jnp(act, bias, glu_limit):
     num_experts, hidden, inter = 4, 64, 64
     offsets = jnp.array([256, 256, 768, 1024], jnp.int32)  # an empty expert; rows 1024.. outside every group

@@ -13,8 +13,8 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 import nn_grads_cases as cases  # noqa: E402  (tests/conftest.py puts tests/gpu/ on sys.path)
 
-FAST = ("moe_mlp_geglu_bias", "moe_layer_swiglu_bias", "moe_layer_srelu", "moe_layer_deepseek_style",
-        "moe_layer_gpt_oss_style", "moe_layer_qwen_style_fp16")
+FAST = ("moe_mlp_geglu_bias", "moe_layer_swiglu_bias", "moe_layer_srelu", "moe_mlp_gpt_oss_swiglu_bias",
+        "moe_layer_deepseek_style", "moe_layer_gpt_oss_style", "moe_layer_qwen_style_fp16")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c[0] in FAST else pytest.mark.slow) for c in cases.CASES],

@@ -313,6 +313,8 @@ GLU_CASES = [
     ("nvfp4_e8m0", "swiglu", "bfloat16", "float32", None, None, None, "unaligned", False, False),
     ("mxfp8_e4m3", "swiglu", "float32", E4M3, "bfloat16", None, None, "nonmono", True, True),
     ("mxfp8_e4m3", "geglu", "bfloat16", E4M3, None, 3.0, None, "negative", True, False),
+    ("bf16", "gpt_oss_swiglu", "bfloat16", "bfloat16", "float32", None, None, "empty", False, False),
+    ("mxfp8_e4m3", "gpt_oss_swiglu", E4M3, E4M3, None, 1.5, 1.2, "balanced", True, False),
 ]
 
 
@@ -336,6 +338,7 @@ HADAMARD_CASES = [
     ("nvfp4", "swiglu", E2M1, "colwise", E2M1, True, "float32", {}, "empty"),
     ("nvfp4", "geglu", "bfloat16", "colwise", E2M1, False, None, {}, "nonmono"),
     ("nvfp4", "srelu", E2M1, "rowwise", E2M1, True, None, {}, "last"),
+    ("nvfp4", "gpt_oss_swiglu", "bfloat16", "rowwise", "bfloat16", False, None, dict(glu_limit=1.5), "balanced"),
 ]
 
 
@@ -423,6 +426,8 @@ DGLU_CASES = [
     ("nvfp4", "dswiglu", "bfloat16", "float32", "float32", None, None, "nonmono", False, False),
     ("nvfp4_e8m0", "dgeglu", "float32", "float16", None, None, None, "negative", False, True),
     ("mxfp8_e4m3", "dswiglu", "float32", E4M3, "float32", 1.0, None, "unaligned", True, False),
+    ("bf16", "dgpt_oss_swiglu", "bfloat16", "bfloat16", "float32", None, None, "empty", False, False),
+    ("mxfp8_e5m2", "dgpt_oss_swiglu", E4M3, E4M3, None, 2.0, 0.8, "short", True, False),
 ]
 
 
@@ -501,15 +506,12 @@ def test_wgrad(fmt, offsets, gs, acc, wdtype, jit):
 
 
 def _jnp_glu_forward(x, prob, act, limit, galpha):
+    """prob * scale * act(gate, up): the oracle's formula in jnp (tests/np_ops.py), differentiated by JAX."""
     m, n = x.shape
     blocks = x.reshape(m, n // 64, 2, 32)
     gate, up = blocks[:, :, 0].reshape(m, -1), blocks[:, :, 1].reshape(m, -1)
-    if limit is not None:
-        gate, up = jnp.clip(gate, -limit, limit), jnp.clip(up, -limit, limit)
-    elif act == "geglu":
-        gate, up = jnp.minimum(gate, 7.0), jnp.clip(up, -7.0, 7.0)
-    y = up * jax.nn.silu(gate) if act == "swiglu" else (up + 1.0) * gate * jax.nn.sigmoid(1.702 * gate)
-    return prob[:, None] * y * (1.0 if galpha is None else galpha)
+    options = dict(glu_limit=limit, glu_alpha=galpha)
+    return prob[:, None] * O.np_glu_value(gate, up, act, options, xp=jnp) * O.np_glu(act, **options).scale
 
 
 def _jnp_srelu_forward(x, prob, s):
@@ -520,7 +522,8 @@ def _jnp_srelu_forward(x, prob, s):
 
 @pytest.mark.parametrize("op,act,limit,galpha,tanh", [
     ("dglu", "swiglu", None, None, None), ("dglu", "geglu", None, 1.3, None), ("dglu", "swiglu", 2.0, 0.7, None),
-    ("dglu", "geglu", 1.5, None, None), ("dsrelu", "srelu", None, None, None), ("dsrelu", "srelu", None, None, 2.0)])
+    ("dglu", "geglu", 1.5, None, None), ("dsrelu", "srelu", None, None, None), ("dsrelu", "srelu", None, None, 2.0),
+    ("dglu", "gpt_oss_swiglu", None, None, None), ("dglu", "gpt_oss_swiglu", 2.0, 1.1, None)])
 def test_backward_is_autodiff_of_forward(op, act, limit, galpha, tanh):
     n_c = 256 if op == "dglu" else 128
     x, kw = make_dgrad("bf16", n_c, n_c // 2 if op == "dglu" else n_c, 96, "empty", False, "float32", seed=3)

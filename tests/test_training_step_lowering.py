@@ -1,7 +1,7 @@
 """The MoE training step (nn.moe_mlp forward + backward) lowered for CUDA on this CPU machine: every op lowers to
-a kernel (a fallback to the reference would warn, and the warning is an error here), for swiglu, geglu and srelu,
-with and without bias; the backward's weights and token-major activations reach their kernels without transposes
-(the kernels declare the transposed layouts, checked in the lowered custom calls).
+a kernel (a fallback to the reference would warn, and the warning is an error here), for every activation of the
+table, with and without bias; the backward's weights and token-major activations reach their kernels without
+transposes (the kernels declare the transposed layouts, checked in the lowered custom calls).
 
 Compiles ~20 small kernel modules for sm_90a (skipped without the CuTe DSL compiler).
 """
@@ -17,7 +17,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from cudnn_moe_jax import nn  # noqa: E402
+from cudnn_moe_jax import activations, nn  # noqa: E402
 
 
 def _compiler():
@@ -30,12 +30,12 @@ def _compiler():
         pytest.skip(f"CuTe DSL compiler not importable: {e}")
 
 
-@pytest.mark.parametrize("act", ["swiglu", "geglu", "srelu"])
+@pytest.mark.parametrize("act", list(activations.TABLE))
 @pytest.mark.parametrize("bias", [False, True])
 def test_training_step_lowers_to_kernels_only(act, bias):
     _compiler()
     L, rows, H, I = 2, 256, 256, 128
-    n1 = I if act == "srelu" else 2 * I
+    n1 = activations.TABLE[act].input_width(I)
     off = jnp.asarray([rows, 2 * rows], jnp.int32)
     sd = jax.ShapeDtypeStruct
 

@@ -30,6 +30,18 @@ def _swap_last(w):
     return jnp.swapaxes(w, 1, 2)
 
 
+# The fused ops of each activation's problem ops (activations.TABLE[act].forward_op / backward_op).
+_FC1_OPS = {"glu": ops.grouped_gemm_glu, "srelu": ops.grouped_gemm_srelu}
+_DACT_OPS = {"dglu": ops.grouped_gemm_dglu, "dsrelu": ops.grouped_gemm_dsrelu}
+_REFERENCE_FC1_OPS = {"glu": reference.grouped_gemm_glu, "srelu": reference.grouped_gemm_srelu}
+
+
+def _selection(entry, act_func, glu_limit):
+    """The op keywords naming the activation: the GLU ops are shared and take act_func (and glu_limit); srelu's
+    ops are their activation."""
+    return dict(act_func=act_func, glu_limit=glu_limit) if entry.glu else {}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _fused_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
     """moe_mlp on the fused ops (bf16 / fp16 x_perm; w1 / w2 in its dtype or float32, cast here)."""
@@ -41,13 +53,10 @@ def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
     dtype = x_perm.dtype
     # float32 master weights (and any bias) -> the compute dtype (else no-op), as a Flax Dense with param_dtype
     w1, w2, b1 = w1.astype(dtype), w2.astype(dtype), None if b1 is None else b1.astype(dtype)
-    if not activations.TABLE[act].glu:
-        fc1 = ops.grouped_gemm_srelu(x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
-                                     c_dtype=dtype, d_dtype=dtype, compute_amax=False)
-    else:
-        fc1 = ops.grouped_gemm_glu(x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
-                                   act_func=act, glu_limit=glu_limit, c_dtype=dtype, d_dtype=dtype,
-                                   compute_amax=False)
+    entry = activations.TABLE[act]
+    fc1 = _FC1_OPS[entry.forward_op](x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
+                                     c_dtype=dtype, d_dtype=dtype, compute_amax=False,
+                                     **_selection(entry, entry.name, glu_limit))
     fc2 = ops.grouped_gemm_quant(fc1.d_tensor, w2, padded_offsets=padded_offsets, d_dtype=dtype,
                                  compute_amax=False)
     return fc2.d_tensor, (fc1.c_tensor, fc1.d_tensor)
@@ -66,11 +75,9 @@ def _moe_mlp_bwd(act, glu_limit, residuals, dy):
     # FC2 dgrad fused with the activation derivative: dC, dprob, db1.
     common = dict(padded_offsets=padded_offsets, prob_tensor=prob, d_dtype=dtype, compute_amax=False,
                   generate_dbias=b1 is not None, dbias_dtype="float32" if b1 is not None else None)
-    if not activations.TABLE[act].glu:
-        bwd = ops.grouped_gemm_dsrelu(dy, _swap_last(w2_c), c, b_major="n", **common)
-    else:
-        bwd = ops.grouped_gemm_dglu(dy, _swap_last(w2_c), c, act_func=activations.TABLE[act].derivative, glu_limit=glu_limit, b_major="n",
-                                    **common)
+    entry = activations.TABLE[act]
+    bwd = _DACT_OPS[entry.backward_op](dy, _swap_last(w2_c), c, b_major="n", **common,
+                                       **_selection(entry, entry.derivative, glu_limit))
     dc = bwd.d_row_tensor
     # FC1 dgrad: dx = dC W1[e] (quant op with B = W1 seen as (L, H, 2I)).
     dx = ops.grouped_gemm_quant(dc, _swap_last(w1_c), padded_offsets=padded_offsets, d_dtype=dtype, b_major="n",
@@ -102,12 +109,9 @@ def _reference_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
     f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
     ones = jnp.ones((w1.shape[0],), jnp.float32)
     common = dict(ab_dtype="float32", d_dtype="float32")
-    if activations.TABLE[act].glu:
-        h = reference.grouped_gemm_glu(f32(x_perm), f32(w1), None, None, padded_offsets, ones, prob, f32(b1),
-                                       act_func=act, glu_limit=glu_limit, c_dtype="float32", **common)
-    else:
-        h = reference.grouped_gemm_srelu(f32(x_perm), f32(w1), None, None, padded_offsets, ones, prob, f32(b1),
-                                         c_dtype="float32", **common)
+    entry = activations.TABLE[act]
+    h = _REFERENCE_FC1_OPS[entry.forward_op](f32(x_perm), f32(w1), None, None, padded_offsets, ones, prob, f32(b1),
+                                             c_dtype="float32", **common, **_selection(entry, entry.name, glu_limit))
     return reference.grouped_gemm_quant(h["d_tensor"], f32(w2), None, None, padded_offsets, ones, None,
                                         **common)["d_tensor"]
 

@@ -27,10 +27,11 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
                                     padded_offsets, sf_vec_size)
     m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
-    glu = op == "dglu"
-    if glu and n % 32:
-        raise ValueError(f"{dims['b_arg']}: N={n} (= I, the GLU output width) must be a multiple of 32")
-    c_width = 2 * n if glu else n
+    entry = activations.get(act)
+    c_width = entry.input_width(n)
+    if c_width % entry.column_multiple:
+        raise ValueError(f"{dims['b_arg']}: N={n} (= I, the GLU output width) must be a multiple of "
+                         f"{entry.output_width(entry.column_multiple)}")
     c = ck.squeeze_unit(ck.array(c_tensor, "c_tensor"), 2, "c_tensor", f"({m}, {c_width})")
     if tuple(c.shape) != (m, c_width):
         raise ValueError(f"c_tensor (the saved forward pre-activation) must have shape ({m}, {c_width}), got "

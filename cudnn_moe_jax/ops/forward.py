@@ -45,13 +45,14 @@ def output_quantization(d_dtype: str, norm_const_tensor, discrete_col_sfd: bool,
 
 
 def output_width(act: Optional[str], dims: dict) -> int:
-    """N_out: half of N for GLU (whose N must pair 32-column gate/up blocks), N otherwise."""
-    if act is None or not activations.get(act).glu:
+    """N_out: the activation's output width of N (GLU: half; its N must pair 32-column gate/up blocks)."""
+    if act is None:
         return dims["n"]
-    if dims["n"] % 64:
-        raise ValueError(f"{dims['b_arg']}: N={dims['n']} must be a multiple of 64 for GLU (32-column gate/up "
-                         "blocks)")
-    return dims["n"] // 2
+    entry = activations.get(act)
+    if dims["n"] % entry.column_multiple:
+        raise ValueError(f"{dims['b_arg']}: N={dims['n']} must be a multiple of {entry.column_multiple} for {act} "
+                         "(32-column gate/up blocks)")
+    return entry.output_width(dims["n"])
 
 
 def activation_options(act: Optional[str], glu_limit, glu_alpha, tanh_clamp_scale) -> dict:

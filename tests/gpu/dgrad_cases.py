@@ -54,14 +54,19 @@ CASES = [
                                                         compute_amax=True), "bfloat16", E4M3),
     ("dsrelu_e5m2c_e4m3", "dsrelu", None, dict(d_dtype=E4M3, generate_dbias=True, dbias_dtype="float32"),
      "bfloat16", E5M2),
+    ("dgpt_oss_swiglu_bias_amax", "dglu", "dgpt_oss_swiglu", dict(generate_dbias=True, dbias_dtype="float32",
+                                                                  compute_amax=True), "bfloat16", "bfloat16"),
+    # C exactly at the clamp bounds and one float32 step beyond (beta = 1): the derivative's pass-through there
+    ("dgpt_oss_swiglu_clamp_edges", "dglu", "dgpt_oss_swiglu", dict(glu_limit=1.5, glu_alpha=1.2, d_dtype="float32",
+                                                                    clamp_edges=1.5), "bfloat16", "float32"),
 ]
 
 
 def inputs(case, pattern: str = "empty_and_tail", seed: int = 0):
-    _, op, _, _, ab, c_dtype = case
+    _, op, _, options, ab, c_dtype = case
     width = 2 * I if op == "dglu" else I
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-    return dict(
+    x = dict(
         a=jax.random.normal(keys[0], (M, H)).astype(ab),
         b=(jax.random.normal(keys[1], (L, I, H)) / 8).astype(ab),
         c=(2.0 * jax.random.normal(keys[2], (M, width))).astype(c_dtype),
@@ -71,11 +76,20 @@ def inputs(case, pattern: str = "empty_and_tail", seed: int = 0):
         offsets=jnp.asarray(PATTERNS[pattern], jnp.int32),
         norm_const=jnp.asarray([NORM_CONST], jnp.float32),
     )
+    if "clamp_edges" in options:   # every 3rd value of C at +-limit or one float32 step beyond it, beta = 1
+        lim = jnp.float32(options["clamp_edges"])
+        edges = jnp.asarray([lim, -lim, jnp.nextafter(lim, jnp.inf), jnp.nextafter(-lim, -jnp.inf)], c_dtype)
+        flat = x["c"].reshape(-1)
+        picks = jnp.arange(0, flat.size, 3)
+        x["c"] = flat.at[picks].set(edges[picks % 4]).reshape(x["c"].shape)
+        x["beta"] = jnp.ones((L,), jnp.float32)
+    return x
 
 
 def call(case, x):
     _, op, act, options, _, _ = case
     options = dict(options)
+    options.pop("clamp_edges", None)
     prob = None if options.pop("no_prob", False) else x["prob"]
     kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], beta_tensor=x["beta"], prob_tensor=prob,
               **options)
@@ -116,6 +130,7 @@ def _oracle(case, x):
 
     _, op, act, options, ab, c_dtype = case
     options = dict(options)
+    options.pop("clamp_edges", None)
     no_prob = options.pop("no_prob", False)
     h = {k: np.asarray(v.astype(jnp.float32)) if v.dtype != jnp.int32 else np.asarray(v) for k, v in x.items()}
     d_dtype = options.pop("d_dtype", "bfloat16")

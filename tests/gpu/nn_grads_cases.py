@@ -8,7 +8,7 @@ so the swiglu modules serve both. The wgrad modules are specific to the token co
 
 OPTIONS adds moe_layer cases for the router variants and expert-block pieces (docs/nn.md): a sigmoid,
 group-limited router with a selection bias and routed scaling, a shared expert, (E, in, out) gate / up halves and
-float32 master weights (DeepSeek-V3 style); top-k-first softmax with a logits bias, geglu at its clamps, FC1 and
+float32 master weights (DeepSeek-V3 style); top-k-first softmax with a logits bias, GPT-OSS's SwiGLU, FC1 and
 gate-weighted FC2 biases (GPT-OSS style); fp16 compute on float32 masters, unnormalized weights and a gated shared
 expert (Qwen style). The shared expert adds the one-group modules of 512 rows; float32 masters the float32
 wgrad outputs.
@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_moe_jax import aot, nn
+from cudnn_moe_jax import activations, aot, nn
 
 L, H, I, T, TOP_K = 4, 256, 256, 384, 2       # moe_layer: T tokens -> permuted_rows(384, 2, 4) = 1792 rows
 M = 1792                                       # moe_mlp rows (the same m: one wgrad module per weight shape)
 MLP_ENDS = (768, 768, 1024, 1536)              # expert 1 empty, expert 0 holds 3x expert 2; rows 1536.. in no group
-ACTS = ("swiglu", "geglu", "srelu")
+ACTS = tuple(activations.TABLE)                 # every activation
 # (name, layer, act, bias)
 CASES = [(f"{layer}_{act}{'_bias' if bias else ''}", layer, act, bias)
          for layer in ("moe_mlp", "moe_layer") for act in ACTS for bias in (False, True)]
@@ -36,11 +36,11 @@ OPTIONS = {
     "moe_layer_deepseek_style": dict(act="swiglu", bias=False, dtype="bfloat16", master=True, layout="in_out",
                                      router=dict(score="sigmoid", bias="selection", n_groups=2, topk_groups=1,
                                                  scaling=2.5), shared="plain"),
-    # geglu's clamps (GPT-OSS's at 7) stay inactive here: where C is within a bf16 rounding of +-7 the forward
+    # GPT-OSS's clamps (at 7) stay inactive here: where C is within a bf16 rounding of +-7 the forward
     # (fp32 C) and the backward (the stored bf16 C) may see the clamp differently from a float32 reference, an
     # O(1) local difference no per-element bound admits; the clamps are covered by the op tests and
     # tests/test_nn_models.py
-    "moe_layer_gpt_oss_style": dict(act="geglu", bias=True, b2=True, dtype="bfloat16",
+    "moe_layer_gpt_oss_style": dict(act="gpt_oss_swiglu", bias=True, b2=True, dtype="bfloat16",
                                     router=dict(topk_first=True, bias="logits")),
     "moe_layer_qwen_style_fp16": dict(act="swiglu", bias=False, dtype="float16", master=True,
                                       router=dict(normalize=False), shared="gated"),
@@ -51,7 +51,7 @@ CASES += [(name, "moe_layer", o["act"], o["bias"]) for name, o in OPTIONS.items(
 def inputs(case, seed: int = 0) -> dict:
     """Random operands (never zeros): x ~ N(0, 1), W scaled so C and y are O(1), b1 ~ 0.1 N(0, 1)."""
     _, layer, act, bias = case
-    n1 = I if act == "srelu" else 2 * I
+    n1 = activations.TABLE[act].input_width(I)
     k = iter(jax.random.split(jax.random.PRNGKey(seed), 9))
     rows = M if layer == "moe_mlp" else T
     x = jax.random.normal(next(k), (rows, H))
@@ -162,10 +162,10 @@ def bundle_items():
 # through every expert, masked by its gate weight), float32 with HIGHEST-precision einsums, differentiated by JAX.
 
 def _glu(act, g, u):
-    if act == "swiglu":
-        return u * g * jax.nn.sigmoid(g)
-    g, u = jnp.minimum(g, 7.0), jnp.clip(u, -7.0, 7.0)   # cuDNN's geglu: default clamps g <= 7, -7 <= u <= 7
-    return (u + 1.0) * g * jax.nn.sigmoid(1.702 * g)
+    """act(g, u) of a GLU: the float64 oracle's formula (tests/np_ops.py) in jnp; an unknown act raises."""
+    from np_ops import np_glu_value   # tests/ on sys.path (tests/conftest.py; tools/gpu/_paths.py)
+
+    return np_glu_value(g, u, act, {}, xp=jnp)
 
 
 def _act(act, c):

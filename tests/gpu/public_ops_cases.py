@@ -35,6 +35,10 @@ CASES = [
     ("quant_fp8d", cmj.grouped_gemm_quant, dict(bias=True, d_dtype="float8_e4m3fn", norm_const=True)),
     ("swiglu_fp8c_e5m2d", cmj.grouped_gemm_glu, dict(bias=False, act_func="swiglu", c_dtype="float8_e4m3fn",
                                                      d_dtype="float8_e5m2", norm_const=True)),
+    ("gpt_oss_swiglu", cmj.grouped_gemm_glu, dict(bias=True, act_func="gpt_oss_swiglu", c_dtype="bfloat16",
+                                                  d_dtype="bfloat16")),
+    ("gpt_oss_swiglu_limit", cmj.grouped_gemm_glu, dict(bias=False, act_func="gpt_oss_swiglu", c_dtype="float32",
+                                                        d_dtype="float32", glu_limit=1.5, glu_alpha=1.2)),
 ]
 
 

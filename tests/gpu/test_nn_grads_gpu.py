@@ -1,5 +1,5 @@
 """GPU: value and gradients (`jax.value_and_grad`) of nn.moe_mlp and nn.moe_layer on the kernels against a plain-jnp
-float32 layer written in tests/gpu/nn_grads_cases.py (dense over experts, on the CPU), for swiglu, geglu and srelu
+float32 layer written in tests/gpu/nn_grads_cases.py (dense over experts, on the CPU), for every activation of ACTS
 with and without b1, on random data with skewed groups, an empty expert and (moe_mlp) rows past the last group;
 no op may fall back to the reference. The tolerance (bf16 stores of the fused layer) is derived in nn_grads_cases.
 

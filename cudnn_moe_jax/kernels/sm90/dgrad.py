@@ -296,13 +296,13 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
                 x_g = ctx.beta * rC[0][i].to(Float32)
                 x_u = ctx.beta * rC[1][i].to(Float32)
                 value, d_gate, d_up = rec.dglu(x_g, x_u)
-                if const_expr(rec.glu_alpha is not None):
-                    dd = dd * Float32(rec.glu_alpha)
+                if const_expr(rec.output_scale is not None):
+                    dd = dd * Float32(rec.output_scale)
                 scale = dd * prob
                 vals = [scale * d_gate, scale * d_up]
             else:
                 x = ctx.beta * rC[0][i].to(Float32)
-                value, dvalue = rec.dsrelu(x)
+                value, dvalue = rec.dact(x)
                 vals = [dd * prob * dvalue]
             for j in cutlass.range_constexpr(self.d_per_step):
                 if const_expr(self.quant_d):
