@@ -68,7 +68,7 @@ def mxfp8_cases():
 
     fp8d = dict(generate_sfd=True)
     cases = [(f"mx{i}_{_name(p)}" + ("_seg" if p.epilogue.discrete_col_sfd else ""), p, None)
-             for i, p in enumerate(variants.problems(TEST_SHAPE, ab_dtypes=(), mxfp8=True))]
+             for i, p in enumerate(variants.problems(TEST_SHAPE, ab_dtypes=(), mxfp8=True, fp4=False))]
     return cases + [
         ("mxedge_k208_n384_quant_fp8d", mk("quant", Epilogue(d_dtype=E4M3, has_bias=True, bias_dtype="bfloat16",
                                                              **fp8d), n=384, k=208), None),
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         man.setdefault(key, {})
     todo = []
     if args.only in (None, "tests"):
-        for p in variants.problems(TEST_SHAPE, mxfp8=False):
+        for p in variants.problems(TEST_SHAPE, mxfp8=False, fp4=False):
             todo.append(("tests", "var_" + _name(p), p, None, True))
         for name, p, cfg in edge_cases():
             todo.append(("tests", name, p, cfg, True))

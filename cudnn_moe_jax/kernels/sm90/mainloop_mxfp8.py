@@ -142,6 +142,9 @@ class Mxfp8Mainloop:
     def scale_layouts(self):
         return scale_operand_layouts(self.stages)
 
+    def tma_operands(self):
+        return (self.ab_dtype, TILE_K), (self.ab_dtype, TILE_K)
+
     # the decoder warps (stage workers): a stage's bf16 scale operands are ready once all their lanes arrived
     STAGE_WORKERS = DECODER_WARPS
     REGISTER_TIGHT = True  # acc + the data and scale-product partials: 192 of the consumers' 232 registers
