@@ -25,7 +25,6 @@ ulp (tests/gpu/test_mxfp8_gpu.py: check_values / check_fp8_outputs).
 from __future__ import annotations
 
 import functools
-import warnings
 import zlib
 
 import jax
@@ -222,17 +221,21 @@ def bundle_items():
 # ------------------------------------------------------------------------------------------------ GPU run + checks
 
 
-def _run(case, x):
+def _run_checked(case, pattern: str, mode: str):
+    """Run one case (outputs poisoned first, twice): (inputs, outputs, the oracle's, rows inside groups, ["two calls
+    differ" per output that is not bit-identical])."""
     import harness
 
-    fn = jax.jit(functools.partial(call, case))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
-        harness.poison_allocator()
-        out = jax.block_until_ready(fn(x))
-        harness.poison_allocator()
-        again = jax.block_until_ready(fn(x))
-    return out, again
+    name = case[0]
+    x = inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
+    got, again = harness.run_poisoned_twice(functools.partial(call, case), x)
+    want = _oracle(case, x)
+    valid = np.zeros(M, bool)
+    for s, e in want["_groups"]:
+        valid[s:e] = True
+    errs = [f"{key}: two calls differ" for key, g in got.items() if g is not None
+            and not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8))]
+    return x, got, want, valid, errs
 
 
 def _oracle(case, x):
@@ -280,15 +283,7 @@ def run_dgrad_case(case, pattern: str, mode: str) -> list[str]:
     from test_mxfp8_gpu import check_fp8_outputs, check_values
 
     name, op, fmt, k, _, options = case
-    x = inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
-    got, again = _run(case, x)
-    want = _oracle(case, x)
-    groups = want["_groups"]
-    valid = np.zeros(M, bool)
-    for s, e in groups:
-        valid[s:e] = True
-    errs = [f"{key}: two calls differ" for key, g in got.items() if g is not None
-            and not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8))]
+    x, got, want, valid, errs = _run_checked(case, pattern, mode)
     fp8_d = options.get("d_dtype") in FP8
     for key, out, rows in (("d_row_tensor", "d", valid), ("dprob_tensor", "dprob", valid),
                            ("dbias_tensor", "dbias", np.ones(L, bool))):
@@ -362,17 +357,8 @@ def run_case(case, pattern: str, mode: str) -> list[str]:
     name, op, fmt, k, _, options = case
     if op in DGRAD_OPS:
         return run_dgrad_case(case, pattern, mode)
-    x = inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
-    got, again = _run(case, x)
-    want = _oracle(case, x)
+    x, got, want, valid, errs = _run_checked(case, pattern, mode)
     groups = want["_groups"]
-    valid = np.zeros(M, bool)
-    for s, e in groups:
-        valid[s:e] = True
-    errs = []
-    for key, g in got.items():
-        if g is not None and not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8)):
-            errs.append(f"{key}: two calls differ")
     if mode == "exact":
         for key in EXACT_KEYS[op]:
             if got[key] is not None and not _same_bits(got[key], want[key]):

@@ -37,7 +37,7 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_KBLOCKS, SF_ATOM_ROWS, 
 from .. import dequant as dq
 from .. import quantize as q8
 from .mainloop import WgmmaMainloop, copy_ab_stage, make_ab_smem_layouts
-from .mainloop_mxfp8 import sf_view
+from .mainloop_mxfp8 import sf_atom_tma
 
 TILE_K = 64
 GROUPS = TILE_K // dq.GROUP     # groups per stage row
@@ -208,14 +208,8 @@ class DequantMainloop(WgmmaMainloop):
     def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
         """(atom, tensor) of the SFA TMA (multicast with A along the cluster's N; none for a bf16 A) and the SFB
         TMA (with B)."""
-        sfa = (None, None) if self.FORMAT.a_bf16 else self._sf_tma(tensors["sfa"], cluster_n)
-        return (*sfa, *self._sf_tma(tensors["sfb"], cluster_m))
-
-    def _sf_tma(self, sf: cute.Tensor, num_multicast: int):
-        op = cpasync.CopyBulkTensorTileG2SMulticastOp() if num_multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
-        atom_layout = cute.make_layout((SF_ATOM_ROWS, SF_ATOM_KBLOCKS), stride=(1, SF_ATOM_ROWS))
-        return cpasync.make_tiled_tma_atom(op, sf_view(sf), atom_layout, (SF_ATOM_ROWS, SF_ATOM_KBLOCKS),
-                                           num_multicast=num_multicast)
+        sfa = (None, None) if self.FORMAT.a_bf16 else sf_atom_tma(tensors["sfa"], cluster_n)
+        return (*sfa, *sf_atom_tma(tensors["sfb"], cluster_m))
 
     @cute.jit
     def partition_scale_loads(self, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, smem, rank_m, rank_n):
