@@ -212,7 +212,7 @@ def test_gpt_oss_swiglu_compiles_without_spills(name):
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(module, tool), problem.block_scaled)
+    _check_sass(sass_of(module, tool), False)   # block-scaled inputs: dequantized to bf16 (HGMMA) by default
 
 
 def _instructions(sass: str) -> list:
