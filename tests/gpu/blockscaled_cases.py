@@ -48,6 +48,8 @@ PATTERNS = {
     "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048
 }
 MODES = ("exact", "adversarial", "specials")
+# (pattern, mode) each case runs in the GPU test: every mode, both routing patterns (~3 s a run)
+RUNS = (("empty_and_tail", "exact"), ("unsanitized", "adversarial"), ("empty_and_tail", "specials"))
 NORM_CONST = 0.01   # FP8 D's norm_const (tests/gpu/test_mxfp8_gpu.py's checks assume it)
 OPS = {"quant": cmj.grouped_gemm_quant, "srelu": cmj.grouped_gemm_srelu, "glu": cmj.grouped_gemm_glu}
 BF, F16, F32 = "bfloat16", "float16", "float32"

@@ -20,8 +20,7 @@ pytestmark = pytest.mark.gpu
 harness.skip_without_gpu_or_bundle("blockscaled_cases")
 
 
-@pytest.mark.parametrize("mode", cases.MODES)
-@pytest.mark.parametrize("pattern", list(cases.PATTERNS))
+@pytest.mark.parametrize("pattern,mode", cases.RUNS)
 @pytest.mark.parametrize("case", cases.ALL_CASES, ids=[c[0] for c in cases.ALL_CASES])
 def test_blockscaled_op_matches_float64(case, pattern, mode):
     errs = cases.run_case(case, pattern, mode)
