@@ -2,7 +2,8 @@
 
 Each named shape (cudnn_moe_jax.shapes) with its fusion: bf16 inputs (SwiGLU C + D + amax on fc1 / small, plain
 D = prob * alpha * acc + amax on fc2), and MXFP8 inputs with bf16 D or FP8 D (+ D_col, SFD_row, SFD_col,
-norm_const). The calls take positional arrays in one fixed order, so the benchmark times them beside its peers
+norm_const); the format comparison (`block_call`): bf16, MXFP8, NVFP4, MXFP4 inputs on those shapes and on the
+memory-bound layers of issue 19 (MEMORY_BOUND). The calls take positional arrays in one fixed order, so the benchmark times them beside its peers
 (and, in the lab, beside exported kernel modules with the same order):
 
     bf16:   fn(a, b, padded_offsets, alpha, prob)
@@ -26,6 +27,28 @@ from cudnn_moe_jax.shapes import FUSION, SHAPES
 
 # MXFP8 output variants: label -> FP8 D (else bf16 D)
 MXFP8_OUTPUTS = {"bf16d": False, "fp8d": True}
+
+# Block-scaled input formats of the format comparison (`--formats`): label -> (data dtype, SF dtype, vec)
+BLOCK_FORMATS = {"mxfp8": (E4M3, "float8_e8m0fnu", 32), "nvfp4": ("float4_e2m1fn", E4M3, 16),
+                 "mxfp4": ("float4_e2m1fn", "float8_e8m0fnu", 32)}
+# weight-only quantization (bf16 A, block-scaled B): label -> B's format
+WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp8": "mxfp8"}
+FORMAT_LABELS = ("bf16",) + tuple(BLOCK_FORMATS) + tuple(WEIGHT_ONLY)
+# Shapes of the format comparison besides fc1 / fc2 / small (= FC1 of the first memory-bound layer of issue 19:
+# 64 experts x 256 rows, H 2048, I 768): that layer's FC2 and the second layer (128 experts, H 4096, I 1024; its
+# 128 tokens per expert padded to the 256-row groups the kernels take) -> ((m, N, K, L), (op, act), rows/expert)
+MEMORY_BOUND = {
+    "small_fc2": ((16384, 2048, 768, 64), ("quant", None), 256),
+    "e128_fc1": ((32768, 2048, 4096, 128), ("glu", "swiglu"), 256),
+    "e128_fc2": ((32768, 4096, 1024, 128), ("quant", None), 256),
+}
+
+
+def format_shape(shape: str):
+    """((m, N, K, L), (op, act), rows per expert) of a format-comparison shape."""
+    if shape in MEMORY_BOUND:
+        return MEMORY_BOUND[shape]
+    return tuple(SHAPES[shape]), FUSION[shape], SHAPES[shape].m // SHAPES[shape].num_groups
 
 
 def _call(op: str, act, kw: dict):
@@ -60,6 +83,37 @@ def mxfp8_call(shape: str, fp8_d: bool):
     return fn
 
 
+def block_call(shape: str, fmt: str):
+    """fn(a, b, sfa, sfb, padded_offsets, alpha, prob) -> OpResult: the shape's fused op (bf16 D, + C for SwiGLU)
+    on inputs of format `fmt` (FORMAT_LABELS): "bf16" (sfa, sfb ignored), block-scaled A and B (BLOCK_FORMATS),
+    or bf16 A with block-scaled B (WEIGHT_ONLY; sfa ignored)."""
+    _, (op, act), _ = format_shape(shape)
+
+    def fn(a, b, sfa, sfb, padded_offsets, alpha, prob):
+        kw = dict(a_tensor=a, b_tensor=b, padded_offsets=padded_offsets, alpha_tensor=alpha, prob_tensor=prob)
+        if fmt != "bf16":
+            kw.update(sfa_tensor=None if fmt in WEIGHT_ONLY else sfa, sfb_tensor=sfb,
+                      sf_vec_size=BLOCK_FORMATS[WEIGHT_ONLY.get(fmt, fmt)][2])
+        return _call(op, act, kw)
+
+    return fn
+
+
+def block_avals(shape: str, fmt: str) -> tuple:
+    (m, n, k, groups), _, _ = format_shape(shape)
+    sds = jax.ShapeDtypeStruct
+    tail = (sds((groups,), jnp.int32), sds((groups,), jnp.float32), sds((m,), jnp.float32))
+    if fmt == "bf16":
+        return (sds((m, k), jnp.bfloat16), sds((groups, n, k), jnp.bfloat16), None, None) + tail
+    data, sf, vec = BLOCK_FORMATS[WEIGHT_ONLY.get(fmt, fmt)]
+    dt, kk = (jnp.uint8, k // 2) if data == "float4_e2m1fn" else (jnp.dtype(data), k)
+    kb = -(-(-(-k // vec)) // 4)
+    sf_dt = jnp.dtype(sf) if sf == E4M3 else jnp.uint8
+    a = (sds((m, k), jnp.bfloat16), None) if fmt in WEIGHT_ONLY else (sds((m, kk), dt),
+                                                                       sds((1, m // 128, kb, 32, 4, 4), sf_dt))
+    return (a[0], sds((groups, n, kk), dt), a[1], sds((groups, -(-n // 128), kb, 32, 4, 4), sf_dt)) + tail
+
+
 def bf16_avals(shape: str) -> tuple:
     m, n, k, groups = SHAPES[shape]
     sds = jax.ShapeDtypeStruct
@@ -86,4 +140,9 @@ def bundle_items() -> list:
     items = [functools.partial(_lower_for_cuda, bf16_call(s), bf16_avals(s)) for s in SHAPES]
     items += [functools.partial(_lower_for_cuda, mxfp8_call(s, fp8), mxfp8_avals(s, fp8))
               for s in SHAPES for fp8 in MXFP8_OUTPUTS.values()]
+    items += [functools.partial(_lower_for_cuda, block_call(s, f), block_avals(s, f))
+              for s in FORMAT_SHAPES for f in FORMAT_LABELS]
     return items
+
+
+FORMAT_SHAPES = tuple(SHAPES) + tuple(MEMORY_BOUND)

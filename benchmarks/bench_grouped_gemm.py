@@ -28,6 +28,7 @@ Per row of results.json, by implementation: ms (median, device time where measur
 program, CUPTI; one value when every round saw the same program).
 
     python benchmarks/bench_grouped_gemm.py --mxfp8 --out DIR     # MXFP8 inputs (e4m3 + e8m0 per 32)
+    python benchmarks/bench_grouped_gemm.py --formats mxfp8,nvfp4,mxfp4 --out DIR   # input formats vs bf16
 
 MXFP8 mode: the same fc1 / fc2 / small shapes with A, B quantized from N(0,1) data per 32-wide K block
 (cudnn_moe_jax.formats.to_block_scaled on the GPU: realistic, non-uniform scales); ours with bf16 D (+ C for
@@ -478,6 +479,66 @@ def plot_mxfp8(results, device, path: Path):
     plot(results, keep, f"grouped GEMM, MXFP8 inputs (e4m3 + e8m0 / 32), {device}", path)
 
 
+def run_formats(args):
+    """Format comparison (`--formats`): per shape (bench_cases.FORMAT_SHAPES), the public op on bf16 inputs and on
+    each block-scaled format (bench_cases.BLOCK_FORMATS, dequantized exactly to bf16 on chip), bf16 D (+ C for
+    SwiGLU), operands quantized from N(0, 1) data on the GPU. Rows: TFLOP/s and the time ratio bf16 / format."""
+    import jax
+    import jax.numpy as jnp
+
+    from cudnn_moe_jax import formats
+
+    _, dev, timer, why = _session(False)
+    wanted = args.formats.split(",")
+    results = []
+    for shape_name in bench_cases.FORMAT_SHAPES:
+        if args.shapes and shape_name not in args.shapes.split(",") and args.shapes != "all":
+            continue
+        (m, n, k, L), _, rows = bench_cases.format_shape(shape_name)
+        offsets = jnp.asarray(np.arange(1, L + 1, dtype=np.int32) * rows)
+        flops = 2.0 * m * n * k
+        key = jax.random.PRNGKey(0)
+        alpha, prob = jnp.ones((L,), jnp.float32), jax.random.uniform(jax.random.fold_in(key, 2), (m,))
+        row = {"shape": shape_name, "valid_m": m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {}}
+        if timer is None:
+            row["cupti_unavailable"] = why
+        runners = {}
+        for fmt in ["bf16"] + [f for f in bench_cases.FORMAT_LABELS[1:] if f in wanted]:
+            half = jax.jit(lambda x: (x.astype(jnp.bfloat16), None))
+            quant = half
+            if fmt != "bf16":
+                data, sf, vec = bench_cases.BLOCK_FORMATS[bench_cases.WEIGHT_ONLY.get(fmt, fmt)]
+                quant = jax.jit(lambda x, data=data, sf=sf, vec=vec: formats.to_block_scaled(x, data, sf, vec))
+            b, sfb = quant(jax.random.normal(jax.random.fold_in(key, 1), (L, n, k), jnp.float32) / np.sqrt(k))
+            quant_a = half if fmt in bench_cases.WEIGHT_ONLY else quant
+            a_sets = [quant_a(jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32))
+                      for i in range(ITERS)]
+            sets = [(a, b, sa, sfb, offsets, alpha, prob) for a, sa in a_sets]
+            f = public_op(bench_cases.block_call(shape_name, fmt), sets[0], f"ours[{fmt}] on {shape_name}")
+            runners[f"ours[{fmt}]"] = _jax_runner(f, sets, timer)
+        _record(row, time_interleaved(runners, row), flops, 16)
+        base = row["ms"].get("ours[bf16]")
+        row["speedup_over_bf16"] = {key: base / t for key, t in row["ms"].items() if base}
+        print(f"{shape_name:9s} time bf16 / format: " + ", ".join(f"{key} {v:.2f}x" for key, v in
+                                                             row["speedup_over_bf16"].items()), flush=True)
+        results.append(row)
+        runners.clear()
+    return results, str(dev.device_kind)
+
+
+def write_formats(results, device, out: Path):
+    _, lines = table(results, device, out, "formats_results.json", "time bf16 / format",
+                     lambda r: " ".join(f"{k[5:-1]} {v:.2f}x" for k, v in r["speedup_over_bf16"].items()
+                                        if k != "ours[bf16]"))
+    lines += ["", f"TFLOP/s (2*m*N*K / median time), block-scaled inputs dequantized exactly to bf16 on chip. "
+              f"{timing_note(results)}"]
+    (out / "formats_table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    keep = [f"ours[{f}]" for f in bench_cases.FORMAT_LABELS]
+    plot(results, [k for k in keep if any(k in r["tflops"] for r in results)],
+         f"grouped GEMM by input format, {device}", out / "formats_plot.png")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
@@ -487,7 +548,17 @@ def main(argv=None):
     ap.add_argument("--configs", default="", help="with --artifacts: comma-separated subset of the modules' labels")
     ap.add_argument("--mxfp8", action="store_true", help="MXFP8 inputs (mxbench_* artifacts)")
     ap.add_argument("--replot", metavar="MXFP8_JSON", help="only redraw the MXFP8 plot of a saved mxfp8_results.json")
+    ap.add_argument("--formats", metavar="LIST", help="format comparison: bf16 and these input formats "
+                    f"(of {','.join(bench_cases.FORMAT_LABELS[1:])}; w_*: bf16 A, block-scaled weights) on fc1 / "
+                    "fc2 / small and the memory-bound shapes "
+                    "(--shapes all or a subset of " + ",".join(bench_cases.FORMAT_SHAPES) + ")")
     args = ap.parse_args(argv)
+    if args.formats:
+        if args.shapes == ",".join(list(shapes.SHAPES) + list(shapes.ROUTINGS)):
+            args.shapes = "all"
+        results, device = run_formats(args)
+        write_formats(results, device, Path(args.out))
+        return
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         plot_mxfp8(saved["results"], saved["device"], Path(args.out))

@@ -77,6 +77,9 @@ class GroupedGemmProblem:
     wgrad_dtype: Optional[str] = None
     has_global_scales: bool = False
     accumulate: bool = False
+    # A's storage dtype where it is not ab_dtype: bf16 A with block-scaled B (weight-only quantization; ab_dtype,
+    # sf_dtype, sf_vec_size then describe B, and A has no scale factors). None: A is ab_dtype.
+    a_dtype: Optional[str] = None
     # Memory order of the operands (a performance hint; the math is the same): "k" = K contiguous (the canonical
     # row-major A (m, K), B (L, N, K)); "m" / "n" = A's M / B's N contiguous. A kernel then asks XLA for that
     # layout, so a transposed activation or weight (`x.T`, `jnp.swapaxes(w, 1, 2)`) reaches it without a copy.

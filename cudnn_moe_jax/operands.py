@@ -92,9 +92,18 @@ def _storage(dtype: Optional[str]) -> Optional[str]:
     return "uint8" if dtype == FP4 else dtype
 
 
-def _per_byte(p) -> int:
+def _per_byte(p, dtype=None) -> int:
     """Logical elements per byte of the A/B storage along K (T for wgrad): packed FP4 holds two."""
-    return 2 if p.ab_dtype == FP4 else 1
+    return 2 if (dtype or p.ab_dtype) == FP4 else 1
+
+
+def _a_dtype(p) -> str:
+    """A's storage dtype: ab_dtype, or the bf16 A of weight-only quantization (block-scaled B)."""
+    return p.a_dtype or p.ab_dtype
+
+
+def _a_scaled(p) -> bool:
+    return p.block_scaled and p.a_dtype is None
 
 
 def _packed_out(rows, cols, dtype):
@@ -158,10 +167,11 @@ def _group_sums(p, parts, inputs):
 # Operands of every M-grouped GEMM (forward and dgrad): A (m, K), B (L, N, K) or L x (N, K), their scale factors
 # (block-scaled A/B), the group ends.
 _GEMM_INPUTS = (
-    Operand("a", "rows", lambda p: (p.m, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype), dynamic=(0, 1)),
+    Operand("a", "rows", lambda p: (p.m, p.k // _per_byte(p, _a_dtype(p))), lambda p: _storage(_a_dtype(p)),
+            dynamic=(0, 1)),
     Operand("b", "weights", lambda p: (p.num_groups, p.n, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype),
             split=lambda p: (p.n, p.k // _per_byte(p))),
-    Operand("sfa", "sf_rows", lambda p: sf_physical_shape(p.m, p.k, p.sf_vec_size), "uint8", _block_scaled,
+    Operand("sfa", "sf_rows", lambda p: sf_physical_shape(p.m, p.k, p.sf_vec_size), "uint8", _a_scaled,
             dynamic=(1, SF_ATOM_ROWS)),
     Operand("sfb", "static", lambda p: sf_physical_shape(p.n, p.k, p.sf_vec_size, p.num_groups), "uint8",
             _block_scaled, split=lambda p: sf_physical_shape(p.n, p.k, p.sf_vec_size)),

@@ -52,6 +52,11 @@ def _group_max(x, gid, num_groups: int):
     return jnp.where(jnp.isnan(mx), mx, jnp.maximum(mx, 0.0))
 
 
+def _row_amax(x):
+    """(m,) max |x| over each row of x (m, N), NaN propagating (XLA:CPU's reduce-max can drop a NaN)."""
+    return jnp.where(jnp.isnan(x).any(axis=1), jnp.float32(jnp.nan), jnp.max(jnp.abs(x), axis=1))
+
+
 def _group_sum(x, gid, num_groups: int):
     """(L, ...) fp32 sum over in-group rows of x (m, ...); rows outside every group are dropped."""
     return jax.ops.segment_sum(x, gid, num_segments=num_groups + 1)[:num_groups]
@@ -78,8 +83,9 @@ def _dequant_rows(x, s_logical, *, ab_dtype: str, sf_dtype: str, vec: int):
 
 
 def dequantize_a(a, sfa, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size: Optional[int]):
-    """A (m, K) [FP4: uint8 (m, K//2)] + sfa (1, Rb, Kb, 32, 4, 4) -> (m, K) f32."""
-    if not _is_block_scaled(ab_dtype):
+    """A (m, K) [FP4: uint8 (m, K//2)] + sfa (1, Rb, Kb, 32, 4, 4) -> (m, K) f32. Without sfa (bf16 / fp16 A, also
+    bf16 A with block-scaled B: weight-only quantization) A is used as stored."""
+    if sfa is None or not _is_block_scaled(ab_dtype):
         return jnp.asarray(a).astype(F32)
     m = a.shape[0]
     k = a.shape[1] * (2 if ab_dtype == F.E2M1 else 1)
@@ -284,7 +290,7 @@ def _fwd_outputs(c, dfp, ends, gid, *, c_dtype, d_dtype, norm_const, compute_ama
         out["c_tensor"] = cast(jnp.where(valid, c, 0.0), c_dtype)
     out["d_tensor"] = d["d"]
     out["d_col_tensor"] = d["d_col"]
-    out["amax_tensor"] = (_group_max(jnp.max(jnp.abs(dfp), axis=1), gid, num_groups)[:, None]
+    out["amax_tensor"] = (_group_max(_row_amax(dfp), gid, num_groups)[:, None]
                           if compute_amax else None)
     out["sfd_row_tensor"] = d["sfd_row"]
     out["sfd_col_tensor"] = d["sfd_col"]
@@ -462,7 +468,7 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
     else:
         out["d_tensor"] = cast(dfp, d_dtype)
     if compute_amax:
-        out["amax_tensor"] = _group_max(jnp.max(jnp.abs(dfp), axis=1), gid, num_groups)[:, None]
+        out["amax_tensor"] = _group_max(_row_amax(dfp), gid, num_groups)[:, None]
     if rht is None:
         return out
     p = hadamard16() if hadamard is None else _f32(hadamard)
@@ -514,7 +520,7 @@ def _bwd_outputs(dc, dprob, amax_cols, ends, gid, valid, *, d_dtype, norm_const,
     d = store_d(dc, ends, d_dtype=d_dtype, norm_const=norm_const, discrete_col_sfd=discrete_col_sfd)
     amax = None
     if compute_amax:
-        amax = jnp.stack([_group_max(jnp.max(jnp.abs(v), axis=1), gid, num_groups) for v in amax_cols], axis=1)
+        amax = jnp.stack([_group_max(_row_amax(v), gid, num_groups) for v in amax_cols], axis=1)
     return dict(d_row_tensor=d["d"], d_col_tensor=d["d_col"],
                 dprob_tensor=jnp.where(valid, dprob, 0.0),
                 dbias_tensor=None if dbias_dtype is None else _group_sum(dc, gid, num_groups).astype(dbias_dtype),

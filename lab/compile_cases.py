@@ -8,11 +8,18 @@ from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 BF, F16, F32 = "bfloat16", "float16", "float32"
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 _SHORT = {BF: "bf16", F16: "f16", F32: "f32", E4M3: "e4m3", E5M2: "e5m2"}
+_FP4 = {(E4M3, 16): "nvfp4", ("float8_e8m0fnu", 16): "nvfp4e8", ("float8_e8m0fnu", 32): "mxfp4"}
 
 
 def _dgrad(op, act, **epi):
-    return GroupedGemmProblem(op=op, m=2048, n=512, k=256, num_groups=4, ab_dtype=epi.pop("ab", BF),
-                              b_major=epi.pop("b_major", "k"), epilogue=Epilogue(act=act, **epi))
+    sf = dict(zip(("ab_dtype", "sf_dtype", "sf_vec_size"), epi.pop("fmt", (epi.pop("ab", BF), None, None))))
+    return GroupedGemmProblem(op=op, m=2048, n=512, k=epi.pop("k", 256), num_groups=4,
+                              b_major=epi.pop("b_major", "k"), epilogue=Epilogue(act=act, **epi), **sf)
+
+
+# block-scaled dY / W (the dequantizing mainloop): NVFP4, MXFP4, MXFP8 e4m3 / e5m2
+NVFP4, MXFP4 = ("float4_e2m1fn", "float8_e4m3fn", 16), ("float4_e2m1fn", "float8_e8m0fnu", 32)
+MXFP8, MXFP8E5 = ("float8_e4m3fn", "float8_e8m0fnu", 32), ("float8_e5m2", "float8_e8m0fnu", 32)
 
 
 BACKWARD = {
@@ -32,6 +39,14 @@ BACKWARD = {
                                 compute_amax=True),   # 2 store buffers + 4 A/B stages (a 16-bit C: 1 + 4)
     "dsrelu_e5m2c_e4m3": _dgrad("dsrelu", "dsrelu", c_dtype=E5M2, d_dtype=E4M3, generate_sfd=True,
                                 dbias_dtype=F32),
+    "dswiglu_nvfp4": _dgrad("dglu", "dswiglu", fmt=NVFP4, c_dtype=BF, d_dtype=BF, compute_amax=True,
+                            dbias_dtype=F32),
+    "dgeglu_mxfp4_k1024": _dgrad("dglu", "dgeglu", fmt=MXFP4, k=1024, c_dtype=F32, d_dtype=F32, glu_limit=3.0,
+                                 glu_alpha=1.702, dbias_dtype=BF),
+    "dsrelu_mxfp8_e4m3d": _dgrad("dsrelu", "dsrelu", fmt=MXFP8, c_dtype=E4M3, d_dtype=E4M3, generate_sfd=True,
+                                 dbias_dtype=F32),
+    "dswiglu_mxfp8e5_e4m3d_seg": _dgrad("dglu", "dswiglu", fmt=MXFP8E5, c_dtype=BF, d_dtype=E4M3,
+                                        generate_sfd=True, discrete_col_sfd=True, compute_amax=True),
     "quant_nmajor": GroupedGemmProblem(op="quant", m=2048, n=512, k=256, num_groups=4, ab_dtype=BF, b_major="n",
                                        epilogue=Epilogue(d_dtype=BF)),
     "wgrad_kmajor_c1": GroupedGemmProblem(op="wgrad", m=384, n=320, k=2000, num_groups=5, ab_dtype=BF,
@@ -49,7 +64,8 @@ BACKWARD = {
 
 def forward_id(p) -> str:
     e = p.epilogue
-    parts = [_SHORT[p.ab_dtype], p.op if p.op != "glu" else e.act, "bias" if e.has_bias else "nobias",
+    ab = _FP4[(p.sf_dtype, p.sf_vec_size)] if p.ab_dtype == "float4_e2m1fn" else _SHORT[p.ab_dtype]
+    parts = [ab, p.op if p.op != "glu" else e.act, "bias" if e.has_bias else "nobias",
              f"c{_SHORT[e.c_dtype] if e.c_dtype else '-'}", f"d{_SHORT[e.d_dtype]}"]
     if e.discrete_col_sfd:
         parts.append("segsfd")

@@ -73,7 +73,7 @@ def _scalar(x, what):
 
 def np_operand(x, sf, rows_axis_groups, ab_dtype, sf_dtype, vec):
     """Dequantize one K-major operand in float64. x (R, K) or (L, R, K) [fp4 packed K/2]; sf physical."""
-    if ab_dtype not in BLOCK_SCALED:
+    if ab_dtype not in BLOCK_SCALED or sf is None:   # bf16 / fp16, or bf16 A beside block-scaled B
         return np.asarray(x).astype(np.float64)
     x = np.asarray(x)
     batched = x.ndim == 3

@@ -444,3 +444,28 @@ def test_scale_factor_errors_name_the_packer_that_fixes_them(mx, data):
     w = cmj.grouped_gemm_wgrad(codes, codes, data["offsets"], seg, seg, sf_vec_size=32, wgrad_dtype="float32")
     deq = np.asarray(formats.dequantize(codes, s, formats.E4M3, formats.E8M0, 32))
     np.testing.assert_allclose(np.asarray(w.wgrad_tensor[0]), deq[:, :256] @ deq[:, :256].T, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("data,sf,vec", [(formats.E2M1, formats.E4M3, 16), (formats.E2M1, formats.E8M0, 32),
+                                         (formats.E4M3, formats.E8M0, 32)])
+def test_weight_only_bf16_a_with_block_scaled_b(data, sf, vec):
+    """A bf16 A, block-scaled weights, sfa_tensor=None: the weights dequantized exactly, A used as stored (forward
+    and dgrad); an fp16 A, or scales for the bf16 A, are errors naming the rule."""
+    m, n, k, groups = 512, 128, 128, 2
+    key = jax.random.PRNGKey(5)
+    a = jax.random.normal(key, (m, k)).astype(jnp.bfloat16)
+    b, sfb = formats.to_block_scaled(jax.random.normal(jax.random.fold_in(key, 1), (groups, n, k)), data, sf, vec)
+    offsets = jnp.asarray([256, 512], jnp.int32)
+    out = cmj.grouped_gemm_quant(a, b, None, sfb, offsets, d_dtype="float32", sf_vec_size=vec)
+    w = np.asarray(formats.from_block_scaled(b, sfb, data, sf, vec), np.float64)
+    a64 = np.asarray(a, np.float64)
+    want = np.concatenate([a64[:256] @ w[0].T, a64[256:] @ w[1].T])
+    np.testing.assert_allclose(np.asarray(out.d_tensor), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    c = jax.random.normal(jax.random.fold_in(key, 2), (m, n)).astype(jnp.bfloat16)
+    dgrad = cmj.grouped_gemm_dsrelu(a, b, c, None, sfb, offsets, sf_vec_size=vec, d_dtype="float32")
+    assert dgrad.d_row_tensor.shape == (m, n)
+    with pytest.raises(TypeError, match="weight-only"):
+        cmj.grouped_gemm_quant(a.astype(jnp.float16), b, None, sfb, offsets, sf_vec_size=vec)
+    _, sfa = formats.to_block_scaled(jnp.ones((m, k)), data, sf, vec)
+    with pytest.raises(TypeError, match="weight-only"):
+        cmj.grouped_gemm_quant(a, b, sfa, sfb, offsets, sf_vec_size=vec)

@@ -67,11 +67,14 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
         warnings.simplefilter("ignore", RuntimeWarning)
         for item in bench_cases.bundle_items():
             item()
-    assert len(asked) == 3 * len(shapes.SHAPES)
+    assert len(asked) == 3 * len(shapes.SHAPES) + len(bench_cases.FORMAT_LABELS) * len(bench_cases.FORMAT_SHAPES)
     kernels = _runtime.kernels_package()
+    known = set(shapes.SHAPES.values()) | {s for s, _, _ in bench_cases.MEMORY_BOUND.values()}
     for problem, names in asked:
         assert kernels.supports(problem) is None, problem
-        assert (problem.m, problem.n, problem.k, problem.num_groups) in shapes.SHAPES.values()
+        assert (problem.m, problem.n, problem.k, problem.num_groups) in known
+    assert {(p.ab_dtype, p.sf_dtype, p.sf_vec_size) for p, _ in asked if p.block_scaled} == set(
+        bench_cases.BLOCK_FORMATS.values())
     fp8_d = [p for p, names in asked if p.epilogue.generate_sfd]
     assert len(fp8_d) == len(shapes.SHAPES) and all(p.ab_dtype == "float8_e4m3fn" for p in fp8_d)
 

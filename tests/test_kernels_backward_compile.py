@@ -12,47 +12,13 @@ import re
 import pytest
 
 import test_kernels_compile as compile_checks  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
-from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+from lab.compile_cases import BACKWARD, _dgrad
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
 
-def _dgrad(op, act, **epi):
-    return GroupedGemmProblem(op=op, m=2048, n=512, k=256, num_groups=4, ab_dtype=epi.pop("ab", BF),
-                              b_major=epi.pop("b_major", "k"), epilogue=Epilogue(act=act, **epi))
-
-
-CASES = {
-    "dsrelu_bias_amax": _dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, compute_amax=True, dbias_dtype=F32),
-    "dsrelu_tanh_f32c": _dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=BF, tanh_clamp_scale=2.0, has_prob=False),
-    "dswiglu_nmajor": _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=BF, compute_amax=True, b_major="n"),
-    "dgeglu_f32": _dgrad("dglu", "dgeglu", ab=F16, c_dtype=F32, d_dtype=F32, glu_limit=3.0, glu_alpha=1.702,
-                         dbias_dtype=BF),
-    # FP8 D_row with SFD_row / D_col / SFD_col (epilogue_fp8d): dglu quantizes a gate and an up subtile per step
-    "dswiglu_e4m3": _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3, generate_sfd=True, compute_amax=True,
-                           dbias_dtype=F32),
-    "dsrelu_e5m2_segsfd": _dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=E5M2, generate_sfd=True,
-                                 discrete_col_sfd=True, dbias_dtype=BF),
-    # FP8 saved C (the forward's e4m3 / e5m2 c_dtype): 8-bit C subtiles by TMA, widened to fp32 in the epilogue
-    "dswiglu_e4m3c": _dgrad("dglu", "dswiglu", c_dtype=E4M3, d_dtype=BF, compute_amax=True, dbias_dtype=F32),
-    "dsrelu_e4m3c_tanh": _dgrad("dsrelu", "dsrelu", c_dtype=E4M3, d_dtype=BF, tanh_clamp_scale=2.0,
-                                compute_amax=True),   # 2 store buffers + 4 A/B stages (a 16-bit C: 1 + 4)
-    "dsrelu_e5m2c_e4m3": _dgrad("dsrelu", "dsrelu", c_dtype=E5M2, d_dtype=E4M3, generate_sfd=True,
-                                dbias_dtype=F32),
-    "quant_nmajor": GroupedGemmProblem(op="quant", m=2048, n=512, k=256, num_groups=4, ab_dtype=BF, b_major="n",
-                                       epilogue=Epilogue(d_dtype=BF)),
-    "wgrad_kmajor_c1": GroupedGemmProblem(op="wgrad", m=384, n=320, k=2000, num_groups=5, ab_dtype=BF,
-                                          wgrad_dtype=BF),
-    "wgrad_tokmajor_c2": GroupedGemmProblem(op="wgrad", m=512, n=320, k=2000, num_groups=5, ab_dtype=F16,
-                                            wgrad_dtype=F32, a_major="m", b_major="n"),
-    # accumulate_on_output (old W read in the epilogue, output aliased to it) with global scales; n_w = 328 leaves
-    # a partial 32-column subtile (the old-W loads are predicated per column)
-    "wgrad_accum_gs_c1": GroupedGemmProblem(op="wgrad", m=384, n=320, k=2000, num_groups=5, ab_dtype=BF,
-                                            wgrad_dtype=BF, accumulate=True, has_global_scales=True),
-    "wgrad_accum_f32_tokmajor_c2": GroupedGemmProblem(op="wgrad", m=512, n=328, k=2000, num_groups=5, ab_dtype=F16,
-                                                      wgrad_dtype=F32, accumulate=True, a_major="m", b_major="n"),
-}
+CASES = BACKWARD   # the backward / operand-major compile cases (lab/compile_cases.py: also the SASS snapshot's)
 
 
 def _compile(problem) -> bytes:

@@ -1,10 +1,11 @@
 """CPU checks of the sm90 kernels: every default variant compiles for sm_90a through `cutlass_call` + `jax.export`
-(symbolic m: one module for every m), and its SASS has wgmma (HGMMA for bf16/fp16, QGMMA for MXFP8) and no
-local-memory spills (LDL/STL); MXFP8 modules run one scale-product HGMMA per data QGMMA, issued back to back
-(ptxas must not serialize them).
+(symbolic m: one module for every m), and its SASS has bf16/fp16 wgmma (HGMMA; block-scaled inputs are dequantized
+to bf16 on chip) issued back to back within a stage (ptxas must not serialize them) and no local-memory spills
+(LDL/STL); with the opt-in FP8-wgmma MXFP8 mainloop (Config.mxfp8_wgmma) one scale-product HGMMA per data QGMMA,
+issued back to back.
 
-Skipped when the CuTe DSL compiler is not installed. ~24 bf16/fp16 variants x ~2 s + 9 MXFP8 variants x ~4 s on
-2 cores.
+Skipped when the CuTe DSL compiler is not installed. ~24 bf16/fp16 variants x ~2 s + 15 block-scaled variants x
+~10 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -101,26 +102,25 @@ def compile_module(problem, config=None, kernel_class=None) -> bytes:
 VARIANTS = variants.problems()
 
 
-_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
-
-
 def _id(p):
-    e = p.epilogue
-    parts = [_SHORT[p.ab_dtype], p.op if p.op != "glu" else e.act, "bias" if e.has_bias else "nobias",
-             f"c{_SHORT[e.c_dtype] if e.c_dtype else '-'}", f"d{_SHORT[e.d_dtype]}"]
-    if e.discrete_col_sfd:
-        parts.append("segsfd")
-    if e.glu_limit or e.glu_alpha or e.tanh_clamp_scale:
-        parts.append("opts")
-    return "-".join(parts)
+    from lab.compile_cases import forward_id
+
+    return forward_id(p)
 
 
 def _check_sass(sass: str, block_scaled: bool) -> None:
+    """block_scaled: the FP8-wgmma MXFP8 mainloop (QGMMA + scale HGMMA); everything else runs bf16 / fp16 HGMMA."""
     assert "arch = sm_90a" in sass
     assert ("QGMMA" if block_scaled else "HGMMA") in sass
     assert "UTMALDG" in sass and "UTMASTG" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills in the kernel"
     assert all(int(s) == 0 for s in re.findall(r"LOCAL:(\d+)", sass))
+    if not block_scaled:
+        # a stage's k16 wgmmas form one commit group (only its last HGMMA sets gsb0) and one group stays in
+        # flight (DEPBAR.LE gsb0, 0x1); a serialized wgmma (ptxas C7514) sets gsb0 and waits on every HGMMA
+        hgmma = re.findall(r"HGMMA\.\S+ [^;]*;", sass)
+        assert sum("gsb0" in h for h in hgmma) < len(hgmma), "wgmma serialized: every HGMMA ends a group"
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "no wgmma group kept in flight"
     if block_scaled:
         # per 32-K block: the data QGMMA and the scale-product HGMMA are issued back to back (two commit groups,
         # waited for one after the other). ptxas serializes wgmma (C7514) when it cannot prove the accumulators
@@ -139,7 +139,7 @@ def test_variant_compiles_with_wgmma_and_no_spills(problem):
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(module, tool), problem.block_scaled)
+    _check_sass(sass_of(module, tool), False)
 
 
 @pytest.mark.parametrize("cfg", [sm90_config.Config(tile_n=128, cluster_m=1, epi_stages=1),
@@ -168,14 +168,15 @@ def test_many_experts_glu_default_compiles_without_spills(ab):
 E4M3, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
 
 
-@pytest.mark.parametrize("cfg", [sm90_config.Config(tile_n=128, cluster_m=1),
-                                 sm90_config.Config(tile_n=128, cluster_m=2, cluster_n=2),
-                                 sm90_config.Config(tile_n=128, cluster_m=2, mx_n_parts=4)],
-                         ids=["mxfp8-1x1-whole-n", "mxfp8-2x2-whole-n", "mxfp8-4-parts"])
-def test_other_mxfp8_configs_compile(cfg):
-    """MXFP8 with the other schedules (no multicast / A and B multicast, one wgmma pair per block over the whole
-    tile N, four column parts); K = 208: a partial last stage (K blocks past K get scale 0) and a half-filled last
-    K block."""
+@pytest.mark.parametrize("cfg", [sm90_config.MXFP8_WGMMA,
+                                 sm90_config.Config(tile_n=128, cluster_m=1, mxfp8_wgmma=True),
+                                 sm90_config.Config(tile_n=128, cluster_m=2, cluster_n=2, mxfp8_wgmma=True),
+                                 sm90_config.Config(tile_n=128, cluster_m=2, mx_n_parts=4, mxfp8_wgmma=True)],
+                         ids=["mxfp8-wgmma", "mxfp8-1x1-whole-n", "mxfp8-2x2-whole-n", "mxfp8-4-parts"])
+def test_mxfp8_wgmma_configs_compile(cfg):
+    """The opt-in FP8-wgmma MXFP8 mainloop (Config.mxfp8_wgmma) with its measured schedule and the others (no
+    multicast / A and B multicast, one wgmma pair per block over the whole tile N, four column parts); K = 208: a
+    partial last stage (K blocks past K get scale 0) and a half-filled last K block."""
     problem = GroupedGemmProblem(op="glu", m=2048, n=384, k=208, num_groups=4, ab_dtype=E4M3, sf_dtype=E8M0,
                                  sf_vec_size=32, epilogue=Epilogue(act="swiglu", c_dtype="bfloat16",
                                                                    d_dtype=E4M3, generate_sfd=True))
@@ -211,7 +212,7 @@ def test_gpt_oss_swiglu_compiles_without_spills(name):
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(module, tool), problem.block_scaled)
+    _check_sass(sass_of(module, tool), False)   # block-scaled inputs: dequantized to bf16 (HGMMA) by default
 
 
 def _instructions(sass: str) -> list:
@@ -249,17 +250,17 @@ def test_fp8_outputs_from_bf16_inputs_compile(tile_n):
         _check_sass(sass_of(module, tool), False)
 
 
-def test_mxfp8_k_loop_is_not_serialized():
+def test_mxfp8_wgmma_k_loop_is_not_serialized():
     """K = 1024 (8 stages: a real k-loop with a back-edge, unlike the 2-stage test shapes, which LLVM unrolls).
-    ptxas serialized every wgmma of the previous MXFP8 kernel for any real k-loop (C7514, a prefetched wgmma in
-    flight across the back-edge; RESULTS.md run 8); `_check_sass` counts one wait per K block."""
+    ptxas serialized every wgmma of the first FP8-wgmma MXFP8 kernel for any real k-loop (C7514, a prefetched wgmma
+    in flight across the back-edge; RESULTS.md run 8); `_check_sass` counts one wait per K block."""
     problem = GroupedGemmProblem(op="glu", m=2048, n=512, k=1024, num_groups=4, ab_dtype=E4M3, sf_dtype=E8M0,
                                  sf_vec_size=32, epilogue=Epilogue(act="swiglu", c_dtype="bfloat16",
                                                                    compute_amax=True))
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(compile_module(problem), tool), True)
+    _check_sass(sass_of(compile_module(problem, sm90_config.MXFP8_WGMMA), tool), True)
 
 
 def test_public_mxfp8_op_lowers_to_the_kernel():
@@ -303,10 +304,12 @@ def test_supports_reasons():
     bad = [
         GroupedGemmProblem(op="dglu", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
                            epilogue=Epilogue(act="dswiglu")),
-        GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype="float4_e2m1fn",
-                           sf_dtype="float8_e4m3fn", sf_vec_size=16),
+        GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype=E4M3,
+                           sf_dtype="float8_e4m3fn", sf_vec_size=16),   # not a block format
         GroupedGemmProblem(op="quant", m=512, n=256, k=136, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
                            sf_vec_size=32),
+        GroupedGemmProblem(op="quant", m=512, n=256, k=144, num_groups=2, ab_dtype="float4_e2m1fn",
+                           sf_dtype="float8_e4m3fn", sf_vec_size=16),   # packed FP4 rows of 72 bytes
         GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
                            sf_vec_size=32, discrete_weights=True),
         GroupedGemmProblem(op="quant", m=500, n=256, k=128, num_groups=2, ab_dtype="bfloat16"),
@@ -321,12 +324,15 @@ def test_supports_reasons():
     mx = GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
                             sf_vec_size=32, epilogue=Epilogue(d_dtype=E4M3, generate_sfd=True))
     assert sm90_config.supports(mx) is None
-    assert sm90_config.default_config(mx).tile_n == 128
+    assert sm90_config.default_config(mx) == sm90_config.Config()   # dequantized: the bf16 schedule
+    for sf, vec in (("float8_e4m3fn", 16), (E8M0, 16), (E8M0, 32)):
+        assert sm90_config.supports(dataclasses.replace(mx, ab_dtype="float4_e2m1fn", sf_dtype=sf,
+                                                        sf_vec_size=vec)) is None
     many = GroupedGemmProblem(op="glu", m=512, n=256, k=128, num_groups=64, ab_dtype="bfloat16",
                               epilogue=Epilogue(act="swiglu", c_dtype="bfloat16"))
     assert sm90_config.default_config(many).epi_stages == 1
     assert sm90_config.default_config(dataclasses.replace(many, num_groups=8)).epi_stages is None
-    assert sm90_config.config_from_hints(mx, mma_tiler_mn=(256, 256)).tile_n == 128
+    assert sm90_config.config_from_hints(mx, mma_tiler_mn=(256, 128)).tile_n == 128
     for p in bad:
         reason = sm90_config.supports(p)
         assert isinstance(reason, str) and reason, p

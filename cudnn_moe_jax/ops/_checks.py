@@ -187,11 +187,13 @@ def sf_dtype_of(named) -> Optional[str]:
     return names.pop() if names else None
 
 
-def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "sfb_tensor"):
+def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "sfb_tensor",
+                         weight_only: bool = False):
     """Checks which data dtype goes with which SF dtype and vec size (docs/formats.md#block-scaled-inputs);
     returns (sf_dtype, vec) or (None, None).
 
     `sfb` is one buffer, or (discrete weights, `sfb_arg="sfb_tensors"`) a sequence of per-expert buffers.
+    `weight_only`: A is bf16 and B block-scaled (`ab_dtype` is B's), so only B has scale factors.
     """
     sfbs = list(sfb) if sfb_arg == "sfb_tensors" and sfb is not None else None
     if ab_dtype in HALF_DTYPES:
@@ -201,12 +203,12 @@ def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "s
         if sf_vec_size is not None:
             raise ValueError(f"sf_vec_size={sf_vec_size!r} only applies to block-scaled inputs, not {ab_dtype}")
         return None, None
-    if sfa is None or sfb is None:
+    if (sfa is None and not weight_only) or sfb is None:
         raise TypeError(f"sfa_tensor and {sfb_arg} are required for block-scaled {ab_dtype} inputs: quantize "
                         "operands with cudnn_moe_jax.formats.to_block_scaled(x, format) (format 'mxfp8', 'nvfp4', "
                         "...), which returns (codes, scales)")
-    named = [(sfa, "sfa_tensor")] + ([(t, f"{sfb_arg}[{i}]") for i, t in enumerate(sfbs)] if sfbs is not None
-                                     else [(sfb, sfb_arg)])
+    named = ([] if weight_only else [(sfa, "sfa_tensor")]) + (
+        [(t, f"{sfb_arg}[{i}]") for i, t in enumerate(sfbs)] if sfbs is not None else [(sfb, sfb_arg)])
     # uint8 bit patterns carry no dtype: e8m0.
     sf_dtype = sf_dtype_of(named) or "float8_e8m0fnu"
     if ab_dtype in FP8_DTYPES:
@@ -320,7 +322,8 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                   sf_vec_size, b_arg="b_tensor"):
     """Validate and canonicalise the grouped-GEMM operands shared by every forward and dgrad op.
 
-    Returns (inputs dict, dims dict) with dims = m, n, k, num_groups, ab_dtype, sf_dtype, vec, discrete.
+    Returns (inputs dict, dims dict) with dims = m, n, k, num_groups, ab_dtype, a_dtype (bf16 A with
+    block-scaled B, else None), sf_dtype, vec, discrete.
     """
     a = squeeze_unit(array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, K) (or (m, K, 1))")
     ab_dtype = operand_dtype(a, "a_tensor")
@@ -357,9 +360,13 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         num_groups, n, b_k = b.shape[0], b.shape[1], logical_k(b, b_dtype)
         if sfb_tensors is not None:
             raise ValueError("sfb_tensors goes with b_tensors; with a dense b_tensor pass sfb_tensor")
+    a_dtype = None
     if b_dtype != ab_dtype:
-        raise TypeError(f"a_tensor ({ab_dtype}) and {b_arg} ({b_dtype}) must have the same dtype: cast one "
-                        "with .astype(...)")
+        if not (ab_dtype == "bfloat16" and b_dtype not in HALF_DTYPES and sfa_tensor is None):
+            raise TypeError(f"a_tensor ({ab_dtype}) and {b_arg} ({b_dtype}) must have the same dtype (or bf16 "
+                            "a_tensor with block-scaled weights and sfa_tensor=None: weight-only quantization): "
+                            "cast one with .astype(...)")
+        a_dtype, ab_dtype = ab_dtype, b_dtype   # weight-only: the block format is B's
     if b_k != k:
         raise ValueError(f"{b_arg}: K={b_k} does not match a_tensor's K={k}"
                          f"{_weight_layout_hint(b_shape, a.shape[-1])}")
@@ -375,7 +382,8 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
     if discrete and sfb_tensors is not None and len(sfb_tensors) != num_groups:
         raise ValueError(f"sfb_tensors must hold one buffer per expert ({num_groups}), got {len(sfb_tensors)}")
     sf_dtype, vec = resolve_block_format(ab_dtype, sfa_tensor, sfb_tensors if discrete else sfb_tensor,
-                                         sf_vec_size, "sfb_tensors" if discrete else "sfb_tensor")
+                                         sf_vec_size, "sfb_tensors" if discrete else "sfb_tensor",
+                                         weight_only=a_dtype is not None)
     sfa = sfb = None
     if sf_dtype is not None:
         # FP4 scales quantized for the other vec size have another layout, except where K cannot tell them apart
@@ -385,9 +393,10 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         def other_layout(rows, num_groups=1):
             return None if other is None else (other, sf_physical_shape(rows, k, other, num_groups))
 
-        sfa = sf_bytes(sfa_tensor, sf_physical_shape(m, k, vec), "sfa_tensor",
-                       SF_HINT_TILED.format(what="(m, K) activations", x="a", logical="(m, cdiv(K, sf_vec_size))"),
-                       other_layout(m))
+        if a_dtype is None:   # weight-only: A has no scale factors
+            sfa = sf_bytes(sfa_tensor, sf_physical_shape(m, k, vec), "sfa_tensor",
+                           SF_HINT_TILED.format(what="(m, K) activations", x="a",
+                                                logical="(m, cdiv(K, sf_vec_size))"), other_layout(m))
         if discrete:
             hint = SF_HINT_TILED.format(what="(N, K) weight of each expert", x="b_tensors[i]",
                                         logical="(N, cdiv(K, sf_vec_size))")
@@ -399,7 +408,8 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                                                 logical="(L, N, cdiv(K, sf_vec_size))"),
                            other_layout(n, num_groups))
     inputs = {"a": a, "b": b, "sfa": sfa, "sfb": sfb, "padded_offsets": offsets}
-    dims = dict(m=m, n=n, k=k, num_groups=num_groups, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=vec,
+    dims = dict(m=m, n=n, k=k, num_groups=num_groups, ab_dtype=ab_dtype, a_dtype=a_dtype, sf_dtype=sf_dtype,
+                vec=vec,
                 discrete=discrete, b_arg="b_tensors" if discrete else b_arg)
     return inputs, dims
 

@@ -53,7 +53,7 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
                         c_dtype=c_dtype, d_dtype=d_dtype, compute_amax=compute_amax, generate_sfd=generate_sfd,
                         discrete_col_sfd=bool(discrete_col_sfd), dbias_dtype=dbias_dtype if generate_dbias else None)
     problem = GroupedGemmProblem(op=op, m=m, n=n, k=dims["k"], num_groups=num_groups, ab_dtype=dims["ab_dtype"],
-                                 sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
+                                 a_dtype=dims["a_dtype"], sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
                                  discrete_weights=dims["discrete"], epilogue=epilogue, **majors)
     inputs.update(c=c, alpha=ck.float_vector(alpha_tensor, num_groups, "alpha_tensor", default=1.0),
                   beta=ck.float_vector(beta_tensor, num_groups, "beta_tensor", default=1.0),

@@ -71,8 +71,9 @@ def bind_forward(op: str, dims: dict, inputs: dict, epilogue: Epilogue, config, 
                  sf_out_dtype: str, majors=None, **extra_inputs) -> OpResult:
     """Problem from the operand dims + epilogue, gating inputs (alpha default ones, prob optional), bind, wrap."""
     problem = GroupedGemmProblem(op=op, m=dims["m"], n=dims["n"], k=dims["k"], num_groups=dims["num_groups"],
-                                 ab_dtype=dims["ab_dtype"], sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
-                                 discrete_weights=dims["discrete"], epilogue=epilogue, **(majors or {}))
+                                 ab_dtype=dims["ab_dtype"], a_dtype=dims["a_dtype"], sf_dtype=dims["sf_dtype"],
+                                 sf_vec_size=dims["vec"], discrete_weights=dims["discrete"], epilogue=epilogue,
+                                 **(majors or {}))
     inputs.update(alpha=ck.float_vector(alpha_tensor, dims["num_groups"], "alpha_tensor", default=1.0),
                   prob=ck.float_vector(prob_tensor, dims["m"], "prob_tensor"), **extra_inputs)
     return finish(problem, _primitive.bind(problem, inputs, config), sf_out_dtype)

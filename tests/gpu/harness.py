@@ -147,6 +147,23 @@ def skip_without_gpu_or_bundle(cases_module: str) -> None:
                     allow_module_level=True)
 
 
+def run_poisoned_twice(fn, x):
+    """fn(x) jitted and called twice, XLA's allocator handed NaN-filled memory before each call, a fallback to the
+    reference an error (its RuntimeWarning): (first outputs, second outputs)."""
+    import warnings
+
+    import jax
+
+    fn = jax.jit(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
+        poison_allocator()
+        out = jax.block_until_ready(fn(x))
+        poison_allocator()
+        again = jax.block_until_ready(fn(x))
+    return out, again
+
+
 def poison_allocator(nbytes: int = 256 << 20) -> None:
     """Hand XLA's allocator a NaN-filled block: outputs a kernel forgets to write then read NaN, not zeros."""
     import jax.numpy as jnp

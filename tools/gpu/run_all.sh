@@ -5,7 +5,8 @@
 #   .runtime  python tools/fetch_runtime.py (libcute_dsl_runtime.so.xz)
 #   .peers    tokamax + deps for the step benchmark (optional; without it the benchmark reports tokamax unavailable)
 #   .out/kgpu tools/gpu/build_artifacts.py (optional: step b runs only where its manifest is present)
-# Use:  OUT=... bash tools/gpu/run_all.sh [tests kgpu sanitize ep bench bench_ep]   (default: all six, in this order)
+# Use:  OUT=... bash tools/gpu/run_all.sh [tests blockscaled kgpu sanitize ep bench bench_ep]   (default: all, in
+# this order)
 # Expected (H200, warm caches not assumed): tests ~4 min, kgpu ~2 min, sanitize ~2 min, ep ~1 min, bench ~5 min,
 # bench_ep ~2 min (estimate: not yet run on a GPU).
 export PYTHONUNBUFFERED=1
@@ -15,7 +16,7 @@ if compgen -G ".peers/wheels/*.whl" > /dev/null; then   # tokamax for the benchm
   export PYTHONPATH=/tmp/peers_site:$PWD/.peers/stub:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-steps=${*:-tests kgpu sanitize ep bench bench_ep}
+steps=${*:-tests blockscaled kgpu sanitize ep bench bench_ep}
 nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 [ -f .bundle/manifest.json ] && echo "bundle: $(grep -c '"file"' .bundle/manifest.json) module(s)" || echo "NO .bundle"
@@ -33,6 +34,14 @@ for s in $steps; do
         tests/gpu/test_public_ops_gpu.py tests/gpu/test_nn_grads_gpu.py -q -rf -p no:cacheprovider --tb=short \
         > "$OUT/tests.log" 2>&1
       echo "== tests rc=$?"; summary "$OUT/tests.log" ;;
+    blockscaled)  # block-scaled inputs (NVFP4 / MXFP4 / MXFP8) on the dequantizing kernel: every case vs the float64
+      # oracle (exact inputs bit-identical), then TFLOP/s by input format beside bf16
+      timeout -s KILL ${BS_TIMEOUT:-420} python3 -m pytest tests/gpu/test_blockscaled_gpu.py -q -rf -p no:cacheprovider \
+        --tb=line > "$OUT/blockscaled.log" 2>&1
+      echo "== blockscaled rc=$?"; summary "$OUT/blockscaled.log"
+      timeout -s KILL ${FMT_TIMEOUT:-300} python3 benchmarks/bench_grouped_gemm.py --formats mxfp8,nvfp4,mxfp4,w_nvfp4,w_mxfp8 \
+        --out "$OUT/formats" > "$OUT/formats.log" 2>&1
+      echo "== formats rc=$?"; grep -E "TFLOP/s|time bf16" "$OUT/formats.log" | cut -c1-200 | tail -40 ;;
     kgpu)   # the kernel-level suites run jax.export artifacts (tools/gpu/build_artifacts.py)
       if [ -f .out/kgpu/manifest.json ]; then
         timeout -s KILL ${KGPU_TIMEOUT:-240} python3 -m pytest tests/gpu/test_grouped_gemm_gpu.py tests/gpu/test_mxfp8_gpu.py \

@@ -15,6 +15,11 @@ SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
 DGRAD_ACTS = {op: tuple(a.derivative for a in activations.TABLE.values() if a.backward_op == op)
               for op in ("dglu", "dsrelu")}
 GLU_ACTS = activations.GLU_NAMES
+# block-scaled inputs (data dtype, SF dtype, vec): dequantized exactly to bf16 on chip (mainloop_dequant), or with
+# Config(mxfp8_wgmma=True) MXFP8 through the FP8-wgmma mainloop (mainloop_mxfp8)
+BLOCK_FORMATS = tuple((d, "float8_e8m0fnu", 32) for d in FP8_DTYPES) + (
+    ("float4_e2m1fn", "float8_e8m0fnu", 32), ("float4_e2m1fn", "float8_e8m0fnu", 16),
+    ("float4_e2m1fn", "float8_e4m3fn", 16))
 SMEM_CAPACITY = 232448  # sm_90 opt-in dynamic shared memory per CTA (227 KiB)
 H200_SMS = 132
 # 4-CTA clusters (2 x 2) co-resident on an H200: 24 run at once, 32 do not (the rest ran as a second wave of the
@@ -33,8 +38,14 @@ class Config:
     epi_stages: epilogue shared-memory buffers per output (TMA-store overlap), 1, 2 or 4 (None: 2); A/B stages
       take the rest of shared memory (3 for GLU with a 16-bit C, else 4);
     group_m: M blocks per raster swizzle group (L2 reuse);
-    mx_n_parts: MXFP8 only: run each 32-K block's data and scale wgmmas per column part (1, 2 or 4 parts of the
-      128-column tile) so a part is folded while the others compute (mainloop_mxfp8.Mxfp8Mainloop.mma_tile_parts);
+    dequant_a: block-scaled inputs: where A is converted to bf16 -- "registers": by the consumer warps into the
+      register operand of an RS wgmma (B by the producer warpgroup's stage workers), "workers": by the stage
+      workers into a bf16 shared-memory stage like B (SS wgmma);
+    mxfp8_wgmma: MXFP8 inputs through the FP8-wgmma mainloop (mainloop_mxfp8; tile_n 128) instead of exact
+      dequantization to bf16 (mainloop_dequant, the default). Opt-in: the FP8 wgmma does not sum a 32-K block's
+      products at fp32 precision (docs/numerics.md);
+    mx_n_parts: with mxfp8_wgmma: run each 32-K block's data and scale wgmmas per column part (1, 2 or 4 parts of
+      the 128-column tile) so a part is folded while the others compute (Mxfp8Mainloop.mma_tile_parts);
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. 2 x 2 clusters use at most H200_4CTA_CLUSTERS
       of them (gemm.GroupedGemmSm90Base.max_clusters).
     """
@@ -47,6 +58,8 @@ class Config:
     epi_stages: Optional[int] = None
     group_m: int = 8
     num_sms: int = H200_SMS
+    dequant_a: str = "registers"
+    mxfp8_wgmma: bool = False
     mx_n_parts: int = 1
 
     def __post_init__(self):
@@ -64,6 +77,10 @@ class Config:
             raise ValueError("mx_n_parts must be 1, 2 or 4")
         if self.group_m < 1:
             raise ValueError("group_m must be >= 1")
+        if self.dequant_a not in ("registers", "workers"):
+            raise ValueError("dequant_a must be 'registers' or 'workers'")
+        if self.mxfp8_wgmma and self.tile_n != 128:
+            raise ValueError("mxfp8_wgmma runs 128 x 128 tiles (tile_n=128)")
 
 
 def supports(problem) -> Optional[str]:
@@ -71,12 +88,15 @@ def supports(problem) -> Optional[str]:
     epi = problem.epilogue
     if problem.op not in SUPPORTED_OPS:
         return f"op {problem.op!r} is not implemented by the sm90 kernel (only {SUPPORTED_OPS})"
-    if problem.block_scaled:  # MXFP8: e8m0 scales, vec 32 (mainloop_mxfp8)
-        if problem.ab_dtype not in FP8_DTYPES or problem.sf_dtype != "float8_e8m0fnu" or problem.sf_vec_size != 32:
-            return (f"block-scaled {problem.ab_dtype!r} with {problem.sf_dtype!r}/{problem.sf_vec_size}: only MXFP8 "
-                    "(e4m3/e5m2 + e8m0, vec 32) is implemented on sm90")
+    if problem.a_dtype is not None and (not problem.block_scaled or problem.a_dtype != "bfloat16"):
+        return (f"A {problem.a_dtype} beside B {problem.ab_dtype}: only bf16 A with block-scaled B (weight-only) is "
+                "implemented (an fp16 A and a dequantized B have no exact common 16-bit tensor-core type)")
+    if problem.block_scaled:
+        if (problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size) not in BLOCK_FORMATS:
+            return (f"block-scaled {problem.ab_dtype!r} with {problem.sf_dtype!r}/{problem.sf_vec_size}: not one of "
+                    f"the formats {BLOCK_FORMATS}")
     elif problem.ab_dtype not in HALF_DTYPES:
-        return f"A/B dtype {problem.ab_dtype!r} not in {HALF_DTYPES + FP8_DTYPES}"
+        return f"A/B dtype {problem.ab_dtype!r} not in {HALF_DTYPES}"
     if problem.discrete_weights:
         return "discrete weights are not implemented on sm90 yet"
     if problem.op != "wgrad" and problem.a_major != "k":
@@ -118,17 +138,20 @@ def supports(problem) -> Optional[str]:
         return f"m must be a multiple of {GROUP_ALIGN}"
     if problem.k % 8 or problem.n % 8 or problem.n_out % 8:
         return "N, N_out and K must be multiples of 8 (16-byte TMA rows)"
-    if problem.block_scaled and problem.k % 16:
-        return "MXFP8 needs K % 16 == 0 (16-byte TMA rows)"
+    return _block_k_reason(problem)
+
+
+def _block_k_reason(problem) -> Optional[str]:
+    if problem.block_scaled and problem.k % (32 if problem.ab_dtype == "float4_e2m1fn" else 16):
+        return "block-scaled operands need 16-byte TMA rows (K % 16 == 0, packed FP4 K % 32 == 0)"
     return None
 
 
 def _dgrad_support(problem) -> Optional[str]:
-    """The backward epilogue (dgrad.py): bf16/fp16 dY and weight, C 16/32-bit or FP8 (e4m3 / e5m2), D_row
-    16/32-bit or FP8 (with SFD_row, D_col, SFD_col: epilogue_fp8d, both SFD_col layouts)."""
+    """The backward epilogue (dgrad.py): bf16/fp16 or block-scaled dY and weight (the forward's mainloops), C
+    16/32-bit or FP8 (e4m3 / e5m2), D_row 16/32-bit or FP8 (with SFD_row, D_col, SFD_col: epilogue_fp8d, both
+    SFD_col layouts)."""
     epi = problem.epilogue
-    if problem.block_scaled or problem.ab_dtype not in HALF_DTYPES:
-        return f"{problem.op} with {problem.ab_dtype} inputs: the sm90 backward epilogue takes bf16/fp16 A/B only"
     if epi.act not in DGRAD_ACTS[problem.op]:
         return f"{problem.op} act {epi.act!r} not in {DGRAD_ACTS[problem.op]}"
     if epi.d_dtype not in OUT_DTYPES:
@@ -143,7 +166,7 @@ def _dgrad_support(problem) -> Optional[str]:
         return f"m must be a multiple of {GROUP_ALIGN}"
     if problem.k % 8 or problem.n % 32:
         return "K must be a multiple of 8 and N (the dgrad output width per gate/up half) of 32"
-    return None
+    return _block_k_reason(problem)
 
 
 def _wgrad_support(problem) -> Optional[str]:
@@ -172,14 +195,13 @@ def default_config(problem) -> Config:
     stages for GLU) -12% on fc1, +9% on `small`; tile 128x128 -5% on fc1/fc2; swizzle group 4/8/16 within noise;
     one barrier per epilogue step -8..13%. ncu, one launch: fc1 1.25 ms (torch CUTLASS 1.24), fc2 645 us (652),
     small 192 us (171, DRAM-bound).
-    MXFP8 runs 128 x 128 tiles (acc + the data and scale-product partials, 3 x 64 registers, leave no room for
-    256); measured there (fc1 TFLOP/s): cluster 2x1 597-600 vs 1x1 591; the block's wgmmas in two 64-column parts
-    624-631 vs 592-600 whole (fc2 572 vs 545), in four parts 473 (shared-memory bound); 4 A/B stages 607 vs 617,
-    2x2 clusters per SM no better (626 from 24 clusters on 96 SMs); raster group 4 / 16 603 / 602, 1x2 cluster 602
-    vs 615.
+    Block-scaled inputs (dequantized to bf16 on chip) run the bf16 schedule. The opt-in FP8-wgmma MXFP8 mainloop
+    (`MXFP8_WGMMA`) runs 128 x 128 tiles (acc + the data and scale-product partials, 3 x 64 registers, leave no
+    room for 256); measured there (fc1 TFLOP/s): cluster 2x1 597-600 vs 1x1 591; the block's wgmmas in two 64-column
+    parts 624-631 vs 592-600 whole (fc2 572 vs 545), in four parts 473 (shared-memory bound); 4 A/B stages 607 vs
+    617, 2x2 clusters per SM no better (626 from 24 clusters on 96 SMs); raster group 4 / 16 603 / 602, 1x2 cluster
+    602 vs 615.
     """
-    if problem.block_scaled:
-        return Config(tile_n=128, cluster_m=2, mx_n_parts=2)
     if problem.op == "wgrad" and problem.m % 256:
         return Config(cluster_m=1)  # a 2-CTA cluster pairs two M tiles of one expert's W
     if problem.op == "glu" and problem.epilogue.c_dtype in HALF_DTYPES and problem.num_groups >= 64:
@@ -187,6 +209,10 @@ def default_config(problem) -> Config:
         # with two: `small` (64 experts) 593 vs 546 and 571 vs 535 TFLOP/s (two runs); with 8 experts -3..-12%
         return Config(epi_stages=1)
     return Config()
+
+
+# the FP8-wgmma MXFP8 mainloop's measured schedule (opt-in: Config.mxfp8_wgmma)
+MXFP8_WGMMA = Config(tile_n=128, cluster_m=2, mx_n_parts=2, mxfp8_wgmma=True)
 
 
 def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Config:
@@ -197,7 +223,7 @@ def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Conf
     """
     config = default_config(problem)
     changes = {}
-    if mma_tiler_mn is not None and mma_tiler_mn[1] in (128, 256) and not problem.block_scaled:
+    if mma_tiler_mn is not None and mma_tiler_mn[1] in (128, 256):
         changes["tile_n"] = mma_tiler_mn[1]
     if cluster_shape_mn is not None:
         cluster_m, cluster_n = cluster_shape_mn

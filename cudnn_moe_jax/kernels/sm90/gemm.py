@@ -44,9 +44,11 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from cudnn_moe_jax.formats import rcp_limit
+from cudnn_moe_jax.limits import FP8_DTYPES
 
 from .. import quantize as q8
 from ..scheduler import M_GROUPED, GroupedTileScheduler
+from . import mainloop_dequant
 from . import mainloop_mxfp8 as mx
 from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
 from .epilogue import EpilogueDriver
@@ -60,6 +62,7 @@ DTYPES = {
     "float32": cutlass.Float32,
     "float8_e4m3fn": cutlass.Float8E4M3FN,
     "float8_e5m2": cutlass.Float8E5M2,
+    "float4_e2m1fn": cutlass.Uint8,  # packed two a byte
 }
 
 EPI_BARRIER_ID = 1
@@ -249,8 +252,16 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         raise NotImplementedError
 
     def mainloop_class_for(self, problem):
-        """MXFP8 inputs: FP8 wgmma + scale-product wgmma per 32-wide K block (mainloop_mxfp8); else bf16 / fp16."""
-        return mx.Mxfp8Mainloop if problem.block_scaled else WgmmaMainloop
+        """Block-scaled inputs: exact dequantization to bf16 on chip (mainloop_dequant), or with the opt-in
+        `Config.mxfp8_wgmma` MXFP8 through FP8 wgmma + a scale-product wgmma per 32-wide K block (mainloop_mxfp8);
+        else bf16 / fp16."""
+        if not problem.block_scaled:
+            return WgmmaMainloop
+        if not self.config.mxfp8_wgmma:
+            return mainloop_dequant.mainloop_class(problem, self.config)
+        if problem.ab_dtype not in FP8_DTYPES or problem.a_dtype is not None:
+            raise NotImplementedError("Config.mxfp8_wgmma takes MXFP8 (FP8 A and B) inputs only")
+        return mx.Mxfp8Mainloop
 
     def make_scheduler(self, problem):
         """M-grouped: groups are row ranges of A and the output (the forward and dgrad schedule)."""
@@ -316,13 +327,14 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
 
         tiled_mma = self.mainloop.tiled_mma()
         a_layout, b_layout = self.mainloop.ab_smem_layouts()
+        (a_dtype, a_box_k), (b_dtype, b_box_k) = self.mainloop.tma_operands()
         a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            a_op, a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, self.tile_k), num_multicast=self.cluster_n
+            a_op, a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, a_box_k), num_multicast=self.cluster_n
         )
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            b_op, b, cute.slice_(b_layout, (None, None, 0)), (self.tile_n, self.tile_k), num_multicast=self.cluster_m
+            b_op, b, cute.slice_(b_layout, (None, None, 0)), (self.tile_n, b_box_k), num_multicast=self.cluster_m
         )
         tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb = self.mainloop.scale_tmas(t, self.cluster_m, self.cluster_n)
         # buffers [0, epi_stages * d_per_step) hold D (D_row), FP8 D: as many after them D_col (one partition
@@ -360,8 +372,8 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         fields += [("ends", MemRange[Int32, self.num_groups]), ("valid", MemRange[Int32, 4]),
                    ("prob", MemRange[Float32, self.tile_m]), ("scalars", MemRange[Float32, 4]),
                    ("bias", MemRange[Float32, self.tile_n]),
-                   ("sA", Align[MemRange[self.ab_dtype, cute.cosize(a_layout)], 1024]),
-                   ("sB", Align[MemRange[self.ab_dtype, cute.cosize(b_layout)], 1024]),
+                   ("sA", Align[MemRange[a_dtype, cute.cosize(a_layout)], 1024]),
+                   ("sB", Align[MemRange[b_dtype, cute.cosize(b_layout)], 1024]),
                    ("sD", Align[MemRange[self.d_dtype, cute.cosize(d_layout)], 1024])]
         fields += self.epilogue_smem_fields(args)
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": dict(fields)}))
@@ -549,9 +561,10 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
     @cute.jit
     def ab_partitions(self, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
         """M-grouped: the producer's A / B TMA partitions, made once (every tile reads the whole K)."""
-        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L)
-        gA = cute.local_tile(args.mA, (self.tile_m, self.tile_k), (None, None))
-        gB = cute.local_tile(args.mB, (self.tile_n, self.tile_k), (None, None, None))
+        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L); bK: the TMA box (packed FP4: K / 2 bytes)
+        (_, a_box_k), (_, b_box_k) = self.mainloop.tma_operands()
+        gA = cute.local_tile(args.mA, (self.tile_m, a_box_k), (None, None))
+        gB = cute.local_tile(args.mB, (self.tile_n, b_box_k), (None, None, None))
         return self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
 
     def ab_k_tiles(self, ab):

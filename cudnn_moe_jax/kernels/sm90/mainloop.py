@@ -77,6 +77,7 @@ class WgmmaMainloop:
       `from_problem`             the instance for a problem, its config and the chosen A/B stage count;
       `TILE_K`, `smem_stage_bytes` / `tx_bytes`   shared memory and TMA bytes of one A/B stage;
       `tiled_mma()`, `ab_smem_layouts()`          the wgmma and the staged A / B layouts;
+      `tma_operands()`                            element type and TMA box K of the loaded A / B stages;
       `smem_fields()`, `smem_tensors()`           the mainloop's own shared memory (none here) and its views;
       `scale_tmas()`, `partition_scale_loads()`   TMA atoms / partitions of scale factors (none here);
       `STAGE_WORKERS`, `process_stage()`          warps of the producer warpgroup that rework each loaded stage
@@ -107,6 +108,10 @@ class WgmmaMainloop:
 
     def ab_smem_layouts(self):
         return make_ab_smem_layouts(self.ab_dtype, self.tile_m, self.tile_n, self.stages, self.a_mn, self.b_mn)
+
+    def tma_operands(self):
+        """((element type, TMA box extent along K) of A, of B): what the producer's TMA loads into `sA` / `sB`."""
+        return (self.ab_dtype, self.TILE_K), (self.ab_dtype, self.TILE_K)
 
     def scale_layouts(self):
         return None, None

@@ -93,6 +93,15 @@ def scale_operand_layouts(stages: int):
     return cute.make_composed_layout(sw, 0, a), cute.make_composed_layout(sw, 0, b)
 
 
+def sf_atom_tma(sf: cute.Tensor, num_multicast: int):
+    """The TMA (atom, tensor) of a packed SF buffer that loads one 512-byte SF atom per (128, 4) box of `sf_view`
+    (multicast to `num_multicast` CTAs)."""
+    op = cpasync.CopyBulkTensorTileG2SMulticastOp() if num_multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
+    atom_layout = cute.make_layout((SF_ATOM_ROWS, KB_PER_STAGE), stride=(1, SF_ATOM_ROWS))
+    return cpasync.make_tiled_tma_atom(op, sf_view(sf), atom_layout, (SF_ATOM_ROWS, KB_PER_STAGE),
+                                       num_multicast=num_multicast)
+
+
 def sf_view(sf: cute.Tensor) -> cute.Tensor:
     """A packed SF buffer (L, Rb, Kb, 32, 4, 4) uint8 seen as (128, 4 * L*Rb*Kb) column-major: column block `a`
     (4 columns = 512 bytes) is SF atom `a = (l*Rb + rb)*Kb + kb4`, so a (128, 4) TMA box loads one atom."""
@@ -142,6 +151,9 @@ class Mxfp8Mainloop:
     def scale_layouts(self):
         return scale_operand_layouts(self.stages)
 
+    def tma_operands(self):
+        return (self.ab_dtype, TILE_K), (self.ab_dtype, TILE_K)
+
     # the decoder warps (stage workers): a stage's bf16 scale operands are ready once all their lanes arrived
     STAGE_WORKERS = DECODER_WARPS
     REGISTER_TIGHT = True  # acc + the data and scale-product partials: 192 of the consumers' 232 registers
@@ -168,7 +180,7 @@ class Mxfp8Mainloop:
 
     def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
         """(atom, tensor) of the SFA TMA (multicast with A along the cluster's N) and the SFB TMA (with B)."""
-        return (*self.make_sf_tma(tensors["sfa"], cluster_n), *self.make_sf_tma(tensors["sfb"], cluster_m))
+        return (*sf_atom_tma(tensors["sfa"], cluster_n), *sf_atom_tma(tensors["sfb"], cluster_m))
 
     @staticmethod
     def make_tiled_mma(ab_dtype, tile_n: int) -> cute.TiledMma:
@@ -192,16 +204,6 @@ class Mxfp8Mainloop:
                 sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, ab_dtype, TILE_K), ab_dtype)
             layouts.append(cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2)))
         return tuple(layouts)
-
-    def sf_smem_layout(self):
-        return cute.make_layout((SF_ATOM_ROWS, KB_PER_STAGE, self.stages),
-                                stride=(1, SF_ATOM_ROWS, SF_ATOM_BYTES))
-
-    def make_sf_tma(self, sf: cute.Tensor, num_multicast: int):
-        op = cpasync.CopyBulkTensorTileG2SMulticastOp() if num_multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
-        return cpasync.make_tiled_tma_atom(
-            op, sf_view(sf), cute.slice_(self.sf_smem_layout(), (None, None, 0)), (SF_ATOM_ROWS, KB_PER_STAGE),
-            num_multicast=num_multicast)
 
     # ------------------------------------------------------------------------------------------ producer
     @cute.jit

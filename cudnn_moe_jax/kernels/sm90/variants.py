@@ -1,6 +1,7 @@
 """The default variant set of the sm90 kernels (what `python -m cudnn_moe_jax.aot build` compiles by default and
 what tests/test_kernels_compile.py checks): bf16/fp16 x {quant, srelu, swiglu, geglu} x {bias, no bias}, with a
-representative spread of C/D dtypes, on the named benchmark shapes. Pure Python (no cutlass import).
+representative spread of C/D dtypes, plus block-scaled sets (MXFP8, NVFP4, MXFP4), on the named benchmark shapes.
+Pure Python (no cutlass import).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .config import default_config
 
 # The forward ops' input names in binding order (the operand table's).
 INPUT_NAMES = table.input_order("glu")
+E2M1 = "float4_e2m1fn"
 
 
 def epilogue_variants(ab_dtype: str):
@@ -65,13 +67,33 @@ def mxfp8_epilogue_variants():
     ]
 
 
-def problems(shape=(2048, 512, 256, 4), ab_dtypes=("bfloat16", "float16"), mxfp8=True):
+def fp4_epilogue_variants():
+    """(sf_dtype, vec, op, Epilogue) of the FP4 set (NVFP4: e4m3 scales, vec 16; MXFP4: e8m0, vec 32; NVFP4 with
+    e8m0 scales): each fusion, bf16 and FP8 D, bias and GLU options."""
+    bf, f32 = "bfloat16", "float32"
+    fp8d = dict(generate_sfd=True, compute_amax=False)
+    return [
+        (E4M3, 16, "glu", Epilogue(act="swiglu", c_dtype=bf, d_dtype=bf, compute_amax=True)),
+        (E4M3, 16, "glu", Epilogue(act="geglu", has_bias=True, bias_dtype=f32, c_dtype=E4M3, d_dtype=E4M3,
+                                   glu_limit=7.0, **fp8d)),
+        (E4M3, 16, "quant", Epilogue(d_dtype=bf, compute_amax=True)),
+        (E8M0, 32, "glu", Epilogue(act="swiglu", c_dtype=bf, d_dtype=E4M3, discrete_col_sfd=True, **fp8d)),
+        (E8M0, 32, "srelu", Epilogue(act="srelu", has_bias=True, bias_dtype=bf, c_dtype=f32, d_dtype=bf,
+                                     tanh_clamp_scale=4.0, compute_amax=True)),
+        (E8M0, 16, "quant", Epilogue(d_dtype=E5M2, has_bias=True, bias_dtype=bf, **fp8d)),
+    ]
+
+
+def problems(shape=(2048, 512, 256, 4), ab_dtypes=("bfloat16", "float16"), mxfp8=True, fp4=True):
     m, n, k, groups = shape
     out = [GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype=ab, epilogue=epi)
            for ab in ab_dtypes for op, epi in epilogue_variants(ab)]
     if mxfp8:
         out += [GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype=ab, sf_dtype=E8M0,
                                    sf_vec_size=32, epilogue=epi) for ab, op, epi in mxfp8_epilogue_variants()]
+    if fp4:
+        out += [GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype=E2M1, sf_dtype=sf,
+                                   sf_vec_size=vec, epilogue=epi) for sf, vec, op, epi in fp4_epilogue_variants()]
     return out
 
 

@@ -1,0 +1,203 @@
+"""Exact dequantization of block-scaled operands to bf16 on chip (the converters of mainloop_dequant).
+
+Every FP8 / FP4 value times its block scale is exact in bf16 (a code has at most 4 significant bits, an e4m3 scale
+4, an e8m0 scale is a power of two, and bf16 has fp32's exponent range), so `bf16(val(x) * val(s))` fed to a bf16
+wgmma with fp32 accumulation computes the reference's products exactly (docs/numerics.md); only results below
+bf16's normal range (|v * s| < 2^-126, where a code times its scale can need more than bf16's 7 subnormal bits)
+round, where the reference on the CPU flushes them to zero and on the GPU keeps fp32 subnormals.
+
+Conversion of a code to bf16 is a bit placement, no table and no cvt (sm_90 has no e2m1 cvt, and the F2FP
+conversions issue at a quarter of the integer rate):
+  e4m3  s.eeee.mmm  -> sign at bf16 bit 15, the 7 magnitude bits at bits 10..4: the bf16 value is v * 2^-120
+        (its exponent field is the e4m3 one, bias 127 instead of 7; e4m3 subnormals land on bf16 subnormals with
+        the same factor, so zeros and subnormals are exact too);
+  e5m2  s.eeeee.mm  -> magnitude at bits 11..5: v * 2^-112;
+  e2m1  s.ee.m      -> magnitude at bits 8..6: v * 2^-126.
+Then two `mul.rn.bf16x2`: by 2^K (exact, restores v) and by the block scale (exact, or one rounding below 2^-126).
+A single multiply by 2^K * scale would overflow bf16 for large scales (e8m0 codes above 134 for e4m3).
+
+Specials: the placement turns e4m3's NaN (0x7F) and e5m2's inf / NaN (exponent 31) into finite numbers.
+  e4m3: a NaN code places as +-480 (the finite maximum is 448), so after the first multiply d = v * NAN_PROBE
+        overflows to +-inf exactly for NaN codes, and the scale is applied as fma(v, scale, d - d): d - d is NaN
+        there and +0 elsewhere (only the sign of a zero product changes, which no sum sees). Floating-point pipe
+        work, next to an integer pipe that the placement already loads;
+  e5m2: inf must stay inf, so the specials are flagged per byte (`(b & 0x7C) + 4` sets bit 7 exactly for them)
+        and their bf16 exponent field forced to all ones: inf -> inf (mantissa 0), NaN -> NaN, with the sign.
+e2m1 has no specials. Scales: e8m0 0x00 is 2^-127 (the bf16 subnormal 0x0040), 0xFF NaN; an e4m3 scale decodes
+like e4m3 data.
+
+Pairs: a converter works on a *group* of 16 consecutive K elements of one row (16 bytes of FP8, 8 of FP4) and
+returns 8 bf16x2 words ("pairs" p = 0..7). FP8 pair p holds elements (2p, 2p + 1); FP4 pair p holds elements
+(8 (p // 4) + p % 4, that + 4) -- nibbles k and k + 4 of one 32-bit word, which one integer multiply places
+(`_fp4_pair`). `pair_k` is the map; operands A and B of one GEMM use the same one, so their K order agrees.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+from cutlass._mlir.dialects import llvm
+
+E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
+DATA_FORMATS = (E4M3, E5M2, E2M1)
+GROUP = 16          # K elements per converter group
+PAIRS = GROUP // 2  # bf16x2 words per group
+# per data format: exponent bias shift K (bf16 value = v * 2^-K), bf16 bits kept from the placed code
+# (sign + magnitude, per half), the shift that places the byte, the special-value flag's (mask, increment)
+_FP8 = {
+    E4M3: dict(bias=120, keep=0x87F087F0, shift=4),
+    E5M2: dict(bias=112, keep=0x8FE08FE0, shift=5, flag=(0x7C7C7C7C, 0x04040404)),
+}
+# bf16 1.1015625 * 2^119: 448 times it is finite, 480 times it rounds to inf (e4m3 NaN detection, above)
+NAN_PROBE = 0x7B0D7B0D
+E2M1_BIAS = 126
+E2M1_KEEP = 0x81C081C0
+# prmt selectors (result byte i <- nibble i; nibble bit 3 replicates the selected byte's sign bit; bytes 4-7 are
+# the second operand, 0 here): bytes (b_2h, b_2h+1) of a word as [sx b1, b1, sx b0, b0] ...
+_SEL_PAIR = (0x9180, 0xB3A2)
+# ... and the special flags as 0xFF00 per flagged element ([sx f1, 0, sx f0, 0])
+_SEL_FLAG = (0x9484, 0xB4A4)
+
+
+def bytes_per_group(data_dtype: str) -> int:
+    return GROUP // 2 if data_dtype == E2M1 else GROUP
+
+
+def pair_k(data_dtype: str, p: int, e: int) -> int:
+    """K offset inside a group of element e (0: low half, 1: high half) of pair p."""
+    if data_dtype == E2M1:
+        return 8 * (p // 4) + p % 4 + 4 * e
+    return 2 * p + e
+
+
+def bias_bits(data_dtype: str) -> int:
+    """bf16x2 bits of 2^K (both halves): what turns a placed code back into its value."""
+    bias = E2M1_BIAS if data_dtype == E2M1 else _FP8[data_dtype]["bias"]
+    half = (127 + bias) << 7
+    return half | (half << 16)
+
+
+# ------------------------------------------------------------------------------------------------ PTX helpers
+
+
+def _i32(x: int) -> Int32:
+    """A 32-bit pattern as a signed Int32 constant."""
+    return Int32(x - (1 << 32) if x >= 1 << 31 else x)
+
+
+def _asm(code: str, *args) -> Int32:
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(a).ir_value() for a in args], code, "=r" + ",r" * len(args),
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def prmt(a: Int32, sel: cutlass.Constexpr) -> Int32:
+    """Byte permute of `a` (and zero bytes) by the constant selector `sel`."""
+    return _asm(f"prmt.b32 $0, $1, 0, {sel:#x};", a)
+
+
+@cute.jit
+def prmt2(a: Int32, b: Int32, sel: cutlass.Constexpr) -> Int32:
+    """Byte permute of (b:a) (bytes 4-7 from b) by the constant selector `sel`."""
+    return _asm(f"prmt.b32 $0, $1, $2, {sel:#x};", a, b)
+
+
+@cute.jit
+def mul_bf16x2(a: Int32, b: Int32) -> Int32:
+    """Both bf16 halves of a times those of b, rounded to nearest even (subnormals kept)."""
+    return _asm("mul.rn.bf16x2 $0, $1, $2;", a, b)
+
+
+@cute.jit
+def fma_bf16x2(a: Int32, b: Int32, c: Int32) -> Int32:
+    return _asm("fma.rn.bf16x2 $0, $1, $2, $3;", a, b, c)
+
+
+@cute.jit
+def sub_bf16x2(a: Int32, b: Int32) -> Int32:
+    return _asm("sub.rn.bf16x2 $0, $1, $2;", a, b)
+
+
+@cute.jit
+def bitselect(mask: cutlass.Constexpr, a: Int32, b: Int32) -> Int32:
+    """(a & mask) | (b & ~mask) in one LOP3 (ptxas does not merge the two constants itself)."""
+    return _asm(f"lop3.b32 $0, $1, $2, {mask:#x}, 0xe4;", a, b)
+
+
+@cute.jit
+def splat_bf16(half: Int32) -> Int32:
+    """bf16 bits in the low half -> the same value in both halves."""
+    return _asm("prmt.b32 $0, $1, 0, 0x1010;", half)
+
+
+# ------------------------------------------------------------------------------------------------ scales
+
+
+@cute.jit
+def e8m0_bf16(e: Int32) -> Int32:
+    """bf16 bits of 2^(e - 127) for an e8m0 code e (0..255): 0x00 -> 2^-127 (subnormal 0x0040), 0xFF -> NaN."""
+    nan_or_tiny = ((e + Int32(1)) & Int32(0x100)) >> 2                      # 0x40 for e = 255
+    tiny = Int32(cutlass.select_(e == Int32(0), Int32(0x40), Int32(0)))
+    return (e << 7) | nan_or_tiny | tiny
+
+
+@cute.jit
+def e4m3_bf16(c: Int32) -> Int32:
+    """bf16 bits of val(c) for an e4m3 code c (0..255; NaN 0x7F / 0xFF -> NaN), exact."""
+    placed = ((c & Int32(0x7F)) << 4) | ((c & Int32(0x80)) << 8)           # val * 2^-120
+    placed = Int32(cutlass.select_((c & Int32(0x7F)) == Int32(0x7F), Int32(0x7FC0), placed))
+    return mul_bf16x2(placed, _i32(bias_bits(E4M3))) & Int32(0xFFFF)
+
+
+@cute.jit
+def scale_bf16x2(code: Int32, sf_dtype: cutlass.Constexpr, valid: cutlass.Boolean) -> Int32:
+    """The block scale of an SF byte as bf16 in both halves; 0.0 where `valid` is false (K past K, rows past N:
+    their data is zero-filled and their SF bytes are padding, which must not turn 0 into NaN)."""
+    half = e8m0_bf16(code) if const_expr(sf_dtype == E8M0) else e4m3_bf16(code)
+    return Int32(cutlass.select_(valid, splat_bf16(half), Int32(0)))
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+@cute.jit
+def _fp8_pair(w: Int32, data_dtype: cutlass.Constexpr, h: cutlass.Constexpr) -> Int32:
+    """Codes 2h, 2h + 1 of a word -> bf16x2 of v * 2^-K; e5m2 specials forced."""
+    f = _FP8[data_dtype]
+    placed = (prmt(w, _SEL_PAIR[h]) << f["shift"]) & _i32(f["keep"])
+    if const_expr(data_dtype == E5M2):
+        mask, inc = f["flag"]
+        flags = (w & Int32(mask)) + Int32(inc)           # bit 7 of byte i: code i is inf / NaN (no carries out)
+        placed = bitselect(f["keep"], placed, prmt(flags, _SEL_FLAG[h]))
+    return placed
+
+
+@cute.jit
+def _fp4_pair(w: Int32, k: cutlass.Constexpr) -> Int32:
+    """Nibbles k and k + 4 of w (elements k, k + 4) -> bf16x2 of v * 2^-126: the nibble's magnitude moves to bits
+    8..6 and its sign to bit 15 by one multiply (two shifted copies that do not overlap), then a mask."""
+    src = w if const_expr(k < 2) else w >> 8
+    lo = k % 2
+    nib = src & Int32(0x00F000F0 if lo else 0x000F000F)
+    return (nib * Int32(0x104 if lo else 0x1040)) & _i32(E2M1_KEEP)
+
+
+@cute.jit
+def convert_group(words, data_dtype: cutlass.Constexpr, scale2: Int32, store):
+    """One group: its 32-bit words (FP8: 4, FP4: 2) and the block scale (bf16x2) -> its 8 bf16x2 pairs (module
+    docstring), val(code) * scale each, handed to `store(p, pair)` as they are made (few live registers: the
+    producer warpgroup's threads have 40)."""
+    bias = _i32(bias_bits(data_dtype))
+    for p in cutlass.range_constexpr(PAIRS):
+        if const_expr(data_dtype == E2M1):
+            x = _fp4_pair(words[p // 4], p % 4)
+        else:
+            x = _fp8_pair(words[p // 2], data_dtype, p % 2)
+        v = mul_bf16x2(x, bias)
+        if const_expr(data_dtype == E4M3):
+            probe = mul_bf16x2(v, Int32(NAN_PROBE))
+            store(p, fma_bf16x2(v, scale2, sub_bf16x2(probe, probe)))
+        else:
+            store(p, mul_bf16x2(v, scale2))

@@ -1,0 +1,444 @@
+"""Dequantizing mainloop of the sm90 grouped GEMM: block-scaled A / B (MXFP8, MXFP4, NVFP4) converted exactly to
+bf16 on chip and multiplied by the bf16 wgmma with fp32 accumulation (kernels/dequant.py: why it is exact).
+
+Per A/B stage (TILE_K = 64 logical K):
+  producer       TMA of the stage's narrow data (A 128 x 64, B tile_n x 64 codes; FP4 packed, 32 bytes a row) into
+                 plain row-major shared memory, and of the SF atoms covering it: one 512-byte atom per 128 rows and
+                 4 k-blocks (docs/formats.md#scale-factor-layout; vec 32: two stages share an atom, both load it);
+                 SFA travels with A (multicast along the cluster's N), SFB with B;
+  stage workers  warps 1-3 of the producer warpgroup convert the stage (A's and B's rows) into a bf16 stage in a
+                 K-major layout the bf16 SS wgmma reads (`bf16_stage_layout`), fence it for the async proxy and arrive on the
+                 stage's worker barrier. A lane converts one group (16 K elements) of one row: 4 lanes a row,
+                 8 rows a pass; one 16- (FP8) or 8-byte (FP4) load, the SF byte, 8 bf16x2 words out;
+  consumers      the bf16 mainloop (WgmmaMainloop.mma_tile) on the bf16 stage.
+
+K order: group q of a row holds K 16q..16q+15 of the stage; its pair p (dequant.pair_k) is stored at the bf16
+stage's K slots 8p + 2q, 8p + 2q + 1 (K chunk p, word q: one conflict-free 32-bit store per pair). A and B are permuted alike, so the dot products are the reference's up to summation order. The slot map
+is also the wgmma A-fragment order (thread q of a quad holds slots 2q, 2q + 1, 2q + 8, 2q + 9 of each k16), so a
+consumer thread that converts A in registers reads one group per row.
+
+Valid data only: K past K is zero-filled by the TMA and its scale forced to 0.0; B rows past N likewise (their
+SF bytes may be padding or the next expert's), so a NaN padding byte cannot reach a stored output or amax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_KBLOCKS, SF_ATOM_ROWS, sf_atom_byte
+
+from .. import dequant as dq
+from .. import quantize as q8
+from .mainloop import WgmmaMainloop, copy_ab_stage, make_ab_smem_layouts
+from .mainloop_mxfp8 import sf_atom_tma
+
+TILE_K = 64
+GROUPS = TILE_K // dq.GROUP     # groups per stage row
+ROWS_PER_PASS = 32 // GROUPS    # rows a warp converts per pass
+WORKERS = ((1,), (2,), (3,))    # (warp of the producer warpgroup,)
+_CUTLASS = {dq.E4M3: cutlass.Float8E4M3FN, dq.E5M2: cutlass.Float8E5M2, dq.E2M1: cutlass.Uint8}
+
+
+@dataclasses.dataclass(frozen=True)
+class DequantFormat:
+    """The operands of a problem: B's (and A's) data dtype, SF dtype and vec size; `a_bf16`: A is bf16 without
+    scales (weight-only quantization)."""
+
+    data: str
+    sf: str
+    vec: int
+    a_bf16: bool = False
+
+    @classmethod
+    def of(cls, problem) -> "DequantFormat":
+        return cls(problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size, problem.a_dtype == "bfloat16")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of a narrow stage."""
+        return TILE_K * dq.bytes_per_group(self.data) // dq.GROUP
+
+    @property
+    def a_row_bytes(self) -> int:
+        return 2 * TILE_K if self.a_bf16 else self.row_bytes
+
+    def tma(self, operand: int):
+        """(element type of the operand's global / shared memory (packed FP4: bytes), TMA box extent along K)."""
+        if operand == 0 and self.a_bf16:
+            return BFloat16, TILE_K
+        return _CUTLASS[self.data], self.row_bytes
+
+
+def sf_atoms(tile_m: int, tile_n: int) -> int:
+    """SF atom slots per stage: one per 128 rows of A (unused for a bf16 A) and of B."""
+    return (tile_m + tile_n) // SF_ATOM_ROWS
+
+
+def bf16_stage_layout(rows: int, stages: int):
+    """bf16 stages (rows, 64, stages), K-major without swizzle ("interleaved" wgmma operand): 8 x 8 core matrices
+    of 128 contiguous bytes, the 8 K chunks of an 8-row group side by side (1 KiB a group). Element (r, k) sits at
+    byte (r // 8) * 1024 + (k // 8) * 128 + (r % 8) * 16 + (k % 8) * 2: a worker's pair p lands at a constant
+    offset p * 128 from its row's base, and the 32 lanes of a store (8 rows x 4 words) hit 32 banks."""
+    layout = cute.make_layout(((8, rows // 8), (8, TILE_K // 8), stages),
+                              stride=((8, 8 * TILE_K), (1, 64), rows * TILE_K))
+    return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, layout)
+
+
+def mainloop_class(problem, config):
+    """The dequantizing mainloop for `problem`'s formats and `config.dequant_a` (a subclass binding them: the
+    kernel class reads the stage sizes from the class before it picks the stage count)."""
+    fmt = DequantFormat.of(problem)
+    a_regs = config.dequant_a == "registers"
+    if fmt.a_bf16 and not a_regs:
+        raise NotImplementedError("bf16 A with block-scaled B needs Config(dequant_a='registers') (the workers' "
+                                  "bf16 stage permutes K; a bf16 A stage is read as TMA stored it)")
+    return type(f"DequantMainloop_{fmt.data}_{fmt.sf}_{fmt.vec}_{config.dequant_a}", (DequantMainloop,),
+                {"FORMAT": fmt, "A_IN_REGISTERS": a_regs, "REGISTER_TIGHT": a_regs})
+
+
+class DequantMainloop(WgmmaMainloop):
+    """The mainloop protocol (WgmmaMainloop's docstring) for block-scaled A and B: narrow stages by TMA, the
+    bf16 B stage (and with A_IN_REGISTERS False the bf16 A stage) from the stage workers; the consumers convert
+    A into the register operand of an RS wgmma (A_IN_REGISTERS, `mma_tile_rs`) or run the bf16 SS k-loop."""
+
+    TILE_K = TILE_K
+    STAGE_WORKERS = WORKERS
+    REGISTER_TIGHT = False
+    FORMAT: DequantFormat = None
+    A_IN_REGISTERS = True
+
+    def __init__(self, tile_m: int, tile_n: int, stages: int, k: int, n: int, cluster_m: int, cluster_n: int):
+        super().__init__(BFloat16, tile_m, tile_n, stages)   # the bf16 wgmma and its swizzled stage layouts
+        fmt = self.FORMAT
+        self.k, self.n = k, n
+        self.k_blocks4 = -(-(-(-k // fmt.vec)) // SF_ATOM_KBLOCKS)   # SF atoms along K (Kb)
+        self.stages_per_atom = SF_ATOM_KBLOCKS * fmt.vec // TILE_K
+        self.sfb_row_blocks = -(-n // SF_ATOM_ROWS)
+        self.cluster_m, self.cluster_n = cluster_m, cluster_n
+
+    @classmethod
+    def from_problem(cls, problem, config, ab_dtype, stages: int):
+        return cls(config.tile_m, config.tile_n, stages, problem.k, problem.n, config.cluster_m, config.cluster_n)
+
+    # ------------------------------------------------------------------------------------------ sizes
+    @classmethod
+    def tx_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
+        """TMA bytes per stage: the A and B tiles and their SF atoms."""
+        fmt = cls.FORMAT
+        atoms = sf_atoms(tile_m, tile_n) - (tile_m // SF_ATOM_ROWS if fmt.a_bf16 else 0)
+        return tile_m * fmt.a_row_bytes + tile_n * fmt.row_bytes + atoms * SF_ATOM_BYTES
+
+    @classmethod
+    def smem_stage_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
+        """Shared memory per stage: the TMA bytes, the bf16 stage(s), the worker barrier."""
+        bf16_rows = tile_n if cls.A_IN_REGISTERS else tile_m + tile_n
+        unused_sf = tile_m // SF_ATOM_ROWS * SF_ATOM_BYTES if cls.FORMAT.a_bf16 else 0   # A's SF slot
+        return cls.tx_bytes(ab_dtype, tile_m, tile_n) + unused_sf + bf16_rows * TILE_K * 2 + 8
+
+    def tiled_mma(self) -> cute.TiledMma:
+        """The bf16 wgmma, A from registers (A_IN_REGISTERS) or shared memory."""
+        source = warpgroup.OperandSource.RMEM if self.A_IN_REGISTERS else warpgroup.OperandSource.SMEM
+        return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K,
+                                                 cute.nvgpu.OperandMajorMode.K, Float32, (2, 1, 1),
+                                                 tiler_mn=(64, self.tile_n), a_source=source)
+
+    def tma_operands(self):
+        """((element type, TMA box K) of A, of B): the narrow stages (a bf16 A: 64 K)."""
+        return self.FORMAT.tma(0), self.FORMAT.tma(1)
+
+    def ab_smem_layouts(self):
+        """The narrow stages: (rows, box K, stages) row-major, unswizzled (the workers' and consumers' group
+        loads are conflict-free: a pass reads whole rows); a bf16 A: the bf16 kernel's 128-byte swizzle (its
+        consumers read 32 bytes of a row, 8 rows apart)."""
+        out = []
+        for operand, rows in enumerate((self.tile_m, self.tile_n)):
+            if operand == 0 and self.FORMAT.a_bf16:
+                out.append(make_ab_smem_layouts(BFloat16, self.tile_m, self.tile_n, self.stages)[0])
+                continue
+            box = self.FORMAT.tma(operand)[1]
+            layout = cute.make_layout((rows, box, self.stages), stride=(box, 1, rows * box))
+            out.append(cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, layout))
+        return tuple(out)
+
+    def bf16_layouts(self):
+        return tuple(bf16_stage_layout(rows, self.stages) for rows in (self.tile_m, self.tile_n))
+
+    def smem_fields(self):
+        """The SF atoms of each stage (A's, then B's) and the bf16 B (and A) stages."""
+        a16, b16 = self.bf16_layouts()
+        atoms = sf_atoms(self.tile_m, self.tile_n) * self.stages
+        Align, MemRange = cute.struct.Align, cute.struct.MemRange
+        fields = [("sSF", Align[MemRange[cutlass.Uint8, atoms * SF_ATOM_BYTES], 128]),
+                  ("sB16", Align[MemRange[BFloat16, cute.cosize(b16)], 1024])]
+        if not self.A_IN_REGISTERS:
+            fields.append(("sA16", Align[MemRange[BFloat16, cute.cosize(a16)], 1024]))
+        return fields
+
+    @cute.jit
+    def smem_tensors(self, storage, tidx: Int32, nthreads: cutlass.Constexpr):
+        """(SF atoms (128, 4, atom, stage) u8, bf16 A stages (None with A in registers), bf16 B stages (wgmma
+        operand views), the narrow A / B stages and the bf16 A / B stages as flat Int32 words (the converters'
+        loads and stores), the SF bytes as a flat u8 tensor)."""
+        a16, b16 = self.bf16_layouts()
+        n_atoms = sf_atoms(self.tile_m, self.tile_n)
+        sSF = storage.sSF.get_tensor(cute.make_layout(
+            (SF_ATOM_ROWS, SF_ATOM_KBLOCKS, n_atoms, self.stages),
+            stride=(1, SF_ATOM_ROWS, SF_ATOM_BYTES, n_atoms * SF_ATOM_BYTES)))
+        sB16 = storage.sB16.get_tensor(b16.outer, swizzle=b16.inner)
+        sA16 = None
+        mems = [(storage.sA, self.tile_m, self.FORMAT.a_row_bytes), (storage.sB, self.tile_n, self.FORMAT.row_bytes),
+                None, (storage.sB16, self.tile_n, 2 * TILE_K)]
+        if const_expr(not self.A_IN_REGISTERS):
+            sA16 = storage.sA16.get_tensor(a16.outer, swizzle=a16.inner)
+            mems[2] = (storage.sA16, self.tile_m, 2 * TILE_K)
+        words = [None if m is None else cute.make_tensor(cute.recast_ptr(m[0].data_ptr(), dtype=Int32),
+                                                         cute.make_layout(m[1] * m[2] // 4 * self.stages))
+                 for m in mems]
+        sf_bytes = cute.make_tensor(storage.sSF.data_ptr(), cute.make_layout(n_atoms * SF_ATOM_BYTES * self.stages))
+        return sSF, sA16, sB16, words[0], words[1], words[2], words[3], sf_bytes
+
+    # ------------------------------------------------------------------------------------------ producer
+    def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
+        """(atom, tensor) of the SFA TMA (multicast with A along the cluster's N; none for a bf16 A) and the SFB
+        TMA (with B)."""
+        sfa = (None, None) if self.FORMAT.a_bf16 else sf_atom_tma(tensors["sfa"], cluster_n)
+        return (*sfa, *sf_atom_tma(tensors["sfb"], cluster_m))
+
+    @cute.jit
+    def partition_scale_loads(self, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, smem, rank_m, rank_n):
+        """The SFA / SFB TMA partitions over (atom coordinate, stage): one (128, 4) box = one SF atom."""
+        sSF = smem[0]
+        tile = (SF_ATOM_ROWS, SF_ATOM_KBLOCKS)
+        tSAs = tSAg = None
+        if const_expr(not self.FORMAT.a_bf16):
+            tSAs, tSAg = cpasync.tma_partition(
+                tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n),
+                cute.group_modes(sSF[(None, None, 0, None)], 0, 2),
+                cute.group_modes(cute.local_tile(mSFA, tile, (None, None)), 0, 2))
+        gSB = cute.group_modes(cute.local_tile(mSFB, tile, (None, None)), 0, 2)
+        tSBs = []  # one destination per B row block of the tile
+        for i in cutlass.range_constexpr(self.tile_n // SF_ATOM_ROWS):
+            dst, tSBg = cpasync.tma_partition(
+                tma_atom_sfb, rank_m, cute.make_layout(self.cluster_m),
+                cute.group_modes(sSF[(None, None, 1 + i, None)], 0, 2), gSB)
+            tSBs.append(dst)
+        return tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs
+
+    @cute.jit
+    def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
+                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile_coord):
+        """k_count stages of tile (m_tile, n_tile, expert g): the narrow A / B boxes and the SF atoms of stage k
+        (k-block quad k // stages_per_atom). SFA atoms are (m / 128, Kb), SFB atoms (L, cdiv(N, 128), Kb); a B
+        row block past N loads the expert's last one (its rows are masked by the workers)."""
+        tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs = scale_loads
+        m_tile, n_tile, g = tile_coord
+        b_blocks = self.tile_n // SF_ATOM_ROWS
+        prod_state.reset_count()
+        for _k in cutlass.range(k_count, unroll=1):
+            ab_pipeline.producer_acquire(prod_state)
+            bar = ab_pipeline.producer_get_barrier(prod_state)
+            k = prod_state.count
+            s = prod_state.index
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask)
+            kq = k // self.stages_per_atom
+            if const_expr(not self.FORMAT.a_bf16):
+                cute.copy(tma_atom_sfa, tSAg[(None, 0, m_tile * self.k_blocks4 + kq)], tSAs[(None, s)],
+                          tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+            for i in cutlass.range_constexpr(b_blocks):
+                rb = cutlass.min(n_tile * b_blocks + i, Int32(self.sfb_row_blocks - 1))
+                cute.copy(tma_atom_sfb, tSBg[(None, 0, (g * self.sfb_row_blocks + rb) * self.k_blocks4 + kq)],
+                          tSBs[i][(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+            ab_pipeline.producer_commit(prod_state)
+            prod_state.advance()
+        return prod_state
+
+    # ------------------------------------------------------------------------------------------ workers
+    def _units(self):
+        """Static list of (operand, first row) passes of one stage: A's rows (unless A is converted in the
+        consumers' registers), then B's."""
+        a = [] if self.A_IN_REGISTERS else [(0, r) for r in range(0, self.tile_m, ROWS_PER_PASS)]
+        return a + [(1, r) for r in range(0, self.tile_n, ROWS_PER_PASS)]
+
+    @cute.jit
+    def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
+                      lane: Int32):
+        """Worker `worker` converts its passes (every third) of stage `idx` (tile-local k-tile k) into the bf16
+        stage; tile_ctx: the schedule's tile (`scheduler.Tile`: B rows past N are masked)."""
+        slot = worker[0] - 1
+        units = self._units()
+        for u in cutlass.range_constexpr(slot, len(units), len(WORKERS)):
+            operand, r0 = units[u]
+            self.convert_row_group(smem, operand, r0 + (lane >> 2), lane & 3, idx, k, tile_ctx.n_tile)
+
+    @cute.jit
+    def convert_group(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32, k: Int32,
+                      valid: cutlass.Boolean, store):
+        """Group q of row `row` of `operand` (0: A, 1: B) in stage idx (tile-local k-tile k) -> `store(p, pair)`
+        for its 8 bf16x2 pairs (dequant.convert_group); `valid` false: zeros (K past K, rows past N)."""
+        fmt = self.FORMAT
+        rows = self.tile_m if const_expr(operand == 0) else self.tile_n
+        src, sf_bytes = smem[3 + operand], smem[7]
+        n_words = dq.bytes_per_group(fmt.data) // 4
+        base = (idx * rows + row) * (fmt.row_bytes // 4) + q * n_words
+        words = cute.make_tensor(src.iterator + base, cute.make_layout(n_words)).load()
+        k0 = k * TILE_K + q * dq.GROUP           # first K of the group
+        # SF byte: atom (A's, or B's row block) of this stage, row interleave and k-block (formats.sf_atom_byte;
+        # shifts and masks: the coordinates are non-negative, and signed // and % cost sign fix-ups)
+        atom = 0 if const_expr(operand == 0) else 1 + (row >> 7)
+        kb = (k0 >> (fmt.vec.bit_length() - 1)) & (SF_ATOM_KBLOCKS - 1)
+        code = Int32(sf_bytes[(idx * sf_atoms(self.tile_m, self.tile_n) + atom) * SF_ATOM_BYTES
+                              + sf_atom_byte(row & 31, (row >> 5) & 3, kb)]) & Int32(0xFF)  # (the u8 load sign-extends)
+        dq.convert_group([words[i] for i in range(n_words)], fmt.data,
+                         dq.scale_bf16x2(code, fmt.sf, valid & (k0 < self.k)), store)
+
+    @cute.jit
+    def convert_row_group(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32, k: Int32,
+                          n_tile: Int32):
+        """A worker's group: into the bf16 stage of `operand` (bf16_stage_layout: row group, row in group, word q
+        of K chunk p)."""
+        rows = self.tile_m if const_expr(operand == 0) else self.tile_n
+        valid = cutlass.Boolean(True)
+        if const_expr(operand == 1):
+            valid = n_tile * self.tile_n + row < self.n
+        dst = smem[5 + operand]
+        out = (idx * rows + (row & ~7)) * (2 * TILE_K // 4) + (row & 7) * 4 + q
+
+        def store(p, pair):
+            dst[out + p * 32] = pair
+
+        self.convert_group(smem, operand, row, q, idx, k, valid, store)
+
+    # ------------------------------------------------------------------------------------------ consumer
+    @cute.jit
+    def consumer_operands(self, tiled_mma, sA, sB, smem, wg: Int32):
+        """Consumer warpgroup `wg`: (mma, the SS fragments of the bf16 A stages or, A in registers, the shape of
+        its RS fragment, B fragment over the bf16 B stages, smem views)."""
+        thr_mma = tiled_mma.get_slice(wg * 128)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(smem[2]))
+        if const_expr(not self.A_IN_REGISTERS):
+            return tiled_mma, tiled_mma.make_fragment_A(thr_mma.partition_A(smem[1])), tCrB, None
+        return tiled_mma, thr_mma.partition_shape_A((self.tile_m, TILE_K)), tCrB, smem
+
+    @cute.jit
+    def mma_tile(self, ab_pipeline, read_state, release_state, operands, acc: cute.Tensor, k_count: Int32,
+                 stage_mbar=None):
+        tiled_mma, tCrA, tCrB, smem = operands
+        if const_expr(not self.A_IN_REGISTERS):
+            return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, (tiled_mma, tCrA, tCrB),
+                                          acc, k_count, stage_mbar)
+        # the two RS fragments (one per stage in flight) live in the tile's k-loop only: made outside the tile
+        # loop they would be loop-carried, i.e. held (32 registers) through the epilogue
+        frags = (cute.make_rmem_tensor(tCrA, BFloat16), cute.make_rmem_tensor(tCrA, BFloat16))
+        return self.mma_tile_rs(ab_pipeline, read_state, release_state, tiled_mma, frags, tCrB, self.a_thread(smem),
+                                acc, k_count, stage_mbar)
+
+    @staticmethod
+    @cute.jit
+    def a_thread(smem):
+        """(smem, the thread's A row r, its quad lane q): the RS fragment holds rows r, r + 8 and K slots 2q,
+        2q + 1, 2q + 8, 2q + 9 of each k16. Derived per tile from an opaque thread index: held across the
+        epilogue, such values spill (kernels/NOTES.md, REGISTER_TIGHT)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        t = q8.opaque(tidx - 128)               # consumer thread: warpgroup, warp, lane
+        return smem, (t & 0x80) // 2 + (t & 0x60) // 2 + ((t & 31) >> 2), t & 3
+
+    @cute.jit
+    def _convert_a(self, frag: cute.Tensor, a_thread, idx: Int32, k: Int32):
+        """The thread's A groups of stage idx (rows r, r + 8, group q) -> its RS fragment: register word
+        2p + half holds pair p of row r + 8 half (the fragment's values run (row, k), (row, k+1), (row + 8, k),
+        (row + 8, k+1), then k + 8, per k16; pair p of group q sits at K slots 8p + 2q, 8p + 2q + 1)."""
+        smem, row, q = a_thread
+        words = cute.make_tensor(cute.recast_ptr(frag.iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
+        if const_expr(self.FORMAT.a_bf16):
+            return self._load_bf16_a(words, smem, row, q, idx)
+        for half in cutlass.range_constexpr(2):
+            def store(p, pair, half=half):
+                words[2 * p + half] = pair
+
+            self.convert_group(smem, 0, row + 8 * half, q, idx, k, cutlass.Boolean(True), store)
+
+    @cute.jit
+    def _load_bf16_a(self, words: cute.Tensor, smem, row: Int32, q: Int32, idx: Int32):
+        """A bf16 A (weight-only quantization): group q of rows r, r + 8 from the swizzled bf16 stage (chunks 2q,
+        2q + 1 of a 128-byte row, 16-byte chunk c of row r at c ^ (r % 8)), rearranged into B's pairs: word w of a
+        group holds elements 2w, 2w + 1; FP8 B pairs them so (pair p = word p), FP4 B pairs elements e, e + 4
+        (dequant.pair_k: the same halves of words w and w + 2)."""
+        src = smem[3]
+        for half in cutlass.range_constexpr(2):
+            r = row + 8 * half
+            base = (idx * self.tile_m + r) * (2 * TILE_K // 4)
+            w = []
+            for c in cutlass.range_constexpr(2):
+                chunk = (2 * q + c) ^ (r & 7)
+                v = cute.make_tensor(src.iterator + base + chunk * 4, cute.make_layout(4)).load()
+                w += [v[i] for i in range(4)]
+            for p in cutlass.range_constexpr(dq.PAIRS):
+                if const_expr(self.FORMAT.data == dq.E2M1):
+                    e = dq.pair_k(dq.E2M1, p, 0)
+                    words[2 * p + half] = dq.prmt2(w[e // 2], w[e // 2 + 2], 0x7632 if e % 2 else 0x5410)
+                else:
+                    words[2 * p + half] = w[p]
+
+    def _issue(self, tiled_mma, acc, frag, tCrB, idx: Int32):
+        """The k16 wgmmas of one stage with A from `frag`, one commit group."""
+        warpgroup.fence()
+        for kb in range(TILE_K // 16):
+            cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrB[(None, None, kb, idx)], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def mma_tile_rs(self, ab_pipeline, read_state, release_state, tiled_mma, frags, tCrB, a_thread,
+                    acc: cute.Tensor, k_count: Int32, stage_mbar):
+        """acc = sum over k_count k-tiles with A converted into registers: per stage wait for its TMA and the
+        workers' B, convert the thread's A groups into the free fragment, issue the stage's RS wgmmas, then
+        retire the previous stage (one batch stays in flight; its fragment is the other one). k_count is the
+        problem's k-tile count or 0 (a zero tile), so its parity is static: the loop runs two stages per
+        iteration, each fragment a fixed set of registers (a separate first stage for an odd count)."""
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        odd = -(-self.k // TILE_K) % 2
+        if const_expr(odd):
+            for _k in cutlass.range(cutlass.min(k_count, Int32(1)), unroll=1):
+                self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[0], tCrB, a_thread, Int32(0), stage_mbar)
+                read_state.advance()
+        for j in cutlass.range(k_count // 2, unroll=1):
+            for b in cutlass.range_constexpr(2):
+                self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[(b + odd) % 2], tCrB, a_thread,
+                            2 * j + b + odd, stage_mbar)
+                read_state.advance()
+                warpgroup.wait_group(1)           # the previous stage's wgmmas are done: release it
+                if const_expr(b == 0 and not odd):
+                    if j > 0:                     # (the tile's first stage has no previous one)
+                        ab_pipeline.consumer_release(release_state)
+                    release_state = advanced_if(release_state, j > 0)
+                else:
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+        warpgroup.wait_group(0)
+        for _k in cutlass.range(cutlass.min(k_count, Int32(1)), unroll=1):
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def _stage(self, ab_pipeline, read_state, tiled_mma, acc, frag, tCrB, a_thread, k: Int32, stage_mbar):
+        """Wait for stage k, convert the thread's A groups into `frag`, issue the stage's RS wgmmas."""
+        self.wait_stage(ab_pipeline, read_state, stage_mbar, k)
+        self._convert_a(frag, a_thread, read_state.index, k)
+        self._issue(tiled_mma, acc, frag, tCrB, read_state.index)
+
+
+def advanced_if(state, cond):
+    """`state` advanced by one stage where `cond` holds (selects, no branch)."""
+    nxt = state.clone()
+    nxt.advance()
+    sel = lambda a, b: Int32(cutlass.select_(cond, a, b))  # noqa: E731
+    return pipeline.PipelineState(state.stages, sel(nxt.count, state.count), sel(nxt.index, state.index),
+                                  sel(nxt.phase, state.phase))
