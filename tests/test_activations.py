@@ -28,7 +28,10 @@ def test_every_entry_is_in_the_oracle_and_the_names_pair():
 
 
 def test_every_entry_has_device_functions():
-    pytest.importorskip("cutlass")
+    from cudnn_moe_jax import _compile
+    if _compile.compile_unavailable_reason() is not None:
+        pytest.skip(_compile.compile_unavailable_reason())
+    _compile.import_cutlass()
     from cudnn_moe_jax.kernels import activations as device
 
     for entry in activations.TABLE.values():
