@@ -43,6 +43,8 @@ def m_tiles(p):
     its first row (kernels/scheduler.py). m / 128 when the group ends are multiples of 128; else at most
     cdiv(m, 128) + L - 1 (each group end adds at most one partial tile), rounded up to + L."""
     return cdiv(p.m, ROW_TILE) + (p.num_groups if p.m_aligned % ROW_TILE else 0)
+
+
 # Scale-factor block of the FP8 D outputs (SFD_row / SFD_col, e8m0) and of the NVFP4 outputs (e4m3).
 MX_VEC, NVFP4_VEC = 32, 16
 

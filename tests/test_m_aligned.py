@@ -231,3 +231,21 @@ def test_dbias_partials_of_list_tiles_reduce_by_the_tile_ends():
                                    {"padded_offsets": jnp.asarray([1, 1, 130, 300], jnp.int32)})
     want = [parts[0], np.zeros(n), parts[1] + parts[2], parts[3] + parts[4]]
     np.testing.assert_allclose(np.asarray(out[2]), np.stack(want), rtol=1e-6, atol=1e-6)
+
+
+def test_weight_only_block_scaled_b_takes_any_alignment():
+    """bf16 A with block-scaled weights: only B has scale factors (along N, not M), so any m_aligned passes;
+    every row times its own group's dequantized weight."""
+    from cudnn_moe_jax import formats
+
+    m, n, k = 100, 64, 64
+    key = jax.random.PRNGKey(9)
+    a = jax.random.normal(key, (m, k)).astype(jnp.bfloat16)
+    b, sfb = formats.to_block_scaled(jax.random.normal(jax.random.fold_in(key, 1), (L, n, k)), "mxfp8")
+    ends = np.array([3, 3, 61, 97])
+    out = cmj.grouped_gemm_quant(a, b, None, sfb, jnp.asarray(ends, jnp.int32), d_dtype="float32", m_aligned=1)
+    w = np.asarray(formats.from_block_scaled(b, sfb, "mxfp8"), np.float64)
+    a64, want = np.asarray(a, np.float64), np.zeros((m, n))
+    for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends)):
+        want[s:e] = a64[s:e] @ w[g].T
+    np.testing.assert_allclose(np.asarray(out.d_tensor), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -406,8 +406,9 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                                          sf_vec_size, "sfb_tensors" if discrete else "sfb_tensor",
                                          weight_only=a_dtype is not None)
     sfa = sfb = None
-    if sf_dtype is not None and a_dtype is None:
-        check_sf_alignment(m_aligned, f"block-scaled {ab_dtype} A (sfa_tensor)")
+    if sf_dtype is not None:
+        if a_dtype is None:   # A's scale factors (weight-only calls have B's only)
+            check_sf_alignment(m_aligned, f"block-scaled {ab_dtype} A (sfa_tensor)")
         # FP4 scales quantized for the other vec size have another layout, except where K cannot tell them apart
         # (K <= 64: one atom of 4 k-blocks either way); that is why e8m0 FP4 calls must state sf_vec_size.
         other = {16: 32, 32: 16}[vec] if ab_dtype == FP4 else None
