@@ -12,7 +12,7 @@ OPTIONS adds moe_layer cases for the router variants and expert-block pieces (do
 group-limited router with a selection bias and routed scaling, a shared expert, (E, in, out) gate / up halves and
 float32 master weights (DeepSeek-V3 style); top-k-first softmax with a logits bias, GPT-OSS's SwiGLU, FC1 and
 gate-weighted FC2 biases (GPT-OSS style); fp16 compute on float32 masters, unnormalized weights and a gated shared
-expert (Qwen style). The shared expert adds the one-group modules of 512 rows; float32 masters the float32
+expert (Qwen style). The shared expert adds its one-group calls (one group of T rows); float32 masters the float32
 wgrad outputs.
 """
 
