@@ -11,7 +11,8 @@ Kernel side (`cudnn_moe_jax.kernels.sm90`; its import is pure Python): `supports
 cutlass) with `launch` the `@cute.jit` launcher, and `cutlass_call_kwargs(kernel)` (input_spec, output_spec, ...).
 
 One module per problem, whatever the token count: the kernels take m dynamic, and a grouped-GEMM module is
-compiled, keyed and recorded for the symbolic m `symbolic_m()` (= 256*m_blocks), never for the call's m; the
+compiled, keyed and recorded for the symbolic m `symbolic_m(m_aligned)` (= 256*m_blocks by default), never for the
+call's m; the
 K-grouped wgrad likewise for the symbolic token count `symbolic_t()` (= 8*t_blocks, its k). (Compiled for a
 concrete m, the device code is the same but the host object's symbol names mangle the shapes, so its bytes would
 differ per m.) The avals (m or T symbolic) are recorded beside the module and checked; a call's avals must be
@@ -47,13 +48,19 @@ def _check_supported(problem) -> None:
         raise KernelUnavailable(f"the sm90 kernels do not cover this {problem.op} problem: {verdict}")
 
 
-@functools.lru_cache(maxsize=1)
-def symbolic_m():
-    """The row count every grouped-GEMM module is compiled, keyed and recorded for: the jax.export symbolic
-    dimension `256*m_blocks` (the kernels take m dynamic, m % 256 == 0; its multiples of 128 simplify exactly)."""
+def symbolic_m(m_aligned: int = GROUP_ALIGN):
+    """The row count every grouped-GEMM module of alignment `m_aligned` is compiled, keyed and recorded for: the
+    jax.export symbolic dimension `256*m_blocks` by default (the kernels take m dynamic, m % m_aligned == 0; for
+    256 its multiples of 128 simplify exactly). One object per alignment: symbolic dimensions of separate scopes
+    never compare equal."""
+    return _symbolic_m(int(m_aligned))
+
+
+@functools.lru_cache(maxsize=None)
+def _symbolic_m(m_aligned: int):
     import jax
 
-    (m,) = jax.export.symbolic_shape(f"{GROUP_ALIGN}*m_blocks")
+    (m,) = jax.export.symbolic_shape(f"{m_aligned}*m_blocks" if m_aligned > 1 else "m_blocks")
     return m
 
 
@@ -72,7 +79,7 @@ def canonical_problem(problem):
     wgrad: the token count k (`symbolic_t()`; its m, the weight rows, is static)."""
     if problem.op == "wgrad":
         return dataclasses.replace(problem, k=symbolic_t())
-    return dataclasses.replace(problem, m=symbolic_m())
+    return dataclasses.replace(problem, m=symbolic_m(problem.m_aligned))
 
 
 def _present_outputs(problem) -> tuple:

@@ -7,9 +7,18 @@ combinations it covers); the sets below are the public contract (docs/ops.md, do
 
 from __future__ import annotations
 
-# Expert groups along M are padded to this many rows (cuDNN's m_aligned / FIX_PAD_SIZE, docs/offsets.md): every
-# group end is a multiple of it, so no 128/256-row tile, SF row block or 32-row column-quant block spans two groups.
+# Expert groups along M are padded to this many rows by default (cuDNN's m_aligned / FIX_PAD_SIZE, docs/offsets.md):
+# every group end is a multiple of it, so no 128/256-row tile, SF row block or 32-row column-quant block spans two
+# groups. It is cuDNN's only value and the ops' default.
 GROUP_ALIGN = 256
+
+# The `m_aligned` values the M-grouped ops accept: group ends (and m) are multiples of it. Below 128 the kernels
+# clip their M tiles at group ends (docs/offsets.md#group-alignment); 1 is padding-free.
+M_ALIGNED_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# The smallest m_aligned of a call with scale-factor operands along M: block-scaled A (128-row SFA atoms) and FP8 /
+# FP4 outputs (SFD in 128-row atoms, D_col / SFD_col in 32-row blocks, per-expert SF segments in whole atoms).
+SF_GROUP_ALIGN = 128
 
 # Every token count T wgrad accepts is a multiple of this (16-byte rows of 16-bit tokens; FP8 / FP4 need more), so
 # one module compiled for T = TOKEN_ALIGN * t_blocks serves them all.

@@ -6,7 +6,7 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
   kind     how a kernel launcher declares it (kernels/sm90/jax_bridge.py turns a kind into a TensorSpec):
            "rows" (m, cols) row-major, m dynamic; "weights" B (L, N, K), presented to the kernel as (N, K, L);
            "sf_rows" / "sf_cols" / "sf_segments" scale-factor buffers whose row blocks follow m; "m_vector" (m,);
-           "tiles_by_m" (n_parts, m) per-N-tile row partials; "row_tiles" (m / 128, cols) per-M-tile column
+           "tiles_by_m" (n_parts, m) per-N-tile row partials; "row_tiles" (`m_tiles`, cols) per-M-tile column
            partials; "tokens" wgrad's A (m_w, T) / B (n_w, T), T dynamic; "static": its shape involves neither
   shape    (dims) of the problem; `m` (wgrad: the token count `k`) may be a jax.export symbolic dimension
   dtype    dtype name ("uint8": packed FP4 data and scale-factor bytes)
@@ -36,6 +36,15 @@ Rule = Callable[[Any], Any]
 
 # Rows per partial of a "row_tiles" output: the kernels' M tile (Config.tile_m).
 ROW_TILE = 128
+
+
+def m_tiles(p):
+    """Partials of a "row_tiles" output: the kernels' M tiles, each group's rows cut into ROW_TILE-row tiles from
+    its first row (kernels/scheduler.py). m / 128 when the group ends are multiples of 128; else at most
+    cdiv(m, 128) + L - 1 (each group end adds at most one partial tile), rounded up to + L."""
+    return cdiv(p.m, ROW_TILE) + (p.num_groups if p.m_aligned % ROW_TILE else 0)
+
+
 # Scale-factor block of the FP8 D outputs (SFD_row / SFD_col, e8m0) and of the NVFP4 outputs (e4m3).
 MX_VEC, NVFP4_VEC = 32, 16
 
@@ -148,15 +157,19 @@ def _sum_tiles(p, parts, inputs):
 
 
 def _group_sums(p, parts, inputs):
-    """dbias: per-group sums of the per-M-tile column partials (m / 128, N_out) as a one-hot (L, m / 128) x
-    (m / 128, N_out) fp32 product (exact 0/1 weights, fixed order; rows outside every group add nothing)."""
+    """dbias: per-group sums of the per-M-tile column partials (m_tiles, N_out) as a one-hot (L, m_tiles) x
+    (m_tiles, N_out) fp32 product (exact 0/1 weights, fixed order). Tile i belongs to group
+    #{g : tile_end_g <= i}, tile_end_g = sum_{j <= g} ceil(|j| / 128) (the kernels' tiles, from each group's first
+    row); partials past the last tile (zero tiles, or never written) are dropped by a select, not multiplied."""
     import jax
     import jax.numpy as jnp
 
-    from .offsets import row_groups, sanitize_offsets
+    from .offsets import group_starts, sanitize_offsets
 
-    m = parts.shape[0] * ROW_TILE
-    group = row_groups(sanitize_offsets(inputs["padded_offsets"], m), m)[::ROW_TILE]   # group of each tile
+    ends = sanitize_offsets(inputs["padded_offsets"], p.m, p.m_aligned)
+    tile_end = jnp.cumsum((ends - group_starts(ends) + ROW_TILE - 1) // ROW_TILE)
+    group = jnp.searchsorted(tile_end, jnp.arange(parts.shape[0], dtype=tile_end.dtype), side="right")
+    parts = jnp.where((group < p.num_groups)[:, None], parts, 0.0)
     onehot = (group[None, :] == jnp.arange(p.num_groups, dtype=group.dtype)[:, None]).astype(jnp.float32)
     dbias = jnp.dot(onehot, parts, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return dbias.astype(p.epilogue.dbias_dtype)
@@ -278,7 +291,7 @@ DGRAD_OUTPUTS = (
             partial=Partial("dprob_parts", "tiles_by_m", lambda p, cfg: (dgrad_n_parts(p, cfg), p.m), _sum_tiles)),
     Operand("dbias_tensor", "static", lambda p: (p.num_groups, p.n_out), lambda p: p.epilogue.dbias_dtype,
             lambda p: p.epilogue.dbias_dtype is not None,
-            partial=Partial("dbias_parts", "row_tiles", lambda p, cfg: (p.m // ROW_TILE, p.n_out), _group_sums)),
+            partial=Partial("dbias_parts", "row_tiles", lambda p, cfg: (m_tiles(p), p.n_out), _group_sums)),
     _AMAX,
     _SFD_ROW,
     _SFD_COL,

@@ -48,9 +48,9 @@ def np_groups(offsets, m, align=256):
     return list(zip([0] + ends[:-1], ends))
 
 
-def np_group_of_rows(offsets, m) -> np.ndarray:
+def np_group_of_rows(offsets, m, align=256) -> np.ndarray:
     """(m,) group index of every row, L for rows past the last sanitized end (outside every group)."""
-    return np.searchsorted(np_sanitized_ends(offsets, m), np.arange(m), side="right")
+    return np.searchsorted(np_sanitized_ends(offsets, m, align), np.arange(m), side="right")
 
 
 def _f64(x):
@@ -325,9 +325,9 @@ def _c_from_acc(acc, groups, alpha, bias):
     return c
 
 
-def _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size):
+def _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size, m_aligned):
     m = np.asarray(a).shape[0]
-    groups = np_groups(padded_offsets, m)
+    groups = np_groups(padded_offsets, m, m_aligned)
     acc, acc_mag = _accumulate(a, b, sfa, sfb, groups, ab_dtype, sf_dtype, sf_vec_size)
     alpha, bias = _f64(alpha), _f64(bias)
     mag = np.zeros_like(acc)
@@ -356,9 +356,10 @@ def _quant_d(acc, groups, p, alpha, bias):
 
 
 def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *, ab_dtype,
-                       sf_dtype=None, sf_vec_size=None, d_dtype, compute_amax=False, discrete_col_sfd=False):
+                       sf_dtype=None, sf_vec_size=None, d_dtype, compute_amax=False, discrete_col_sfd=False,
+                       m_aligned=256):
     m = np.asarray(a).shape[0]
-    groups = np_groups(padded_offsets, m)
+    groups = np_groups(padded_offsets, m, m_aligned)
     acc, acc_mag = _accumulate(a, b, sfa, sfb, groups, ab_dtype, sf_dtype, sf_vec_size)
     p, alpha, bias = _prob(prob, m), _f64(alpha), _f64(bias)
     dfp, mag = _quant_d(acc, groups, p, alpha, bias), np.zeros_like(acc)
@@ -373,8 +374,8 @@ def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, n
 
 def grouped_gemm_srelu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *, ab_dtype,
                        sf_dtype=None, sf_vec_size=None, c_dtype="bfloat16", d_dtype, tanh_clamp_scale=None,
-                       compute_amax=False, discrete_col_sfd=False):
-    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size)
+                       compute_amax=False, discrete_col_sfd=False, m_aligned=256):
+    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size, m_aligned)
     dfp, d_mag = _srelu_forward(c, c_mag, _prob(prob, c.shape[0]), tanh_clamp_scale)
     return _forward_result(c, _mask_rows(dfp, groups), groups, c_dtype, d_dtype, norm_const, compute_amax,
                            discrete_col_sfd, dict(c=c_mag, d=d_mag))
@@ -382,8 +383,8 @@ def grouped_gemm_srelu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, n
 
 def grouped_gemm_glu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *, ab_dtype,
                      sf_dtype=None, sf_vec_size=None, act_func="swiglu", c_dtype="bfloat16", d_dtype,
-                     glu_limit=None, glu_alpha=None, compute_amax=False, discrete_col_sfd=False):
-    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size)
+                     glu_limit=None, glu_alpha=None, compute_amax=False, discrete_col_sfd=False, m_aligned=256):
+    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size, m_aligned)
     dfp, d_mag = _glu_forward(c, c_mag, _prob(prob, c.shape[0]), act_func,
                               dict(glu_limit=glu_limit, glu_alpha=glu_alpha))
     return _forward_result(c, _mask_rows(dfp, groups), groups, c_dtype, d_dtype, norm_const, compute_amax,
@@ -397,7 +398,7 @@ def np_forward_from_acc(p: dict, acc, offsets, alpha, prob, bias, sigmoid=np_sig
     the activation's sigmoid (a GPU test models the kernel's flush of tiny values with it)."""
     epi = p["epilogue"]
     m = acc.shape[0]
-    groups = np_groups(offsets, m)
+    groups = np_groups(offsets, m, p.get("m_aligned", 256))
     pr = _prob(prob, m)
     if p["op"] == "quant":
         c, d = None, _quant_d(acc, groups, pr, alpha, bias)
@@ -415,7 +416,7 @@ def np_forward_from_acc(p: dict, acc, offsets, alpha, prob, bias, sigmoid=np_sig
 
 def np_forward_oracle(p: dict, a, b, offsets, alpha, prob, bias) -> dict:
     """np_forward_from_acc on a (m, K) times each group's expert b[g] (N, K) (bf16 / fp16 / float64 values)."""
-    groups = np_groups(offsets, np.asarray(a).shape[0])
+    groups = np_groups(offsets, np.asarray(a).shape[0], p.get("m_aligned", 256))
     acc, _ = _accumulate(a, b, None, None, groups, None, None, None)
     return np_forward_from_acc(p, acc, offsets, alpha, prob, bias)
 
@@ -460,9 +461,9 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
                                     rht_norm_const=None, hadamard=None, *, ab_dtype, sf_dtype=None,
                                     sf_vec_size=None, act_func="swiglu", c_dtype="bfloat16", d_dtype="bfloat16",
                                     rht=None, rht_dtype=None, glu_limit=None, glu_alpha=None,
-                                    tanh_clamp_scale=None, compute_amax=False, d_bf16=None):
+                                    tanh_clamp_scale=None, compute_amax=False, d_bf16=None, m_aligned=256):
     """`d_bf16` (test hook): use this bf16-rounded D as the transform input instead of the oracle's own."""
-    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size)
+    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size, m_aligned)
     p_row = _prob(prob, c.shape[0])
     if act_func in NP_POINTWISE:
         dfp, d_mag = _srelu_forward(c, c_mag, p_row, tanh_clamp_scale)
@@ -507,9 +508,10 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
 # backward ops
 
 
-def _backward_common(a, b, c, sfa, sfb, padded_offsets, alpha, beta, ab_dtype, sf_dtype, sf_vec_size, c_dtype):
+def _backward_common(a, b, c, sfa, sfb, padded_offsets, alpha, beta, ab_dtype, sf_dtype, sf_vec_size, c_dtype,
+                     m_aligned):
     m = np.asarray(a).shape[0]
-    groups = np_groups(padded_offsets, m)
+    groups = np_groups(padded_offsets, m, m_aligned)
     acc, acc_mag = _accumulate(a, b, sfa, sfb, groups, ab_dtype, sf_dtype, sf_vec_size)
     c = np.asarray(c)
     c64 = np_decode(c, c_dtype).astype(np.float64) if (c.dtype == np.uint8 and c_dtype) else c.astype(np.float64)
@@ -549,11 +551,12 @@ def _backward_result(dc, dprob, amax_parts, groups, d_dtype, norm_const, dbias_d
 
 def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm_const=None, *, ab_dtype,
                       sf_dtype=None, sf_vec_size=None, c_dtype=None, act_func="dswiglu", glu_limit=None,
-                      glu_alpha=None, d_dtype, dbias_dtype=None, compute_amax=False, discrete_col_sfd=False):
+                      glu_alpha=None, d_dtype, dbias_dtype=None, compute_amax=False, discrete_col_sfd=False,
+                      m_aligned=256):
     options = dict(glu_limit=glu_limit, glu_alpha=glu_alpha)
     ga = np_glu(act_func, **options).scale
     dd, dd_mag, x, groups = _backward_common(a, b, c, sfa, sfb, padded_offsets, alpha, beta, ab_dtype, sf_dtype,
-                                             sf_vec_size, c_dtype)
+                                             sf_vec_size, c_dtype, m_aligned)
     p = _prob(prob, x.shape[0])[:, None]
     dc, dc_mag = np.zeros_like(x), np.zeros_like(x)
     dprob, dprob_mag = np.zeros(x.shape[0]), np.zeros(x.shape[0])
@@ -578,9 +581,9 @@ def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm
 
 def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm_const=None, *, ab_dtype,
                         sf_dtype=None, sf_vec_size=None, c_dtype=None, tanh_clamp_scale=None, d_dtype,
-                        dbias_dtype=None, compute_amax=False, discrete_col_sfd=False):
+                        dbias_dtype=None, compute_amax=False, discrete_col_sfd=False, m_aligned=256):
     dd, dd_mag, x, groups = _backward_common(a, b, c, sfa, sfb, padded_offsets, alpha, beta, ab_dtype, sf_dtype,
-                                             sf_vec_size, c_dtype)
+                                             sf_vec_size, c_dtype, m_aligned)
     p = _prob(prob, x.shape[0])[:, None]
     deriv, value = np_srelu_derivative(x, tanh_clamp_scale), np_srelu_value(x, tanh_clamp_scale)
     dc = dd * p * deriv

@@ -125,7 +125,7 @@ BAD_INPUTS = [
     ("discrete_col_sfd without FP8 D", lambda d, mx: dict(discrete_col_sfd=True), ValueError,
      "discrete_col_sfd"),
     ("acc_dtype", lambda d, mx: dict(acc_dtype=jnp.float16), ValueError, "acc_dtype"),
-    ("m_aligned", lambda d, mx: dict(m_aligned=128), ValueError, "m_aligned"),
+    ("m_aligned", lambda d, mx: dict(m_aligned=100), ValueError, "m_aligned"),
     ("stream", lambda d, mx: dict(stream=1), ValueError, "stream"),
     ("unknown keyword", lambda d, mx: dict(c_dtype="bfloat16"), TypeError,
      "unexpected keyword argument(s) ['c_dtype']"),

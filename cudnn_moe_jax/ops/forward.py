@@ -73,6 +73,7 @@ def bind_forward(op: str, dims: dict, inputs: dict, epilogue: Epilogue, config, 
     problem = GroupedGemmProblem(op=op, m=dims["m"], n=dims["n"], k=dims["k"], num_groups=dims["num_groups"],
                                  ab_dtype=dims["ab_dtype"], a_dtype=dims["a_dtype"], sf_dtype=dims["sf_dtype"],
                                  sf_vec_size=dims["vec"], discrete_weights=dims["discrete"], epilogue=epilogue,
+                                 m_aligned=dims["m_aligned"],
                                  **(majors or {}))
     inputs.update(alpha=ck.float_vector(alpha_tensor, dims["num_groups"], "alpha_tensor", default=1.0),
                   prob=ck.float_vector(prob_tensor, dims["m"], "prob_tensor"), **extra_inputs)
@@ -85,10 +86,13 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
              tanh_clamp_scale=None, static_kwargs=None):
     static_kwargs = dict(static_kwargs or {})
     majors = ck.operand_majors(static_kwargs)
+    m_aligned = ck.pop_m_aligned(static_kwargs)
     config = ck.check_static_kwargs(**static_kwargs)
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
-                                    padded_offsets, sf_vec_size)
+                                    padded_offsets, sf_vec_size, m_aligned)
     d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES)
+    if d_dtype in FP8_DTYPES:
+        ck.check_sf_alignment(m_aligned, f"an FP8 d_dtype ({d_dtype}: SFD_row, D_col, SFD_col)")
     if op != "quant":                      # srelu/glu always produce C (docs/ops.md): None is not "no C"
         c_dtype = ck.out_dtype(c_dtype, "c_dtype", OUT_DTYPES)
     n_out = output_width(act, dims)

@@ -31,7 +31,8 @@ for s in $steps; do
   case $s in
     tests)  # dgrad, wgrad, public ops + main job, nn grads: modules from .bundle, no fallback allowed
       timeout -s KILL ${TESTS_TIMEOUT:-420} python3 -m pytest tests/gpu/test_dgrad_gpu.py tests/gpu/test_wgrad_gpu.py \
-        tests/gpu/test_public_ops_gpu.py tests/gpu/test_nn_grads_gpu.py -q -rf -p no:cacheprovider --tb=short \
+        tests/gpu/test_public_ops_gpu.py tests/gpu/test_nn_grads_gpu.py tests/gpu/test_padfree_gpu.py \
+        -q -rf -p no:cacheprovider --tb=short \
         > "$OUT/tests.log" 2>&1
       echo "== tests rc=$?"; summary "$OUT/tests.log" ;;
     blockscaled)  # block-scaled inputs (NVFP4 / MXFP4 / MXFP8) on the dequantizing kernel: every case vs the float64
@@ -50,12 +51,15 @@ for s in $steps; do
       else
         echo "== kgpu skipped: no .out/kgpu/manifest.json"
       fi ;;
-    sanitize)  # backward kernels under memcheck and racecheck (exit 9: a sanitizer error; 1: a wrong result)
-      for tool in memcheck racecheck; do
-        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool \
-          --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tools/gpu/sanitize_backward.py \
-          > "$OUT/bwd_$tool.log" 2>&1
-        echo "== $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY| OK$|\[.*\]$|Error" "$OUT/bwd_$tool.log" | cut -c1-300 | tail -8
+    sanitize)  # backward and padding-free kernels under memcheck and racecheck (exit 9: a sanitizer error; 1: a wrong result)
+      for script in sanitize_backward sanitize_padfree; do
+        for tool in memcheck racecheck; do
+          XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool \
+            --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tools/gpu/$script.py \
+            > "$OUT/${script}_$tool.log" 2>&1
+          echo "== $script $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY| OK$|\[.*\]$|Error" \
+            "$OUT/${script}_$tool.log" | cut -c1-300 | tail -8
+        done
       done ;;
     ep)  # the expert-parallel example on this one GPU (the run its bundle_items record); a fallback fails the step
       timeout -s KILL ${EP_TIMEOUT:-180} python3 examples/moe_expert_parallel.py --devices 1 > "$OUT/ep.log" 2>&1

@@ -9,7 +9,8 @@ import dataclasses
 from typing import Optional
 
 from cudnn_moe_jax import activations
-from cudnn_moe_jax.limits import FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, MAX_GROUPS, OUT_DTYPES
+from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, MAX_GROUPS, OUT_DTYPES,
+                                  SF_GROUP_ALIGN)
 
 SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
 DGRAD_ACTS = {op: tuple(a.derivative for a in activations.TABLE.values() if a.backward_op == op)
@@ -101,6 +102,10 @@ def supports(problem) -> Optional[str]:
         return "discrete weights are not implemented on sm90 yet"
     if problem.op != "wgrad" and problem.a_major != "k":
         return "an M-major A is implemented for wgrad only"
+    if problem.op != "wgrad":
+        reason = _alignment_support(problem)
+        if reason is not None:
+            return reason
     if problem.b_major != "k" and (problem.block_scaled or problem.ab_dtype not in HALF_DTYPES):
         return "an N-major B needs bf16/fp16 operands (FP8 wgmma reads K-major tiles only)"
     if problem.op in DGRAD_ACTS:
@@ -134,8 +139,6 @@ def supports(problem) -> Optional[str]:
         return f"bias_dtype {epi.bias_dtype!r} not in {FLOAT_OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
-    if problem.m % GROUP_ALIGN:
-        return f"m must be a multiple of {GROUP_ALIGN}"
     if problem.k % 8 or problem.n % 8 or problem.n_out % 8:
         return "N, N_out and K must be multiples of 8 (16-byte TMA rows)"
     return _block_k_reason(problem)
@@ -144,6 +147,19 @@ def supports(problem) -> Optional[str]:
 def _block_k_reason(problem) -> Optional[str]:
     if problem.block_scaled and problem.k % (32 if problem.ab_dtype == "float4_e2m1fn" else 16):
         return "block-scaled operands need 16-byte TMA rows (K % 16 == 0, packed FP4 K % 32 == 0)"
+    return None
+
+
+def _alignment_support(problem) -> Optional[str]:
+    """M-grouped ops: m a multiple of m_aligned (any power of two up to 256: below 128 the schedule clips tiles at
+    group ends, kernels/scheduler.py); scale factors along M (MXFP8 A: 128-row SFA atoms loaded per tile; FP8 D:
+    SFD in 128-row atoms, D_col in 32-row blocks) need whole 128-row tiles inside one group."""
+    # (a symbolic m, a module's for every m, is m_aligned * m_blocks by construction)
+    if isinstance(problem.m, int) and problem.m % problem.m_aligned:
+        return f"m must be a multiple of m_aligned={problem.m_aligned}"
+    if problem.m_aligned % SF_GROUP_ALIGN and (problem.block_scaled or problem.epilogue.generate_sfd):
+        return (f"m_aligned={problem.m_aligned}: block-scaled inputs and FP8 D need group ends on multiples of "
+                f"{SF_GROUP_ALIGN} (scale-factor atoms along M)")
     return None
 
 
@@ -162,8 +178,6 @@ def _dgrad_support(problem) -> Optional[str]:
         return f"{problem.op}: saved C dtype {epi.c_dtype!r} not in {OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
-    if problem.m % GROUP_ALIGN:
-        return f"m must be a multiple of {GROUP_ALIGN}"
     if problem.k % 8 or problem.n % 32:
         return "K must be a multiple of 8 and N (the dgrad output width per gate/up half) of 32"
     return _block_k_reason(problem)
@@ -202,6 +216,10 @@ def default_config(problem) -> Config:
     617, 2x2 clusters per SM no better (626 from 24 clusters on 96 SMs); raster group 4 / 16 603 / 602, 1x2 cluster
     602 vs 615.
     """
+    if _block_scaled_pairs_groups(problem):
+        # ends on odd multiples of 128 would pair two groups in a 2-CTA block, and the block-scaled mainloops
+        # multicast B (and its scales) unconditionally: 1x1 clusters (FP8-wgmma MXFP8 on fc1: 591 vs 597-600 TFLOP/s)
+        return Config(cluster_m=1)
     if problem.op == "wgrad" and problem.m % 256:
         return Config(cluster_m=1)  # a 2-CTA cluster pairs two M tiles of one expert's W
     if problem.op == "glu" and problem.epilogue.c_dtype in HALF_DTYPES and problem.num_groups >= 64:
@@ -213,6 +231,11 @@ def default_config(problem) -> Config:
 
 # the FP8-wgmma MXFP8 mainloop's measured schedule (opt-in: Config.mxfp8_wgmma)
 MXFP8_WGMMA = Config(tile_n=128, cluster_m=2, mx_n_parts=2, mxfp8_wgmma=True)
+
+
+def _block_scaled_pairs_groups(problem) -> bool:
+    """Block-scaled with ends not on 256-row blocks: a 2-CTA cluster along M would pair two groups (default_config)."""
+    return problem.block_scaled and problem.m_aligned % GROUP_ALIGN != 0
 
 
 def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Config:
@@ -227,7 +250,7 @@ def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Conf
         changes["tile_n"] = mma_tiler_mn[1]
     if cluster_shape_mn is not None:
         cluster_m, cluster_n = cluster_shape_mn
-        if cluster_m in (1, 2):
+        if cluster_m in (1, 2) and (cluster_m == 1 or not _block_scaled_pairs_groups(problem)):
             changes["cluster_m"] = cluster_m
         if cluster_n in (1, 2):
             changes["cluster_n"] = cluster_n

@@ -27,9 +27,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import quantize as q8
 from ..epilogue import EpilogueRecipe
-from .epilogue import EpilogueHooks, fold_amax, merge_amax
+from .epilogue import EpilogueHooks, fold_amax, merge_amax, row_kept
 from .epilogue_fp8d import EPI_N  # epilogue subtile width = one GLU block
-from .gemm import GroupedGemmSm90Base, TileContext
+from .gemm import GroupedGemmSm90Base, Store, TileContext
 
 
 @cute.jit
@@ -53,6 +53,8 @@ class CStores(NamedTuple):
     bSG_sC: Any
     bSG_gC: Any
     tma_atom_c: Any
+    mC: Any
+    mCout: Any
     sC: Any
     old_w: Any
 
@@ -122,7 +124,8 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
             # the old W, read with the accumulator's thread-value layout (plain loads, as the dgrad's C)
             old_w = (args.mWold, cute.make_tiled_copy_S(
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype), tiled_copy_acc))
-        return CStores(r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, args.tma_atom_c, sC, old_w)
+        return CStores(r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, args.tma_atom_c, args.mC, args.mCout, sC,
+                       old_w)
 
     @cute.jit
     def tile_alpha(self, g, args):
@@ -134,16 +137,14 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
         ctid = setup.ctid
         g = tile.group
         alpha = self.tile_alpha(g, args)
-        prob_v = Float32(1.0)
-        if const_expr(self.recipe.has_prob):
-            if ctid < self.tile_m:
-                prob_v = args.mProb[tile.m_tile * self.tile_m + ctid]
+        prob_v = self.tile_prob(tile, args, ctid)
         bias_v = Float32(0.0)
         if const_expr(self.recipe.has_bias):
             col = tile.n_tile * self.tile_n + ctid
             if ctid < self.tile_n and col < self.n:
                 bias_v = args.mBias[g, col].to(Float32)
-        return TileContext(tile.out_m_tile, tile.n_tile, g, tile.is_compute, alpha, prob_v, bias_v, None)
+        return TileContext(tile.out_m_tile, tile.n_tile, g, tile.is_compute, alpha, prob_v, bias_v, None, tile.row0,
+                           tile.rows)
 
     def epilogue_hooks(self) -> EpilogueHooks:
         return EpilogueHooks(begin=self._fwd_begin, visit=self._fwd_visit, finish=self._fwd_finish,
@@ -246,7 +247,10 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
                     # flat index i is the same (row, col) in both fragments (same thread-value layout)
                     rVal[i] = add_rn(st.rOld[step % 2][i].to(Float32), rVal[i])
             if const_expr(recipe.compute_amax):
-                st.amax_bits = fold_amax(st.amax_bits, rVal[i])
+                if const_expr(self.sched.clipped):
+                    st.amax_bits = fold_amax(st.amax_bits, row_kept(rVal[i], tRS_cD[i][0], st.ctx.rows))
+                else:
+                    st.amax_bits = fold_amax(st.amax_bits, rVal[i])
         # plain names inside the dynamic `if`: a method called on `st` there would carry all of st through it
         tRS_rD, tRS_rC0, tRS_rC1 = setup.tRS_rD, op.tRS_rC0, op.tRS_rC1
         codes = None
@@ -266,8 +270,8 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
         """FP8 D, after the step's first barrier: D_col and the SF bytes (the partner warp's maxima are in smem)."""
         if const_expr(self.quant_d):
             fp8, ctx = st.fp8, st.ctx
-            self._quantize_d_cols(st.rVal, fp8.tRS_rDcol, fp8.sColMax, codes[0], codes[1], ctx.is_compute, fp8,
-                                  ctx.m_tile, ctx.n_tile, step, ctx.group, st.warp_e, st.lane)
+            self._quantize_d_cols(st.rVal, fp8.tRS_rDcol, fp8.sColMax, codes[0], codes[1], self.owns_rows(ctx),
+                                  fp8, ctx.m_tile, ctx.n_tile, step, ctx.group, st.warp_e, st.lane)
 
     def _fwd_writes(self, step: int, buf: int, j: int, st, codes):
         """(copy, fragment, smem buffer) of the step's subtiles: [D_col,] D, [C (GLU: gate, up)]."""
@@ -281,24 +285,25 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
                 yield op.r2s_c, op.tRS_rC1, st.tRS_sC[(None, None, None, buf * self.c_per_step + 1)]
 
     def _fwd_stores(self, step: int, buf: int, st):
-        """(TMA atom, smem buffer, global tile) of the step's subtiles: D, [D_col], [C]."""
+        """The step's subtiles (`gemm.Store`): D, [D_col], [C]."""
         setup, op = st.setup, st.op
         subtiles_per_tile = self.tile_n // EPI_N
         s0 = step * self.c_per_step
-        m_tile, n_tile = st.ctx.m_tile, st.ctx.n_tile
-        yield setup.tma_atom_d, setup.bSG_sD[(None, buf)], setup.bSG_gD[(None, (m_tile, self.d_block(n_tile, step)))]
+        n_tile = st.ctx.n_tile
+        yield Store(setup.tma_atom_d, setup.bSG_sD, setup.sD, buf, setup.bSG_gD, setup.mD, setup.mDout,
+                    self.d_block(n_tile, step))
         if self.quant_d:
-            yield (st.fp8.tma_atom_dcol, setup.bSG_sD[(None, self.epi_stages + buf)],
-                   st.fp8.bSG_gDcol[(None, (m_tile, self.d_block(n_tile, step)))])
+            yield Store(st.fp8.tma_atom_dcol, setup.bSG_sD, setup.sD, self.epi_stages + buf, st.fp8.bSG_gDcol,
+                        st.fp8.mDcol, None, self.d_block(n_tile, step))
         if self.recipe.has_c:
             for j in range(self.c_per_step):
-                yield (op.tma_atom_c, op.bSG_sC[(None, buf * self.c_per_step + j)],
-                       op.bSG_gC[(None, (m_tile, n_tile * subtiles_per_tile + s0 + j))])
+                yield Store(op.tma_atom_c, op.bSG_sC, op.sC, buf * self.c_per_step + j, op.bSG_gC, op.mC,
+                            op.mCout, n_tile * subtiles_per_tile + s0 + j)
 
     @cute.jit
     def _fwd_end(self, st):
         if const_expr(self.recipe.compute_amax):
-            merge_amax(st.amax_bits, st.setup.mAmax, st.ctx.group, st.ctx.is_compute)
+            merge_amax(st.amax_bits, st.setup.mAmax, st.ctx.group, self.owns_rows(st.ctx))
 
     @cute.jit
     def _load_old_w(self, mW, thr_w, tWcW, rOld, m_tile, n_tile, step: cutlass.Constexpr):

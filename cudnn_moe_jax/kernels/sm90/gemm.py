@@ -26,7 +26,7 @@ kernel launched just before the GEMM in the same call, then merged with per-warp
 
 Launcher arguments: what `cutlass.jax.cutlass_call` passes, the stream first, then the inputs and outputs of
 `operands.launcher_operands` (the one table; `_unpack` names them). `m` is dynamic (one module serves every
-m % 256 == 0); wgrad's T likewise (T % 8 == 0).
+m % m_aligned == 0, 256 by default: every routing of that alignment); wgrad's T likewise (T % 8 == 0).
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ class KernelArgs(NamedTuple):
     mDprobParts: Any
     mDbiasParts: Any
     mWold: Any           # wgrad with accumulation: the old W
+    mDout: Any           # clipped tiles (m_aligned < tile_m): D (D_row) as memory, for their row-clipped stores
+    mCout: Any           # the same of the forward's C
 
 
 class CtaSetup(NamedTuple):
@@ -132,6 +134,7 @@ class Fp8Setup(NamedTuple):
 
     tma_atom_dcol: Any
     bSG_gDcol: Any
+    mDcol: Any
     tRS_rDcol: Any
     sColMax: Any
     mSfdRow: Any
@@ -156,6 +159,8 @@ class EpilogueSetup(NamedTuple):
     bSG_sD: Any
     bSG_gD: Any
     tma_atom_d: Any
+    mD: Any              # D's TMA view (tile lists: each tile's store partition starts at its first row)
+    mDout: Any           # clipped tiles: D as memory
     sD: Any
     sProb: Any
     sBias: Any
@@ -170,7 +175,7 @@ class EpilogueSetup(NamedTuple):
 class TileContext(NamedTuple):
     """What the epilogue hooks get per tile."""
 
-    m_tile: Any          # output tile row (wgrad: W[e]'s rows start at e * m_w)
+    m_tile: Any          # output tile row (wgrad: W[e]'s rows start at e * m_w); tile lists: the list index
     n_tile: Any
     group: Any
     is_compute: Any      # False: a zero tile (rows past valid_m)
@@ -178,6 +183,23 @@ class TileContext(NamedTuple):
     prob: Any            # this thread's row's prob (ctid < tile_m)
     bias: Any            # this thread's column's bias (ctid < tile_n)
     beta: Any            # dgrad: x = beta * C
+    row0: Any = None     # tile lists: the tile's first row
+    rows: Any = None     # tile lists: rows to store (and fold into the reductions), 0..tile_m
+
+
+class Store(NamedTuple):
+    """One output subtile of an epilogue step (`EpilogueHooks.stores`): staged in buffer `buf` of the staging
+    tensor `smem` (TMA partition `bSG_s`), stored by `tma_atom` to 32-column block `col` of the TMA view `mX`
+    (partition `bSG_g`); `out`: the output as memory, for row-clipped stores (None unless tiles are clipped)."""
+
+    tma_atom: Any
+    bSG_s: Any
+    smem: Any
+    buf: Any
+    bSG_g: Any
+    mX: Any
+    out: Any
+    col: Any
 
 
 class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
@@ -219,6 +241,9 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         self.mainloop_class = self.mainloop_class_for(problem)
         self.tile_k = self.mainloop_class.TILE_K
         self.sched = self.make_scheduler(problem)
+        if self.sched.by_tiles and problem.block_scaled:
+            raise NotImplementedError("block-scaled inputs with a 2-CTA cluster along M need m_aligned % 256 == 0 "
+                                      "(the MXFP8 mainloop multicasts B and its scales to both tiles of a block)")
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         self.mainloop = self.mainloop_class.from_problem(problem, cfg, self.ab_dtype, self.ab_stages)
         # lanes arriving on a stage's worker barrier (every lane of every stage worker), besides the TMA's
@@ -267,7 +292,22 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         """M-grouped: groups are row ranges of A and the output (the forward and dgrad schedule)."""
         return GroupedTileScheduler(M_GROUPED, self.tile_m, self.tile_n, self.cluster_m, self.cluster_n,
                                     self.num_groups, self.n_blocks, self.tile_k,
-                                    k_tiles=-(-problem.k // self.tile_k), group_m=self.config.group_m)
+                                    k_tiles=-(-problem.k // self.tile_k), group_m=self.config.group_m,
+                                    m_aligned=problem.m_aligned)
+
+    @cute.jit
+    def tile_prob(self, tile, args: KernelArgs, ctid):
+        """prob of this thread's row of the tile (threads ctid < tile_m; tile lists: the tile's `rows` rows), else
+        1."""
+        prob_v = Float32(1.0)
+        if const_expr(self.recipe.has_prob):
+            if const_expr(not self.sched.by_tiles):
+                if ctid < self.tile_m:
+                    prob_v = args.mProb[tile.m_tile * self.tile_m + ctid]
+            else:
+                if ctid < tile.rows:
+                    prob_v = args.mProb[tile.row0 + ctid]
+        return prob_v
 
     def d_block(self, n_tile, step: int, j: int = 0):
         """D's 32-column block of output subtile j of epilogue step `step` of N tile n_tile."""
@@ -276,7 +316,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
     # ------------------------------------------------------------------------------------------ host
     def _smem_fit(self, epi_stages: int) -> int:
         """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
-        header = 16 * 8 + 4 * self.num_groups + 32 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 stages) ..
+        header = 16 * 8 + 4 * self.sched.ends_words() + 32 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 ..
         header = -(-header // 1024) * 1024  # sA/sB/sC/sD are 1024-aligned, each a multiple of 1 KiB
         return (SMEM_CAPACITY - header - self.epilogue_smem_bytes(epi_stages)) // self.mainloop_class.smem_stage_bytes(
             self.ab_dtype, self.tile_m, self.tile_n)
@@ -361,6 +401,8 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
             mNormConst=t["norm_const"], mBeta=m_beta, mDprobParts=t["dprob_parts"], mDbiasParts=t["dbias_parts"],
             mWold=m_wold,
         )
+        if const_expr(self.sched.clipped):   # a group's last tile stores its rows by plain stores
+            args.update(mDout=d, mCout=t.get("c") if self.recipe.has_c else None)
         args.update(self.epilogue_operands(t))
         args = KernelArgs(**args)
 
@@ -369,7 +411,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         fields = [("ab_mbar", MemRange[cutlass.Int64, self.ab_stages * 2])]
         if const_expr(self.stage_arrivals > 0):  # MXFP8: decoded scales; wgrad: masked A
             fields.append(("dec_mbar", MemRange[cutlass.Int64, self.ab_stages]))
-        fields += [("ends", MemRange[Int32, self.num_groups]), ("valid", MemRange[Int32, 4]),
+        fields += [("ends", MemRange[Int32, self.sched.ends_words()]), ("valid", MemRange[Int32, 4]),
                    ("prob", MemRange[Float32, self.tile_m]), ("scalars", MemRange[Float32, 4]),
                    ("bias", MemRange[Float32, self.tile_n]),
                    ("sA", Align[MemRange[a_dtype, cute.cosize(a_layout)], 1024]),
@@ -472,7 +514,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         epi_mbar = self.init_epilogue_barriers(storage, warp_idx)
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
-        sEnds = storage.ends.get_tensor(cute.make_layout(self.num_groups))
+        sEnds = storage.ends.get_tensor(cute.make_layout(self.sched.ends_words()))
         sValid = storage.valid.get_tensor(cute.make_layout(4))
         mA = args.mA
         m_rows = mA.shape[0]
@@ -540,9 +582,15 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         while t < work.total:
             tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
             tAgA, tAsA, tBgB, tBsB = self.tile_ab(ab, tile, args, cta, rank_m, rank_n)
+            b_own = {}
+            if const_expr(self.pairs_groups()):
+                # tile lists: the block's tiles may use two groups' B; then each CTA loads its whole B tile itself
+                b_own = dict(b_own=(ab[5][(None, tile.n_tile, None, tile.group)], ab[4], tile.mcast_b,
+                                    Int32(1) << (rank_m + self.cluster_m * rank_n)))
             prod_state = self.mainloop.load_tile(
                 cta.ab_pipeline, prod_state, args.tma_atom_a, tAgA, tAsA, args.tma_atom_b, tBgB, tBsB,
                 a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, (tile.m_tile, tile.n_tile, tile.group),
+                **b_own,
             )
             t += work.stride
         cta.ab_pipeline.producer_tail(prod_state)
@@ -560,12 +608,24 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
 
     @cute.jit
     def ab_partitions(self, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
-        """M-grouped: the producer's A / B TMA partitions, made once (every tile reads the whole K)."""
+        """M-grouped: the producer's A / B TMA partitions, made once (every tile reads the whole K; tile lists:
+        A's is re-made per tile, from the tile's first row). Tile lists with a 2-CTA cluster along M also the
+        other CTA's half of the B tile (`mcast_b` False: each CTA loads both halves)."""
         # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L); bK: the TMA box (packed FP4: K / 2 bytes)
         (_, a_box_k), (_, b_box_k) = self.mainloop.tma_operands()
         gA = cute.local_tile(args.mA, (self.tile_m, a_box_k), (None, None))
         gB = cute.local_tile(args.mB, (self.tile_n, b_box_k), (None, None, None))
-        return self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
+        parts = self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
+        if const_expr(self.pairs_groups()):
+            tBsB_other, tBgB_other = cpasync.tma_partition(
+                args.tma_atom_b, 1 - rank_m, cute.make_layout(self.cluster_m), cute.group_modes(cta.sB, 0, 2),
+                cute.group_modes(gB, 0, 2))
+            parts = parts + (tBsB_other, tBgB_other)
+        return parts
+
+    def pairs_groups(self) -> bool:
+        """Tile lists with a 2-CTA cluster along M: the two tiles of a block may use two groups' B."""
+        return self.sched.by_tiles and self.cluster_m > 1
 
     def ab_k_tiles(self, ab):
         """M-grouped: the k-tiles of a compute tile as the producer counts them (A's partition: K as A's shape
@@ -574,8 +634,16 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
 
     @cute.jit
     def tile_ab(self, ab, tile, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
-        """M-grouped: (tAgA, tAsA, tBgB, tBsB) of one tile: its A rows and B[group], over K."""
-        tAsA, tAgA, tBsB, tBgB = ab
+        """M-grouped: (tAgA, tAsA, tBgB, tBsB) of one tile: its A rows and B[group], over K (tile lists: A from
+        the tile's first row; TMA loads may start at any row, rows past m read as zeros)."""
+        tAsA, tAgA, tBsB, tBgB = ab[:4]
+        if const_expr(self.sched.by_tiles):
+            (_, a_box_k), _ = self.mainloop.tma_operands()
+            gA = cute.local_tile(cute.domain_offset((tile.row0, 0), args.mA), (self.tile_m, a_box_k), (None, None))
+            tAsA, tAgA = cpasync.tma_partition(
+                args.tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(cta.sA, 0, 2),
+                cute.group_modes(gA, 0, 2))
+            return tAgA[(None, 0, None)], tAsA, tBgB[(None, tile.n_tile, None, tile.group)], tBsB
         return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None, tile.group)], tBsB
 
     @cute.jit
@@ -668,12 +736,12 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
                 cute.zipped_divide(args.mDcol, self.epi_tile)
             )
             sColMax = storage.col_max.get_tensor(cute.make_layout(self.col_max_shape()))
-            fp8 = Fp8Setup(args.tma_atom_dcol, bSG_gDcol, tRS_rDcol, sColMax, args.mSfdRow, args.mSfdCol,
-                           args.mNormConst[0], cta.sEnds, cta.m_rows)
+            fp8 = Fp8Setup(args.tma_atom_dcol, bSG_gDcol, args.mDcol, tRS_rDcol, sColMax, args.mSfdRow,
+                           args.mSfdCol, args.mNormConst[0], cta.sEnds, cta.m_rows)
         op = self.op_epilogue_setup(args, cta, tiled_copy_acc, ctid)
         return EpilogueSetup(ctid, acc, tRS_rAcc, tRS_cD, cute.size(frag_shape), r2s_d, tRS_rD, tRS_sD, bSG_sD,
-                             bSG_gD, args.tma_atom_d, sD, sProb, sBias, sScalars, epi_barrier, is_store_warp,
-                             args.mAmax, fp8, op)
+                             bSG_gD, args.tma_atom_d, args.mD, args.mDout, sD, sProb, sBias, sScalars,
+                             epi_barrier, is_store_warp, args.mAmax, fp8, op)
 
     def col_max_shape(self):
         """(column, warp) of the FP8-D column-maxima table (dgrad: per subtile of a step)."""

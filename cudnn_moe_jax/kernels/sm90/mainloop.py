@@ -155,14 +155,30 @@ class WgmmaMainloop:
         k_count: Int32,
         scale_loads=None,
         tile_coord=None,
+        b_own=None,
     ):
-        """k_count stages of one tile (`scale_loads` / `tile_coord`: the block-scaled mainloop's, unused here)."""
+        """k_count stages of one tile (`scale_loads` / `tile_coord`: the block-scaled mainloop's, unused here).
+        `b_own` = (the other CTA's half of this tile's B, its smem partition, multicast, this CTA's own mask):
+        a 2-CTA cluster whose tiles may use two experts' B (tile lists) multicasts B only when `multicast`; else
+        each CTA loads both halves to itself (the same bytes arrive per stage either way)."""
         prod_state.reset_count()
         for _k in cutlass.range(k_count, unroll=1):
             ab_pipeline.producer_acquire(prod_state)
             bar = ab_pipeline.producer_get_barrier(prod_state)
-            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, prod_state.count, prod_state.index,
-                          a_mcast_mask, b_mcast_mask)
+            if const_expr(b_own is None):
+                copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, prod_state.count,
+                              prod_state.index, a_mcast_mask, b_mcast_mask)
+            else:
+                tBgB_other, tBsB_other, multicast, own_mask = b_own
+                k, s = prod_state.count, prod_state.index
+                if multicast:
+                    copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
+                                  b_mcast_mask)
+                else:
+                    copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
+                                  own_mask)
+                    cute.copy(tma_atom_b, tBgB_other[(None, k)], tBsB_other[(None, s)], tma_bar_ptr=bar,
+                              mcast_mask=own_mask)
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
