@@ -65,10 +65,12 @@ def make_ab_smem_layouts(ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: 
 
 @cute.jit
 def copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k: Int32, s: Int32,
-                  a_mcast_mask, b_mcast_mask):
-    """TMA of K tile `k` of A and B into stage `s` on the stage's barriers (both mainloops' producers)."""
+                  a_mcast_mask, b_mcast_mask, descriptors=None):
+    """TMA of K tile `k` of A and B into stage `s` on the stage's barriers (both mainloops' producers); B through
+    the expert's own descriptor with discrete weights (`descriptors`: experts.ExpertDescriptors, else None)."""
     cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, s)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-    cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+    cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask,
+              tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.b)
 
 class WgmmaMainloop:
     """Producer and consumer k-loops over one tile. Pipeline states are returned (loop-carried by the caller).
@@ -83,7 +85,10 @@ class WgmmaMainloop:
       `STAGE_WORKERS`, `process_stage()`          warps of the producer warpgroup that rework each loaded stage
                                                   in shared memory before the consumers read it (none here);
       `REGISTER_TIGHT`                            the k-loop keeps nearly every consumer register live;
-      `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops."""
+      `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops; `load_tile` takes
+                                                  the tile's B partition (of its expert) and, with discrete weights,
+                                                  the expert's TMA descriptors (`experts.ExpertDescriptors`, which
+                                                  the B and SFB loads go through; else None)."""
 
     TILE_K = TILE_K
     STAGE_WORKERS = ()
@@ -155,6 +160,7 @@ class WgmmaMainloop:
         k_count: Int32,
         scale_loads=None,
         tile_coord=None,
+        descriptors=None,
     ):
         """k_count stages of one tile (`scale_loads` / `tile_coord`: the block-scaled mainloop's, unused here)."""
         prod_state.reset_count()
@@ -162,7 +168,7 @@ class WgmmaMainloop:
             ab_pipeline.producer_acquire(prod_state)
             bar = ab_pipeline.producer_get_barrier(prod_state)
             copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, prod_state.count, prod_state.index,
-                          a_mcast_mask, b_mcast_mask)
+                          a_mcast_mask, b_mcast_mask, descriptors)
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
