@@ -3,9 +3,9 @@ arguments and a ready-made call.
 
 The operands, their order, shapes and kinds are the operand table's (`cudnn_moe_jax.operands`, docs there). Every
 array is row-major unless a major says otherwise; B is presented to the kernel as (N, K, L) through `mode` (no
-copy); discrete weights as L arrays (N, K). Tensors whose shape involves `m` are dynamic with `m % 256 == 0` declared, so one compiled module serves
-every `m` (and `jax.export` with a symbolic `m` works); likewise wgrad's A (m_w, T) / B (n_w, T) with `T % 8 == 0`;
-the others are static.
+copy), discrete weights as L arrays (N, K). Tensors whose shape involves `m` are dynamic with `m % 256 == 0`
+declared, so one compiled module serves every `m` (and `jax.export` with a symbolic `m` works); likewise wgrad's
+A (m_w, T) / B (n_w, T) with `T % 8 == 0`; the others are static.
 """
 
 from __future__ import annotations
