@@ -73,6 +73,19 @@ def test_operand_table_binds_experts_and_drops_the_workspace(fmt):
     assert named["expert_descriptors"] == "expert_descriptors" and named["b:2"] == "b:2" and named["b"] is None
 
 
+def test_wgrad_discrete_output_mode_is_refused_with_the_reason():
+    import jax.numpy as jnp
+
+    import cudnn_moe_jax as cmj
+
+    a, offsets = jnp.ones((128, 256), jnp.bfloat16), jnp.asarray([100, 256], jnp.int32)
+    assert cmj.grouped_gemm_wgrad(a, a, offsets, output_mode="dense").wgrad_tensor.shape == (2, 128, 128)
+    with pytest.raises(NotImplementedError, match="per-expert TMA store descriptors"):
+        cmj.grouped_gemm_wgrad(a, a, offsets, output_mode="discrete")
+    with pytest.raises(ValueError, match="output_mode"):
+        cmj.grouped_gemm_wgrad(a, a, offsets, output_mode="sparse")
+
+
 def _stacked_and_discrete(case, pattern="empty_and_tail", mode="exact"):
     x = bc.case_inputs(case, pattern, mode, discrete=True)
     return [jax.jit(functools.partial(bc.call, case, discrete=d))(x) for d in (False, True)]
@@ -89,15 +102,22 @@ def test_reference_stacked_and_discrete_are_bit_identical(name):
 
 # ------------------------------------------------------------------------------------------------ kernels (cutlass)
 
-COMPILE_CASES = {
-    "glu_bf16": (_problem("glu"), None),
-    "dsrelu_bf16_nmajor": (_problem("dsrelu", b_major="n"), None),
-    "quant_nvfp4": (_problem("quant", ("float4_e2m1fn", E4M3, 16)), None),
-    "dglu_mxfp8": (_problem("dglu", (E4M3, E8M0, 32)), None),
-    "srelu_weight_only_mxfp4": (_problem("srelu", ("float4_e2m1fn", E8M0, 32), a_dtype=BF), None),
-    "glu_mxfp8_wgmma": (dataclasses.replace(_problem("glu", (E4M3, E8M0, 32)), n=256),
-                        config.MXFP8_WGMMA),
-}
+def _compile_cases():
+    """The discrete-weights twin of known spill-free compile cases (lab/compile_cases.py: forward variants and
+    backward cases), over the mainloops: bf16 (K- and N-major B), dequantizing (NVFP4, MXFP4, MXFP8, weight-only)
+    and the opt-in FP8-wgmma MXFP8 one."""
+    from lab import compile_cases
+
+    known = compile_cases.all_cases()
+    picked = {name: (known[name], None) for name in (
+        "bf16-swiglu-bias-cbf16-dbf16", "dswiglu_nmajor", "quant_nmajor", "nvfp4-quant-nobias-c--dbf16",
+        "mxfp4-srelu-bias-cf32-dbf16-opts", "dswiglu_nvfp4", "dsrelu_mxfp8_e4m3d")}
+    picked["w_mxfp8-swiglu"] = (dataclasses.replace(known["e4m3-swiglu-nobias-cbf16-dbf16"], a_dtype=BF), None)
+    picked["mxfp8-wgmma-swiglu"] = (known["e4m3-swiglu-nobias-cbf16-dbf16"], config.MXFP8_WGMMA)
+    return {name: (dataclasses.replace(p, discrete_weights=True), cfg) for name, (p, cfg) in picked.items()}
+
+
+COMPILE_CASES = _compile_cases()
 
 
 def _hgmma(sass: str) -> int:
