@@ -86,12 +86,13 @@ def test_wgrad_discrete_output_mode_is_refused_with_the_reason():
         cmj.grouped_gemm_wgrad(a, a, offsets, output_mode="sparse")
 
 
-def _stacked_and_discrete(case, pattern="empty_and_tail", mode="exact"):
-    x = bc.case_inputs(case, pattern, mode, discrete=True)
+def _stacked_and_discrete(case):
+    x = bc.case_inputs(case, *cases.runs(case)[0], discrete=True)
     return [jax.jit(functools.partial(bc.call, case, discrete=d))(x) for d in (False, True)]
 
 
-@pytest.mark.parametrize("name", ["bf16_swiglu_bias_n384", "nvfp4_dswiglu_bias_amax", "w_mxfp8_quant_fp8d_k208_n384"])
+@pytest.mark.parametrize("name", ["bf16_swiglu_bias_n384", "nvfp4_dswiglu_bias_amax", "w_mxfp8_quant_fp8d_k208_n384",
+                                  "nvfp4_quant_300_experts"])
 def test_reference_stacked_and_discrete_are_bit_identical(name):
     case = next(c for c in cases.CASES if c[0] == name)
     stacked, discrete = _stacked_and_discrete(case)
@@ -145,7 +146,7 @@ def test_discrete_kernel_compiles(name):
 @pytest.mark.parametrize("case", cases.CASES, ids=[c[0] for c in cases.CASES])
 def test_discrete_op_lowers_to_the_kernel(case):
     fn = jax.jit(functools.partial(bc.call, case, discrete=True))
-    x = bc.case_inputs(case, *cases.RUNS[0], discrete=True)
+    x = bc.case_inputs(case, *cases.runs(case)[0], discrete=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference warns
         text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -154,5 +155,6 @@ def test_discrete_op_lowers_to_the_kernel(case):
     # the experts reach the kernel as operands of their own (no stacked copy)
     _, _, fmt, k, n, _ = case
     row_bytes = k // 2 if bc.FORMATS[fmt][0] == "float4_e2m1fn" else k
-    assert calls[0]["types"].count(f"tensor<{n}x{row_bytes}x") == bc.L, calls[0]["types"]
+    experts = len(bc.PATTERNS[cases.runs(case)[0][0]])
+    assert calls[0]["types"].count(f"tensor<{n}x{row_bytes}x") == experts, calls[0]["types"]
 

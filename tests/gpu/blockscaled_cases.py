@@ -48,6 +48,8 @@ M, L = 2048, 4
 PATTERNS = {
     "empty_and_tail": (512, 512, 1024, 1792),   # expert 1 empty, rows 1792.. outside every group (m > valid_m)
     "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048
+    # 300 experts (the pattern sets L), four of them non-empty, rows 1792.. outside (tests/gpu/discrete_cases.py)
+    "many_experts": tuple(256 * ((e >= 7) + 2 * (e >= 100) + (e >= 257) + 3 * (e >= 299)) for e in range(300)),
 }
 MODES = ("exact", "adversarial", "specials")
 # (pattern, mode) each case runs in the GPU test: every mode, both routing patterns (~3 s a run)
@@ -156,6 +158,7 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", see
 
     _, op, fmt, k, n, options = case
     data, sf, vec = FORMATS[fmt]
+    L = len(PATTERNS[pattern])   # experts
     rng = np.random.default_rng(seed)
     make = _exact_operand if mode == "exact" else _random_operand
     if fmt == HALF:

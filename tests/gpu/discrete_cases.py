@@ -8,7 +8,8 @@ calls bit-identical, exact outputs bit for bit on "exact" inputs) and against th
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.discrete_cases:bundle_items
 
-Routing patterns (blockscaled_cases.PATTERNS): an empty expert and rows past the last group, or unsanitized offsets.
+Routing patterns (blockscaled_cases.PATTERNS): an empty expert and rows past the last group, unsanitized offsets,
+300 experts of which 296 are empty.
 """
 
 from __future__ import annotations
@@ -40,8 +41,16 @@ CASES = [
     ("mxfp8e5_dsrelu_e4m3d", "dsrelu", "mxfp8e5", 256, 384, dict(c_dtype=E4M3, d_dtype=E4M3,
                                                                  discrete_col_sfd=True)),
 ]
-# (pattern, mode) each case runs in the GPU test
+# 300 experts: more than the descriptor-table kernel's threads (kernels/sm90/experts.py BUILD_THREADS) and more
+# than 4 KiB of its kernel parameters (2 x 300 addresses)
+MANY_EXPERTS = ("nvfp4_quant_300_experts", "quant", "nvfp4", 256, 128, dict(d_dtype=BF))
+CASES.append(MANY_EXPERTS)
+# (pattern, mode) each case runs in the GPU test (bc.PATTERNS: the pattern sets the expert count)
 RUNS = (("empty_and_tail", "exact"), ("unsanitized", "adversarial"))
+
+
+def runs(case):
+    return (("many_experts", "exact"),) if case is MANY_EXPERTS else RUNS
 
 
 def bundle_items():
@@ -51,7 +60,7 @@ def bundle_items():
     bc.bundle_items()   # puts tests/ on sys.path (the inputs' numpy quantizer)
     items = []
     for discrete in (False, True):
-        items += aot.lowering_items(CASES, lambda case: bc.case_inputs(case, *RUNS[0], discrete=True),
+        items += aot.lowering_items(CASES, lambda case: bc.case_inputs(case, *runs(case)[0], discrete=True),
                                     functools.partial(bc.call, discrete=discrete))
     return items
 
