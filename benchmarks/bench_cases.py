@@ -14,6 +14,8 @@ beside its peers (and, in the lab, beside exported kernel modules with the same 
 On a GPU machine without the CuTe DSL compiler the kernels come from a prebuilt bundle, built elsewhere with
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants benchmarks.bench_cases:bundle_items
+
+(`discrete_bundle_items`: only what `--discrete` needs.)
 """
 
 from __future__ import annotations
@@ -162,8 +164,14 @@ def bundle_items() -> list:
               for s in SHAPES for fp8 in MXFP8_OUTPUTS.values()]
     items += [functools.partial(_lower_for_cuda, block_call(s, f), block_avals(s, f))
               for s in FORMAT_SHAPES for f in FORMAT_LABELS]
-    items += [functools.partial(_lower_for_cuda, discrete_call(s), discrete_avals(s)) for s in DISCRETE_SHAPES]
-    return items
+    return items + discrete_bundle_items()[len(DISCRETE_SHAPES):]
+
+
+def discrete_bundle_items() -> list:
+    """The discrete-weights comparison's modules alone (`--discrete`): the stacked and the discrete bf16 call on
+    DISCRETE_SHAPES (stacked first)."""
+    return ([functools.partial(_lower_for_cuda, bf16_call(s), bf16_avals(s)) for s in DISCRETE_SHAPES]
+            + [functools.partial(_lower_for_cuda, discrete_call(s), discrete_avals(s)) for s in DISCRETE_SHAPES])
 
 
 FORMAT_SHAPES = tuple(SHAPES) + tuple(MEMORY_BOUND)

@@ -23,9 +23,10 @@ base addresses (8 bytes each, same order).
 Cost: one extra launch of a 1-CTA kernel (L or 2L descriptors, ~one 128-byte copy + one replace each, plus L or
 2L parameter-to-table stores by one thread) serialized before the GEMM on the stream; per tile one acquire fence
 and one prefetch per descriptor in the producer warp (the loads then go through a descriptor in global memory
-instead of the kernel parameter: the TMA unit caches it). The GEMM's mainloop, consumers and epilogue are the
-stacked kernel's instruction for instruction. The build kernel takes 8 bytes of parameters per expert and operand
-(L = 1024 block-scaled: 16 KiB of the 32 KiB parameter limit).
+instead of the kernel parameter: the TMA unit caches it; the acquire compiles to `UTMACCTL.IV`, an invalidation of
+that cache entry, the prefetch to `UTMACCTL.PF`). The mainloop, consumers and epilogue are the stacked kernel's
+code (the same HGMMA count: tests/test_discrete_weights.py). The build kernel takes 8 bytes of parameters per
+expert and operand (L = 1024 block-scaled: 16 KiB of the 32 KiB parameter limit; compiled, not run).
 """
 
 from __future__ import annotations
