@@ -18,7 +18,10 @@ import functools
 
 import numpy as np
 
-import blockscaled_cases as bc
+try:
+    import blockscaled_cases as bc   # tests/gpu on sys.path (pytest: tests/conftest.py)
+except ImportError:                  # imported as tests.gpu.discrete_cases (the bundle build)
+    from . import blockscaled_cases as bc
 
 BF, F16, F32, E4M3, E5M2 = bc.BF, bc.F16, bc.F32, bc.E4M3, bc.E5M2
 
