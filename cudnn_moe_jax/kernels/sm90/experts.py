@@ -43,6 +43,7 @@ from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
 from cudnn_moe_jax.operands import TMA_DESCRIPTOR_BYTES
 
 BUILD_THREADS = 256
+STATIC_CHUNK = 64
 TEMPLATE_BYTES = 64   # what `cpasync.copy_tensormap` copies of a kernel-parameter descriptor
 _TENSORMAPS = TensorMapManager(TensorMapUpdateMode.GMEM, TMA_DESCRIPTOR_BYTES)
 
@@ -110,10 +111,12 @@ class DescriptorTable:
         base = workspace.iterator
         addresses = self.addresses(base)
         L = self.num_groups
-        if tidx == 0:   # the experts' addresses are kernel parameters: constant indices only
+        if tidx == 0:   # the experts' addresses are kernel parameters: constant indices only (static loops of
+            # at most STATIC_CHUNK iterations: the DSL warns about longer ones; the code is the same)
             for d in cutlass.range_constexpr(self.operands):
-                for e in cutlass.range_constexpr(L):
-                    addresses[d * L + e] = experts[d][e].iterator.toint()
+                for e0 in cutlass.range_constexpr(0, L, STATIC_CHUNK):
+                    for e in cutlass.range_constexpr(e0, min(e0 + STATIC_CHUNK, L)):
+                        addresses[d * L + e] = experts[d][e].iterator.toint()
         cute.arch.sync_threads()
         for d in cutlass.range_constexpr(self.operands):
             for e in cutlass.range(tidx, L, BUILD_THREADS, unroll=1):
