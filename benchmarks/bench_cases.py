@@ -3,15 +3,19 @@
 Each named shape (cudnn_moe_jax.shapes) with its fusion: bf16 inputs (SwiGLU C + D + amax on fc1 / small, plain
 D = prob * alpha * acc + amax on fc2), and MXFP8 inputs with bf16 D or FP8 D (+ D_col, SFD_row, SFD_col,
 norm_const); the format comparison (`block_call`): bf16, MXFP8, NVFP4, MXFP4 inputs on those shapes and on the
-memory-bound layers of issue 19 (MEMORY_BOUND). The calls take positional arrays in one fixed order, so the benchmark times them beside its peers
-(and, in the lab, beside exported kernel modules with the same order):
+memory-bound layers of issue 19 (MEMORY_BOUND); discrete weights (`discrete_call`: the bf16 call with the experts
+as L arrays, on DISCRETE_SHAPES). The calls take positional arrays in one fixed order, so the benchmark times them
+beside its peers (and, in the lab, beside exported kernel modules with the same order):
 
-    bf16:   fn(a, b, padded_offsets, alpha, prob)
-    MXFP8:  fn(a, b, sfa, sfb, padded_offsets, alpha, prob[, norm_const])
+    bf16:      fn(a, b, padded_offsets, alpha, prob)
+    discrete:  fn(a, (b_0, ..., b_{L-1}), padded_offsets, alpha, prob)
+    MXFP8:     fn(a, b, sfa, sfb, padded_offsets, alpha, prob[, norm_const])
 
 On a GPU machine without the CuTe DSL compiler the kernels come from a prebuilt bundle, built elsewhere with
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants benchmarks.bench_cases:bundle_items
+
+(`discrete_bundle_items`: only what `--discrete` needs.)
 """
 
 from __future__ import annotations
@@ -63,6 +67,18 @@ def bf16_call(shape: str):
 
     def fn(a, b, padded_offsets, alpha, prob):
         return _call(op, act, dict(a_tensor=a, b_tensor=b, padded_offsets=padded_offsets, alpha_tensor=alpha,
+                                   prob_tensor=prob))
+
+    return fn
+
+
+def discrete_call(shape: str):
+    """fn(a, bs, padded_offsets, alpha, prob) -> OpResult: `bf16_call` with the experts' weights as L separate
+    arrays (b_tensors, discrete weights) instead of one stacked (L, N, K) array."""
+    op, act = FUSION[shape]
+
+    def fn(a, bs, padded_offsets, alpha, prob):
+        return _call(op, act, dict(a_tensor=a, b_tensors=list(bs), padded_offsets=padded_offsets, alpha_tensor=alpha,
                                    prob_tensor=prob))
 
     return fn
@@ -121,6 +137,12 @@ def bf16_avals(shape: str) -> tuple:
             sds((groups,), jnp.float32), sds((m,), jnp.float32))
 
 
+def discrete_avals(shape: str) -> tuple:
+    m, n, k, groups = SHAPES[shape]
+    a, _, *tail = bf16_avals(shape)
+    return (a, tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for _ in range(groups)), *tail)
+
+
 def mxfp8_avals(shape: str, fp8_d: bool) -> tuple:
     m, n, k, groups = SHAPES[shape]
     sds = jax.ShapeDtypeStruct
@@ -142,7 +164,16 @@ def bundle_items() -> list:
               for s in SHAPES for fp8 in MXFP8_OUTPUTS.values()]
     items += [functools.partial(_lower_for_cuda, block_call(s, f), block_avals(s, f))
               for s in FORMAT_SHAPES for f in FORMAT_LABELS]
-    return items
+    return items + discrete_bundle_items()[len(DISCRETE_SHAPES):]
+
+
+def discrete_bundle_items() -> list:
+    """The discrete-weights comparison's modules alone (`--discrete`): the stacked and the discrete bf16 call on
+    DISCRETE_SHAPES (stacked first)."""
+    return ([functools.partial(_lower_for_cuda, bf16_call(s), bf16_avals(s)) for s in DISCRETE_SHAPES]
+            + [functools.partial(_lower_for_cuda, discrete_call(s), discrete_avals(s)) for s in DISCRETE_SHAPES])
 
 
 FORMAT_SHAPES = tuple(SHAPES) + tuple(MEMORY_BOUND)
+# Shapes of the discrete-weights comparison (`--discrete`: stacked vs per-expert weights, bf16 SwiGLU)
+DISCRETE_SHAPES = ("fc1", "small")

@@ -29,6 +29,7 @@ program, CUPTI; one value when every round saw the same program).
 
     python benchmarks/bench_grouped_gemm.py --mxfp8 --out DIR     # MXFP8 inputs (e4m3 + e8m0 per 32)
     python benchmarks/bench_grouped_gemm.py --formats mxfp8,nvfp4,mxfp4 --out DIR   # input formats vs bf16
+    python benchmarks/bench_grouped_gemm.py --discrete --out DIR  # per-expert weights (b_tensors) vs stacked
 
 MXFP8 mode: the same fc1 / fc2 / small shapes with A, B quantized from N(0,1) data per 32-wide K block
 (cudnn_moe_jax.formats.to_block_scaled on the GPU: realistic, non-uniform scales); ours with bf16 D (+ C for
@@ -526,6 +527,57 @@ def run_formats(args):
     return results, str(dev.device_kind)
 
 
+def run_discrete(args):
+    """Discrete weights (`--discrete`): per shape of bench_cases.DISCRETE_SHAPES, the bf16 fused op with stacked
+    weights (one (L, N, K) array) and with the same weights as L arrays (b_tensors: the kernel reads each expert
+    through its own TMA descriptor), timed interleaved on the same inputs. Rows: TFLOP/s and the time ratio
+    discrete / stacked (target <= 1.03)."""
+    import jax
+    import jax.numpy as jnp
+
+    _, dev, timer, why = _session(False)
+    results = []
+    for shape_name in bench_cases.DISCRETE_SHAPES:
+        m, n, k, L = shapes.SHAPES[shape_name]
+        offsets = jnp.asarray(np.cumsum(shapes.GROUP_SIZES[shape_name]).astype(np.int32))
+        valid_m = int(offsets[-1])
+        flops = 2.0 * valid_m * n * k
+        keys = jax.random.split(jax.random.PRNGKey(0), 3 * SETS)
+        stacked, discrete = [], []
+        for s in range(SETS):
+            a = jax.random.normal(keys[3 * s], (m, k), jnp.float32).astype(jnp.bfloat16)
+            b = (jax.random.normal(keys[3 * s + 1], (L, n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+            prob = jax.random.uniform(keys[3 * s + 2], (m,), jnp.float32)
+            alpha = jnp.ones((L,), jnp.float32)
+            stacked.append((a, b, offsets, alpha, prob))
+            discrete.append((a, tuple(b[e] for e in range(L)), offsets, alpha, prob))   # L buffers of their own
+        jax.block_until_ready((stacked, discrete))
+        row = {"shape": shape_name, "valid_m": valid_m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {}}
+        if timer is None:
+            row["cupti_unavailable"] = why
+        runners = {
+            "ours[stacked]": _jax_runner(public_op(bench_cases.bf16_call(shape_name), stacked[0],
+                                                  f"ours[stacked] on {shape_name}"), stacked, timer),
+            "ours[discrete]": _jax_runner(public_op(bench_cases.discrete_call(shape_name), discrete[0],
+                                                   f"ours[discrete] on {shape_name}"), discrete, timer),
+        }
+        _record(row, time_interleaved(runners, row), flops, 14)
+        row["discrete_over_stacked"] = row["ms"]["ours[discrete]"] / row["ms"]["ours[stacked]"]
+        print(f"{shape_name:7s} time discrete / stacked: {row['discrete_over_stacked']:.3f}", flush=True)
+        results.append(row)
+        del stacked, discrete, runners
+    return results, str(dev.device_kind)
+
+
+def write_discrete(results, device, out: Path):
+    _, lines = table(results, device, out, "discrete_results.json", "time discrete / stacked",
+                     lambda r: f"{r['discrete_over_stacked']:.3f}")
+    lines += ["", f"TFLOP/s (2*valid_m*N*K / median time), bf16 SwiGLU (C + D + amax), the same weights stacked "
+              f"(b_tensor) or as per-expert arrays (b_tensors). {timing_note(results)}"]
+    (out / "discrete_table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def write_formats(results, device, out: Path):
     _, lines = table(results, device, out, "formats_results.json", "time bf16 / format",
                      lambda r: " ".join(f"{k[5:-1]} {v:.2f}x" for k, v in r["speedup_over_bf16"].items()
@@ -552,7 +604,13 @@ def main(argv=None):
                     f"(of {','.join(bench_cases.FORMAT_LABELS[1:])}; w_*: bf16 A, block-scaled weights) on fc1 / "
                     "fc2 / small and the memory-bound shapes "
                     "(--shapes all or a subset of " + ",".join(bench_cases.FORMAT_SHAPES) + ")")
+    ap.add_argument("--discrete", action="store_true", help="discrete weights (b_tensors) vs stacked on " +
+                    ",".join(bench_cases.DISCRETE_SHAPES))
     args = ap.parse_args(argv)
+    if args.discrete:
+        results, device = run_discrete(args)
+        write_discrete(results, device, Path(args.out))
+        return
     if args.formats:
         if args.shapes == ",".join(list(shapes.SHAPES) + list(shapes.ROUTINGS)):
             args.shapes = "all"

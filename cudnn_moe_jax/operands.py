@@ -19,6 +19,9 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
            (deterministic without float atomics): `Partial(name, kind, shape(problem, config), reduce)`
   alias    outputs the launch writes into an input's buffer (`input_output_aliases`)
 
+Workspaces (`WORKSPACES`) are launch-only outputs that stand for no op output: scratch the launch writes and reads
+itself (the discrete-weights TMA descriptor table), passed after the op's outputs and dropped by `finish`.
+
 The tables (`TABLES`, one per op) are the one statement of the operand contract; the binding order of the public
 ops, the output avals, the dynamic axes, the launcher's operands and TensorSpecs and its unpacking are read from
 here. Adding an operand is adding its row. No cutlass import: the kernels' pure-Python modules read it too.
@@ -314,6 +317,27 @@ TABLES = {
 }
 
 
+# Launch-only scratch (no op output): the discrete-weights descriptor table of the M-grouped kernels -- one 128-byte
+# TMA descriptor per expert and per weight operand (B; block-scaled: SFB), then the experts' base addresses (8 bytes
+# each) (kernels/sm90/experts.py; XLA buffers are 256-byte aligned, so every descriptor is 128-byte aligned).
+TMA_DESCRIPTOR_BYTES = 128
+
+
+def expert_descriptor_operands(p) -> int:
+    """Weight operands read through per-expert descriptors: B, and SFB when block-scaled."""
+    return 2 if p.block_scaled else 1
+
+
+def _descriptor_table_bytes(p):
+    return (expert_descriptor_operands(p) * p.num_groups * (TMA_DESCRIPTOR_BYTES + 8),)
+
+
+WORKSPACES = (
+    Operand("expert_descriptors", "static", _descriptor_table_bytes, "uint8",
+            lambda p: p.discrete_weights and p.op != "wgrad", launch="expert_descriptors"),
+)
+
+
 # ------------------------------------------------------------------------------------------------ derived
 
 def rows(op: str) -> tuple[tuple, tuple]:
@@ -338,6 +362,7 @@ def launch_names() -> frozenset:
     for ins, outs in TABLES.values():
         names.update(r.name for r in ins)
         names.update(r.partial.name if r.partial else r.launch for r in outs)
+    names.update(r.launch for r in WORKSPACES)
     return frozenset(names)
 
 
@@ -381,7 +406,7 @@ def output_specs(problem) -> dict:
 
 def launch_outputs(problem, config=None) -> list[Bound]:
     """What the launch writes, in launcher order: the present outputs, each partial-summed one as its partial
-    (whose shape needs the kernel `config`; None: shape None)."""
+    (whose shape needs the kernel `config`; None: shape None), then the present workspaces."""
     out = []
     for r in rows(problem.op)[1]:
         if not r.present(problem):
@@ -392,6 +417,7 @@ def launch_outputs(problem, config=None) -> list[Bound]:
                              part.dtype))
         else:
             out.append(Bound(r.launch, _eval(r.kind, problem), tuple(r.shape(problem)), _eval(r.dtype, problem)))
+    out += [Bound(r.launch, r.kind, tuple(r.shape(problem)), r.dtype) for r in WORKSPACES if r.present(problem)]
     return out
 
 
@@ -404,12 +430,13 @@ def input_output_aliases(problem) -> dict:
 
 def finish(problem) -> Optional[Callable]:
     """None when the launch writes exactly the op's outputs, else `finish(launch outputs, {input name: array})`
-    -> the op's outputs (the partial sums reduced, the rest passed through)."""
+    -> the op's outputs (the partial sums reduced, the workspaces dropped, the rest passed through)."""
     present = [r for r in rows(problem.op)[1] if r.present(problem)]
-    if not any(r.partial for r in present):
+    if not any(r.partial for r in present) and not any(r.present(problem) for r in WORKSPACES):
         return None
 
     def reduce(launch_outs, named_inputs):
+        # zip stops at the op's outputs: the workspaces come after them
         return [r.partial.reduce(problem, x, named_inputs) if r.partial else x for r, x in zip(present, launch_outs)]
 
     return reduce

@@ -48,6 +48,14 @@ def test_mxfp8_benchmark_times_the_public_ops(tiny, tmp_path):
         assert {"ours[bf16d]", "ours[fp8d]"} <= set(row["ms"]) and "fp8d_over_bf16d_pct" in row
 
 
+def test_discrete_benchmark_times_stacked_and_discrete(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_cases, "DISCRETE_SHAPES", ("tiny",))
+    bench.main(["--discrete", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "discrete_results.json").read_text())["results"]
+    assert {"ours[stacked]", "ours[discrete]"} == set(row["ms"]) and row["discrete_over_stacked"] > 0
+    assert "| tiny |" in (tmp_path / "discrete_table.md").read_text()
+
+
 def test_unknown_shape_is_named():
     with pytest.raises(SystemExit, match="unknown shape 'fc3'"):
         bench.main(["--shapes", "fc3"])
@@ -67,7 +75,9 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
         warnings.simplefilter("ignore", RuntimeWarning)
         for item in bench_cases.bundle_items():
             item()
-    assert len(asked) == 3 * len(shapes.SHAPES) + len(bench_cases.FORMAT_LABELS) * len(bench_cases.FORMAT_SHAPES)
+    assert len(asked) == (3 * len(shapes.SHAPES) + len(bench_cases.FORMAT_LABELS) * len(bench_cases.FORMAT_SHAPES)
+                          + len(bench_cases.DISCRETE_SHAPES))
+    assert sum(p.discrete_weights for p, _ in asked) == len(bench_cases.DISCRETE_SHAPES)
     kernels = _runtime.kernels_package()
     known = set(shapes.SHAPES.values()) | {s for s, _, _ in bench_cases.MEMORY_BOUND.values()}
     for problem, names in asked:

@@ -310,8 +310,8 @@ def test_supports_reasons():
                            sf_vec_size=32),
         GroupedGemmProblem(op="quant", m=512, n=256, k=144, num_groups=2, ab_dtype="float4_e2m1fn",
                            sf_dtype="float8_e4m3fn", sf_vec_size=16),   # packed FP4 rows of 72 bytes
-        GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
-                           sf_vec_size=32, discrete_weights=True),
+        GroupedGemmProblem(op="wgrad", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
+                           wgrad_dtype="bfloat16", discrete_weights=True),   # wgrad has no per-expert weights
         GroupedGemmProblem(op="quant", m=500, n=256, k=128, num_groups=2, ab_dtype="bfloat16"),
         GroupedGemmProblem(op="quant", m=512, n=256, k=100, num_groups=2, ab_dtype="bfloat16"),
         GroupedGemmProblem(op="glu", m=512, n=96, k=128, num_groups=2, ab_dtype="bfloat16",

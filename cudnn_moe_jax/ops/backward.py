@@ -141,6 +141,16 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
     """
     majors = ck.operand_majors(cudnn_static, a_major_allowed=True)
     ck.pop_m_aligned(cudnn_static)   # accepted for symmetry: token offsets have no alignment rule
+    output_mode = cudnn_static.pop("output_mode", "dense")
+    if output_mode == "discrete":
+        raise NotImplementedError(
+            "grouped_gemm_wgrad(output_mode='discrete') (cuDNN's per-expert wgrad_ptrs) is not implemented: a JAX "
+            "output is always a new buffer, so per-expert outputs differ from the dense (L, m, n) result only when "
+            "accumulating into existing per-expert buffers, which needs per-expert TMA store descriptors and L "
+            "aliased outputs in the wgrad epilogue (the discrete-weights descriptor table serves loads of B); "
+            "use the dense output (W[e] is expert e's gradient)")
+    if output_mode != "dense":
+        raise ValueError(f"output_mode must be 'dense' or 'discrete', got {output_mode!r}")
     config = ck.check_static_kwargs(**cudnn_static)
     a = ck.squeeze_unit(ck.array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, T)")
     b = ck.squeeze_unit(ck.array(b_tensor, "b_tensor"), 2, "b_tensor", "(n, T)")

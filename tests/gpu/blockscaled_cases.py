@@ -42,10 +42,14 @@ FORMATS = {"nvfp4": (E2M1, E4M3, 16), "nvfp4e8": (E2M1, E8M0, 16), "mxfp4": (E2M
 # weight-only quantization: bf16 A (no sfa) with block-scaled B of the named format
 WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp4": "mxfp4", "w_mxfp8": "mxfp8"}
 FORMATS.update({w: FORMATS[f] for w, f in WEIGHT_ONLY.items()})
+HALF = "bf16"   # bf16 A and B (the bf16 A of weight-only for both; no scale factors): the discrete-weights cases
+FORMATS[HALF] = ("bfloat16", None, None)
 M, L = 2048, 4
 PATTERNS = {
     "empty_and_tail": (512, 512, 1024, 1792),   # expert 1 empty, rows 1792.. outside every group (m > valid_m)
     "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048
+    # 300 experts (the pattern sets L), four of them non-empty, rows 1792.. outside (tests/gpu/discrete_cases.py)
+    "many_experts": tuple(256 * ((e >= 7) + 2 * (e >= 100) + (e >= 257) + 3 * (e >= 299)) for e in range(300)),
 }
 MODES = ("exact", "adversarial", "specials")
 # (pattern, mode) each case runs in the GPU test: every mode, both routing patterns (~3 s a run)
@@ -154,11 +158,14 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", see
 
     _, op, fmt, k, n, options = case
     data, sf, vec = FORMATS[fmt]
+    L = len(PATTERNS[pattern])   # experts
     rng = np.random.default_rng(seed)
     make = _exact_operand if mode == "exact" else _random_operand
+    if fmt == HALF:
+        make = lambda rng, rows, k, fmt: _bf16_operand(rng, rows, k, mode)  # noqa: E731
     a, sa = _bf16_operand(rng, M, k, mode) if fmt in WEIGHT_ONLY else make(rng, M, k, fmt)
     bs = [make(rng, n, k, fmt) for _ in range(L)]
-    b, sb = np.stack([x for x, _ in bs]), np.stack([s for _, s in bs])
+    b, sb = np.stack([x for x, _ in bs]), None if fmt == HALF else np.stack([s for _, s in bs])
     if mode == "specials":
         _inject_specials(fmt, a, sa, b, sb)
     sf_np = ml_dtypes.float8_e4m3fn if sf == E4M3 else np.uint8     # e4m3 scales travel typed (docs/formats.md)
@@ -172,7 +179,8 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", see
         alpha = rng.uniform(0.5, 2.0, L)
         prob = rng.uniform(0.1, 1.0, M)
         bias = rng.standard_normal((L, n))
-    x = dict(a=a, b=b, sfa=None if sa is None else phys(sa), sfb=phys(sb), alpha=alpha.astype(np.float32), prob=prob.astype(np.float32),
+    x = dict(a=a, b=b, sfa=None if sa is None else phys(sa), sfb=None if sb is None else phys(sb),
+             alpha=alpha.astype(np.float32), prob=prob.astype(np.float32),
              offsets=np.asarray(PATTERNS[pattern], np.int32), norm_const=np.asarray([NORM_CONST], np.float32),
              bias=bias.astype(options.get("bias") or F32))
     if op in DGRAD_OPS:   # the saved forward C (m, 2N) / (m, N) and its dequant scale beta
@@ -183,9 +191,20 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", see
     return {key: None if v is None else jnp.asarray(v) for key, v in x.items()}
 
 
-def call(case, x):
+def expert_lists(x):
+    """x with every expert's weight (and SF buffer) as its own array, for a discrete-weights call."""
+    sfb = x["sfb"]
+    return dict(x, bs=[x["b"][e] for e in range(x["b"].shape[0])],
+                sfbs=None if sfb is None else [sfb[e:e + 1] for e in range(sfb.shape[0])])
+
+
+def call(case, x, discrete: bool = False):
+    """The case's public op call; `discrete`: the weights as per-expert arrays (b_tensors / sfb_tensors, from
+    `expert_lists`) instead of the stacked b_tensor / sfb_tensor."""
     _, op, fmt, _, _, options = case
     options = dict(options)
+    weights = (dict(b_tensors=x["bs"], sfb_tensors=x["sfbs"]) if discrete
+               else dict(b_tensor=x["b"], sfb_tensor=x["sfb"]))
     if op in DGRAD_OPS:
         prob = None if options.pop("no_prob", False) else x["prob"]
         options.pop("c_dtype")
@@ -193,14 +212,14 @@ def call(case, x):
                   sf_vec_size=FORMATS[fmt][2], **options)
         if options.get("d_dtype") in FP8:
             kw["norm_const_tensor"] = x["norm_const"]
-        return DGRAD_OPS[op](x["a"], x["b"], x["c"], x["sfa"], x["sfb"], **kw)
+        return DGRAD_OPS[op](x["a"], c_tensor=x["c"], sfa_tensor=x["sfa"], **weights, **kw)
     bias = x["bias"] if options.pop("bias", None) else None
     prob = None if options.pop("no_prob", False) else x["prob"]
     kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], prob_tensor=prob, bias_tensor=bias,
               sf_vec_size=FORMATS[fmt][2], **options)
     if options.get("d_dtype") in FP8:
         kw["norm_const_tensor"] = x["norm_const"]
-    return OPS[op](x["a"], x["b"], x["sfa"], x["sfb"], **kw)
+    return OPS[op](x["a"], sfa_tensor=x["sfa"], **weights, **kw)
 
 
 def bundle_items_for(cases):
@@ -223,14 +242,19 @@ def bundle_items():
 # ------------------------------------------------------------------------------------------------ GPU run + checks
 
 
-def _run_checked(case, pattern: str, mode: str):
+def case_inputs(case, pattern: str, mode: str, discrete: bool = False):
+    """The inputs of one run of a case (seeded by case, pattern and mode)."""
+    x = inputs(case, pattern, mode, seed=zlib.crc32(f"{case[0]}/{pattern}/{mode}".encode()) % 1000)
+    return expert_lists(x) if discrete else x
+
+
+def _run_checked(case, pattern: str, mode: str, discrete: bool = False):
     """Run one case (outputs poisoned first, twice): (inputs, outputs, the oracle's, rows inside groups, ["two calls
     differ" per output that is not bit-identical])."""
     import harness
 
-    name = case[0]
-    x = inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
-    got, again = harness.run_poisoned_twice(functools.partial(call, case), x)
+    x = case_inputs(case, pattern, mode, discrete)
+    got, again = harness.run_poisoned_twice(functools.partial(call, case, discrete=discrete), x)
     want = _oracle(case, x)
     valid = np.zeros(M, bool)
     for s, e in want["_groups"]:
@@ -246,6 +270,7 @@ def _oracle(case, x):
     _, op, fmt, _, _, options = case
     data, sf, vec = FORMATS[fmt]
     options = dict(options)
+    options.pop("b_major", None)   # a memory-order hint: the same math
     if op in DGRAD_OPS:
         return _dgrad_oracle(case, x)
     has_bias = options.pop("bias", None) is not None
@@ -268,6 +293,7 @@ def _dgrad_oracle(case, x):
     _, op, fmt, _, _, options = case
     data, sf, vec = FORMATS[fmt]
     options = dict(options)
+    options.pop("b_major", None)
     no_prob = options.pop("no_prob", False)
     options.pop("generate_dbias", None)
     d_dtype = options.pop("d_dtype")
@@ -280,12 +306,12 @@ def _dgrad_oracle(case, x):
               h["norm_const"] if d_dtype in FP8 else None, **kw)
 
 
-def run_dgrad_case(case, pattern: str, mode: str) -> list[str]:
+def run_dgrad_case(case, pattern: str, mode: str, discrete: bool = False) -> list[str]:
     """A backward case: D_row (FP8: codes and SF bytes), dprob, dbias, amax vs the float64 oracle."""
     from test_mxfp8_gpu import check_fp8_outputs, check_values
 
     name, op, fmt, k, _, options = case
-    x, got, want, valid, errs = _run_checked(case, pattern, mode)
+    x, got, want, valid, errs = _run_checked(case, pattern, mode, discrete)
     fp8_d = options.get("d_dtype") in FP8
     for key, out, rows in (("d_row_tensor", "d", valid), ("dprob_tensor", "dprob", valid),
                            ("dbias_tensor", "dbias", np.ones(L, bool))):
@@ -351,15 +377,15 @@ def _error_bound(want, out: str, k: int, act=None):
     return np.nan_to_num(err, nan=0.0, posinf=np.inf)
 
 
-def run_case(case, pattern: str, mode: str) -> list[str]:
+def run_case(case, pattern: str, mode: str, discrete: bool = False) -> list[str]:
     """Run one case (outputs poisoned first, twice) and check every output element against the float64 oracle;
-    the problems found ([] = ok)."""
+    the problems found ([] = ok). `discrete`: the weights passed as per-expert arrays (b_tensors / sfb_tensors)."""
     from test_mxfp8_gpu import check_fp8_outputs, check_values
 
     name, op, fmt, k, _, options = case
     if op in DGRAD_OPS:
-        return run_dgrad_case(case, pattern, mode)
-    x, got, want, valid, errs = _run_checked(case, pattern, mode)
+        return run_dgrad_case(case, pattern, mode, discrete)
+    x, got, want, valid, errs = _run_checked(case, pattern, mode, discrete)
     groups = want["_groups"]
     if mode == "exact":
         for key in EXACT_KEYS[op]:

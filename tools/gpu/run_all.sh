@@ -5,8 +5,8 @@
 #   .runtime  python tools/fetch_runtime.py (libcute_dsl_runtime.so.xz)
 #   .peers    tokamax + deps for the step benchmark (optional; without it the benchmark reports tokamax unavailable)
 #   .out/kgpu tools/gpu/build_artifacts.py (optional: step b runs only where its manifest is present)
-# Use:  OUT=... bash tools/gpu/run_all.sh [tests blockscaled kgpu sanitize ep bench bench_ep]   (default: all, in
-# this order)
+# Use:  OUT=... bash tools/gpu/run_all.sh [tests blockscaled discrete kgpu sanitize ep bench bench_ep]   (default:
+# all, in this order)
 # Expected (H200, warm caches not assumed): tests ~4 min, kgpu ~2 min, sanitize ~2 min, ep ~1 min, bench ~5 min,
 # bench_ep ~2 min (estimate: not yet run on a GPU).
 export PYTHONUNBUFFERED=1
@@ -16,7 +16,7 @@ if compgen -G ".peers/wheels/*.whl" > /dev/null; then   # tokamax for the benchm
   export PYTHONPATH=/tmp/peers_site:$PWD/.peers/stub:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-steps=${*:-tests blockscaled kgpu sanitize ep bench bench_ep}
+steps=${*:-tests blockscaled discrete kgpu sanitize ep bench bench_ep}
 nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 [ -f .bundle/manifest.json ] && echo "bundle: $(grep -c '"file"' .bundle/manifest.json) module(s)" || echo "NO .bundle"
@@ -43,6 +43,21 @@ for s in $steps; do
       timeout -s KILL ${FMT_TIMEOUT:-300} python3 benchmarks/bench_grouped_gemm.py --formats mxfp8,nvfp4,mxfp4,w_nvfp4,w_mxfp8 \
         --out "$OUT/formats" > "$OUT/formats.log" 2>&1
       echo "== formats rc=$?"; grep -E "TFLOP/s|time bf16" "$OUT/formats.log" | cut -c1-200 | tail -40 ;;
+    discrete)  # discrete weights (b_tensors): every case vs the float64 oracle and bit-identical to stacked, the
+      # --discrete benchmark row (fc1 / small, target <= 1.03x stacked), memcheck + racecheck of two cases
+      timeout -s KILL ${DISCRETE_TIMEOUT:-150} python3 -m pytest tests/gpu/test_discrete_gpu.py -q -rf \
+        -p no:cacheprovider --tb=line > "$OUT/discrete.log" 2>&1
+      echo "== discrete rc=$?"; summary "$OUT/discrete.log"
+      timeout -s KILL ${DBENCH_TIMEOUT:-200} python3 benchmarks/bench_grouped_gemm.py --discrete --out "$OUT/discrete" \
+        > "$OUT/discrete_bench.log" 2>&1
+      echo "== discrete bench rc=$?"; grep -E "TFLOP/s|discrete / stacked" "$OUT/discrete_bench.log" | cut -c1-200 | tail -8
+      for tool in memcheck racecheck; do
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${DSAN_TIMEOUT:-60} compute-sanitizer --tool $tool \
+          --kernel-name kns=kernelssm90 --error-exitcode 9 python3 tools/gpu/sanitize_discrete.py \
+          > "$OUT/discrete_$tool.log" 2>&1
+        echo "== discrete $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY| OK$|\[.*\]$|Error" \
+          "$OUT/discrete_$tool.log" | cut -c1-300 | tail -6
+      done ;;
     kgpu)   # the kernel-level suites run jax.export artifacts (tools/gpu/build_artifacts.py)
       if [ -f .out/kgpu/manifest.json ]; then
         timeout -s KILL ${KGPU_TIMEOUT:-240} python3 -m pytest tests/gpu/test_grouped_gemm_gpu.py tests/gpu/test_mxfp8_gpu.py \

@@ -98,8 +98,8 @@ def supports(problem) -> Optional[str]:
                     f"the formats {BLOCK_FORMATS}")
     elif problem.ab_dtype not in HALF_DTYPES:
         return f"A/B dtype {problem.ab_dtype!r} not in {HALF_DTYPES}"
-    if problem.discrete_weights:
-        return "discrete weights are not implemented on sm90 yet"
+    if problem.discrete_weights and problem.op == "wgrad":
+        return "wgrad has no per-expert weight operand (discrete weights are B of the M-grouped ops)"
     if problem.op != "wgrad" and problem.a_major != "k":
         return "an M-major A is implemented for wgrad only"
     if problem.op != "wgrad":

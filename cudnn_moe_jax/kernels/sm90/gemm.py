@@ -45,6 +45,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cudnn_moe_jax.formats import rcp_limit
 from cudnn_moe_jax.limits import FP8_DTYPES
+from cudnn_moe_jax.operands import expert_descriptor_operands
 
 from .. import quantize as q8
 from ..scheduler import M_GROUPED, GroupedTileScheduler
@@ -53,6 +54,8 @@ from . import mainloop_mxfp8 as mx
 from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
 from .epilogue import EpilogueDriver
 from .epilogue_fp8d import EPI_N, Fp8DOutput
+from .experts import BUILD_THREADS, DescriptorTable
+from .experts import templates as expert_templates
 from .mainloop import WgmmaMainloop
 from .operands import unpack
 
@@ -111,6 +114,7 @@ class KernelArgs(NamedTuple):
     mWold: Any           # wgrad with accumulation: the old W
     mDout: Any           # clipped tiles (m_aligned < tile_m): D (D_row) as memory, for their row-clipped stores
     mCout: Any           # the same of the forward's C
+    mExpertDescriptors: Any  # discrete weights: the per-expert TMA descriptor table (experts.py)
 
 
 class CtaSetup(NamedTuple):
@@ -221,6 +225,9 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         self.tile_m, self.tile_n, self.cluster_m, self.cluster_n = cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n
         self.cluster_size = self.cluster_m * self.cluster_n
         self.n, self.num_groups = problem.n, problem.num_groups
+        # discrete weights: expert e's B / SFB through its own TMA descriptor (experts.py)
+        self.discrete = problem.discrete_weights
+        self.expert_table = DescriptorTable(self.num_groups, expert_descriptor_operands(problem))
         self.n_tiles = -(-problem.n // self.tile_n)
         self.n_blocks = -(-self.n_tiles // self.cluster_n)  # cluster tiles along N
         self.max_clusters = cfg.num_sms // self.cluster_size
@@ -361,6 +368,9 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
     @cute.jit
     def launch(self, stream: cuda.CUstream, *tensors):
         t = self._unpack(tensors)
+        experts = None
+        if const_expr(self.discrete):  # the TMA atoms are made from expert 0's buffers: the descriptors' template
+            t, experts = expert_templates(t, self.num_groups)
         a, b = t["a"], t["b"]
         m_rows = a.shape[0]
         d, m_alpha, m_beta, m_wold = self.output_operands(t)
@@ -399,7 +409,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
             tma_atom_sfa=tma_atom_sfa, mSFA=tma_sfa, tma_atom_sfb=tma_atom_sfb, mSFB=tma_sfb,
             tma_atom_dcol=tma_atom_dcol, mDcol=tma_dcol, mSfdRow=mSfdRow, mSfdCol=mSfdCol,
             mNormConst=t["norm_const"], mBeta=m_beta, mDprobParts=t["dprob_parts"], mDbiasParts=t["dbias_parts"],
-            mWold=m_wold,
+            mWold=m_wold, mExpertDescriptors=t["expert_descriptors"],
         )
         if const_expr(self.sched.clipped):   # a group's last tile stores its rows by plain stores
             args.update(mDout=d, mCout=t.get("c") if self.recipe.has_c else None)
@@ -429,6 +439,11 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
             # SF bytes are written only for computed rows/blocks; XLA outputs are uninitialised (rows outside every
             # group and SF padding must read 0x00)
             self.zero_bytes_kernel(mSfdRow, mSfdCol).launch(grid=[264, 1, 1], block=[256, 1, 1], stream=stream)
+
+        if const_expr(self.discrete):
+            atoms = (tma_atom_b, tma_atom_sfb)[:self.expert_table.operands]
+            self.expert_table.build_table(atoms, experts[:len(atoms)], t["expert_descriptors"]).launch(
+                grid=[1, 1, 1], block=[BUILD_THREADS, 1, 1], stream=stream)
 
         num_clusters = cutlass.min(self.sched.num_tiles(m_rows), Int32(self.max_clusters))
         self.kernel(args).launch(
@@ -582,15 +597,18 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         while t < work.total:
             tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
             tAgA, tAsA, tBgB, tBsB = self.tile_ab(ab, tile, args, cta, rank_m, rank_n)
+            descriptors, weights = None, tile.group
+            if const_expr(self.discrete):  # the expert's own B / SFB, at expert index 0 of its descriptors
+                descriptors, weights = self.expert_table.acquire(args.mExpertDescriptors, tile.group), 0
             b_own = {}
             if const_expr(self.pairs_groups()):
                 # tile lists: the block's tiles may use two groups' B; then each CTA loads its whole B tile itself
-                b_own = dict(b_own=(ab[5][(None, tile.n_tile, None, tile.group)], ab[4], tile.mcast_b,
+                b_own = dict(b_own=(ab[5][(None, tile.n_tile, None, weights)], ab[4], tile.mcast_b,
                                     Int32(1) << (rank_m + self.cluster_m * rank_n)))
             prod_state = self.mainloop.load_tile(
                 cta.ab_pipeline, prod_state, args.tma_atom_a, tAgA, tAsA, args.tma_atom_b, tBgB, tBsB,
-                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, (tile.m_tile, tile.n_tile, tile.group),
-                **b_own,
+                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, (tile.m_tile, tile.n_tile, weights),
+                descriptors, **b_own,
             )
             t += work.stride
         cta.ab_pipeline.producer_tail(prod_state)
@@ -635,16 +653,18 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
     @cute.jit
     def tile_ab(self, ab, tile, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
         """M-grouped: (tAgA, tAsA, tBgB, tBsB) of one tile: its A rows and B[group], over K (tile lists: A from
-        the tile's first row; TMA loads may start at any row, rows past m read as zeros)."""
+        the tile's first row; TMA loads may start at any row, rows past m read as zeros; discrete weights: the
+        expert's own B, index 0 of its descriptor)."""
         tAsA, tAgA, tBsB, tBgB = ab[:4]
+        group = 0 if const_expr(self.discrete) else tile.group
         if const_expr(self.sched.by_tiles):
             (_, a_box_k), _ = self.mainloop.tma_operands()
             gA = cute.local_tile(cute.domain_offset((tile.row0, 0), args.mA), (self.tile_m, a_box_k), (None, None))
             tAsA, tAgA = cpasync.tma_partition(
                 args.tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(cta.sA, 0, 2),
                 cute.group_modes(gA, 0, 2))
-            return tAgA[(None, 0, None)], tAsA, tBgB[(None, tile.n_tile, None, tile.group)], tBsB
-        return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None, tile.group)], tBsB
+            return tAgA[(None, 0, None)], tAsA, tBgB[(None, tile.n_tile, None, group)], tBsB
+        return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None, group)], tBsB
 
     @cute.jit
     def stage_worker(self, cta: CtaSetup, worker: cutlass.Constexpr):

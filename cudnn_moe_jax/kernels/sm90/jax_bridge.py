@@ -3,9 +3,9 @@ arguments and a ready-made call.
 
 The operands, their order, shapes and kinds are the operand table's (`cudnn_moe_jax.operands`, docs there). Every
 array is row-major unless a major says otherwise; B is presented to the kernel as (N, K, L) through `mode` (no
-copy). Tensors whose shape involves `m` are dynamic with `m % m_aligned == 0` declared (256 by default), so one
-compiled module serves every `m` (and `jax.export` with a symbolic `m` works); likewise wgrad's A (m_w, T) /
-B (n_w, T) with `T % 8 == 0`; the others are static.
+copy), discrete weights as L arrays (N, K). Tensors whose shape involves `m` are dynamic with `m % m_aligned == 0`
+declared (256 by default), so one compiled module serves every `m` (and `jax.export` with a symbolic `m` works);
+likewise wgrad's A (m_w, T) / B (n_w, T) with `T % 8 == 0`; the others are static.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def _spec(problem, operand: table.Bound) -> TensorSpec:
     if kind == "tokens":  # wgrad (rows, T), T dynamic; token-major ("m" / "n"): rows contiguous, as stored
         token_major = (problem.a_major, problem.b_major)[name == "b"] != "k"
         return TensorSpec(layout=(0, 1) if token_major else None, divisibility=(shape[0], TOKEN_ALIGN))
+    if kind == "weights" and len(shape) == 2:  # discrete: one expert's (N, K) (N contiguous for b_major "n")
+        return TensorSpec(static=True, layout=(0, 1) if problem.b_major == "n" else None)
     if kind == "weights" and problem.b_major == "n":
         return TensorSpec(mode=(1, 2, 0), static=True, layout=(2, 0, 1))  # (L, N, K) with N contiguous
     if kind == "rows":  # (m, cols): m dynamic

@@ -65,10 +65,12 @@ def make_ab_smem_layouts(ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: 
 
 @cute.jit
 def copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k: Int32, s: Int32,
-                  a_mcast_mask, b_mcast_mask):
-    """TMA of K tile `k` of A and B into stage `s` on the stage's barriers (both mainloops' producers)."""
+                  a_mcast_mask, b_mcast_mask, descriptors=None):
+    """TMA of K tile `k` of A and B into stage `s` on the stage's barriers (both mainloops' producers); B through
+    the expert's own descriptor with discrete weights (`descriptors`: experts.ExpertDescriptors, else None)."""
     cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, s)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-    cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+    cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask,
+              tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.b)
 
 class WgmmaMainloop:
     """Producer and consumer k-loops over one tile. Pipeline states are returned (loop-carried by the caller).
@@ -83,7 +85,10 @@ class WgmmaMainloop:
       `STAGE_WORKERS`, `process_stage()`          warps of the producer warpgroup that rework each loaded stage
                                                   in shared memory before the consumers read it (none here);
       `REGISTER_TIGHT`                            the k-loop keeps nearly every consumer register live;
-      `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops."""
+      `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops; `load_tile` takes
+                                                  the tile's B partition (of its expert) and, with discrete weights,
+                                                  the expert's TMA descriptors (`experts.ExpertDescriptors`, which
+                                                  the B and SFB loads go through; else None)."""
 
     TILE_K = TILE_K
     STAGE_WORKERS = ()
@@ -155,6 +160,7 @@ class WgmmaMainloop:
         k_count: Int32,
         scale_loads=None,
         tile_coord=None,
+        descriptors=None,
         b_own=None,
     ):
         """k_count stages of one tile (`scale_loads` / `tile_coord`: the block-scaled mainloop's, unused here).
@@ -167,18 +173,19 @@ class WgmmaMainloop:
             bar = ab_pipeline.producer_get_barrier(prod_state)
             if const_expr(b_own is None):
                 copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, prod_state.count,
-                              prod_state.index, a_mcast_mask, b_mcast_mask)
+                              prod_state.index, a_mcast_mask, b_mcast_mask, descriptors)
             else:
                 tBgB_other, tBsB_other, multicast, own_mask = b_own
                 k, s = prod_state.count, prod_state.index
                 if multicast:
                     copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
-                                  b_mcast_mask)
+                                  b_mcast_mask, descriptors)
                 else:
                     copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
-                                  own_mask)
+                                  own_mask, descriptors)
                     cute.copy(tma_atom_b, tBgB_other[(None, k)], tBsB_other[(None, s)], tma_bar_ptr=bar,
-                              mcast_mask=own_mask)
+                              mcast_mask=own_mask,
+                              tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.b)
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state

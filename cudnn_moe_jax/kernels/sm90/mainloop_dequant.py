@@ -233,10 +233,11 @@ class DequantMainloop(WgmmaMainloop):
 
     @cute.jit
     def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile_coord):
+                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile_coord, descriptors=None):
         """k_count stages of tile (m_tile, n_tile, expert g): the narrow A / B boxes and the SF atoms of stage k
         (k-block quad k // stages_per_atom). SFA atoms are (m / 128, Kb), SFB atoms (L, cdiv(N, 128), Kb); a B
-        row block past N loads the expert's last one (its rows are masked by the workers)."""
+        row block past N loads the expert's last one (its rows are masked by the workers). Discrete weights: B and
+        SFB through the expert's `descriptors`, g = 0."""
         tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs = scale_loads
         m_tile, n_tile, g = tile_coord
         b_blocks = self.tile_n // SF_ATOM_ROWS
@@ -246,7 +247,8 @@ class DequantMainloop(WgmmaMainloop):
             bar = ab_pipeline.producer_get_barrier(prod_state)
             k = prod_state.count
             s = prod_state.index
-            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask)
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask,
+                          descriptors)
             kq = k // self.stages_per_atom
             if const_expr(not self.FORMAT.a_bf16):
                 cute.copy(tma_atom_sfa, tSAg[(None, 0, m_tile * self.k_blocks4 + kq)], tSAs[(None, s)],
@@ -254,7 +256,8 @@ class DequantMainloop(WgmmaMainloop):
             for i in cutlass.range_constexpr(b_blocks):
                 rb = cutlass.min(n_tile * b_blocks + i, Int32(self.sfb_row_blocks - 1))
                 cute.copy(tma_atom_sfb, tSBg[(None, 0, (g * self.sfb_row_blocks + rb) * self.k_blocks4 + kq)],
-                          tSBs[i][(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+                          tSBs[i][(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask,
+                          tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.sfb)
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state

@@ -225,10 +225,11 @@ class Mxfp8Mainloop:
     def load_tile(
         self, ab_pipeline, prod_state,
         tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-        a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile_coord,
+        a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile_coord, descriptors=None,
     ):
         """k_count stages of one tile (m_tile, n_tile, expert g) = tile_coord; SF atom of stage k: the tile's first
-        atom + k (one atom per 128 rows per stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb) atoms."""
+        atom + k (one atom per 128 rows per stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb) atoms.
+        Discrete weights: B and SFB through the expert's `descriptors`, g = 0."""
         tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs = scale_loads
         m_tile, n_tile, g = tile_coord
         sfa_atom0 = m_tile * self.k_tiles
@@ -239,11 +240,13 @@ class Mxfp8Mainloop:
             bar = ab_pipeline.producer_get_barrier(prod_state)
             k = prod_state.count
             s = prod_state.index
-            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask)
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask,
+                          descriptors)
             cute.copy(tma_atom_sfa, tSAg[(None, 0, sfa_atom0 + k)], tSAs[(None, s)], tma_bar_ptr=bar,
                       mcast_mask=a_mcast_mask)
             cute.copy(tma_atom_sfb, tSBg[(None, 0, sfb_atom0 + k)], tSBs[(None, s)], tma_bar_ptr=bar,
-                      mcast_mask=b_mcast_mask)
+                      mcast_mask=b_mcast_mask,
+                      tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.sfb)
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
