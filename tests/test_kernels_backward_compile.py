@@ -32,8 +32,9 @@ def _compile(problem) -> bytes:
 
     call = make_call(problem)
     if problem.op == "wgrad":  # T symbolic, as the runtime compiles it
-        (t,) = jax.export.symbolic_shape("8*t_blocks")
-        avals = list(variants.symbolic_avals(problem, t).values())
+        from cudnn_moe_jax._lowering import symbolic_t
+
+        avals = list(variants.symbolic_avals(problem, symbolic_t(problem.ab_dtype)).values())
     else:  # concrete m (the m-symbolic export is tests/test_kernels_compile.py's)
         avals = list(variants.input_avals(problem).values())
     before = set(_CUTLASS_COMPILE_CACHE)

@@ -105,6 +105,12 @@ def prmt2(a: Int32, b: Int32, sel: cutlass.Constexpr) -> Int32:
 
 
 @cute.jit
+def prmt_dynamic(a: Int32, b: Int32, sel: Int32) -> Int32:
+    """Byte permute of (b:a) by the selector in register `sel`."""
+    return _asm("prmt.b32 $0, $1, $2, $3;", a, b, sel)
+
+
+@cute.jit
 def mul_bf16x2(a: Int32, b: Int32) -> Int32:
     """Both bf16 halves of a times those of b, rounded to nearest even (subnormals kept)."""
     return _asm("mul.rn.bf16x2 $0, $1, $2;", a, b)
@@ -141,6 +147,14 @@ def e8m0_bf16(e: Int32) -> Int32:
     nan_or_tiny = ((e + Int32(1)) & Int32(0x100)) >> 2                      # 0x40 for e = 255
     tiny = Int32(cutlass.select_(e == Int32(0), Int32(0x40), Int32(0)))
     return (e << 7) | nan_or_tiny | tiny
+
+
+@cute.jit
+def e8m0_bf16x2(e: Int32) -> Int32:
+    """e8m0_bf16 of the two codes in the low bytes of each 16-bit half of e (no carries cross the halves)."""
+    nan = ((e + Int32(0x00010001)) & Int32(0x01000100)) >> 2                  # 0x40 where the code is 255
+    tiny = (~(e + Int32(0x00FF00FF)) & Int32(0x01000100)) >> 2                # 0x40 where it is 0
+    return (e << 7) | nan | tiny
 
 
 @cute.jit
@@ -185,19 +199,22 @@ def _fp4_pair(w: Int32, k: cutlass.Constexpr) -> Int32:
 
 
 @cute.jit
-def convert_group(words, data_dtype: cutlass.Constexpr, scale2: Int32, store):
+def convert_group(words, data_dtype: cutlass.Constexpr, scale2, store):
     """One group: its 32-bit words (FP8: 4, FP4: 2) and the block scale (bf16x2) -> its 8 bf16x2 pairs (module
     docstring), val(code) * scale each, handed to `store(p, pair)` as they are made (few live registers: the
-    producer warpgroup's threads have 40)."""
+    producer warpgroup's threads have 40). `scale2` may be a function of the pair (p -> bf16x2): the two halves of
+    a pair then take their own scales (a group over two scale blocks; the pair of two rows of a token-major
+    operand)."""
     bias = _i32(bias_bits(data_dtype))
     for p in cutlass.range_constexpr(PAIRS):
         if const_expr(data_dtype == E2M1):
             x = _fp4_pair(words[p // 4], p % 4)
         else:
             x = _fp8_pair(words[p // 2], data_dtype, p % 2)
+        s = scale2(p) if const_expr(callable(scale2)) else scale2
         v = mul_bf16x2(x, bias)
         if const_expr(data_dtype == E4M3):
             probe = mul_bf16x2(v, Int32(NAN_PROBE))
-            store(p, fma_bf16x2(v, scale2, sub_bf16x2(probe, probe)))
+            store(p, fma_bf16x2(v, s, sub_bf16x2(probe, probe)))
         else:
-            store(p, mul_bf16x2(v, scale2))
+            store(p, mul_bf16x2(v, s))
