@@ -174,7 +174,9 @@ def expert_token_matmul(a_op, b_op, ends):
         b_t = jax.lax.dynamic_slice_in_dim(b_op, t * step_tokens, step_tokens, axis=1)
         token = t * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
         keep = use & (token >= starts[e]) & (token < ends[e])
+        # both operands: another expert's NaN / inf must not reach W[e] through a product with a masked zero
         a_t = jnp.where(keep[None, :], a_t, jnp.zeros((), a_t.dtype))
+        b_t = jnp.where(keep[None, :], b_t, jnp.zeros((), b_t.dtype))
         w = jnp.dot(a_t, b_t.T, precision=HIGHEST, preferred_element_type=F32)
         return jax.lax.dynamic_update_index_in_dim(acc, acc[e] + w, e, axis=0), None
 

@@ -46,6 +46,9 @@ KERNEL_PROBLEMS = variants.problems() + variants.problems((4096, 1024, 512, 8), 
     _wgrad(),
     _wgrad(ab=F16, wgrad_dtype=F32, a_major="m", b_major="n"),
     _wgrad(accumulate=True, has_global_scales=True),
+    _wgrad(ab=E4M3, sf_dtype="float8_e8m0fnu", sf_vec_size=32, k=512),
+    _wgrad(ab=FP4, sf_dtype=E4M3, sf_vec_size=16, k=512, has_global_scales=True, accumulate=True),
+    _wgrad(ab=E4M3, sf_dtype="float8_e8m0fnu", sf_vec_size=32, k=512, a_major="m", b_major="n"),
 ]
 # Problems no sm90 kernel takes: the table still describes them (the reference runs them).
 OTHER_PROBLEMS = [
@@ -56,7 +59,6 @@ OTHER_PROBLEMS = [
 ] + [
     GroupedGemmProblem(op="glu", m=512, n=256, k=128, num_groups=3, ab_dtype=FP4, sf_dtype=E4M3, sf_vec_size=16,
                        discrete_weights=True, epilogue=Epilogue(act="geglu", c_dtype=BF, d_dtype=BF)),
-    _wgrad(ab=E4M3, sf_dtype="float8_e8m0fnu", sf_vec_size=32, k=512),
 ]
 
 
