@@ -177,7 +177,7 @@ def scale_bf16x2(code: Int32, sf_dtype: cutlass.Constexpr, valid: cutlass.Boolea
 
 
 @cute.jit
-def _fp8_pair(w: Int32, data_dtype: cutlass.Constexpr, h: cutlass.Constexpr) -> Int32:
+def fp8_pair(w: Int32, data_dtype: cutlass.Constexpr, h: cutlass.Constexpr) -> Int32:
     """Codes 2h, 2h + 1 of a word -> bf16x2 of v * 2^-K; e5m2 specials forced."""
     f = _FP8[data_dtype]
     placed = (prmt(w, _SEL_PAIR[h]) << f["shift"]) & _i32(f["keep"])
@@ -205,16 +205,20 @@ def convert_group(words, data_dtype: cutlass.Constexpr, scale2, store):
     producer warpgroup's threads have 40). `scale2` may be a function of the pair (p -> bf16x2): the two halves of
     a pair then take their own scales (a group over two scale blocks; the pair of two rows of a token-major
     operand)."""
-    bias = _i32(bias_bits(data_dtype))
     for p in cutlass.range_constexpr(PAIRS):
         if const_expr(data_dtype == E2M1):
             x = _fp4_pair(words[p // 4], p % 4)
         else:
-            x = _fp8_pair(words[p // 2], data_dtype, p % 2)
-        s = scale2(p) if const_expr(callable(scale2)) else scale2
-        v = mul_bf16x2(x, bias)
-        if const_expr(data_dtype == E4M3):
-            probe = mul_bf16x2(v, Int32(NAN_PROBE))
-            store(p, fma_bf16x2(v, s, sub_bf16x2(probe, probe)))
-        else:
-            store(p, mul_bf16x2(v, s))
+            x = fp8_pair(words[p // 2], data_dtype, p % 2)
+        store(p, scale_pair(x, data_dtype, scale2(p) if const_expr(callable(scale2)) else scale2))
+
+
+@cute.jit
+def scale_pair(x: Int32, data_dtype: cutlass.Constexpr, scale2: Int32) -> Int32:
+    """A placed pair (bf16x2 of v * 2^-K, `fp8_pair` / `_fp4_pair`) -> val(code) * scale per half (e4m3 NaN codes
+    -> NaN)."""
+    v = mul_bf16x2(x, _i32(bias_bits(data_dtype)))
+    if const_expr(data_dtype == E4M3):
+        probe = mul_bf16x2(v, Int32(NAN_PROBE))
+        return fma_bf16x2(v, scale2, sub_bf16x2(probe, probe))
+    return mul_bf16x2(v, scale2)

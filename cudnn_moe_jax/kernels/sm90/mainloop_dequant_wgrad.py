@@ -21,10 +21,12 @@ What differs from the forward's dequantizing mainloop:
             odd last stage after them.
   majors    token-contiguous operands (cuDNN's layout: A (m_w, T), B (n_w, T) with T contiguous, FP4 packed along T)
             as in the forward; or, FP8 only, both token-major (a_major="m", b_major="n": (T, m_w) / (T, n_w) rows as a
-            training step stores dY and D_col). A token-major stage is TMA'd MN-major with the 128-byte swizzle and
-            converted by the stage workers, A too, into MN-major bf16 stages (the bf16 wgmma reads MN-major
-            operands): a lane converts 16 rows of one token (one 16-byte load, two 16-byte stores) with the 16 rows'
-            scales loaded once per 32-token run, K in its natural order.
+            training step stores dY and D_col). A token-major stage is TMA'd MN-major with the 128-byte swizzle; the
+            stage workers convert B into an MN-major bf16 stage (the bf16 wgmma reads MN-major operands): a lane
+            converts 16 rows of one token (one 16-byte load, two 16-byte stores) with the 16 rows' scales loaded once
+            per 32-token run; K in its natural order. A goes into the RS fragment (`_convert_a_tokens`: a thread's
+            rows r, r + 8 share a 16-byte chunk of each token's line) or, with Config(dequant_a="workers"), into an
+            MN-major bf16 stage like B.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ MN_RUN = 32           # tokens of a token-major lane run (one 32-token half of a
 
 def mainloop_class(problem, config):
     """The K-grouped dequantizing mainloop for `problem`'s formats and majors: A in the consumers' registers
-    (`config.dequant_a == "registers"`, token-contiguous A) or converted by the stage workers like B."""
+    (`config.dequant_a == "registers"`) or converted by the stage workers like B."""
     fmt = DequantFormat.of(problem)
     mn = problem.a_major == "m"
-    a_regs = config.dequant_a == "registers" and not mn
+    a_regs = config.dequant_a == "registers"
     name = f"KGroupedDequantMainloop_{fmt.data}_{fmt.sf}_{fmt.vec}_{'mn' if mn else 'k'}_{a_regs}"
     return type(name, (KGroupedDequantMainloop,), {"FORMAT": fmt, "A_IN_REGISTERS": a_regs, "REGISTER_TIGHT": a_regs,
                                                    "TOKEN_MAJOR": mn})
@@ -139,9 +141,12 @@ class KGroupedDequantMainloop(DequantMainloop):
         return cls.tx_bytes(ab_dtype, tile_m, tile_n) + SF_SLOTS * (tile_m + tile_n) * 4 + bf16_rows * TILE_K * 2 + 8
 
     def tiled_mma(self) -> cute.TiledMma:
+        """bf16 wgmma: B (and a shared-memory A) K-major, or MN-major for token-major operands; A from registers
+        (the RS fragment has one layout)."""
         major = cute.nvgpu.OperandMajorMode.MN if self.TOKEN_MAJOR else cute.nvgpu.OperandMajorMode.K
         source = warpgroup.OperandSource.RMEM if self.A_IN_REGISTERS else warpgroup.OperandSource.SMEM
-        return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, major, major, cutlass.Float32, (2, 1, 1),
+        a_major = cute.nvgpu.OperandMajorMode.K if self.A_IN_REGISTERS else major
+        return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, a_major, major, cutlass.Float32, (2, 1, 1),
                                                  tiler_mn=(64, self.tile_n), a_source=source)
 
     def tma_operands(self):
@@ -359,6 +364,8 @@ class KGroupedDequantMainloop(DequantMainloop):
     def _mn_units(self):
         out = []
         for operand, rows in enumerate((self.tile_m, self.tile_n)):
+            if operand == 0 and self.A_IN_REGISTERS:
+                continue
             for h in range(TILE_K // MN_RUN):
                 out += [(operand, c0, h) for c0 in range(0, rows // 16, 4)]
         return out
@@ -473,7 +480,12 @@ class KGroupedDequantMainloop(DequantMainloop):
         smem, row, q, seg = a_thread
         words = cute.make_tensor(cute.recast_ptr(frag.iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
         st = self.stage(seg, k)
-        if st.general:
+        if const_expr(self.TOKEN_MAJOR):
+            if st.partial | ((st.start & (self.FORMAT.vec - 1)) != 0):
+                self._convert_a_tokens(words, smem, st, row, q, idx, True)
+            else:
+                self._convert_a_tokens(words, smem, st, row, q, idx, False)
+        elif st.general:
             self._convert_a_rows(words, smem, st, row, q, idx, True)
         else:
             self._convert_a_rows(words, smem, st, row, q, idx, False)
@@ -486,6 +498,44 @@ class KGroupedDequantMainloop(DequantMainloop):
                 words[2 * p + half] = pair
 
             self.convert_kgroup(smem, st, 0, row + 8 * half, q, idx, cutlass.Boolean(True), store, general)
+
+    @cute.jit
+    def _convert_a_tokens(self, words: cute.Tensor, smem, st: Stage, row: Int32, q: Int32, idx: Int32,
+                          general: cutlass.Constexpr):
+        """Token-major A into the RS fragment, K in its natural order (B's token-major bf16 stage has it): word
+        2p + half = row r + 8 half at tokens 8p + 2q, 8p + 2q + 1. Rows r and r + 8 are bytes r % 16 and r % 16 + 8
+        of one 16-byte chunk of a token's line: one 32-bit load per token and row, a register-selected permute
+        pairs two tokens' bytes. Scales: the stage's blocks (fast path: tokens 0..31 in the first, 32..63 in the
+        next); general: each token's own block, other experts' tokens zeroed."""
+        fmt = self.FORMAT
+        src = smem[3]
+        byte = row & 3
+        sel = byte | ((byte + 4) << 4)
+        first = self.block_of(st, Int32(0))
+        n_blocks = 3 if const_expr(general) else TILE_K // fmt.vec
+        scales = [[dq.scale_bf16x2(self.sf_code(smem, st, idx, row + 8 * half,
+                                                cutlass.min(first + j, st.last_block)), fmt.sf, cutlass.Boolean(True))
+                   for j in range(n_blocks)] for half in range(2)]
+        for p in cutlass.range_constexpr(dq.PAIRS):
+            t0 = 8 * p + 2 * q
+            line = [(idx * self.tile_m * TILE_K + t * 128   # A: one 128-row block, a 128-byte line per token
+                     + ((((row & 127) >> 4) ^ (t & 7)) << 4) + (row & 15)) >> 2 for t in (t0, t0 + 1)]
+            for half in cutlass.range_constexpr(2):
+                codes = dq.prmt_dynamic(src[line[0] + 2 * half], src[line[1] + 2 * half], sel)
+                x = dq.fp8_pair(codes, fmt.data, 0)
+                if const_expr(not general):
+                    words[2 * p + half] = dq.scale_pair(x, fmt.data, scales[half][(8 * p) // fmt.vec])
+                else:
+                    h = [self.pick3(scales[half], self.block_of(st, t0 + e) - first) for e in range(2)]
+                    keep = [Int32(cutlass.select_((t0 + e >= st.lo) & (t0 + e < st.hi),
+                                                  dq._i32(0xFFFF << (16 * e)), Int32(0))) for e in range(2)]
+                    y = dq.scale_pair(x, fmt.data, dq.prmt2(h[0], h[1], 0x7610))
+                    words[2 * p + half] = y & (keep[0] | keep[1])
+
+    @staticmethod
+    def pick3(s, j: Int32) -> Int32:
+        """s[j] of three values, j in 0..2."""
+        return Int32(cutlass.select_(j == 0, s[0], cutlass.select_(j == 1, s[1], s[2])))
 
 
 # ---------------------------------------------------------------------------------------------- token-major bf16
