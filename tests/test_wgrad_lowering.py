@@ -57,24 +57,30 @@ def test_wgrad_fingerprint_and_avals_are_token_count_free():
                                    [sds((L, MW, NW), jnp.float32)])
 
 
-@needs_cutlass
-def test_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monkeypatch):
+def _bundle_then_no_compile(tmp_path, monkeypatch, lower_once):
+    """Record the module of `lower_once()` into a bundle, then make compiling an error: (its custom calls, the
+    bundle's entry)."""
     _runtime.import_cutlass()
     bundle = tmp_path / "bundle"
     monkeypatch.setattr(_modules, "bundle_dirs", lambda: [bundle])
     monkeypatch.setattr(_modules, "_MEMORY", {})
     monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", "off")
     with _runtime.recording() as got:
-        built = custom_calls(_lower(1000))
+        built = custom_calls(lower_once())
     assert len(got) == 1, "one module for the call"
     _runtime.write_bundle(bundle, got)
     (entry,) = _runtime.read_manifest(bundle)["entries"].values()
-    assert entry["in_avals"][0]["shape"] == [MW, "8*t_blocks"] and entry["meta"]["problem"]["k"] == "8*t_blocks"
-    assert entry["input_output_aliases"] == [[5, 0]]   # wgrad_tensor (operand 5) is the output's buffer
-
     monkeypatch.setattr(_modules, "_MEMORY", {})
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
     monkeypatch.setattr(_compile, "compile_module", lambda s: pytest.fail(f"compiled {s.name} again"))
+    return built, entry
+
+
+@needs_cutlass
+def test_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monkeypatch):
+    built, entry = _bundle_then_no_compile(tmp_path, monkeypatch, lambda: _lower(1000))
+    assert entry["in_avals"][0]["shape"] == [MW, "8*t_blocks"] and entry["meta"]["problem"]["k"] == "8*t_blocks"
+    assert entry["input_output_aliases"] == [[5, 0]]   # wgrad_tensor (operand 5) is the output's buffer
     for tokens in (1000, 2048, 520):
         text = _lower(tokens)
         (call,) = custom_calls(text)
@@ -154,20 +160,8 @@ def _bs_lower(tokens) -> str:
 def test_blockscaled_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monkeypatch):
     """MXFP8 wgrad: the module is recorded for T = 16*t_blocks with the SF segment buffers' sizes as functions of it
     (rup(m_w, 128) * rup(cdiv(T, 32), 4) bytes), so the bundle recorded at one T serves the others."""
-    _runtime.import_cutlass()
-    bundle = tmp_path / "bundle"
-    monkeypatch.setattr(_modules, "bundle_dirs", lambda: [bundle])
-    monkeypatch.setattr(_modules, "_MEMORY", {})
-    monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", "off")
-    with _runtime.recording() as got:
-        built = custom_calls(_bs_lower(2000))
-    assert len(got) == 1, "one module for the call"
-    _runtime.write_bundle(bundle, got)
-    (entry,) = _runtime.read_manifest(bundle)["entries"].values()
+    built, entry = _bundle_then_no_compile(tmp_path, monkeypatch, lambda: _bs_lower(2000))
     assert entry["in_avals"][0]["shape"] == [MW, "16*t_blocks"]
-    monkeypatch.setattr(_modules, "_MEMORY", {})
-    monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
-    monkeypatch.setattr(_compile, "compile_module", lambda s: pytest.fail(f"compiled {s.name} again"))
     for tokens in (2000, 1024, 4096, 528):
         (call,) = custom_calls(_bs_lower(tokens))
         assert [call[k] for k in ("target", "key", "module")] == [built[0][k] for k in ("target", "key", "module")]

@@ -312,11 +312,16 @@ class DequantMainloop(WgmmaMainloop):
     @cute.jit
     def convert_row_group(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32, k: Int32,
                           n_tile: Int32):
-        """A worker's group: into the bf16 stage of `operand` (bf16_stage_layout: row group, row in group, word q
-        of K chunk p)."""
-        rows = self.tile_m if const_expr(operand == 0) else self.tile_n
+        """A worker's group: into the bf16 stage of `operand` (`row_group_store`)."""
+        valid, store = self.row_group_store(smem, operand, row, q, idx, n_tile)
+        self.convert_group(smem, operand, row, q, idx, k, valid, store)
+
+    def row_group_store(self, smem, operand: int, row: Int32, q: Int32, idx: Int32, n_tile: Int32):
+        """(valid, store(p, pair)) of a worker's group q of row `row`: B rows past N are not valid; pair p goes to
+        the bf16 stage of `operand` (bf16_stage_layout: row group, row in group, word q of K chunk p)."""
+        rows = self.tile_m if operand == 0 else self.tile_n
         valid = cutlass.Boolean(True)
-        if const_expr(operand == 1):
+        if operand == 1:
             valid = n_tile * self.tile_n + row < self.n
         dst = smem[5 + operand]
         out = (idx * rows + (row & ~7)) * (2 * TILE_K // 4) + (row & 7) * 4 + q
@@ -324,7 +329,7 @@ class DequantMainloop(WgmmaMainloop):
         def store(p, pair):
             dst[out + p * 32] = pair
 
-        self.convert_group(smem, operand, row, q, idx, k, valid, store)
+        return valid, store
 
     # ------------------------------------------------------------------------------------------ consumer
     @cute.jit

@@ -44,7 +44,7 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_row_byte
 
 from .. import dequant as dq
 from .. import quantize as q8
-from .mainloop import WgmmaMainloop
+from .mainloop import WgmmaMainloop, copy_ab_stage
 from .mainloop_dequant import TILE_K, WORKERS, DequantFormat, DequantMainloop, advanced_if, bf16_stage_layout
 
 SF_SLOTS = 2          # 4-block quads of a segment a stage's tokens can touch
@@ -251,8 +251,7 @@ class KGroupedDequantMainloop(DequantMainloop):
             bar = ab_pipeline.producer_get_barrier(prod_state)
             k = prod_state.count
             s = prod_state.index
-            cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, s)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-            cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask)
             st = self.stage(seg, k)
             last = cutlass.min((st.tb + TILE_K - 1 - seg.start) >> self.log_vec, seg.last_block)
             slots = 1 + Int32((last >> 2) > st.q0)
@@ -348,16 +347,7 @@ class KGroupedDequantMainloop(DequantMainloop):
             operand, r0 = units[u]
             row = r0 + (lane >> 2)
             q = lane & 3
-            rows = self.tile_m if const_expr(operand == 0) else self.tile_n
-            valid = cutlass.Boolean(True)
-            if const_expr(operand == 1):
-                valid = n_tile * self.tile_n + row < self.n
-            dst = smem[5 + operand]
-            out = (idx * rows + (row & ~7)) * (2 * TILE_K // 4) + (row & 7) * 4 + q
-
-            def store(p, pair):
-                dst[out + p * 32] = pair
-
+            valid, store = self.row_group_store(smem, operand, row, q, idx, n_tile)
             self.convert_kgroup(smem, st, operand, row, q, idx, valid, store, general)
 
     # token-major (FP8): units of (operand, first 16-row chunk, 32-token half); a quarter warp converts 4 chunks
