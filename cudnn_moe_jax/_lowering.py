@@ -57,14 +57,18 @@ def symbolic_m():
     return m
 
 
-@functools.lru_cache(maxsize=None)
 def symbolic_t(ab_dtype: str = "bfloat16"):
     """The token count every wgrad module is compiled, keyed and recorded for: `8*t_blocks` for 16-bit operands
     (FP8 `16*t_blocks`, packed FP4 `32*t_blocks`: 16-byte rows; the kernel reads T from A's shape; every T the op
-    accepts is a multiple of `limits.k_align(ab_dtype)`)."""
+    accepts is a multiple of `limits.k_align(ab_dtype)`). One object per alignment."""
+    return _symbolic_tokens(k_align(ab_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _symbolic_tokens(align: int):
     import jax
 
-    (t,) = jax.export.symbolic_shape(f"{k_align(ab_dtype)}*t_blocks")
+    (t,) = jax.export.symbolic_shape(f"{align}*t_blocks")
     return t
 
 
