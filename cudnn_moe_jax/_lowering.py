@@ -13,9 +13,9 @@ cutlass) with `launch` the `@cute.jit` launcher, and `cutlass_call_kwargs(kernel
 One module per problem, whatever the token count: the kernels take m dynamic, and a grouped-GEMM module is
 compiled, keyed and recorded for the symbolic m `symbolic_m()` (= 256*m_blocks), never for the call's m; the
 K-grouped wgrad likewise for the symbolic token count `symbolic_t()` (= 8*t_blocks for 16-bit data, its k).
-(Compiled for a concrete m, the device code is the same but the host object's symbol names mangle the shapes, so its bytes would
-differ per m.) The avals (m or T symbolic) are recorded beside the module and checked; a call's avals must be
-exactly them at its m (T).
+(Compiled for a concrete m, the device code is the same but the host object's symbol names mangle the shapes, so
+its bytes would differ per m.) The avals (m or T symbolic) are recorded beside the module and checked; a call's
+avals must be exactly them at its m (T).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """CPU checks of the backward-family kernels (dglu / dsrelu epilogues, the K-grouped wgrad schedule, bf16 or
-block-scaled) and of the N / M-major operand mainloop: each compiles for sm_90a, its SASS has HGMMA and TMA, no local-memory spills, and
-its k-loop issues a stage's wgmmas back to back (ptxas serializes wgmma, with a wait after each, when it cannot
-prove the accumulators retired). The wgrad modules are exported for a symbolic token count, as the runtime builds
-them (one module per problem whatever T). Skipped without the CuTe DSL compiler; ~30 modules x 2-30 s.
+block-scaled) and of the N / M-major operand mainloop: each compiles for sm_90a, its SASS has HGMMA and TMA, no
+local-memory spills, and its k-loop issues a stage's wgmmas back to back (ptxas serializes wgmma, with a wait after
+each, when it cannot prove the accumulators retired). The wgrad modules are exported for a symbolic token count, as
+the runtime builds them (one module per problem whatever T). Skipped without the CuTe DSL compiler; ~30 modules x
+2-30 s.
 """
 
 from __future__ import annotations

@@ -229,8 +229,9 @@ class Mxfp8Mainloop:
         tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
         a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile,
     ):
-        """k_count stages of one tile (m_tile, n_tile, expert g of the schedule's tile); SF atom of stage k: the tile's first
-        atom + k (one atom per 128 rows per stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb) atoms."""
+        """k_count stages of one tile (m_tile, n_tile, expert g of the schedule's tile); SF atom of stage k: the
+        tile's first atom + k (one atom per 128 rows per stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb)
+        atoms."""
         tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs = scale_loads
         m_tile, n_tile, g = tile.m_tile, tile.n_tile, tile.group
         sfa_atom0 = m_tile * self.k_tiles

@@ -2,11 +2,11 @@
 
 The forward class with the K-grouped schedule (`kernels.scheduler.K_GROUPED`) and the token-masking mainloop
 (`mainloop.KGroupedWgmmaMainloop`; block-scaled A / B: `mainloop_dequant_wgrad`, exact bf16 conversion on chip with
-the scales read from the per-expert segments): output tiles (expert e, M block, N block) of W (L, m_w, n_w), stored through the
-forward `quant` epilogue (D = alpha * acc, no prob) into W seen as (L * m_w, n_w). A (m_w, T) and B (n_w, T) are
-read from expert e's first token rounded down to a k-tile (any alignment of the offsets): the producer offsets
-both TMA coordinate tensors by it per tile, and the mainloop's stage worker zeroes the neighbouring experts' tokens
-in the first and last k-tiles. Token ends are sanitized like the reference's (running max of clip(offsets, 0, T));
+the scales read from the per-expert segments): output tiles (expert e, M block, N block) of W (L, m_w, n_w), stored
+through the forward `quant` epilogue (D = alpha * acc, no prob) into W seen as (L * m_w, n_w). A (m_w, T) and
+B (n_w, T) are read from expert e's first token rounded down to a k-tile (any alignment of the offsets): the
+producer offsets both TMA coordinate tensors by it per tile, and the mainloop zeroes the neighbouring experts'
+tokens in the first and last k-tiles. Token ends are sanitized like the reference's (running max of clip(offsets, 0, T));
 an expert with no token runs no k-tile and stores zeros. Global scales: alpha = gsa[e] * gsb[e] (the two vectors
 ride in the launcher's alpha / beta slots). accumulate_on_output: the W input is aliased to the output and the
 epilogue adds the old W (forward.py `_load_old_w`).
