@@ -3,7 +3,7 @@ squared-ReLU step's FC2 dgrad (dsrelu), the dgrad with an FP8 D, the wgrad accum
 weight gradients with block-scaled (MXFP8 / MXFP4 / NVFP4) operands (`BS_WGRAD`, beside the bf16 "wgrad w1 / w2"),
 beside torch's `_grouped_mm` on the same problem where it has one.
 
-    python benchmarks/bench_moe_ops.py [--shape fc]
+    python benchmarks/bench_moe_ops.py [--shape fc] [--only wgrad]
 
 JAX on the device (CUPTI span of one jitted program of REPS calls on distinct inputs), torch with CUDA events.
 """
@@ -169,6 +169,7 @@ def _kernel_seconds(run, calls: int):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="fc", choices=tuple(step.SHAPES))
+    ap.add_argument("--only", default="", help="time only the rows whose name contains this (e.g. wgrad)")
     args = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -193,6 +194,8 @@ def main(argv=None):
         fn, _, fl, make = _bs_wgrad(args.shape, name)
         rows.append((name, fn, fl, lambda make=make: [make(s) for s in range(REPS)]))
     for name, fn, fl, make_sets in rows:
+        if args.only not in name:
+            continue
         row_sets = make_sets()
         n_in = len(row_sets[0])
         prog = jax.jit(lambda *a, fn=fn, n_in=n_in: [fn(*a[n_in * r:n_in * (r + 1)]) for r in range(REPS)])
