@@ -425,6 +425,32 @@ def unpack_sf_segments(flat, rows, ends, total_tokens, vec):
     return jnp.where(valid[None, :], val, jnp.uint8(0))
 
 
+def segment_token_scales(flat, rows, ends, total_tokens, vec):
+    """The scale byte of every (row, token) as a reader of per-expert segments takes it (wgrad's sfa / sfb,
+    docs/formats.md#segmented-layout): token t of expert g reads local k-block (t - start_g) // vec of segment g
+    -- the blocks of SF(R, T_g) start at the expert's first token. (rows, T) uint8; tokens in no expert and bytes
+    past the buffer (segments of unaligned ends can run off its end) read 0.
+
+    For starts that are multiples of vec this is `unpack_sf_segments` repeated over each block's tokens."""
+    flat = as_u8(flat).reshape(-1)
+    starts, ends, nkb, kb_n, base = _segments(ends, total_tokens, rows, vec)
+    n_groups = ends.shape[0]
+    # every (segment, local block) once: block b of the list is local block b - first[g] of segment g
+    first = jnp.cumsum(nkb) - nkb
+    b = jnp.arange(cdiv(total_tokens, vec) + n_groups, dtype=jnp.int32)       # >= sum(nkb)
+    bg = jnp.minimum(jnp.searchsorted(first + nkb, b, side="right").astype(jnp.int32), n_groups - 1)
+    j = b - first[bg]
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    off = base[bg] + sf_atom_start(r >> 7, j >> 2, kb_n[bg]) + sf_row_byte(r, j)          # (rows, blocks)
+    blocks = jnp.where((j < nkb[bg]) & (off < flat.shape[0]), flat[jnp.clip(off, 0, flat.shape[0] - 1)],
+                       jnp.uint8(0))
+    t = jnp.arange(total_tokens, dtype=jnp.int32)
+    g_raw = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)        # first g with end_g > t
+    g = jnp.minimum(g_raw, n_groups - 1)
+    val = blocks[:, jnp.clip(first[g] + (t - starts[g]) // vec, 0, b.shape[0] - 1)]
+    return jnp.where((g_raw < n_groups)[None, :], val, jnp.uint8(0))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Block quantization (docs/formats.md#quantization: rows, columns, NVFP4)
 # --------------------------------------------------------------------------------------------------------------------

@@ -24,6 +24,13 @@ SF_GROUP_ALIGN = 128
 # one module compiled for T = TOKEN_ALIGN * t_blocks serves them all.
 TOKEN_ALIGN = 8
 
+
+def k_align(ab_dtype: str) -> int:
+    """What K (wgrad: T) must be a multiple of for 16-byte operand rows: 8 for 16-bit data, 16 for FP8, 32 for
+    packed FP4 (docs/ops.md#errors); a wgrad module is compiled for T = k_align * t_blocks."""
+    return {FP4: 32, "float8_e4m3fn": 16, "float8_e5m2": 16}.get(ab_dtype, TOKEN_ALIGN)
+
+
 # Experts (L) per call.
 MAX_GROUPS = 1024
 

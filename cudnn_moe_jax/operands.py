@@ -11,7 +11,8 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
   shape    (dims) of the problem; `m` (wgrad: the token count `k`) may be a jax.export symbolic dimension
   dtype    dtype name ("uint8": packed FP4 data and scale-factor bytes)
   present  whether the problem has it; an absent operand is neither bound nor passed to a launcher
-  dynamic  inputs whose shape follows the problem's dynamic extent (m; wgrad: T): (axis, extent per index)
+  dynamic  inputs whose shape follows the problem's dynamic extent (m; wgrad: T): (axis, extent per index), or
+           (axis, size of the axis as a function of the extent) (wgrad's SF segments: rup(cdiv(T, vec), 4) columns)
   split    discrete weights: one array per expert, bound as `name:0`, `name:1`, ..., of this shape
   ops      the ops of the table that have the row at all (None: every op of the table)
   launch   outputs: the launcher's name for it
@@ -226,8 +227,10 @@ WGRAD_INPUTS = (
     Operand("b", "tokens", lambda p: (p.n, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype),
             dynamic=lambda p: (1, _per_byte(p))),
     Operand("padded_offsets", "static", lambda p: (p.num_groups,), "int32"),
-    Operand("sfa", "sf_segments", lambda p: (sf_segment_bytes(p.m, p.k, p.sf_vec_size),), "uint8", _block_scaled),
-    Operand("sfb", "sf_segments", lambda p: (sf_segment_bytes(p.n, p.k, p.sf_vec_size),), "uint8", _block_scaled),
+    Operand("sfa", "sf_segments", lambda p: (sf_segment_bytes(p.m, p.k, p.sf_vec_size),), "uint8", _block_scaled,
+            dynamic=lambda p: (0, lambda t: sf_segment_bytes(p.m, t, p.sf_vec_size))),
+    Operand("sfb", "sf_segments", lambda p: (sf_segment_bytes(p.n, p.k, p.sf_vec_size),), "uint8", _block_scaled,
+            dynamic=lambda p: (0, lambda t: sf_segment_bytes(p.n, t, p.sf_vec_size))),
     Operand("global_scale_a", "static", lambda p: (p.num_groups,), "float32", lambda p: p.has_global_scales),
     Operand("global_scale_b", "static", lambda p: (p.num_groups,), "float32", lambda p: p.has_global_scales),
     Operand("wgrad", "static", lambda p: (p.num_groups, p.m, p.n), lambda p: p.wgrad_dtype, lambda p: p.accumulate),
@@ -440,6 +443,12 @@ def finish(problem) -> Optional[Callable]:
         return [r.partial.reduce(problem, x, named_inputs) if r.partial else x for r, x in zip(present, launch_outs)]
 
     return reduce
+
+
+def axis_extent(per, extent):
+    """The size of a dynamic axis (`dynamic_axes`' `per`: extent per index, or a function of the extent) at the
+    problem's extent (concrete or a jax.export symbolic dimension)."""
+    return per(extent) if callable(per) else extent // per
 
 
 def dynamic_axes(problem) -> tuple[str, dict]:

@@ -207,7 +207,9 @@ def expert_token_matmul(a_op, b_op, ends):
         b_t = jax.lax.dynamic_slice_in_dim(b_op, t * step_tokens, step_tokens, axis=1)
         token = t * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
         keep = use & (token >= starts[e]) & (token < ends[e])
+        # both operands: another expert's NaN / inf must not reach W[e] through a product with a masked zero
         a_t = jnp.where(keep[None, :], a_t, jnp.zeros((), a_t.dtype))
+        b_t = jnp.where(keep[None, :], b_t, jnp.zeros((), b_t.dtype))
         w = jnp.dot(a_t, b_t.T, precision=HIGHEST, preferred_element_type=F32)
         return jax.lax.dynamic_update_index_in_dim(acc, acc[e] + w, e, axis=0), None
 
@@ -626,8 +628,9 @@ def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, g
     """W[e] = gsa[e]*gsb[e] * A[:, T_e] @ B[:, T_e]^T (L, m_w, n_w) (docs/ops.md#grouped_gemm_wgrad).
 
     a (m_w, T), b (n_w, T) token-contiguous (FP4: uint8 (., T/2)); sfa/sfb flat per-expert SF segments
-    (docs/formats.md#segmented-layout);
-    token ends sanitized as running_max(clip(offsets, 0, T)); `wgrad_tensor` given: out = cast(W_in + W) (fp32 add).
+    (docs/formats.md#segmented-layout: token t of expert e is scaled by local block (t - start_e) // vec of its
+    segment); token ends sanitized as running_max(clip(offsets, 0, T)); `wgrad_tensor` given: out = cast(W_in + W)
+    (fp32 add).
     """
     fp4 = ab_dtype == F.E2M1
     tokens = a.shape[1] * (2 if fp4 else 1)
@@ -637,8 +640,8 @@ def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, g
     def deq(x, sf):
         if not _is_block_scaled(ab_dtype):
             return jnp.asarray(x).astype(F32)
-        s = F.unpack_sf_segments(sf, x.shape[0], ends, tokens, sf_vec_size)
-        return _dequant_rows(x, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
+        s = F.segment_token_scales(sf, x.shape[0], ends, tokens, sf_vec_size)
+        return F.decode(x, ab_dtype) * _decode_scales(s, sf_dtype)
 
     w = expert_token_matmul(_mma_operand(a, lambda: deq(a, sfa), ab_dtype),
                             _mma_operand(b, lambda: deq(b, sfb), ab_dtype), ends)

@@ -22,6 +22,13 @@ NVFP4, MXFP4 = ("float4_e2m1fn", "float8_e4m3fn", 16), ("float4_e2m1fn", "float8
 MXFP8, MXFP8E5 = ("float8_e4m3fn", "float8_e8m0fnu", 32), ("float8_e5m2", "float8_e8m0fnu", 32)
 
 
+def _wgrad(fmt, **kw):
+    """A block-scaled wgrad (W rows m_w: 384 runs 1 x 1 clusters, 512 2 x 1)."""
+    sf = dict(zip(("ab_dtype", "sf_dtype", "sf_vec_size"), fmt))
+    return GroupedGemmProblem(op="wgrad", m=kw.pop("m", 384), n=320, k=2048, num_groups=5,
+                              wgrad_dtype=kw.pop("wgrad_dtype", BF), **sf, **kw)
+
+
 BACKWARD = {
     "dsrelu_bias_amax": _dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, compute_amax=True, dbias_dtype=F32),
     "dsrelu_tanh_f32c": _dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=BF, tanh_clamp_scale=2.0, has_prob=False),
@@ -59,6 +66,15 @@ BACKWARD = {
                                             wgrad_dtype=BF, accumulate=True, has_global_scales=True),
     "wgrad_accum_f32_tokmajor_c2": GroupedGemmProblem(op="wgrad", m=512, n=328, k=2000, num_groups=5, ab_dtype=F16,
                                                       wgrad_dtype=F32, accumulate=True, a_major="m", b_major="n"),
+    # block-scaled A / B with per-expert SF segments (mainloop_dequant_wgrad): A in the consumers' registers
+    # (token-contiguous) or converted by the workers like B (token-major FP8, or dequant_a="workers")
+    "wgrad_mxfp8_c1": _wgrad(MXFP8),
+    "wgrad_mxfp8e5_accum_f32_c2": _wgrad(MXFP8E5, m=512, wgrad_dtype=F32, accumulate=True),
+    "wgrad_nvfp4_gs_c1": _wgrad(NVFP4, has_global_scales=True),
+    "wgrad_mxfp4_c2": _wgrad(MXFP4, m=512),
+    "wgrad_mxfp8_tokmajor_c1": _wgrad(MXFP8, a_major="m", b_major="n"),
+    "wgrad_mxfp8e5_tokmajor_accum_gs_c2": _wgrad(MXFP8E5, m=512, accumulate=True, has_global_scales=True,
+                                                  a_major="m", b_major="n"),
 }
 
 

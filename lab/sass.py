@@ -104,7 +104,9 @@ def compile_module(problem, config=None, axis: str | None = "auto") -> bytes:
     if axis is None:
         avals = list(variants.input_avals(problem).values())
     else:
-        (dim,) = jax.export.symbolic_shape("8*t_blocks" if problem.op == "wgrad" else "m")
+        from cudnn_moe_jax._lowering import symbolic_t
+
+        (dim,) = (symbolic_t(problem.ab_dtype),) if problem.op == "wgrad" else jax.export.symbolic_shape("m")
         avals = list(variants.symbolic_avals(problem, dim).values())
     before = set(_CUTLASS_COMPILE_CACHE)
     exp = jax.export.export(jax.jit(call), platforms=["cuda"],

@@ -593,7 +593,8 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
 
 
 def _segment_operand(x, flat, groups, ab_dtype, sf_dtype, vec):
-    """Token-contiguous (R, T) operand with per-expert SF segments: each segment read as its own MMA-tiled block."""
+    """Token-contiguous (R, T) operand with per-expert SF segments: each segment read as its own MMA-tiled block
+    SF(R, T_g), its blocks starting at the expert's first token; bytes past the buffer read 0."""
     vals = np_decode(x, ab_dtype).astype(np.float64) if ab_dtype in BLOCK_SCALED else np.asarray(x, np.float64)
     if ab_dtype not in BLOCK_SCALED:
         return vals
@@ -607,7 +608,10 @@ def _segment_operand(x, flat, groups, ab_dtype, sf_dtype, vec):
         nblk = np_cdiv(en - st, vec)
         base = rows_pad * st // vec
         size = rows_pad * np_cdiv(nblk, 4) * 4
-        s = np_unpack_sf(flat[base: base + size], rows, nblk)[0]
+        seg = np.zeros(size, np.uint8)
+        part = flat[base: base + size]
+        seg[:part.size] = part
+        s = np_unpack_sf(seg, rows, nblk)[0]
         sv = np_e8m0_decode(s) if sf_dtype == E8M0 else s.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
         out[:, st:en] = vals[:, st:en] * np.repeat(sv.astype(np.float64), vec, axis=1)[:, : en - st]
     return out

@@ -124,3 +124,8 @@ def test_moe_ops_table_traces_every_op():
         else:
             assert out.shape == (m, widths[name]), name
         assert flops > 0
+    for name in bench_moe_ops.BS_WGRAD:   # block-scaled wgrad rows: their own inputs (segments along the tokens)
+        fn, bs_avals, flops, _ = bench_moe_ops._bs_wgrad("fc", name)
+        out = jax.eval_shape(fn, *bs_avals)
+        assert out.shape == ((len(sizes), h, i) if "w2" in name else (len(sizes), 2 * i, h)), name
+        assert flops == 2.0 * sum(sizes) * out.shape[1] * out.shape[2]

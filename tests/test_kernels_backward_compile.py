@@ -1,8 +1,9 @@
-"""CPU checks of the backward-family kernels (dglu / dsrelu epilogues, the K-grouped wgrad schedule) and of the
-N / M-major operand mainloop: each compiles for sm_90a, its SASS has HGMMA and TMA, no local-memory spills, and
-its k-loop issues a stage's wgmmas back to back (ptxas serializes wgmma, with a wait after each, when it cannot
-prove the accumulators retired). The wgrad modules are exported for a symbolic token count, as the runtime builds
-them (one module per problem whatever T). Skipped without the CuTe DSL compiler; ~9 modules x 2-10 s.
+"""CPU checks of the backward-family kernels (dglu / dsrelu epilogues, the K-grouped wgrad schedule, bf16 or
+block-scaled) and of the N / M-major operand mainloop: each compiles for sm_90a, its SASS has HGMMA and TMA, no
+local-memory spills, and its k-loop issues a stage's wgmmas back to back (ptxas serializes wgmma, with a wait after
+each, when it cannot prove the accumulators retired). The wgrad modules are exported for a symbolic token count, as
+the runtime builds them (one module per problem whatever T). Skipped without the CuTe DSL compiler; ~30 modules x
+2-30 s.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 CASES = BACKWARD   # the backward / operand-major compile cases (lab/compile_cases.py: also the SASS snapshot's)
 
 
-def _compile(problem) -> bytes:
+def _compile(problem, config=None) -> bytes:
     compile_checks._cutlass_sm90()
     import cutlass
     import jax
@@ -30,10 +31,11 @@ def _compile(problem) -> bytes:
     from cudnn_moe_jax.kernels.sm90 import variants
     from cudnn_moe_jax.kernels.sm90.jax_bridge import make_call
 
-    call = make_call(problem)
+    call = make_call(problem, config)
     if problem.op == "wgrad":  # T symbolic, as the runtime compiles it
-        (t,) = jax.export.symbolic_shape("8*t_blocks")
-        avals = list(variants.symbolic_avals(problem, t).values())
+        from cudnn_moe_jax._lowering import symbolic_t
+
+        avals = list(variants.symbolic_avals(problem, symbolic_t(problem.ab_dtype)).values())
     else:  # concrete m (the m-symbolic export is tests/test_kernels_compile.py's)
         avals = list(variants.input_avals(problem).values())
     before = set(_CUTLASS_COMPILE_CACHE)
@@ -44,12 +46,24 @@ def _compile(problem) -> bytes:
     return _CUTLASS_COMPILE_CACHE[new[0]].module
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def _workers(name):
+    from cudnn_moe_jax.kernels.sm90.config import Config
+
+    return CASES[name], Config(cluster_m=1, dequant_a="workers")
+
+
+# block-scaled wgrad with A converted by the stage workers like B (Config.dequant_a, the lab's alternative)
+CONFIG_CASES = {"wgrad_mxfp8_c1_workers": lambda: _workers("wgrad_mxfp8_c1"),
+                "wgrad_mxfp8_tokmajor_c1_workers": lambda: _workers("wgrad_mxfp8_tokmajor_c1")}
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(CONFIG_CASES))
 def test_backward_kernel_compiles_unserialized_without_spills(name):
     tool = compile_checks._cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not installed")
-    sass = compile_checks.sass_of(_compile(CASES[name]), tool)
+    problem, config = CONFIG_CASES[name]() if name in CONFIG_CASES else (CASES[name], None)
+    sass = compile_checks.sass_of(_compile(problem, config), tool)
     assert "arch = sm_90a" in sass and "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
     local = sum(int(x) for x in re.findall(r"LOCAL:(\d+)", sass))
     assert local == 0 and not re.search(r"\b(LDL|STL)\b", sass), f"{local} bytes of local memory (spills)"

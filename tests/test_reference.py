@@ -501,6 +501,30 @@ def test_wgrad(fmt, offsets, gs, acc, wdtype, jit):
                    for g, (s, e) in enumerate(groups) if e == s)
 
 
+@pytest.mark.parametrize("fmt,offsets", [
+    ("mxfp8_e4m3", [40, 300, 333, 333, 760]),       # starts inside SF blocks; the last segment runs off the buffer
+    ("nvfp4", [8, 72, 500, 700, 768]),
+    ("mxfp4", [0, 17, 400, 401, 768]),
+])
+def test_wgrad_unaligned_segments(fmt, offsets):
+    """Expert starts that are not multiples of vec: token t of expert e reads local block (t - start_e) // vec of its
+    own segment (SF(R, T_e), blocks from the expert's first token); bytes past the buffer read 0. The SF buffers
+    are random finite bytes, so every byte a segment reads is pinned."""
+    rng = _rng("wgrad_unaligned", fmt, offsets)
+    ab, sf, vec = FORMATS[fmt]
+    tokens, mw, nw = 768, 96, 136
+    x = dict(offsets=np.asarray(offsets, np.int32))
+    for name, rows in (("a", mw), ("b", nw)):
+        x[name] = make_operand(rng, (rows, tokens), fmt)[0]
+        size = np_cdiv(rows, 128) * 128 * np_cdiv(np_cdiv(tokens, vec), 4) * 4
+        x["sf" + name] = _scale_bytes(rng, (size,), sf)
+    x["global_scale_a"] = rng.uniform(0.5, 2, len(offsets)).astype(np.float32)
+    x["global_scale_b"] = rng.uniform(0.5, 2, len(offsets)).astype(np.float32)
+    ref, ora = run_both("grouped_gemm_wgrad", False, x, dict(ab_dtype=ab, sf_dtype=sf, sf_vec_size=vec),
+                        wgrad_dtype="float32")
+    check_float("wgrad_tensor", ref["wgrad_tensor"], ora["_pre"]["wgrad"], "float32", ora["_mag"]["wgrad"])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # backward == autodiff of a plain-jnp forward formula (f32, no bf16 rounding anywhere)
 

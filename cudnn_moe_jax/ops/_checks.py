@@ -17,7 +17,7 @@ import numpy as np
 from ..formats import dtype_name  # noqa: F401 (re-exported: the one dtype normaliser of the ops and of formats)
 from ..formats import sf_physical_shape
 from ..limits import (FLOAT_OUT_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, M_ALIGNED_CHOICES, MAX_GROUPS,
-                      SF_DTYPES, SF_GROUP_ALIGN)
+                      SF_DTYPES, SF_GROUP_ALIGN, k_align)
 
 
 def check_choice(value, allowed, arg: str, why: str = ""):
@@ -63,7 +63,7 @@ def logical_k(x, ab_dtype: str) -> int:
 
 def check_k_alignment(k: int, ab_dtype: str, arg: str):
     # The contiguous extent of A and B must be a multiple of 16 bytes (TMA), docs/ops.md#errors.
-    need = {FP4: 32, "float8_e4m3fn": 16, "float8_e5m2": 16}.get(ab_dtype, 8)
+    need = k_align(ab_dtype)
     if k % need:
         raise ValueError(f"{arg}: K={k} must be a multiple of {need} for {ab_dtype} (16-byte rows)")
 

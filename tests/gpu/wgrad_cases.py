@@ -90,7 +90,8 @@ def accum_call(case, x):
 
 
 def bundle_items():
-    return bundle_items_for(CASES) + aot.lowering_items(ACCUM_CASES, accum_inputs, accum_call)
+    return (bundle_items_for(CASES) + aot.lowering_items(ACCUM_CASES, accum_inputs, accum_call)
+            + bs_bundle_items())
 
 
 # ------------------------------------------------------------------------------------------------ GPU run + checks
@@ -194,3 +195,177 @@ def module_keys(case) -> set:
         calls = [line for line in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall" in line]
         keys |= {re.search(r'key = "((?:[^"\\]|\\.)*)"', c).group(1) for c in calls}
     return keys
+
+
+# ------------------------------------------------------------------------------------------------ block-scaled
+# wgrad with block-scaled A / B (issue 19 item 3: the dequantizing K-grouped kernel, mainloop_dequant_wgrad.py):
+# scales in per-expert segments (docs/formats.md#segmented-layout). The SF buffers are random scale bytes all
+# through, so every byte a segment reads (also of overlapping segments of unaligned offsets) is pinned; A / B
+# random codes. (name, format, W dtype, MW, token-major, global scales, accumulate): MW 384 runs 1x1 clusters,
+# 512 2x1; token-major = a_major="m", b_major="n" (FP8 only). T = 2000 (FP4 2016): a 16 (32)-token tail k-tile.
+E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
+BS_FORMATS = {"mxfp8": (E4M3, E8M0, 32), "mxfp8e5": (E5M2, E8M0, 32), "mxfp4": (E2M1, E8M0, 32),
+              "nvfp4": (E2M1, E4M3, 16), "nvfp4e8": (E2M1, E8M0, 16)}
+BS_CASES = [("bs_mxfp8_c1", "mxfp8", "bfloat16", 384, False, False, False),
+            ("bs_mxfp8e5_c2_f32_acc", "mxfp8e5", "float32", 512, False, False, True),
+            ("bs_mxfp4_c2", "mxfp4", "bfloat16", 512, False, False, False),
+            ("bs_nvfp4_c1_gs", "nvfp4", "bfloat16", 384, False, True, False),
+            ("bs_nvfp4e8_c1_acc", "nvfp4e8", "bfloat16", 384, False, True, True),
+            ("bs_mxfp8_tok_c2", "mxfp8", "bfloat16", 512, True, False, False),
+            ("bs_mxfp8e5_tok_c1_gs_acc", "mxfp8e5", "float32", 384, True, True, True)]
+# (pattern, input mode) of each case's GPU runs. "exact": codes on a coarse grid (FP8: k/8 (e4m3), k/4 (e5m2) in
+# [-2, 2]; FP4: any code), scales in {1, 2}, global scales in {1, 2}: every product and partial sum is exact in
+# fp32, so W must equal the correctly rounded exact result bit for bit (issue 19 item 6). "adversarial": any finite
+# code (subnormals included), e8m0 scales 2^-20..2^20, e4m3 scales over their whole range. "specials":
+# adversarial plus NaN codes (FP4: a NaN scale) of expert 1 and of tokens in no expert, a NaN scale of a B block,
+# e5m2 +-inf codes: NaN / inf land exactly where the oracle's do, and nowhere else.
+BS_RUNS = (("unaligned", "exact"), ("empty_and_tail", "adversarial"), ("a8", "specials"),
+           ("unsanitized", "exact"), ("a64", "adversarial"))
+
+
+def bs_tokens(case) -> int:
+    return T + 16 if BS_FORMATS[case[1]][0] == E2M1 else T
+
+
+def _bs_codes(rng, shape, data, mode):
+    import ml_dtypes
+    import numpy as np
+
+    if data == E2M1:   # two random nibbles a byte (packed along the tokens)
+        return rng.integers(0, 256, (shape[0], shape[1] // 2), dtype=np.uint8)
+    if mode == "exact":
+        step = 8 if data == E4M3 else 4
+        return (rng.integers(-2 * step, 2 * step + 1, shape) / step).astype(
+            ml_dtypes.float8_e4m3fn if data == E4M3 else ml_dtypes.float8_e5m2)
+    codes = rng.integers(0, 256, shape, dtype=np.uint8)
+    special = (codes & 0x7F) == 0x7F if data == E4M3 else (codes & 0x7C) == 0x7C
+    codes = np.where(special, codes & 0x3F, codes).astype(np.uint8)    # every finite code, no NaN / inf
+    return codes.view(ml_dtypes.float8_e4m3fn if data == E4M3 else ml_dtypes.float8_e5m2)
+
+
+def _bs_scales(rng, size, sf, mode):
+    import numpy as np
+
+    if mode == "exact":
+        return np.where(rng.random(size) < 0.5, *((0x38, 0x40) if sf == E4M3 else (127, 128))).astype(np.uint8)
+    if sf == E4M3:
+        return rng.integers(0x01, 0x7F, size, dtype=np.uint8)         # every positive finite code
+    return rng.integers(107, 148, size, dtype=np.uint8)               # 2^-20 .. 2^20
+
+
+def bs_sf_byte(rows, tokens, vec, offsets, e, r, j):
+    """Byte of row r, local block j of expert e's segment (docs/formats.md#segmented-layout)."""
+    import np_ops
+
+    from cudnn_moe_jax import formats
+
+    start, end = np_ops.np_groups(offsets, tokens, align=1)[e]
+    base = -(-rows // 128) * 128 * start // vec
+    return base + formats.sf_offset(r, j, 0, rows, -(-(end - start) // vec))
+
+
+def bs_inputs(case, pattern: str = "unaligned", mode: str = "exact", seed: int = 0):
+    import ml_dtypes
+    import numpy as np
+
+    from cudnn_moe_jax.formats import sf_segment_bytes
+
+    _, fmt, wd, mw, token_major, gs, acc = case
+    data, sf, vec = BS_FORMATS[fmt]
+    tokens = bs_tokens(case)
+    rng = np.random.default_rng(seed)
+    a, b = _bs_codes(rng, (mw, tokens), data, mode), _bs_codes(rng, (NW, tokens), data, mode)
+    sfa = _bs_scales(rng, sf_segment_bytes(mw, tokens, vec), sf, mode)
+    sfb = _bs_scales(rng, sf_segment_bytes(NW, tokens, vec), sf, mode)
+    offsets = np.asarray(PATTERNS[pattern], np.int32)
+    if mode == "specials":
+        nan_sf = 0x7F if sf == E4M3 else 0xFF
+        if data == E2M1:      # no NaN code: a NaN scale of A row 3 in expert 1
+            sfa[bs_sf_byte(mw, tokens, vec, offsets, 1, 3, 0)] = nan_sf
+        else:                 # NaN codes: A row 3 in expert 1 (its first token); row 5 / column 9 in no expert
+            first = int(np.maximum.accumulate(np.clip(offsets, 0, tokens))[0])
+            a.view(np.uint8)[3, first] = 0x7F
+            a.view(np.uint8)[5, tokens - 4] = 0x7F
+            b.view(np.uint8)[9, tokens - 3] = 0xFF
+        sfb[bs_sf_byte(NW, tokens, vec, offsets, 2, 7, 1)] = nan_sf     # B row 7 (W column 7) of expert 2
+        if data == E5M2:      # +inf / -inf codes in expert 3
+            end2 = int(np.maximum.accumulate(np.clip(offsets, 0, tokens))[2])
+            b.view(np.uint8)[100, end2] = 0x7C
+            b.view(np.uint8)[101, end2 + 1] = 0xFC
+    x = {"a_tok": a.T, "b_tok": b.T} if token_major else {"a": a, "b": b}
+    x.update(offsets=offsets, sfa=sfa.view(ml_dtypes.float8_e4m3fn) if sf == E4M3 else sfa,
+             sfb=sfb.view(ml_dtypes.float8_e4m3fn) if sf == E4M3 else sfb)
+    if gs:
+        g = rng.choice([1.0, 2.0], (2, L)) if mode == "exact" else rng.uniform(0.25, 4.0, (2, L))
+        x["gsa"], x["gsb"] = g[0].astype(np.float32), g[1].astype(np.float32)
+    if acc:
+        x["w"] = (rng.standard_normal((L, mw, NW)) * (8.0 if mode == "exact" else 1e6)).astype(np.float32).astype(
+            ml_dtypes.bfloat16 if wd == "bfloat16" else wd)
+    return {k: jnp.asarray(v) for k, v in x.items()}
+
+
+def bs_call(case, x):
+    _, fmt, wd, _, token_major, _, acc = case
+    majors = {"a_major": "m", "b_major": "n"} if token_major else {}
+    return cmj.grouped_gemm_wgrad(*operands(case, x), x["offsets"], x["sfa"], x["sfb"],
+                                  global_scale_a=x.get("gsa"), global_scale_b=x.get("gsb"), wgrad_tensor=x.get("w"),
+                                  accumulate_on_output=acc, wgrad_dtype=None if acc else wd,
+                                  sf_vec_size=BS_FORMATS[fmt][2], **majors)
+
+
+def bs_bundle_items():
+    return aot.lowering_items(BS_CASES, bs_inputs, bs_call)
+
+
+def run_bs_case(case, pattern: str, mode: str, tokens: int = None) -> list[str]:
+    """One block-scaled case on the GPU (W poisoned first, twice): every element against the float64 oracle
+    (NaN / inf exactly where the oracle has them; "exact" inputs: bit for bit), experts without tokens zero (or their
+    old W unchanged), two calls bit-identical. `tokens`: run at another token count (the offsets clip to it) on the
+    module recorded at T. The problems ([] = ok)."""
+    import harness
+    import np_ops
+    import numpy as np
+
+    name, fmt, wd, mw, token_major, gs, acc = case
+    data, sf, vec = BS_FORMATS[fmt]
+    x = bs_inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
+    if tokens is not None:   # the first `tokens` tokens (the SF buffers as the op's shape rule wants them)
+        from cudnn_moe_jax.formats import sf_segment_bytes
+
+        per = 2 if data == E2M1 else 1
+        cut = {"a": (slice(None), slice(0, tokens // per)), "b": (slice(None), slice(0, tokens // per)),
+               "a_tok": (slice(0, tokens // per),), "b_tok": (slice(0, tokens // per),)}
+        x = {k: v[cut[k]] if k in cut else v for k, v in x.items()}
+        x["sfa"] = x["sfa"][:sf_segment_bytes(mw, tokens, vec)]
+        x["sfb"] = x["sfb"][:sf_segment_bytes(NW, tokens, vec)]
+    got, errs = _run_twice(functools.partial(bs_call, case), x)
+    a, b = (np.asarray(v) for v in operands(case, x))
+    n_tok = a.shape[1] * (2 if data == E2M1 else 1)
+    w_old = np.asarray(x["w"].astype(jnp.float32)) if acc else None
+    with np.errstate(invalid="ignore"):   # NaN / inf inputs
+        want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), np.asarray(x["sfa"]).view(np.uint8),
+                                         np.asarray(x["sfb"]).view(np.uint8), global_scale_a=x.get("gsa"),
+                                         global_scale_b=x.get("gsb"), wgrad_tensor=w_old, ab_dtype=data,
+                                         sf_dtype=sf, sf_vec_size=vec, wgrad_dtype=wd)
+    gv = got.astype(np.float32).astype(np.float64)
+    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
+    special = ~np.isfinite(pre)
+    if not np.array_equal(np.isnan(gv), np.isnan(pre)) or not np.array_equal(gv[np.isinf(pre)], pre[np.isinf(pre)]):
+        errs.append(f"NaN at {int(np.isnan(gv).sum())} elements, the oracle at {int(np.isnan(pre).sum())}; inf "
+                    f"{int(np.isinf(gv).sum())} / {int(np.isinf(pre).sum())}")
+    if mode == "specials" and not special.any():
+        errs.append("the specials reached no output")
+    if mode == "exact" and not np.array_equal(got.view(np.uint8), np.asarray(want["wgrad_tensor"]).view(np.uint8)):
+        bad = int(np.sum(got.astype(np.float64) != want["wgrad_tensor"].astype(np.float64)))
+        errs.append(f"not bit-identical to the exact result ({bad} elements differ)")
+    with np.errstate(invalid="ignore"):
+        bound = harness.ULP[wd] * np.abs(pre) + (n_tok * 2.0 ** -24 + 2.0 ** -20) * mag + 2.0 ** -126
+        err = np.where(special, 0.0, np.abs(gv - pre))
+    if not np.all(err <= np.where(special, 1.0, bound)):
+        errs.append(f"worst {np.nanmax(err / bound):.2f} x the bound")
+    for e in _empty_experts(x["offsets"], n_tok):
+        if acc and not np.array_equal(got[e].view(np.uint8), np.asarray(x["w"])[e].view(np.uint8)):
+            errs.append(f"expert {e} has no token: its W must be unchanged")
+        if not acc and gv[e].any():
+            errs.append(f"expert {e} has no token: W[e] must be zero")
+    return errs

@@ -83,8 +83,8 @@ for s in $steps; do
     bench)
       timeout -s KILL ${STEP_TIMEOUT:-360} python3 benchmarks/bench_moe_step.py --breakdown --out "$OUT" > "$OUT/step.log" 2>&1
       echo "== bench_moe_step rc=$?"; grep -vE "^\s*$" "$OUT/step.log" | grep -vE "Warning|Autotuning" | cut -c1-250 | tail -30
-      timeout -s KILL ${OPS_TIMEOUT:-180} python3 benchmarks/bench_moe_ops.py --shape fc > "$OUT/ops.log" 2>&1
-      echo "== bench_moe_ops rc=$?"; grep -vE "^\s*$" "$OUT/ops.log" | grep -vE "Warning" | cut -c1-250 | tail -12 ;;
+      timeout -s KILL ${OPS_TIMEOUT:-240} python3 benchmarks/bench_moe_ops.py --shape fc > "$OUT/ops.log" 2>&1
+      echo "== bench_moe_ops rc=$?"; grep -vE "^\s*$" "$OUT/ops.log" | grep -vE "Warning" | cut -c1-250 | tail -18 ;;
     bench_ep)  # EP weak scaling, device-timed: 1 GPU, and 1 vs 2 where two are visible (NCCL env left as set)
       ngpu=$(python3 -c "import jax; print(jax.device_count())" 2>/dev/null | tail -1); ngpu=${ngpu:-1}
       devs=1; [ "$ngpu" -ge 2 ] && devs=1,2

@@ -1,5 +1,6 @@
 """A few small backward-kernel runs (dgrad: dswiglu with dbias + amax, dsrelu, FP8 D_row with SFD; wgrad: empty
-experts, uneven and unaligned token ranges, accumulate_on_output with global scales) for compute-sanitizer
+experts, uneven and unaligned token ranges, accumulate_on_output with global scales; block-scaled wgrad: the scale
+words' cp.async, token-contiguous MXFP8 / NVFP4 and token-major MXFP8 on unaligned offsets) for compute-sanitizer
 (memcheck / racecheck); exit status 1 on a wrong result.
 
     compute-sanitizer --tool memcheck --kernel-name kns=GroupedGemmSm90 python tools/gpu/sanitize_backward.py
@@ -32,6 +33,10 @@ CASES = [(dgrad_cases, "dswiglu_bias_amax", "empty_and_tail"),     # expert 1 em
          (wgrad_cases, "c1_bf16", "unaligned")]                    # ranges ending inside k-tiles, a 33-token one
 # accumulate_on_output: the epilogue reads the old W (plain global loads, columns past n_w masked)
 ACCUM = [("acc_c1_bf16_gs", "random", 1024)]
+# block-scaled wgrad (case, pattern, input mode): scale words by cp.async, token masks and split scale blocks
+_BS = {c[0]: c for c in wgrad_cases.BS_CASES}
+BLOCK_SCALED = [("bs_mxfp8_c1", "unaligned", "exact"), ("bs_nvfp4_c1_gs", "empty_and_tail", "adversarial"),
+                ("bs_mxfp8e5_tok_c1_gs_acc", "a8", "specials")]
 
 def _case(module, name):
     return (_DGRAD if module is dgrad_cases else _WGRAD)[name]
@@ -42,7 +47,9 @@ def bundle_items():
 
     return ([item for module, name, _ in CASES for item in module.bundle_items_for([_case(module, name)])]
             + aot.lowering_items([_ACCUM[name] for name, _, _ in ACCUM], wgrad_cases.accum_inputs,
-                                 wgrad_cases.accum_call))
+                                 wgrad_cases.accum_call)
+            + aot.lowering_items([_BS[name] for name, _, _ in BLOCK_SCALED], wgrad_cases.bs_inputs,
+                                 wgrad_cases.bs_call))
 
 
 if __name__ == "__main__":
@@ -57,5 +64,9 @@ if __name__ == "__main__":
     for name, old, tokens in ACCUM:
         errs = wgrad_cases.run_accum_case(_ACCUM[name], old, tokens)
         print(name, old, tokens, "OK" if not errs else errs, flush=True)
+        bad += bool(errs)
+    for name, pattern, mode in BLOCK_SCALED:
+        errs = wgrad_cases.run_bs_case(_BS[name], pattern, mode)
+        print(name, pattern, mode, "OK" if not errs else errs, flush=True)
         bad += bool(errs)
     sys.exit(1 if bad else 0)

@@ -10,7 +10,7 @@ from typing import Optional
 
 from cudnn_moe_jax import activations
 from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, MAX_GROUPS, OUT_DTYPES,
-                                  SF_GROUP_ALIGN)
+                                  SF_GROUP_ALIGN, k_align)
 
 SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
 DGRAD_ACTS = {op: tuple(a.derivative for a in activations.TABLE.values() if a.backward_op == op)
@@ -106,7 +106,8 @@ def supports(problem) -> Optional[str]:
         reason = _alignment_support(problem)
         if reason is not None:
             return reason
-    if problem.b_major != "k" and (problem.block_scaled or problem.ab_dtype not in HALF_DTYPES):
+    if problem.op != "wgrad" and problem.b_major != "k" and (problem.block_scaled
+                                                            or problem.ab_dtype not in HALF_DTYPES):
         return "an N-major B needs bf16/fp16 operands (FP8 wgmma reads K-major tiles only)"
     if problem.op in DGRAD_ACTS:
         return _dgrad_support(problem)
@@ -184,19 +185,31 @@ def _dgrad_support(problem) -> Optional[str]:
 
 
 def _wgrad_support(problem) -> Optional[str]:
-    """The K-grouped weight gradient (scheduler.K_GROUPED): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit; global
-    scales (alpha = gsa[e] * gsb[e]) and accumulate_on_output (W += ..., in place) included. T is dynamic (the
-    problem's k may be symbolic: `_runtime.symbolic_t()`)."""
-    if problem.block_scaled or problem.ab_dtype not in HALF_DTYPES:
-        return f"wgrad with {problem.ab_dtype} inputs: the sm90 kernel takes bf16/fp16 A/B only"
+    """The K-grouped weight gradient (scheduler.K_GROUPED): A (m_w, T), B (n_w, T), W 16/32-bit; global scales
+    (alpha = gsa[e] * gsb[e]) and accumulate_on_output (W += ..., in place) included. T is dynamic (the problem's k
+    may be symbolic: `_runtime.symbolic_t()`). bf16/fp16 A / B in any majors; block-scaled A / B (per-expert SF
+    segments, the dequantizing mainloop) both token-contiguous (cuDNN's layout) or, FP8, both token-major
+    (`a_major="m"`, `b_major="n"`: dY / D_col as a training step stores them)."""
+    if problem.block_scaled:
+        majors = (problem.a_major, problem.b_major)
+        if majors not in (("k", "k"), ("m", "n")):
+            return ("block-scaled wgrad reads A and B both token-contiguous (a_major='k', b_major='k') or both "
+                    "token-major (a_major='m', b_major='n')")
+        if majors == ("m", "n") and problem.ab_dtype not in FP8_DTYPES:
+            return "packed FP4 wgrad operands are token-contiguous only (their bytes pack two tokens)"
+        if majors == ("m", "n") and problem.n % 16:
+            return "token-major FP8 wgrad needs n_w % 16 == 0 (16-byte rows of B's (T, n_w) storage)"
+    elif problem.ab_dtype not in HALF_DTYPES:
+        return f"wgrad with {problem.ab_dtype} inputs: A/B must be bf16/fp16 or block-scaled"
     if problem.wgrad_dtype not in FLOAT_OUT_DTYPES:
         return f"wgrad_dtype {problem.wgrad_dtype!r} not in {FLOAT_OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
     if problem.m % 128:
         return "wgrad needs m_w % 128 == 0 (an output tile must not straddle two experts' W rows)"
-    if problem.k % 8 or problem.n % 8:
-        return "wgrad needs T % 8 == 0 and n_w % 8 == 0 (16-byte TMA rows)"
+    if problem.k % k_align(problem.ab_dtype) or problem.n % 8:
+        return (f"wgrad needs T % {k_align(problem.ab_dtype)} == 0 and n_w % 8 == 0 (16-byte TMA rows of "
+                f"{problem.ab_dtype})")
     return None
 
 

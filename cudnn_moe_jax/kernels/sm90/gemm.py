@@ -504,7 +504,8 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        # the TMA's arrive-and-expect-tx (and the mainloop's own producer copies: PRODUCER_ARRIVALS)
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mainloop_class.PRODUCER_ARRIVALS)
         # every consumer warp releases each stage to all CTAs that multicast into it (its cluster row + column)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, (self.cluster_m + self.cluster_n - 1) * 8)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
@@ -607,8 +608,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
                                     Int32(1) << (rank_m + self.cluster_m * rank_n)))
             prod_state = self.mainloop.load_tile(
                 cta.ab_pipeline, prod_state, args.tma_atom_a, tAgA, tAsA, args.tma_atom_b, tBgB, tBsB,
-                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, (tile.m_tile, tile.n_tile, weights),
-                descriptors, **b_own,
+                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, tile, descriptors, **b_own,
             )
             t += work.stride
         cta.ab_pipeline.producer_tail(prod_state)
@@ -713,7 +713,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
             # per-tile epilogue operands, loaded before the mainloop so their latency hides under it
             ctx = self.tile_context(tile, args, setup)
             read_state, release_state = self.mainloop.mma_tile(
-                cta.ab_pipeline, read_state, release_state, mma_operands, acc, tile.k_count, cta.stage_mbar
+                cta.ab_pipeline, read_state, release_state, mma_operands, acc, tile.k_count, cta.stage_mbar, tile
             )
             self.run_epilogue(hooks, setup, ctx, store_pipeline)
             t += work.stride
