@@ -36,8 +36,10 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
     if tuple(c.shape) != (m, c_width):
         raise ValueError(f"c_tensor (the saved forward pre-activation) must have shape ({m}, {c_width}), got "
                          f"{tuple(c.shape)}")
-    c_dtype = ck.out_dtype(c.dtype.name, "c_tensor dtype", OUT_DTYPES)
-    d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES)
+    c_dtype = ck.out_dtype(c.dtype.name, "c_tensor dtype", OUT_DTYPES, "the saved C is never FP4 (the forward "
+                           "ops store C as bf16 / fp16 / fp32 / FP8)")
+    d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES, "cuDNN's dglu / dsrelu write D_row as FP8 (with SFD) or "
+                           "bf16 / fp16 / fp32 only (docs/ops.md#grouped_gemm_dglu)")
     if d_dtype in FP8_DTYPES and c_width % 16:
         raise ValueError(f"d_dtype {d_dtype}: output width {c_width} must be a multiple of 16")
     generate_sfd, norm_const, compute_amax = output_quantization(d_dtype, norm_const_tensor, discrete_col_sfd,
