@@ -15,7 +15,8 @@ reads) -- between the step's two barriers, and after the second barrier (`after_
 takes exactly one 16-vector: rowwise thread t holds row t % 128, columns 16 (t // 128) .. + 15 (two 16-byte loads);
 colwise thread t holds column t % 32, tokens 16 (t // 32) .. + 15 (16 two-byte loads, a warp reads whole rows).
 Then everything is in-thread: the transform (the default H16 / 4 as a 4-stage butterfly: 64 adds, then x 1/4,
-exact; a user matrix as 256 FMAs with its rows broadcast from shared memory), the NVFP4 block (max, e4m3 scale,
+exact; a user matrix as 256 FMAs in a loop over the inputs, P^T's columns broadcast from shared memory), the NVFP4
+block (max, e4m3 scale,
 e2m1 codes, 8 packed bytes) and the stores: 8 bytes (NVFP4) or 32 bytes (bf16) of a row, or 8 consecutive bytes of
 the column's token run in its expert's transposed segment, straight to global memory, plus one scale byte. Cost per
 step and thread: 8 stmatrix words written, 2 (rowwise) or 16 (colwise) shared loads, 80 FP ops (default H), ~16 x 15
@@ -94,15 +95,13 @@ def st_global_v4(addr: Int64, w: list):
 
 
 @cute.jit
-def ld_shared_v4(addr: Int32, volatile: cutlass.Constexpr = False):
-    """Four 32-bit words at a 16-byte aligned shared address. `volatile`: read where it stands (a load of a
-    loop-invariant address is otherwise hoisted out of the tile loop and its value held: the user matrix's 256
-    words spilled)."""
+def ld_shared_v4(addr: Int32):
+    """Four 32-bit words at a 16-byte aligned shared address."""
     i32 = Int32.mlir_type
     res = llvm.inline_asm(
         llvm.StructType.get_literal([i32, i32, i32, i32]), [Int32(addr).ir_value()],
-        f"ld{'.volatile' if volatile else ''}.shared.v4.b32 {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,r",
-        has_side_effects=volatile, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [Int32(llvm.extractvalue(i32, res, [k])) for k in range(4)]
 
 
@@ -167,9 +166,9 @@ class GroupedGemmSm90Hadamard(GroupedGemmSm90Forward):
                 sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, Float32), tiled_copy_acc)
             rH = cute.make_rmem_tensor(
                 r2s_h.get_slice(ctid).partition_S(cute.make_identity_tensor(self.epi_tile)).shape, cutlass.BFloat16)
-            if const_expr(self.user_matrix):
+            if const_expr(self.user_matrix):     # P^T: column o of P is a contiguous 64-byte row
                 sP = cta.storage.h_matrix.get_tensor(cute.make_layout((RHT, RHT), stride=(RHT, 1)))
-                sP[(ctid // RHT, ctid % RHT)] = args.mHadamard[(ctid // RHT, ctid % RHT)]
+                sP[(ctid % RHT, ctid // RHT)] = args.mHadamard[(ctid // RHT, ctid % RHT)]
             if const_expr(self.rht_fp4):
                 rht_nc = args.mRhtNormConst[0]
         return HadamardState(*c, r2s_h, rH, sH, sP, args.mRht, args.mSfrht, rht_nc, cta.sEnds, cta.m_rows)
@@ -213,12 +212,15 @@ class GroupedGemmSm90Hadamard(GroupedGemmSm90Forward):
         if const_expr(self.rht == "rowwise"):
             row = t % self.tile_m
             half = t // self.tile_m
-            base = op.sH.iterator.toint() + (row * STAGE_PITCH + half * RHT) * 2
-            x = []
-            for chunk in cutlass.range_constexpr(2):
-                for w in ld_shared_v4(base + 16 * chunk):
-                    x += [(w << 16).bitcast(Float32), (w & Int32(-65536)).bitcast(Float32)]
-            y = self._transform(x, op.sP)
+            if const_expr(self.user_matrix):
+                y = self._user_transform(op.sH, op.sP, row, half * RHT, 0, 1)
+            else:
+                base = op.sH.iterator.toint() + (row * STAGE_PITCH + half * RHT) * 2
+                x = []
+                for chunk in cutlass.range_constexpr(2):
+                    for w in ld_shared_v4(base + 16 * chunk):
+                        x += [(w << 16).bitcast(Float32), (w & Int32(-65536)).bitcast(Float32)]
+                y = self._hadamard16(x)
             col0 = col_block * EPI_N + half * RHT
             grow = ctx.m_tile * self.tile_m + row
             if col0 < n_out:
@@ -226,8 +228,10 @@ class GroupedGemmSm90Hadamard(GroupedGemmSm90Forward):
         else:
             col = t % EPI_N
             tb = t // EPI_N
-            x = [op.sH[(tb * RHT + i, col)].to(Float32) for i in range(RHT)]
-            y = self._transform(x, op.sP)
+            if const_expr(self.user_matrix):
+                y = self._user_transform(op.sH, op.sP, tb * RHT, col, 1, 0)
+            else:
+                y = self._hadamard16([op.sH[(tb * RHT + i, col)].to(Float32) for i in range(RHT)])
             n = col_block * EPI_N + col
             g, is_compute = ctx.group, ctx.is_compute
             if n < n_out:
@@ -235,28 +239,33 @@ class GroupedGemmSm90Hadamard(GroupedGemmSm90Forward):
                                        ctx.m_tile * self.tile_m + tb * RHT)
 
     @cute.jit
-    def _transform(self, x: list, sP):
-        """out_o = sum_i x_i P[o, i]: the default P = H16 / 4 by butterflies (H16[i][o] = (-1)^popcount(i & o),
-        out = 1/4 of the Walsh-Hadamard transform; exact factor), a user P by FMAs over its smem rows."""
-        if const_expr(sP is None):
-            x = list(x)
-            for bit in (1, 2, 4, 8):
-                for i in cutlass.range_constexpr(RHT):
-                    if const_expr(i & bit == 0):
-                        a, b = x[i], x[i | bit]
-                        x[i], x[i | bit] = a + b, a - b
-            return [v * Float32(H_SCALE) for v in x]
-        base = sP.iterator.toint()
-        y = []
-        for o in cutlass.range_constexpr(RHT):
-            p = []
+    def _hadamard16(self, x: list):
+        """out_o = sum_i x_i H16[o, i] / 4, H16[i][o] = (-1)^popcount(i & o): the Walsh-Hadamard transform by
+        butterflies (4 stages of 16 adds), then the exact factor 1/4."""
+        x = list(x)
+        for bit in (1, 2, 4, 8):
+            for i in cutlass.range_constexpr(RHT):
+                if const_expr(i & bit == 0):
+                    a, b = x[i], x[i | bit]
+                    x[i], x[i | bit] = a + b, a - b
+        return [v * Float32(H_SCALE) for v in x]
+
+    @cute.jit
+    def _user_transform(self, sH, sPt, r0, c0, dr: cutlass.Constexpr, dc: cutlass.Constexpr):
+        """out_o = sum_i x_i P[o, i] for a user matrix P (P^T in smem, `op_epilogue_setup`), x_i = the staged
+        sH[r0 + i dr, c0 + i dc], by a loop over i that is not unrolled: x_i and column i of P (four 16-byte
+        broadcast loads) come from shared memory per iteration, only the 16 sums stay in registers (unrolled,
+        the 256 matrix words were loaded ahead and spilled)."""
+        acc = cute.make_rmem_tensor(RHT, Float32)
+        acc.fill(0.0)
+        base = sPt.iterator.toint()
+        for i in cutlass.range(RHT, unroll=1):
+            xi = sH[(r0 + i * dr, c0 + i * dc)].to(Float32)
             for chunk in cutlass.range_constexpr(4):
-                p += [w.bitcast(Float32) for w in ld_shared_v4(base + (o * RHT + 4 * chunk) * 4, True)]
-            acc = x[0] * p[0]
-            for i in cutlass.range_constexpr(1, RHT):
-                acc = acc + x[i] * p[i]
-            y.append(acc)
-        return y
+                p = ld_shared_v4(base + (i * RHT + 4 * chunk) * 4)
+                for o in cutlass.range_constexpr(4):
+                    acc[4 * chunk + o] = acc[4 * chunk + o] + xi * p[o].bitcast(Float32)
+        return [acc[o] for o in range(RHT)]
 
     @cute.jit
     def _nvfp4_vector(self, y: list, norm_const):
