@@ -610,18 +610,14 @@ def main(argv=None):
     ap.add_argument("--hadamard", metavar="LIST", help="the Hadamard op beside the plain GLU on fc1 / small, inputs "
                     "in these formats (bf16, nvfp4, mxfp8, mxfp4)")
     args = ap.parse_args(argv)
-    if args.hadamard:
-        if args.shapes == ",".join(list(shapes.SHAPES) + list(shapes.ROUTINGS)):
-            args.shapes = "all"
-        results, device = run_hadamard(args)
-        write_hadamard(results, device, Path(args.out))
-        return
-    if args.formats:
-        if args.shapes == ",".join(list(shapes.SHAPES) + list(shapes.ROUTINGS)):
-            args.shapes = "all"
-        results, device = run_formats(args)
-        write_formats(results, device, Path(args.out))
-        return
+    for mode, run_mode, write_mode in (("hadamard", run_hadamard, write_hadamard),
+                                       ("formats", run_formats, write_formats)):
+        if getattr(args, mode):
+            if args.shapes == ap.get_default("shapes"):   # these modes have their own shape lists
+                args.shapes = "all"
+            results, device = run_mode(args)
+            write_mode(results, device, Path(args.out))
+            return
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         plot_mxfp8(saved["results"], saved["device"], Path(args.out))

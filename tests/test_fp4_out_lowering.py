@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import warnings
 
 import pytest
 
@@ -20,7 +19,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import fp4_out_cases as cases  # noqa: E402  (tests/gpu on sys.path: tests/conftest.py)
-from test_runtime import custom_calls, needs_cutlass  # noqa: E402
+from test_runtime import assert_lowers_to_one_kernel, needs_cutlass  # noqa: E402
 
 import cudnn_moe_jax as cmj  # noqa: E402
 from cudnn_moe_jax import activations  # noqa: E402
@@ -98,9 +97,4 @@ def test_unsupported_combinations_raise_with_their_reason(case):
 @pytest.mark.parametrize("case", cases.ALL_CASES, ids=[c[0] for c in cases.ALL_CASES])
 def test_fp4_output_call_lowers_to_the_kernel(case):
     cases.bundle_items()   # puts tests/ on sys.path for the inputs' numpy quantizer (as pytest already has)
-    fn = jax.jit(functools.partial(cases.call, case))
-    x = cases.inputs(case, mode="exact")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference warns
-        text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(custom_calls(text)) == 1, "expected one kernel custom call"
+    assert_lowers_to_one_kernel(functools.partial(cases.call, case), cases.inputs(case, mode="exact"))

@@ -205,29 +205,21 @@ GPT_OSS = {
 }
 
 
-@pytest.mark.parametrize("name", list(GPT_OSS))
-def test_gpt_oss_swiglu_compiles_without_spills(name):
-    problem = GPT_OSS[name]
+EXTRA_CASES = {**GPT_OSS, **FP4_OUT}
+
+
+@pytest.mark.parametrize("name", list(EXTRA_CASES))
+def test_extra_cases_compile_without_spills(name):
+    """GPT-OSS SwiGLU, and the FP4 outputs (lab/compile_cases.py: FP4_OUT): grouped_gemm_glu_hadamard_quant (NVFP4 D,
+    rowwise / colwise Hadamard outputs, user matrix) and the MXFP4 D of quant / srelu / glu over bf16 / fp16,
+    dequantized and weight-only inputs: bf16 HGMMA not serialized, no local memory."""
+    problem = EXTRA_CASES[name]
     assert sm90_config.supports(problem) is None
     module = compile_module(problem)
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     _check_sass(sass_of(module, tool), False)   # block-scaled inputs: dequantized to bf16 (HGMMA) by default
-
-
-@pytest.mark.parametrize("name", list(FP4_OUT))
-def test_fp4_outputs_compile_without_spills(name):
-    """grouped_gemm_glu_hadamard_quant (NVFP4 D, rowwise / colwise Hadamard outputs, user matrix) and the MXFP4 D of
-    quant / srelu / glu over bf16 / fp16, dequantized and weight-only inputs (lab/compile_cases.py: FP4_OUT): bf16
-    HGMMA not serialized, no local memory."""
-    problem = FP4_OUT[name]
-    assert sm90_config.supports(problem) is None
-    module = compile_module(problem)
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(module, tool), False)
 
 
 def _instructions(sass: str) -> list:

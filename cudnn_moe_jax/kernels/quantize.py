@@ -268,8 +268,10 @@ def e2m1_code(y: Float32) -> Int32:
 @cute.jit
 def e4m3_code(pv: Float32) -> Int32:
     """RNE-satfinite e4m3 code of pv >= 0 (cvt.rn.satfinite, both halves of the pair from pv); NaN -> 0x7F."""
-    code = _asm_i32("{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, $1, $1;\ncvt.u32.u16 $0, t;\n}",
-                    pv.bitcast(Int32)) & Int32(0xFF)
+    code = Int32(llvm.inline_asm(
+        Int32.mlir_type, [Float32(pv).ir_value()],
+        "{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, $1, $1;\ncvt.u32.u16 $0, t;\n}", "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)) & Int32(0xFF)
     return Int32(cutlass.select_(pv.bitcast(Int32) > Int32(0x7F800000), Int32(0x7F), code))
 
 

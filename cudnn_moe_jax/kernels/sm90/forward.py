@@ -33,7 +33,8 @@ from .gemm import GroupedGemmSm90Base, TileContext
 
 class CStores(NamedTuple):
     """The forward's own epilogue state (`EpilogueSetup.op`): C's register->smem copy, fragments (GLU: gate and
-    up), staging buffers and TMA store partition; `old_w`: (the old D, its thread-value copy) when accumulating."""
+    up), staging buffers and TMA store partition; `old_w`: (the old D, its thread-value copy) when accumulating;
+    `extra`: a subclass's own (the Hadamard op's outputs)."""
 
     r2s_c: Any
     tRS_rC0: Any
@@ -44,6 +45,7 @@ class CStores(NamedTuple):
     tma_atom_c: Any
     sC: Any
     old_w: Any
+    extra: Any = None
 
 
 class GroupedGemmSm90Forward(GroupedGemmSm90Base):

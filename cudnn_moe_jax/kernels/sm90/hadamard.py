@@ -52,19 +52,10 @@ STAGE_PITCH = 40    # bf16 per staged row: 80 bytes
 H_SCALE = 0.25      # the default matrix H16 / 4: a butterfly of +-1 entries, then this exact factor
 
 
-class HadamardState(NamedTuple):
-    """The Hadamard op's epilogue state (`EpilogueSetup.op`): forward.CStores' fields, then the stage, its
-    register->smem copy and bf16 fragment, the user matrix in smem, the outputs and their encode scale."""
+class HadamardOutputs(NamedTuple):
+    """The Hadamard op's epilogue state (forward.CStores.extra): the stage, its register->smem copy and bf16
+    fragment, the user matrix (transposed) in smem, the outputs and their encode scale, the group ends."""
 
-    r2s_c: Any
-    tRS_rC0: Any
-    tRS_rC1: Any
-    tRS_sC: Any
-    bSG_sC: Any
-    bSG_gC: Any
-    tma_atom_c: Any
-    sC: Any
-    old_w: Any
     r2s_h: Any
     rH: Any
     sH: Any
@@ -155,9 +146,9 @@ class GroupedGemmSm90Hadamard(GroupedGemmSm90Forward):
         return fields
 
     @cute.jit
-    def op_epilogue_setup(self, args, cta, tiled_copy_acc, ctid) -> HadamardState:
-        """The forward's state, the stage and its copy, the user matrix (read into smem here; first read after
-        the first tile's epilogue barriers)."""
+    def op_epilogue_setup(self, args, cta, tiled_copy_acc, ctid):
+        """The forward's state with the Hadamard op's (`HadamardOutputs`): the stage and its copy, the user matrix
+        (read into smem here; first read after the first tile's epilogue barriers)."""
         c = super().op_epilogue_setup(args, cta, tiled_copy_acc, ctid)
         r2s_h = rH = sH = sP = rht_nc = None
         if const_expr(self.rht is not None):
@@ -171,7 +162,8 @@ class GroupedGemmSm90Hadamard(GroupedGemmSm90Forward):
                 sP[(ctid % RHT, ctid // RHT)] = args.mHadamard[(ctid // RHT, ctid % RHT)]
             if const_expr(self.rht_fp4):
                 rht_nc = args.mRhtNormConst[0]
-        return HadamardState(*c, r2s_h, rH, sH, sP, args.mRht, args.mSfrht, rht_nc, cta.sEnds, cta.m_rows)
+        return c._replace(extra=HadamardOutputs(r2s_h, rH, sH, sP, args.mRht, args.mSfrht, rht_nc, cta.sEnds,
+                                                cta.m_rows))
 
     def epilogue_hooks(self) -> EpilogueHooks:
         hooks = super().epilogue_hooks()
@@ -184,38 +176,38 @@ class GroupedGemmSm90Hadamard(GroupedGemmSm90Forward):
         """The forward's tile set-up; the stage's per-thread stmatrix addresses from a per-tile opaque thread index
         (as D's, forward._fwd_begin)."""
         st = self._fwd_begin(setup, ctx)
-        op = setup.op
-        st.tRS_sH = op.r2s_h.get_slice(q8.opaque(setup.ctid)).partition_D(op.sH)
+        h = setup.op.extra
+        st.tRS_sH = h.r2s_h.get_slice(q8.opaque(setup.ctid)).partition_D(h.sH)
         return st
 
     def _h_writes(self, step: int, buf: int, j: int, st, codes):
         """The forward's subtiles, then bf16(D) into the stage (D's own bf16 fragment when D is bf16)."""
         yield from self._fwd_writes(step, buf, j, st, codes)
-        setup, op = st.setup, st.op
-        frag = setup.tRS_rD
+        h = st.op.extra
+        frag = st.setup.tRS_rD
         if self.fp4_d:
-            op.rH.store(st.rVal.load().to(cutlass.BFloat16))
-            frag = op.rH
-        yield op.r2s_h, frag, st.tRS_sH
+            h.rH.store(st.rVal.load().to(cutlass.BFloat16))
+            frag = h.rH
+        yield h.r2s_h, frag, st.tRS_sH
 
     # ------------------------------------------------------------------------------------------ the RHT
     @cute.jit
     def _rht(self, step: cutlass.Constexpr, st):
         """After the step's second barrier: this thread's 16-vector of the staged bf16(D) -> transform -> output
         (module docstring)."""
-        op, ctx = st.op, st.ctx
+        h, ctx = st.op.extra, st.ctx
         t = q8.opaque(st.setup.ctid)
         col_block = self.d_block(ctx.n_tile, step)
         n_out = self.problem.n_out
         # plain names: inside the dynamic `if`s below no state object may appear (epilogue.py)
-        mRht, mSfrht, nc, sEnds, m_rows = op.mRht, op.mSfrht, op.rht_norm_const, op.sEnds, op.m_rows
+        mRht, mSfrht, nc, sEnds, m_rows = h.mRht, h.mSfrht, h.rht_norm_const, h.sEnds, h.m_rows
         if const_expr(self.rht == "rowwise"):
             row = t % self.tile_m
             half = t // self.tile_m
             if const_expr(self.user_matrix):
-                y = self._user_transform(op.sH, op.sP, row, half * RHT, 0, 1)
+                y = self._user_transform(h.sH, h.sP, row, half * RHT, 0, 1)
             else:
-                base = op.sH.iterator.toint() + (row * STAGE_PITCH + half * RHT) * 2
+                base = h.sH.iterator.toint() + (row * STAGE_PITCH + half * RHT) * 2
                 x = []
                 for chunk in cutlass.range_constexpr(2):
                     for w in ld_shared_v4(base + 16 * chunk):
@@ -229,9 +221,9 @@ class GroupedGemmSm90Hadamard(GroupedGemmSm90Forward):
             col = t % EPI_N
             tb = t // EPI_N
             if const_expr(self.user_matrix):
-                y = self._user_transform(op.sH, op.sP, tb * RHT, col, 1, 0)
+                y = self._user_transform(h.sH, h.sP, tb * RHT, col, 1, 0)
             else:
-                y = self._hadamard16([op.sH[(tb * RHT + i, col)].to(Float32) for i in range(RHT)])
+                y = self._hadamard16([h.sH[(tb * RHT + i, col)].to(Float32) for i in range(RHT)])
             n = col_block * EPI_N + col
             g, is_compute = ctx.group, ctx.is_compute
             if n < n_out:
