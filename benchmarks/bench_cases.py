@@ -180,10 +180,14 @@ def bundle_items() -> list:
               for s in SHAPES for fp8 in MXFP8_OUTPUTS.values()]
     items += [functools.partial(_lower_for_cuda, block_call(s, f), block_avals(s, f))
               for s in FORMAT_SHAPES for f in FORMAT_LABELS]
-    items += [functools.partial(_lower_for_cuda, hadamard_call(s, v, f),
-                                block_avals(s, f) + (jax.ShapeDtypeStruct((1,), jnp.float32),))
-              for s in HADAMARD_SHAPES for v in HADAMARD_VARIANTS for f in HADAMARD_FORMATS]
-    return items
+    return items + hadamard_bundle_items()
+
+
+def hadamard_bundle_items() -> list:
+    """The `--hadamard` benchmark's calls alone (HADAMARD_SHAPES x HADAMARD_VARIANTS x HADAMARD_FORMATS)."""
+    return [functools.partial(_lower_for_cuda, hadamard_call(s, v, f),
+                              block_avals(s, f) + (jax.ShapeDtypeStruct((1,), jnp.float32),))
+            for s in HADAMARD_SHAPES for v in HADAMARD_VARIANTS for f in HADAMARD_FORMATS]
 
 
 FORMAT_SHAPES = tuple(SHAPES) + tuple(MEMORY_BOUND)
