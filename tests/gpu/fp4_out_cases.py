@@ -35,7 +35,10 @@ import numpy as np
 
 import cudnn_moe_jax as cmj
 
-import blockscaled_cases as bc
+try:
+    import blockscaled_cases as bc
+except ImportError:   # imported by `aot build` as tests.gpu.fp4_out_cases
+    from tests.gpu import blockscaled_cases as bc
 
 E4M3, E2M1, BF, F32 = bc.E4M3, bc.E2M1, bc.BF, bc.F32
 M, L = bc.M, bc.L

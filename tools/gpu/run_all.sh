@@ -44,7 +44,7 @@ for s in $steps; do
       echo "== formats rc=$?"; grep -E "TFLOP/s|time bf16" "$OUT/formats.log" | cut -c1-200 | tail -40 ;;
     fp4out)  # FP4 outputs: the Hadamard op and MXFP4 D vs the float64 oracle (pm1 / exact inputs bit-identical),
       # memcheck + racecheck of a few runs, then the Hadamard op's cost over the plain GLU (fc1 / small)
-      timeout -s KILL ${FP4_TIMEOUT:-300} python3 -m pytest tests/gpu/test_fp4_out_gpu.py -q -rf -p no:cacheprovider \
+      timeout -s KILL ${FP4_TIMEOUT:-240} python3 -m pytest tests/gpu/test_fp4_out_gpu.py -q -rf -p no:cacheprovider \
         --tb=line > "$OUT/fp4out.log" 2>&1
       echo "== fp4out rc=$?"; summary "$OUT/fp4out.log"
       for tool in memcheck racecheck; do
@@ -53,7 +53,7 @@ for s in $steps; do
           > "$OUT/fp4_$tool.log" 2>&1
         echo "== fp4 $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY| OK$|\[.*\]$|Error" "$OUT/fp4_$tool.log" | cut -c1-300 | tail -6
       done
-      timeout -s KILL ${HAD_TIMEOUT:-240} python3 benchmarks/bench_grouped_gemm.py --hadamard nvfp4,bf16 \
+      timeout -s KILL ${HAD_TIMEOUT:-180} python3 benchmarks/bench_grouped_gemm.py --hadamard nvfp4,bf16 \
         --out "$OUT/hadamard" > "$OUT/hadamard.log" 2>&1
       echo "== hadamard bench rc=$?"; grep -E "time / glu|\|" "$OUT/hadamard.log" | cut -c1-250 | tail -14 ;;
     kgpu)   # the kernel-level suites run jax.export artifacts (tools/gpu/build_artifacts.py)
