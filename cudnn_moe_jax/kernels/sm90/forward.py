@@ -281,9 +281,13 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
         col_bytes = None
         if const_expr(self.quant_d):
             col_bytes, code_c = self.fp4_cols(st.rVal, fp8.sColMax, st.warp_e, st.lane, fp8.norm_const)
+            # plain names inside the dynamic `if` (the module's rule)
+            code_r0, code_r1, mSfdRow, mSfdCol, sEnds, m_rows = codes[0][0], codes[1][0], fp8.mSfdRow, \
+                fp8.mSfdCol, fp8.sEnds, fp8.m_rows
+            m_tile, n_tile, g, warp_e, lane = ctx.m_tile, ctx.n_tile, ctx.group, st.warp_e, st.lane
             if ctx.is_compute:
-                self._store_sf_bytes(codes[0][0], codes[1][0], code_c, fp8.mSfdRow, fp8.mSfdCol, fp8.sEnds,
-                                     fp8.m_rows, ctx.m_tile, ctx.n_tile, step, ctx.group, st.warp_e, st.lane)
+                self._store_sf_bytes(code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
+                                     step, g, warp_e, lane)
         else:
             self.store_nvfp4_sf(codes, fp8.mSfdRow, ctx.m_tile, ctx.n_tile, step, st.warp_e, st.lane)
         self.fp4_store_smem(words, col_bytes, st.fp4_views[0], st.fp4_views[1], step % self.epi_stages)

@@ -225,10 +225,9 @@ class GroupedGemmSm90Hadamard(GroupedGemmSm90Forward):
             else:
                 y = self._hadamard16([h.sH[(tb * RHT + i, col)].to(Float32) for i in range(RHT)])
             n = col_block * EPI_N + col
-            g, is_compute = ctx.group, ctx.is_compute
+            g, is_compute, t0 = ctx.group, ctx.is_compute, ctx.m_tile * self.tile_m + tb * RHT
             if n < n_out:
-                self._store_col_vector(y, mRht, mSfrht, nc, sEnds, m_rows, g, is_compute, n,
-                                       ctx.m_tile * self.tile_m + tb * RHT)
+                self._store_col_vector(y, mRht, mSfrht, nc, sEnds, m_rows, g, is_compute, n, t0)
 
     @cute.jit
     def _hadamard16(self, x: list):
