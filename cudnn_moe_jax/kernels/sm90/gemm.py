@@ -407,7 +407,6 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
             # SF bytes are written only for computed rows/blocks; XLA outputs are uninitialised (rows outside every
             # group and SF padding must read 0x00)
             self.zero_bytes_kernel(mSfdRow, mSfdCol).launch(grid=[264, 1, 1], block=[256, 1, 1], stream=stream)
-        self.launch_prologue(args, stream)
 
         num_clusters = cutlass.min(self.sched.num_tiles(m_rows), Int32(self.max_clusters))
         self.kernel(args).launch(
@@ -518,9 +517,6 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consumer(args, cta, tidx - 128, warp_idx)
-
-    def launch_prologue(self, args, stream):
-        """Op kind: kernels launched before the GEMM on the same stream (besides the amax / SF zeroing)."""
 
     def init_epilogue_barriers(self, storage, warp_idx):
         """Op kind: initialise its epilogue's mbarriers (before the cluster's init arrive); returns them."""
