@@ -519,15 +519,19 @@ def quantize_cols(x_f32, d_dtype, norm_const=None):
     """Column quantization (docs/formats.md#column-quantization) of x (R, C): blocks of 32 consecutive rows per
     column, always e8m0.
 
-    Returns (codes (R, C) [e2m1: packed along C, (R, C//2)], s uint8 (C, cdiv(R, 32))). The spec's
-    scale = (val(s) == 0) ? 0 : min(norm_const / val(s), FLT_MAX) equals the row rule's norm_const * (1/val(s)) here:
-    val(s) is a power of two (never 0 for e8m0), so both are the correctly rounded norm_const * 2^(127-e).
+    Returns (codes, s uint8 (C, cdiv(R, 32))): FP8 codes (R, C), x's shape; e2m1 codes transposed and packed
+    along the rows, (C, R//2) -- two consecutive rows (tokens) a byte, the token-contiguous operand wgrad reads
+    (docs/formats.md#fp4-d-outputs). The spec's scale = (val(s) == 0) ? 0 : min(norm_const / val(s), FLT_MAX)
+    equals the row rule's norm_const * (1/val(s)) here: val(s) is a power of two (never 0 for e8m0), so both are
+    the correctly rounded norm_const * 2^(127-e). So the result is the row quantization of x^T.
     """
     d_dtype = _dtype_choice("quantize_cols", "d_dtype", d_dtype, _BLOCK_DATA)
     x = jnp.asarray(x_f32, jnp.float32)
-    if d_dtype == E2M1 and x.shape[-1] % 2:
-        raise ValueError("quantize_cols: e2m1 data needs an even number of columns (two values per byte)")
+    if d_dtype == E2M1 and x.shape[-2] % 2:
+        raise ValueError("quantize_cols: e2m1 data needs an even number of rows (two tokens a byte)")
     y_t, s = _scaled_rows(jnp.swapaxes(x, -1, -2), d_dtype, E8M0, 32, norm_const)
+    if d_dtype == E2M1:
+        return _encode(y_t, d_dtype), s
     return _encode(jnp.swapaxes(y_t, -1, -2), d_dtype), s
 
 

@@ -40,4 +40,6 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")           # MXFP8 A/B; FP8 C; FP8 
 SF_DTYPES = ("float8_e8m0fnu", "float8_e4m3fn")         # scale factors (e4m3: NVFP4 only)
 FLOAT_OUT_DTYPES = ("bfloat16", "float16", "float32")   # bias, wgrad's W, plain (unquantized) outputs
 OUT_DTYPES = FLOAT_OUT_DTYPES + FP8_DTYPES              # C and D of the forward ops, C (input) and D_row of dgrad
+QUANT_D_DTYPES = FP8_DTYPES + (FP4,)                    # D of quant / srelu / glu with SFD_row, D_col, SFD_col
+FORWARD_D_DTYPES = OUT_DTYPES + (FP4,)                  # D of quant / srelu / glu (FP4: MXFP4, docs/formats.md)
 DBIAS_DTYPES = ("bfloat16", "float32")

@@ -5,6 +5,7 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
            key (`OpResult` field)
   kind     how a kernel launcher declares it (kernels/sm90/jax_bridge.py turns a kind into a TensorSpec):
            "rows" (m, cols) row-major, m dynamic; "weights" B (L, N, K), presented to the kernel as (N, K, L);
+           "cols_by_m" (cols, m / 2) packed FP4 with m along the rows' bytes (an FP4 D_col, tokens contiguous);
            "sf_rows" / "sf_cols" / "sf_segments" scale-factor buffers whose row blocks follow m; "m_vector" (m,);
            "tiles_by_m" (n_parts, m) per-N-tile row partials; "row_tiles" (`m_tiles`, cols) per-M-tile column
            partials; "tokens" wgrad's A (m_w, T) / B (n_w, T), T dynamic; "static": its shape involves neither
@@ -132,8 +133,17 @@ def _has_prob(p) -> bool:
     return p.epilogue.has_prob
 
 
-def _fp8_d(p) -> bool:
+def _quant_d(p) -> bool:
+    """FP8 or FP4 D with SFD_row, D_col, SFD_col."""
     return p.epilogue.generate_sfd
+
+
+def _d_col_shape(p):
+    """D_col: D's shape (FP8), or FP4 transposed and packed along the tokens, (N_out, m / 2): wgrad's
+    token-contiguous operand (docs/formats.md#fp4-d-outputs)."""
+    if p.epilogue.d_dtype == FP4:
+        return (p.n_out, p.m // 2)
+    return (p.m, p.n_out)
 
 
 def _norm_const(p) -> bool:
@@ -240,18 +250,19 @@ WGRAD_INPUTS = (
 # variants may leave it out (c_dtype None).
 _C_OUT = Operand("c_tensor", "rows", lambda p: (p.m, p.n), lambda p: p.epilogue.c_dtype,
                  lambda p: p.epilogue.c_dtype is not None, ops=("srelu", "glu", "glu_hadamard_quant"), launch="c")
-_D_COL = Operand("d_col_tensor", "rows", lambda p: (p.m, p.n_out), lambda p: p.epilogue.d_dtype, _fp8_d,
-                 launch="d_col")
+_D_COL = Operand("d_col_tensor", lambda p: "cols_by_m" if p.epilogue.d_dtype == FP4 else "rows", _d_col_shape,
+                 lambda p: _storage(p.epilogue.d_dtype), _quant_d, launch="d_col")
 _AMAX = Operand("amax_tensor", "static", lambda p: (p.num_groups, 2 if p.op == "dglu" else 1), "float32",
                 lambda p: p.epilogue.compute_amax, launch="amax")
-_SFD_ROW = Operand("sfd_row_tensor", "sf_rows", lambda p: sf_physical_shape(p.m, p.n_out, MX_VEC), "uint8", _fp8_d,
+_SFD_ROW = Operand("sfd_row_tensor", "sf_rows", lambda p: sf_physical_shape(p.m, p.n_out, MX_VEC), "uint8", _quant_d,
                    launch="sfd_row")
 _SFD_COL = Operand("sfd_col_tensor", lambda p: "sf_segments" if p.epilogue.discrete_col_sfd else "sf_cols",
-                   _sfd_col_shape, "uint8", _fp8_d, launch="sfd_col")
+                   _sfd_col_shape, "uint8", _quant_d, launch="sfd_col")
 
 FORWARD_OUTPUTS = (
     _C_OUT,
-    Operand("d_tensor", "rows", lambda p: (p.m, p.n_out), lambda p: p.epilogue.d_dtype, launch="d"),
+    Operand("d_tensor", "rows", lambda p: _packed_out(p.m, p.n_out, p.epilogue.d_dtype),
+            lambda p: _storage(p.epilogue.d_dtype), launch="d"),
     _D_COL,
     _AMAX,
     _SFD_ROW,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from . import activations
 from .activations import GLU_BLOCK
 from . import formats as F
-from .limits import FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN
+from .limits import FLOAT_OUT_DTYPES, GROUP_ALIGN, QUANT_D_DTYPES
 from .offsets import group_starts, row_groups, sanitize_offsets, sanitize_token_offsets  # noqa: F401 (API)
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -294,15 +294,17 @@ def cast(x, dtype: str):
 
 
 def store_d(dfp, ends, *, d_dtype: str, norm_const=None, discrete_col_sfd: bool = False):
-    """D (and for FP8 D: D_col, SFD_row, SFD_col) from the fp32 D (m, N_out), already zero outside groups.
+    """D (and for FP8 / FP4 D: D_col, SFD_row, SFD_col) from the fp32 D (m, N_out), already zero outside groups.
 
     SFD_row: row quantization (docs/formats.md#row-quantization), e8m0 vec 32, physical (1, Rb, Kb, 32, 4, 4).
     D_col/SFD_col: column quantization, 32-row blocks; SFD_col is the MMA-tiled layout of D^T or, with
     `discrete_col_sfd`, the per-group segments (docs/formats.md#segmented-layout) of the sanitized
-    group ends. Zero data quantizes to code 0 with SF byte 0, so rows outside every group stay zero.
+    group ends. FP4 (MXFP4) D is packed (m, N_out/2), its D_col transposed (N_out, m/2), tokens packed
+    (docs/formats.md#fp4-d-outputs). Zero data quantizes to code 0 with SF byte 0, so rows outside every group stay
+    zero.
     """
     out = dict(d=None, d_col=None, sfd_row=None, sfd_col=None)
-    if d_dtype not in FP8_DTYPES:
+    if d_dtype not in QUANT_D_DTYPES:
         out["d"] = cast(dfp, d_dtype)
         return out
     nc = _norm_const(norm_const)

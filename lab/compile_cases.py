@@ -78,6 +78,39 @@ BACKWARD = {
 }
 
 
+def _fwd(op="glu_hadamard_quant", fmt=(BF, None, None), n=512, k=256, **epi):
+    sf = dict(zip(("ab_dtype", "sf_dtype", "sf_vec_size"), fmt))
+    return GroupedGemmProblem(op=op, m=2048, n=n, k=k, num_groups=4, a_dtype=epi.pop("a_dtype", None),
+                              epilogue=Epilogue(**epi), **sf)
+
+
+E2M1, MXFP8E4 = "float4_e2m1fn", ("float8_e4m3fn", "float8_e8m0fnu", 32)
+_H = dict(c_dtype=BF)
+# FP4 outputs: grouped_gemm_glu_hadamard_quant (kernels/sm90/hadamard.py) and the MXFP4 D of the forward ops
+# (epilogue_fp4d): every D / Hadamard-output kind over bf16 / fp16, dequantized and weight-only inputs
+FP4_OUT = {
+    "h_bf16_swiglu_bf16d_amax": _fwd(act="swiglu", d_dtype=BF, compute_amax=True, **_H),
+    "h_bf16_geglu_bias_rowbf16": _fwd(act="geglu", has_bias=True, bias_dtype=F32, glu_limit=3.0, d_dtype=BF,
+                                      compute_amax=True, rht="rowwise", rht_dtype=BF, **_H),
+    "h_bf16_srelu_d4_row4_user": _fwd(act="srelu", n=256, d_dtype=E2M1, rht="rowwise", rht_dtype=E2M1,
+                                      has_hadamard=True, **_H),
+    "h_f16_swiglu_f32c_d4": _fwd(fmt=(F16, None, None), act="swiglu", d_dtype=E2M1, **dict(_H, c_dtype=F32)),
+    "h_nvfp4_swiglu_d4_row4": _fwd(fmt=NVFP4, act="swiglu", d_dtype=E2M1, rht="rowwise", rht_dtype=E2M1, **_H),
+    "h_nvfp4_swiglu_d4_col": _fwd(fmt=NVFP4, act="swiglu", d_dtype=E2M1, rht="colwise", rht_dtype=E2M1, **_H),
+    "h_mxfp8_gptoss_bf16d_col_user": _fwd(fmt=MXFP8E4, act="gpt_oss_swiglu", d_dtype=BF, compute_amax=True,
+                                          rht="colwise", rht_dtype=E2M1, has_hadamard=True, **_H),
+    "h_w_nvfp4_srelu_d4_col": _fwd(fmt=NVFP4, a_dtype=BF, act="srelu", n=384, tanh_clamp_scale=2.0, d_dtype=E2M1,
+                                   rht="colwise", rht_dtype=E2M1, **_H),
+    "quant_bf16_mxfp4d": _fwd("quant", d_dtype=E2M1, generate_sfd=True),
+    "glu_bf16_mxfp4d_seg": _fwd("glu", act="swiglu", c_dtype=BF, d_dtype=E2M1, generate_sfd=True,
+                                discrete_col_sfd=True),
+    "srelu_nvfp4_mxfp4d_n384": _fwd("srelu", fmt=NVFP4, n=384, act="srelu", c_dtype=F32, d_dtype=E2M1,
+                                    generate_sfd=True),
+    "glu_mxfp8_geglu_mxfp4d_seg": _fwd("glu", fmt=MXFP8E4, act="geglu", has_bias=True, bias_dtype=BF, c_dtype=E4M3,
+                                       d_dtype=E2M1, generate_sfd=True, discrete_col_sfd=True),
+}
+
+
 def forward_id(p) -> str:
     e = p.epilogue
     ab = _FP4[(p.sf_dtype, p.sf_vec_size)] if p.ab_dtype == "float4_e2m1fn" else _SHORT[p.ab_dtype]
@@ -101,4 +134,5 @@ def all_cases() -> dict:
             name += "+"
         out[name] = p
     out.update(BACKWARD)
+    out.update(FP4_OUT)
     return out

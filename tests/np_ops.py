@@ -27,6 +27,7 @@ from np_formats import (E2M1, E4M3, E5M2, E8M0, np_cdiv, np_decode, np_dequantiz
                         np_fp8_encode, np_pack_sf, np_quantize_cols, np_quantize_rows, np_unpack_sf)
 
 FP8 = (E4M3, E5M2)
+QUANT_D = FP8 + (E2M1,)         # D dtypes quantized with SFD_row / D_col / SFD_col (FP4: MXFP4)
 FLOAT_OUT = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 BLOCK_SCALED = (E4M3, E5M2, E2M1)
 
@@ -139,9 +140,9 @@ def _phys(s):
     return np_pack_sf(s).reshape(1, np_cdiv(rows, 128), np_cdiv(nkb, 4), 32, 4, 4)
 
 
-def np_fp8_outputs(dfp, groups, d_dtype, norm_const, discrete_col_sfd):
-    """Row / column quantization (docs/formats.md#quantization): D, D_col (fp8), SFD_row (physical), SFD_col (physical
-    or flat segments) from float64 D."""
+def np_quant_d_outputs(dfp, groups, d_dtype, norm_const, discrete_col_sfd):
+    """Row / column quantization (docs/formats.md#quantization): D, D_col (fp8, or packed e2m1: D (m, N/2), D_col
+    transposed (N, m/2)), SFD_row (physical), SFD_col (physical or flat segments) from float64 D; e8m0, vec 32."""
     d, s_row = np_quantize_rows(dfp, d_dtype, E8M0, 32, norm_const)
     d_col, s_col = np_quantize_cols(dfp, d_dtype, norm_const)
     sfd_col = np_segments_sf(s_col, groups, 32) if discrete_col_sfd else _phys(s_col)
@@ -154,8 +155,8 @@ def np_nvfp4(x, norm_const):
 
 
 def _d_outputs(dfp, groups, d_dtype, norm_const, discrete_col_sfd):
-    if d_dtype in FP8:
-        o = np_fp8_outputs(dfp, groups, d_dtype, _scalar(norm_const, "norm_const"), discrete_col_sfd)
+    if d_dtype in QUANT_D:
+        o = np_quant_d_outputs(dfp, groups, d_dtype, _scalar(norm_const, "norm_const"), discrete_col_sfd)
         return o["d"], o["d_col"], o["sfd_row"], o["sfd_col"]
     return np_round_float(dfp, d_dtype), None, None, None
 

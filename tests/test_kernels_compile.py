@@ -25,6 +25,7 @@ import pytest
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 from cudnn_moe_jax.kernels.sm90 import config as sm90_config
 from cudnn_moe_jax.kernels.sm90 import variants
+from lab.compile_cases import FP4_OUT
 
 FATBIN_MAGIC = 0xBA55ED50
 
@@ -204,9 +205,15 @@ GPT_OSS = {
 }
 
 
-@pytest.mark.parametrize("name", list(GPT_OSS))
-def test_gpt_oss_swiglu_compiles_without_spills(name):
-    problem = GPT_OSS[name]
+EXTRA_CASES = {**GPT_OSS, **FP4_OUT}
+
+
+@pytest.mark.parametrize("name", list(EXTRA_CASES))
+def test_extra_cases_compile_without_spills(name):
+    """GPT-OSS SwiGLU, and the FP4 outputs (lab/compile_cases.py: FP4_OUT): grouped_gemm_glu_hadamard_quant (NVFP4 D,
+    rowwise / colwise Hadamard outputs, user matrix) and the MXFP4 D of quant / srelu / glu over bf16 / fp16,
+    dequantized and weight-only inputs: bf16 HGMMA not serialized, no local memory."""
+    problem = EXTRA_CASES[name]
     assert sm90_config.supports(problem) is None
     module = compile_module(problem)
     tool = _cuobjdump()

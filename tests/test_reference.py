@@ -194,11 +194,15 @@ def check_quantized(outputs, ref, x64, mag, quantize):
 def check_d_outputs(ref, ora, *, d_key, d_dtype, norm_const, discrete_col_sfd):
     """D (+ D_col, SFD_row, SFD_col for FP8 D) against the oracle's float64 pre-rounding D."""
     x64, mag = ora["_pre"]["d"], ora["_mag"]["d"]
-    if d_dtype in O.FP8:
+    if d_dtype in O.QUANT_D:
         groups = ora["_groups"]
-        check_quantized({d_key: ("d", "fp8"), "d_col_tensor": ("d_col", "fp8"),
+        kind = "fp4" if d_dtype == E2M1 else "fp8"
+        if d_dtype == E2M1:   # packed (m, N/2); D_col transposed, tokens packed (N, m/2)
+            assert ref[d_key].shape == (x64.shape[0], x64.shape[1] // 2), ref[d_key].shape
+            assert ref["d_col_tensor"].shape == (x64.shape[1], x64.shape[0] // 2), ref["d_col_tensor"].shape
+        check_quantized({d_key: ("d", kind), "d_col_tensor": ("d_col", kind),
                          "sfd_row_tensor": ("sfd_row", "bytes"), "sfd_col_tensor": ("sfd_col", "bytes")}, ref, x64,
-                        mag, lambda x: O.np_fp8_outputs(x, groups, d_dtype, norm_const, discrete_col_sfd))
+                        mag, lambda x: O.np_quant_d_outputs(x, groups, d_dtype, norm_const, discrete_col_sfd))
         shape_col = ref["sfd_col_tensor"].shape
         assert (len(shape_col) == 1) == discrete_col_sfd, shape_col
     else:
@@ -261,10 +265,12 @@ QUANT_CASES = [
     ("mxfp8_e4m3", E4M3, None, "over", True, False),
     ("mxfp8_e5m2", E5M2, "bfloat16", "negative", False, False),
     ("mxfp8_e4m3", E4M3, None, "unaligned", True, False),
+    ("bf16", E2M1, None, "empty", True, False),
+    ("nvfp4", E2M1, "float32", "balanced", False, False),
 ]
 
 
-@pytest.mark.parametrize("fmt,d_dtype,bias,groups,dcs,discrete,jit", with_jit(QUANT_CASES, 3, 10))
+@pytest.mark.parametrize("fmt,d_dtype,bias,groups,dcs,discrete,jit", with_jit(QUANT_CASES, 3, 10, 13))
 def test_quant(fmt, d_dtype, bias, groups, dcs, discrete, jit):
     x, kw = make_gemm(fmt, M, 96, 128, groups, bias, discrete)
     nc = np.array([NORM_CONST], np.float32)
@@ -283,6 +289,7 @@ SRELU_CASES = [
     ("nvfp4", "float16", "bfloat16", None, 1.5, "short", False, False),
     ("mxfp8_e4m3", "bfloat16", E4M3, None, None, "nonmono", True, True),
     ("fp16", "float16", "float16", "float16", 3.0, "negative", False, True),
+    ("mxfp8_e4m3", "bfloat16", E2M1, None, None, "short", True, False),
 ]
 
 
@@ -315,6 +322,8 @@ GLU_CASES = [
     ("mxfp8_e4m3", "geglu", "bfloat16", E4M3, None, 3.0, None, "negative", True, False),
     ("bf16", "gpt_oss_swiglu", "bfloat16", "bfloat16", "float32", None, None, "empty", False, False),
     ("mxfp8_e4m3", "gpt_oss_swiglu", E4M3, E4M3, None, 1.5, 1.2, "balanced", True, False),
+    ("bf16", "swiglu", "bfloat16", E2M1, None, None, None, "nonmono", False, False),
+    ("mxfp4", "geglu", "float32", E2M1, "bfloat16", None, 1.3, "empty", True, False),
 ]
 
 

@@ -109,6 +109,15 @@ def tiny_program(a, b):
     return tiny_add_p.bind(a, b) * 2.0 + 1.0
 
 
+def assert_lowers_to_one_kernel(fn, x) -> None:
+    """jax.jit(fn)(x) lowered for CUDA is one kernel custom call, with no fallback to the reference (its
+    RuntimeWarning an error)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        text = jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(custom_calls(text)) == 1, "expected one kernel custom call"
+
+
 def custom_calls(text: str) -> list[dict]:
     """Each CuTe DSL stablehlo.custom_call's target, attributes (verbatim text) and types; operand names left out.
     (Others, e.g. jax.export's shape assertions, are left out.)"""

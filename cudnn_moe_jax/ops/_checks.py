@@ -251,11 +251,12 @@ def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "s
     return sf_dtype, vec
 
 
-def out_dtype(dtype, arg: str, allowed) -> str:
+def out_dtype(dtype, arg: str, allowed, fp4_reason: str = "") -> str:
+    """The canonical name of an output dtype argument, one of `allowed`; an FP4 one where `allowed` has none is a
+    NotImplementedError saying why (`fp4_reason`)."""
     name = dtype_name(dtype, arg)
     if name == FP4 and FP4 not in allowed:
-        raise NotImplementedError(f"{arg}=float4_e2m1fn: NVFP4 outputs are only produced by "
-                                  "grouped_gemm_glu_hadamard_quant")
+        raise NotImplementedError(f"{arg}=float4_e2m1fn: {fp4_reason or 'no FP4 output here'}")
     check_choice(name, allowed, arg)
     return name
 

@@ -37,8 +37,10 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
     if tuple(c.shape) != (m, c_width):
         raise ValueError(f"c_tensor (the saved forward pre-activation) must have shape ({m}, {c_width}), got "
                          f"{tuple(c.shape)}")
-    c_dtype = ck.out_dtype(c.dtype.name, "c_tensor dtype", OUT_DTYPES)
-    d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES)
+    c_dtype = ck.out_dtype(c.dtype.name, "c_tensor dtype", OUT_DTYPES, "the saved C is never FP4 (the forward "
+                           "ops store C as bf16 / fp16 / fp32 / FP8)")
+    d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES, "cuDNN's dglu / dsrelu write D_row as FP8 (with SFD) or "
+                           "bf16 / fp16 / fp32 only (docs/ops.md#grouped_gemm_dglu)")
     if d_dtype in FP8_DTYPES:
         ck.check_sf_alignment(m_aligned, f"an FP8 d_dtype ({d_dtype}: SFD_row, D_col, SFD_col)")
     if d_dtype in FP8_DTYPES and c_width % 16:

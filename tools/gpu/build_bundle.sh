@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CUTE_DSL_ARCH=sm_90a
 out=${1:-.bundle}
 sets="tests.gpu.wgrad_cases:bundle_items tests.gpu.dgrad_cases:bundle_items tests.gpu.public_ops_cases:bundle_items
-  tests.gpu.blockscaled_cases:bundle_items tests.gpu.discrete_cases:bundle_items
+  tests.gpu.blockscaled_cases:bundle_items tests.gpu.discrete_cases:bundle_items tests.gpu.fp4_out_cases:bundle_items
   tests.gpu.nn_grads_cases:bundle_items tests.gpu.padfree_cases:bundle_items tools.gpu.sanitize_backward:bundle_items
   examples.moe_expert_parallel:bundle_items benchmarks.bench_moe_step:bundle_items benchmarks.bench_moe_ops:bundle_items
   benchmarks.bench_moe_layer:bundle_items

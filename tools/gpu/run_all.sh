@@ -5,8 +5,8 @@
 #   .runtime  python tools/fetch_runtime.py (libcute_dsl_runtime.so.xz)
 #   .peers    tokamax + deps for the step benchmark (optional; without it the benchmark reports tokamax unavailable)
 #   .out/kgpu tools/gpu/build_artifacts.py (optional: step b runs only where its manifest is present)
-# Use:  OUT=... bash tools/gpu/run_all.sh [tests blockscaled discrete kgpu sanitize ep bench bench_ep]   (default:
-# all, in this order)
+# Use:  OUT=... bash tools/gpu/run_all.sh [tests blockscaled discrete fp4out kgpu sanitize ep bench bench_ep]
+# (default: all, in this order)
 # Expected (H200, warm caches not assumed): tests ~4 min, kgpu ~2 min, sanitize ~2 min, ep ~1 min, bench ~5 min,
 # bench_ep ~2 min (estimate: not yet run on a GPU).
 export PYTHONUNBUFFERED=1
@@ -16,7 +16,7 @@ if compgen -G ".peers/wheels/*.whl" > /dev/null; then   # tokamax for the benchm
   export PYTHONPATH=/tmp/peers_site:$PWD/.peers/stub:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-steps=${*:-tests blockscaled discrete kgpu sanitize ep bench bench_ep}
+steps=${*:-tests blockscaled discrete fp4out kgpu sanitize ep bench bench_ep}
 nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 [ -f .bundle/manifest.json ] && echo "bundle: $(grep -c '"file"' .bundle/manifest.json) module(s)" || echo "NO .bundle"
@@ -58,6 +58,20 @@ for s in $steps; do
         echo "== discrete $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY| OK$|\[.*\]$|Error" \
           "$OUT/discrete_$tool.log" | cut -c1-300 | tail -6
       done ;;
+    fp4out)  # FP4 outputs: the Hadamard op and MXFP4 D vs the float64 oracle (pm1 / exact inputs bit-identical),
+      # memcheck + racecheck of a few runs, then the Hadamard op's cost over the plain GLU (fc1 / small)
+      timeout -s KILL ${FP4_TIMEOUT:-240} python3 -m pytest tests/gpu/test_fp4_out_gpu.py -q -rf -p no:cacheprovider \
+        --tb=line > "$OUT/fp4out.log" 2>&1
+      echo "== fp4out rc=$?"; summary "$OUT/fp4out.log"
+      for tool in memcheck racecheck; do
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool \
+          --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tools/gpu/sanitize_fp4_out.py \
+          > "$OUT/fp4_$tool.log" 2>&1
+        echo "== fp4 $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY| OK$|\[.*\]$|Error" "$OUT/fp4_$tool.log" | cut -c1-300 | tail -6
+      done
+      timeout -s KILL ${HAD_TIMEOUT:-180} python3 benchmarks/bench_grouped_gemm.py --hadamard nvfp4,bf16 \
+        --out "$OUT/hadamard" > "$OUT/hadamard.log" 2>&1
+      echo "== hadamard bench rc=$?"; grep -E "time / glu|\|" "$OUT/hadamard.log" | cut -c1-250 | tail -14 ;;
     kgpu)   # the kernel-level suites run jax.export artifacts (tools/gpu/build_artifacts.py)
       if [ -f .out/kgpu/manifest.json ]; then
         timeout -s KILL ${KGPU_TIMEOUT:-240} python3 -m pytest tests/gpu/test_grouped_gemm_gpu.py tests/gpu/test_mxfp8_gpu.py \
@@ -93,6 +107,6 @@ for s in $steps; do
       rc=$?; grep -q "no GPU kernel" "$OUT/bench_ep.log" && rc="$rc FALLBACK to the reference"
       echo "== bench_ep --devices $devs rc=$rc"; grep -E "^(backend|JAX timed|\|)|^WARNING|no GPU kernel|Error" \
         "$OUT/bench_ep.log" | cut -c1-300 | tail -12 ;;
-    *) echo "unknown step $s (tests kgpu sanitize ep bench bench_ep)" ;;
+    *) echo "unknown step $s (tests blockscaled fp4out kgpu sanitize ep bench bench_ep)" ;;
   esac
 done

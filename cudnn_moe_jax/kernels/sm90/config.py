@@ -9,10 +9,11 @@ import dataclasses
 from typing import Optional
 
 from cudnn_moe_jax import activations
-from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, MAX_GROUPS, OUT_DTYPES,
-                                  SF_GROUP_ALIGN, k_align)
+from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FORWARD_D_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES,
+                                  MAX_GROUPS, OUT_DTYPES, QUANT_D_DTYPES, SF_GROUP_ALIGN, k_align)
 
-SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
+SUPPORTED_OPS = ("quant", "srelu", "glu", "glu_hadamard_quant", "dglu", "dsrelu", "wgrad")
+FORWARD_ACTS = tuple(activations.TABLE)  # the forward activations (glu_hadamard_quant takes any)
 DGRAD_ACTS = {op: tuple(a.derivative for a in activations.TABLE.values() if a.backward_op == op)
               for op in ("dglu", "dsrelu")}
 GLU_ACTS = activations.GLU_NAMES
@@ -113,14 +114,18 @@ def supports(problem) -> Optional[str]:
         return _dgrad_support(problem)
     if problem.op == "wgrad":
         return _wgrad_support(problem)
-    if epi.rht or epi.has_hadamard:
-        return "RHT and Hadamard are not implemented on sm90 yet"
-    if epi.generate_sfd != (epi.d_dtype in FP8_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
-        return "FP8 D comes with SFD_row/D_col/SFD_col (generate_sfd) and only then discrete_col_sfd"
-    if epi.d_dtype not in OUT_DTYPES:
-        return f"d_dtype {epi.d_dtype!r} not in {OUT_DTYPES}"
-    if epi.generate_sfd and problem.n_out % 16:
-        return "FP8 D needs N_out % 16 == 0 (16-byte rows)"
+    if problem.op == "glu_hadamard_quant":
+        reason = _hadamard_outputs_reason(problem)
+        if reason is not None:
+            return reason
+    elif epi.rht or epi.has_hadamard:
+        return f"{problem.op} has no Hadamard output"
+    elif epi.generate_sfd != (epi.d_dtype in QUANT_D_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
+        return "FP8 / FP4 D comes with SFD_row/D_col/SFD_col (generate_sfd) and only then discrete_col_sfd"
+    elif epi.d_dtype not in FORWARD_D_DTYPES:
+        return f"d_dtype {epi.d_dtype!r} not in {FORWARD_D_DTYPES}"
+    elif epi.generate_sfd and problem.n_out % (32 if epi.d_dtype == FP4 else 16):
+        return "FP8 / FP4 D needs N_out % 16 / 32 == 0 (16-byte rows)"
     if problem.op == "quant":
         if epi.act is not None:
             return "quant takes no activation"
@@ -129,11 +134,11 @@ def supports(problem) -> Optional[str]:
     elif problem.op == "srelu":
         if epi.act not in (None, "srelu"):
             return f"srelu op with act {epi.act!r}"
-    else:
+    elif problem.op == "glu":
         if epi.act not in GLU_ACTS:
             return f"glu act must be one of {GLU_ACTS}, got {epi.act!r}"
-        if problem.n % 64:
-            return "GLU needs N % 64 == 0"
+    if epi.is_glu and problem.n % 64:
+        return "GLU needs N % 64 == 0"
     if epi.c_dtype is not None and epi.c_dtype not in OUT_DTYPES:
         return f"c_dtype {epi.c_dtype!r} not in {OUT_DTYPES}"
     if epi.has_bias and epi.bias_dtype not in FLOAT_OUT_DTYPES:
@@ -143,6 +148,25 @@ def supports(problem) -> Optional[str]:
     if problem.k % 8 or problem.n % 8 or problem.n_out % 8:
         return "N, N_out and K must be multiples of 8 (16-byte TMA rows)"
     return _block_k_reason(problem)
+
+
+def _hadamard_outputs_reason(problem) -> Optional[str]:
+    """glu_hadamard_quant (hadamard.py): a forward activation of the table; C 16/32-bit; D bf16 or NVFP4; the
+    Hadamard output none, rowwise (bf16 / NVFP4) or colwise (NVFP4); NVFP4 outputs need N_out % 128 == 0."""
+    epi = problem.epilogue
+    if epi.act not in FORWARD_ACTS:
+        return f"glu_hadamard_quant act {epi.act!r} not in {FORWARD_ACTS}"
+    if epi.c_dtype not in FLOAT_OUT_DTYPES:
+        return f"glu_hadamard_quant c_dtype {epi.c_dtype!r} not in {FLOAT_OUT_DTYPES}"
+    if epi.d_dtype not in ("bfloat16", FP4) or epi.generate_sfd or epi.discrete_col_sfd:
+        return f"glu_hadamard_quant D is bf16 or NVFP4 (with sfd), not {epi.d_dtype!r}"
+    if epi.rht not in (None, "rowwise", "colwise") or (epi.rht is None and (epi.rht_dtype or epi.has_hadamard)):
+        return f"glu_hadamard_quant rht {epi.rht!r} with rht_dtype {epi.rht_dtype!r}"
+    if epi.rht is not None and epi.rht_dtype not in (("bfloat16", FP4) if epi.rht == "rowwise" else (FP4,)):
+        return f"glu_hadamard_quant {epi.rht} output dtype {epi.rht_dtype!r}"
+    if problem.n_out % (128 if FP4 in (epi.d_dtype, epi.rht_dtype) else 16):
+        return "glu_hadamard_quant needs N_out % 16 == 0 (N_out % 128 == 0 with an NVFP4 output)"
+    return None
 
 
 def _block_k_reason(problem) -> Optional[str]:
@@ -247,8 +271,10 @@ MXFP8_WGMMA = Config(tile_n=128, cluster_m=2, mx_n_parts=2, mxfp8_wgmma=True)
 
 
 def _block_scaled_pairs_groups(problem) -> bool:
-    """Block-scaled with ends not on 256-row blocks: a 2-CTA cluster along M would pair two groups (default_config)."""
-    return problem.block_scaled and problem.m_aligned % GROUP_ALIGN != 0
+    """Block-scaled inputs or FP4 D with ends not on 256-row blocks: a 2-CTA cluster along M would pair two groups
+    (tile lists), which their loads (SF atoms multicast with B) and stores (FP4 D / D_col boxes) do not follow; such
+    problems run 1-CTA clusters (default_config)."""
+    return (problem.block_scaled or problem.epilogue.d_dtype == FP4) and problem.m_aligned % GROUP_ALIGN != 0
 
 
 def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Config:

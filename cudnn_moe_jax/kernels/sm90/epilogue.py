@@ -131,6 +131,8 @@ class EpilogueDriver:
     def store_tile(self, out, ctx):
         """The global TMA tile of output subtile `out` (a `gemm.Store`): by M tile index, or (tile lists) from
         the tile's first row."""
+        if const_expr(out.transposed):   # never with tile lists (config.supports)
+            return out.bSG_g[(None, (out.col, ctx.m_tile))]
         if const_expr(not self.sched.by_tiles):
             return out.bSG_g[(None, (ctx.m_tile, out.col))]
         return self.tile_at_row(out.tma_atom, out.smem, out.mX, ctx.row0, out.col)

@@ -44,7 +44,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from cudnn_moe_jax.formats import rcp_limit
-from cudnn_moe_jax.limits import FP8_DTYPES
+from cudnn_moe_jax.limits import FP4, FP8_DTYPES
 from cudnn_moe_jax.operands import expert_descriptor_operands
 
 from .. import quantize as q8
@@ -53,6 +53,7 @@ from . import mainloop_dequant
 from . import mainloop_mxfp8 as mx
 from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
 from .epilogue import EpilogueDriver
+from .epilogue_fp4d import Fp4DOutput
 from .epilogue_fp8d import EPI_N, Fp8DOutput
 from .experts import BUILD_THREADS, DescriptorTable
 from .experts import templates as expert_templates
@@ -115,6 +116,10 @@ class KernelArgs(NamedTuple):
     mDout: Any           # clipped tiles (m_aligned < tile_m): D (D_row) as memory, for their row-clipped stores
     mCout: Any           # the same of the forward's C
     mExpertDescriptors: Any  # discrete weights: the per-expert TMA descriptor table (experts.py)
+    mRht: Any            # glu_hadamard_quant: the Hadamard output, its scales, their encode scale, a user matrix
+    mSfrht: Any
+    mRhtNormConst: Any
+    mHadamard: Any
 
 
 class CtaSetup(NamedTuple):
@@ -134,7 +139,8 @@ class CtaSetup(NamedTuple):
 
 
 class Fp8Setup(NamedTuple):
-    """FP8 D outputs (epilogue_fp8d): D_col store partition, column-maxima table, SF outputs."""
+    """FP8 / FP4 D outputs (epilogue_fp8d, epilogue_fp4d): D_col store partition, column-maxima table, SF outputs
+    (the Hadamard op's NVFP4 D: its `sfd` as mSfdRow, no D_col)."""
 
     tma_atom_dcol: Any
     bSG_gDcol: Any
@@ -146,6 +152,7 @@ class Fp8Setup(NamedTuple):
     norm_const: Any
     sEnds: Any
     m_rows: Any
+    bSG_sDcol: Any = None  # FP4 D_col's own smem partition (FP8 D_col shares D's)
 
 
 class EpilogueSetup(NamedTuple):
@@ -204,9 +211,10 @@ class Store(NamedTuple):
     mX: Any
     out: Any
     col: Any
+    transposed: bool = False   # a transposed output (FP4 D_col, (N_out, m / 2)): TMA tile (col, row tile)
 
 
-class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
+class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
     """The body every op kind shares: host-side layout choices, the launcher, the kernel and its warp roles."""
 
     # epilogue buffers tried per store (the most A/B stages win, then the most buffers)
@@ -237,14 +245,20 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         self.d_dtype = DTYPES[epi.d_dtype]
         self.c_dtype = DTYPES[epi.c_dtype] if self.recipe.has_c else None
         self.bias_dtype = DTYPES[epi.bias_dtype] if epi.has_bias else None
-        # FP8 D: SFD row/col outputs
+        # FP8 / FP4 D: SFD row/col outputs
         self.quant_d = epi.generate_sfd
         self.discrete_col_sfd = epi.discrete_col_sfd
-        self.rcp_limit = rcp_limit(epi.d_dtype) if self.quant_d else None  # float32(1 / q_max) of FP8 D
+        self.rcp_limit = rcp_limit(epi.d_dtype) if self.quant_d else None  # float32(1 / q_max) of FP8 / FP4 D
+        # FP4 D (epilogue_fp4d): packed two a byte; MXFP4 (vec 32, with D_col) or the Hadamard op's NVFP4 (vec 16)
+        self.fp4_d = epi.d_dtype == FP4
+        self.fp4_vec = 32 if self.quant_d else 16
         # epilogue steps per tile: one 32-column block of D each (d_per_step subtiles), from c_per_step accumulator
         # subtiles
         self.epi_steps = self.tile_n // EPI_N // self.c_per_step
         self.epi_tile = (self.tile_m, EPI_N)
+        self.d_tile = (self.tile_m, EPI_N // 2) if self.fp4_d else self.epi_tile  # D's TMA box (FP4: packed)
+        # D's register fragment (FP4: codes are made in the 8-bit fragment layout, then packed)
+        self.d_frag_dtype = cutlass.Float8E4M3FN if self.fp4_d else self.d_dtype
         self.mainloop_class = self.mainloop_class_for(problem)
         self.tile_k = self.mainloop_class.TILE_K
         self.sched = self.make_scheduler(problem)
@@ -329,7 +343,9 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
             self.ab_dtype, self.tile_m, self.tile_n)
 
     def _d_bytes(self) -> int:
-        """Bytes per element of D's smem buffers (FP8 D: D and D_col)."""
+        """Bytes per element of D's smem buffers (FP8 D: D and D_col; FP4: half a byte each, rounded up)."""
+        if self.fp4_d:
+            return 1
         return self.d_dtype.width // 8 * (2 if self.quant_d else 1)
 
     def _choose_stages(self, cfg: Config):
@@ -389,16 +405,21 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb = self.mainloop.scale_tmas(t, self.cluster_m, self.cluster_n)
         # buffers [0, epi_stages * d_per_step) hold D (D_row), FP8 D: as many after them D_col (one partition
         # serves both)
-        d_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
-                                                   self.epi_stages * self.d_per_step * (2 if self.quant_d else 1))
-        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(d_layout, (None, None, 0)), self.epi_tile
-        )
         tma_atom_dcol = tma_dcol = mSfdRow = mSfdCol = None
-        if const_expr(self.quant_d):
-            tma_atom_dcol, tma_dcol = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), t["d_col"], cute.slice_(d_layout, (None, None, 0)), self.epi_tile
+        if const_expr(self.fp4_d):
+            d_layout, tma_atom_d, tma_d, tma_atom_dcol, tma_dcol = self.fp4_d_tmas(d, t["d_col"])
+        else:
+            d_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
+                                                       self.epi_stages * self.d_per_step * (2 if self.quant_d else 1))
+            tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(d_layout, (None, None, 0)), self.epi_tile
             )
+        if const_expr(self.quant_d):
+            if const_expr(not self.fp4_d):
+                tma_atom_dcol, tma_dcol = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), t["d_col"], cute.slice_(d_layout, (None, None, 0)),
+                    self.epi_tile
+                )
             mSfdRow = cute.make_tensor(t["sfd_row"].iterator, cute.make_layout(cute.size(t["sfd_row"])))
             mSfdCol = cute.make_tensor(t["sfd_col"].iterator, cute.make_layout(cute.size(t["sfd_col"])))
         args = dict.fromkeys(KernelArgs._fields)
@@ -725,29 +746,35 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         stmatrix source layout of the accumulator), FP8 D's, then the op kind's (`op_epilogue_setup`)."""
         storage = cta.storage
         d_layout = args.d_layout
-        sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
+        if const_expr(self.fp4_d):
+            sD = storage.sD.get_tensor(d_layout)        # plain packed tiles (epilogue_fp4d)
+        else:
+            sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
         sProb = storage.prob.get_tensor(cute.make_layout(self.tile_m))
         sScalars = storage.scalars.get_tensor(cute.make_layout(4))
         sBias = storage.bias.get_tensor(cute.make_layout(self.tile_n))
         copy_atom_layout = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
         tiled_copy_acc = cute.make_tiled_copy_C_atom(copy_atom_layout, args.tiled_mma)
+        # FP4 D: the codes are made in the 8-bit fragment layout (kernels/quantize.py), then packed (epilogue_fp4d)
         r2s_d = cute.make_tiled_copy_S(
-            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.d_dtype, Float32), tiled_copy_acc
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.d_frag_dtype, Float32), tiled_copy_acc
         )
         thr_r2s_d = r2s_d.get_slice(ctid)
-        tRS_sD = thr_r2s_d.partition_D(sD)
+        tRS_sD = None
+        if const_expr(not self.fp4_d):
+            tRS_sD = thr_r2s_d.partition_D(sD)
         tRS_rAcc = r2s_d.retile(acc)
         tRS_cD = thr_r2s_d.partition_S(cute.make_identity_tensor(self.epi_tile))  # (row, col) in a subtile
         frag_shape = tRS_cD.shape
         tRS_rD = cute.make_rmem_tensor(frag_shape, self.d_dtype)
         bSG_sD, bSG_gD = cpasync.tma_partition(
             args.tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.zipped_divide(args.mD,
-                                                                                                   self.epi_tile)
+                                                                                                   self.d_tile)
         )
         epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=256)
         is_store_warp = warp_idx == 4
         fp8 = None
-        if const_expr(self.quant_d):
+        if const_expr(self.quant_d and not self.fp4_d):
             # D_col store partition (same smem layout as D), the column-maxima table, norm_const
             q8.check_fragment_layout(tRS_cD)
             tRS_rDcol = cute.make_rmem_tensor(frag_shape, self.d_dtype)
@@ -758,6 +785,14 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
             sColMax = storage.col_max.get_tensor(cute.make_layout(self.col_max_shape()))
             fp8 = Fp8Setup(args.tma_atom_dcol, bSG_gDcol, args.mDcol, tRS_rDcol, sColMax, args.mSfdRow,
                            args.mSfdCol, args.mNormConst[0], cta.sEnds, cta.m_rows)
+        if const_expr(self.fp4_d):
+            q8.check_fragment_layout(tRS_cD)
+            bSG_sDcol = bSG_gDcol = sColMax = None
+            if const_expr(self.quant_d):
+                bSG_sDcol, bSG_gDcol = self.fp4_dcol_partition(sD, args.tma_atom_dcol, args.mDcol)
+                sColMax = storage.col_max.get_tensor(cute.make_layout(self.col_max_shape()))
+            fp8 = Fp8Setup(args.tma_atom_dcol, bSG_gDcol, args.mDcol, None, sColMax, args.mSfdRow, args.mSfdCol,
+                           args.mNormConst[0], cta.sEnds, cta.m_rows, bSG_sDcol)
         op = self.op_epilogue_setup(args, cta, tiled_copy_acc, ctid)
         return EpilogueSetup(ctid, acc, tRS_rAcc, tRS_cD, cute.size(frag_shape), r2s_d, tRS_rD, tRS_sD, bSG_sD,
                              bSG_gD, args.tma_atom_d, args.mD, args.mDout, sD, sProb, sBias, sScalars,
