@@ -44,8 +44,11 @@ E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
 SWIGLU_BF16D = Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True)
 SWIGLU_FP8D = Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True)
 WGMMA = MXFP8_WGMMA  # the opt-in FP8-wgmma MXFP8 mainloop (its measured schedule)
-MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default: exact dequantization to bf16)
+MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default: exact dequantization to bf16
+    #                 [, lab kernel variant: lab/bench_kernels.py KERNEL_CLASSES])
     "fc1_bf16d": ("fc1", SWIGLU_BF16D, None),
+    # before the cluster-split B conversion: both CTAs of the 2x1 cluster convert the whole multicast B stage
+    "fc1_bf16d_unsplit": ("fc1", SWIGLU_BF16D, None, "unsplit"),
     "fc1_bf16d_wgmma": ("fc1", SWIGLU_BF16D, WGMMA),
     # the converter split: A converted by the stage workers into a bf16 stage too (SS wgmma; fewer stages)
     "fc1_bf16d_aworkers": ("fc1", SWIGLU_BF16D, Config(dequant_a="workers")),
@@ -161,16 +164,19 @@ def _name(p: GroupedGemmProblem) -> str:
 
 def mxfp8_bench_problem(name: str) -> GroupedGemmProblem:
     """The problem of MXFP8_BENCH[name] (e4m3 + e8m0 per 32 on its bench shape)."""
-    shape_name, epi, _ = MXFP8_BENCH[name]
+    shape_name, epi = MXFP8_BENCH[name][:2]
     m, n, k, L = SHAPES[shape_name]
     return GroupedGemmProblem(op=FUSION[shape_name][0], m=m, n=n, k=k, num_groups=L, ab_dtype=E4M3, sf_dtype=E8M0,
                               sf_vec_size=32, epilogue=epi)
 
 
-def manifest_entry(problem, config, symbolic_m: bool) -> dict:
-    return {"problem": dataclasses.asdict(problem),
-            "config": dataclasses.asdict(config if config is not None else default_config(problem)),
-            "symbolic_m": symbolic_m}
+def manifest_entry(problem, config, symbolic_m: bool, variant: str | None = None) -> dict:
+    entry = {"problem": dataclasses.asdict(problem),
+             "config": dataclasses.asdict(config if config is not None else default_config(problem)),
+             "symbolic_m": symbolic_m}
+    if variant is not None:
+        entry["lab_variant"] = variant   # lab/bench_kernels.py KERNEL_CLASSES
+    return entry
 
 
 def export(problem, config, symbolic_m: bool, kernel_class=None):
@@ -222,19 +228,25 @@ def main(argv=None) -> int:
         for name, p, cfg in mxfp8_cases():
             todo.append(("mxfp8", name, p, cfg, True))
     if args.only in (None, "mxfp8_bench"):
-        for name, (_, _, cfg) in MXFP8_BENCH.items():
-            todo.append(("mxfp8_bench", f"mxbench_{name}", mxfp8_bench_problem(name), cfg, False))
+        for name, (_, _, cfg, *variant) in MXFP8_BENCH.items():
+            todo.append(("mxfp8_bench", f"mxbench_{name}", mxfp8_bench_problem(name), cfg, False, *variant))
     failed = 0
-    for kind, name, p, cfg, sym in todo:
+    for kind, name, p, cfg, sym, *variant in todo:
         t0 = time.perf_counter()
+        variant = variant[0] if variant else None
         try:
-            exp = export(p, cfg, sym)
+            kernel_class = None
+            if variant is not None:
+                from lab.bench_kernels import KERNEL_CLASSES
+
+                kernel_class = KERNEL_CLASSES[variant](p)
+            exp = export(p, cfg, sym, kernel_class)
         except Exception as e:  # noqa: BLE001
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:500]}", flush=True)
             failed += 1
             continue
         (out / f"{name}.jaxexp").write_bytes(exp.serialize())
-        man[kind][name] = manifest_entry(p, cfg, sym)
+        man[kind][name] = manifest_entry(p, cfg, sym, variant)
         print(f"ok   {name:<44} {time.perf_counter() - t0:5.1f} s", flush=True)
     man_path.write_text(json.dumps(man, indent=1, sort_keys=True))
     print(f"{len(todo) - failed}/{len(todo)} artifacts in {out}")

@@ -689,10 +689,10 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
 
     @cute.jit
     def stage_worker(self, cta: CtaSetup, worker: cutlass.Constexpr):
-        """A stage worker of the mainloop (MXFP8: a scale decoder; wgrad: the token masker): for every stage the
-        producer loads (same schedule), once its TMA landed, `mainloop.process_stage` reworks it in shared memory;
-        then the generic-proxy stores are fenced against the wgmma's async-proxy reads and all 32 lanes arrive on
-        the stage's worker barrier."""
+        """A stage worker of the mainloop (MXFP8: a scale decoder; wgrad: the token masker; the dequantizing
+        converters): for every stage the producer loads (same schedule), once its TMA landed,
+        `mainloop.process_stage` reworks it in shared memory; then `mainloop.publish_stage` fences the
+        generic-proxy stores against the wgmma's async-proxy reads and arrives on the stage's worker barrier(s)."""
         lane = cute.arch.lane_idx()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         rank_m, rank_n = self._cluster_coord()
@@ -704,8 +704,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
             for k in cutlass.range(k_count, unroll=1):
                 cta.ab_pipeline.consumer_wait(state)
                 self.mainloop.process_stage(worker, cta.ml_smem, cta.sA, state.index, k, k_count, tile, lane)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(cta.stage_mbar + state.index)
+                self.mainloop.publish_stage(worker, cta.ml_smem, cta.stage_mbar, state.index, lane)
                 state.advance()
             t += work.stride
 

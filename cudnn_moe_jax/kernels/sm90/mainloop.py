@@ -84,6 +84,10 @@ class WgmmaMainloop:
       `scale_tmas()`, `partition_scale_loads()`   TMA atoms / partitions of scale factors (none here);
       `STAGE_WORKERS`, `process_stage()`          warps of the producer warpgroup that rework each loaded stage
                                                   in shared memory before the consumers read it (none here);
+      `publish_stage()`                           what a stage worker does once its stores are made (fence them
+                                                  for the wgmma's async proxy, arrive on the stage's worker barrier;
+                                                  the dequantizing mainloop's cluster-split B also copies its half of
+                                                  B to the other CTA of the cluster);
       `REGISTER_TIGHT`                            the k-loop keeps nearly every consumer register live;
       `PRODUCER_ARRIVALS`                         arrivals on a stage's full barrier besides the TMA bytes (the
                                                   producer warp's own copies, e.g. cp.async of scale words);
@@ -193,6 +197,13 @@ class WgmmaMainloop:
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
+
+    @cute.jit
+    def publish_stage(self, worker: cutlass.Constexpr, smem, stage_mbar, idx: Int32, lane: Int32):
+        """Stage worker `worker`'s lanes after their stores into stage idx (`smem`: the mainloop's views): fence the
+        generic-proxy stores against the wgmma's async-proxy reads, arrive on the stage's worker barrier."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.mbarrier_arrive(stage_mbar + idx)
 
     @cute.jit
     def wait_stage(self, ab_pipeline, state, stage_mbar, k):

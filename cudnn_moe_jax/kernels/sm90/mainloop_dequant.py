@@ -19,6 +19,39 @@ consumer thread that converts A in registers reads one group per row.
 
 Valid data only: K past K is zero-filled by the TMA and its scale forced to 0.0; B rows past N likewise (their
 SF bytes may be padding or the next expert's), so a NaN padding byte cannot reach a stored output or amax.
+
+Cluster-split B (`split_b`, wherever B is multicast: a 2-CTA cluster along M). Both CTAs of the cluster receive the
+same narrow B stage (and its SFB atoms), so each converts only its half: the workers of the CTA with rank_m = r
+convert B rows [r * tile_n / 2, (r + 1) * tile_n / 2) into their own bf16 stage (the same conversion and stores),
+then copy each finished 8-row group (1 KiB, contiguous in the bf16 stage) to the same place in the other CTA's
+bf16 stage with a shared::cta -> shared::cluster bulk copy (`cp.async.bulk ... mbarrier::complete_tx::bytes`, the
+async proxy, as the multicast TMA writes B) that signals its bytes on the other CTA's worker barrier of the stage.
+Each CTA's worker barrier thus completes when its own workers' lanes arrived (as without the split) and the other
+CTA's 16 KiB (tile_n / 2 rows x 128 B) landed: warp 1's first lane adds them with `mbarrier.expect_tx` before it
+arrives. The consumers wait on it as before. Why it is safe (the persistent schedule is the same on both CTAs:
+same tiles, same k_count, same stage sequence):
+  * no write-after-read race: CTA r's workers copy into stage s of use i only after their own full barrier for
+    use i completed, i.e. after CTA r's producer acquired stage s for use i. That acquire waits on CTA r's empty
+    barrier, which counts the releases of the consumer warps of *both* CTAs (gemm.py: consumer_group =
+    (cluster_m + cluster_n - 1) * 8 warps; PipelineTmaAsync.consumer_release arrives on every CTA that multicasts
+    into the stage), and a consumer releases stage s of use i - 1 only after `wait_group` retired the wgmmas that
+    read it (mma_tile_rs). So the other CTA's consumers are done with use i - 1 before the copies of use i start:
+    the argument that already lets the other CTA's producer multicast its half of the narrow B into stage s. The
+    two CTAs write disjoint rows of each other's stage;
+  * the copy's source: this CTA's bf16 stage s is rewritten (use i + 1) only after both CTAs' consumers released
+    use i, i.e. after the other CTA's worker barrier of use i completed, i.e. after this copy's complete_tx;
+  * no early or lost phase: the other CTA's complete_tx of use i can land before this CTA's expect_tx of use i
+    (tx-count goes negative, as with the multicast TMA of the other producer), never before phase i - 1 completed
+    (the copy of use i waits for releases of use i - 1, which follow the wait on phase i - 1), and phase i cannot
+    complete without warp 1's expect_tx (it precedes that lane's arrival);
+  * complete data: the lanes' generic-proxy stores -> fence.proxy.async.shared::cta (each lane) -> bar.warp.sync
+    -> the bulk copy (async proxy) reads them; its writes complete_tx the other CTA's barrier, which the consumers
+    wait on before their wgmmas (async proxy) read them, as for TMA data;
+  * lifetime: a CTA exits after its producer's `producer_tail`, which waits until both CTAs' consumers released
+    every stage, i.e. until every copy out of (and into) its shared memory completed.
+Tile lists (`sched.by_tiles`) never run block-scaled problems with 2-CTA clusters (the kernel refuses them; their
+blocks may load two experts' B unicast) and 1x1 clusters have no peer: the split is off there (`splits_b`).
+Discrete weights multicast B through the expert's descriptor like stacked weights: the split applies.
 """
 
 from __future__ import annotations
@@ -30,6 +63,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_KBLOCKS, SF_ATOM_ROWS, sf_atom_byte
@@ -114,7 +148,10 @@ class DequantMainloop(WgmmaMainloop):
     FORMAT: DequantFormat = None
     A_IN_REGISTERS = True
 
-    def __init__(self, tile_m: int, tile_n: int, stages: int, k: int, n: int, cluster_m: int, cluster_n: int):
+    split_b = False   # cluster-split B conversion (module docstring); the K-grouped subclass never splits
+
+    def __init__(self, tile_m: int, tile_n: int, stages: int, k: int, n: int, cluster_m: int, cluster_n: int,
+                 split_b: bool = False):
         super().__init__(BFloat16, tile_m, tile_n, stages)   # the bf16 wgmma and its swizzled stage layouts
         fmt = self.FORMAT
         self.k, self.n = k, n
@@ -122,10 +159,18 @@ class DequantMainloop(WgmmaMainloop):
         self.stages_per_atom = SF_ATOM_KBLOCKS * fmt.vec // TILE_K
         self.sfb_row_blocks = -(-n // SF_ATOM_ROWS)
         self.cluster_m, self.cluster_n = cluster_m, cluster_n
+        self.split_b = split_b and cluster_m == 2
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
-        return cls(config.tile_m, config.tile_n, stages, problem.k, problem.n, config.cluster_m, config.cluster_n)
+        return cls(config.tile_m, config.tile_n, stages, problem.k, problem.n, config.cluster_m, config.cluster_n,
+                   cls.splits_b(problem, config))
+
+    @staticmethod
+    def splits_b(problem, config) -> bool:
+        """The cluster-split B conversion runs wherever B is multicast to both CTAs of a 2-CTA cluster along M: M
+        blocks of 2 tiles (m_aligned a multiple of them; tile lists pair tiles of two experts and load B unicast)."""
+        return config.cluster_m == 2 and problem.m_aligned % (config.cluster_m * config.tile_m) == 0
 
     # ------------------------------------------------------------------------------------------ sizes
     @classmethod
@@ -272,20 +317,64 @@ class DequantMainloop(WgmmaMainloop):
     # ------------------------------------------------------------------------------------------ workers
     def _units(self):
         """Static list of (operand, first row) passes of one stage: A's rows (unless A is converted in the
-        consumers' registers), then B's."""
+        consumers' registers), then B's (split B: the first half's; a CTA adds its half's first row)."""
         a = [] if self.A_IN_REGISTERS else [(0, r) for r in range(0, self.tile_m, ROWS_PER_PASS)]
-        return a + [(1, r) for r in range(0, self.tile_n, ROWS_PER_PASS)]
+        b_rows = self.tile_n // 2 if self.split_b else self.tile_n
+        return a + [(1, r) for r in range(0, b_rows, ROWS_PER_PASS)]
 
     @cute.jit
     def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
                       lane: Int32):
         """Worker `worker` converts its passes (every third) of stage `idx` (tile-local k-tile k) into the bf16
-        stage; tile_ctx: the schedule's tile (`scheduler.Tile`: B rows past N are masked)."""
+        stage; tile_ctx: the schedule's tile (`scheduler.Tile`: B rows past N are masked). Split B: this CTA's
+        half of B's rows (`publish_stage` copies them to the other CTA)."""
         slot = worker[0] - 1
         units = self._units()
+        b0 = Int32(0)
+        if const_expr(self.split_b):
+            b0 = self.b_half() * (self.tile_n // 2)
         for u in cutlass.range_constexpr(slot, len(units), len(WORKERS)):
             operand, r0 = units[u]
-            self.convert_row_group(smem, operand, r0 + (lane >> 2), lane & 3, idx, k, tile_ctx.n_tile)
+            if const_expr(operand == 1):
+                self.convert_row_group(smem, 1, b0 + r0 + (lane >> 2), lane & 3, idx, k, tile_ctx.n_tile)
+            else:
+                self.convert_row_group(smem, operand, r0 + (lane >> 2), lane & 3, idx, k, tile_ctx.n_tile)
+
+    @staticmethod
+    @cute.jit
+    def b_half() -> Int32:
+        """Split B: this CTA's half of B's rows, its rank_m (rank % cluster_m, cluster_m == 2)."""
+        return cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) & 1
+
+    def b_passes(self, worker) -> list:
+        """Split B: the first rows (in this CTA's half) of `worker`'s B passes, in order."""
+        slot = worker[0] - 1
+        units = self._units()
+        return [units[u][1] for u in range(slot, len(units), len(WORKERS)) if units[u][0] == 1]
+
+    @cute.jit
+    def publish_stage(self, worker: cutlass.Constexpr, smem, stage_mbar, idx: Int32, lane: Int32):
+        """Split B: after the fence, the warp synced, lane j copies the warp's j-th B pass (8 rows, 1 KiB of the
+        bf16 stage) to the same place in the other CTA, completing bytes on its worker barrier of stage idx; warp
+        1's first lane expects the other CTA's bytes on this CTA's; then every lane arrives (module docstring)."""
+        if const_expr(not self.split_b):
+            WgmmaMainloop.publish_stage(self, worker, smem, stage_mbar, idx, lane)
+        else:
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            passes = self.b_passes(worker)
+            if lane < len(passes):
+                # the warp's passes step by len(WORKERS) * ROWS_PER_PASS rows (B units are consecutive)
+                half = self.b_half()
+                peer = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) ^ 1
+                row = half * (self.tile_n // 2) + passes[0] + lane * (len(WORKERS) * ROWS_PER_PASS)
+                src = smem[6].iterator.toint() + (idx * self.tile_n + row) * (2 * TILE_K)
+                bulk_copy_to_cluster(mapa_shared(src, peer), src, ROWS_PER_PASS * 2 * TILE_K,
+                                     mapa_shared((stage_mbar + idx).toint(), peer))
+            if const_expr(worker[0] == WORKERS[0][0]):
+                if lane == 0:
+                    cute.arch.mbarrier_expect_tx(stage_mbar + idx, self.tile_n // 2 * 2 * TILE_K)
+            cute.arch.mbarrier_arrive(stage_mbar + idx)
 
     @cute.jit
     def convert_group(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32, k: Int32,
@@ -453,6 +542,27 @@ class DequantMainloop(WgmmaMainloop):
         self.wait_stage(ab_pipeline, read_state, stage_mbar, k)
         self._convert_a(frag, a_thread, read_state.index, k)
         self._issue(tiled_mma, acc, frag, tCrB, read_state.index)
+
+
+# ------------------------------------------------------------------------------------------------ cluster PTX
+
+
+@cute.jit
+def mapa_shared(addr: Int32, rank: Int32) -> Int32:
+    """The shared::cluster address of shared::cta address `addr` in CTA `rank` of the cluster."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(addr).ir_value(), Int32(rank).ir_value()],
+                                 "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def bulk_copy_to_cluster(dst: Int32, src: Int32, size: cutlass.Constexpr, mbar: Int32):
+    """Bulk copy of `size` bytes from shared::cta address `src` to shared::cluster address `dst` (another CTA's
+    shared memory), completing `size` transaction bytes on the mbarrier at shared::cluster address `mbar` (async
+    proxy: the source's generic-proxy stores must be fenced before)."""
+    llvm.inline_asm(None, [Int32(dst).ir_value(), Int32(src).ir_value(), Int32(mbar).ir_value()],
+                    f"cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [$0], [$1], {size}, [$2];",
+                    "r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def advanced_if(state, cond):

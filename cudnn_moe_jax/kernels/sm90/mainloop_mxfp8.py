@@ -58,7 +58,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS  # one SF atom: 128 rows x 4 k-blocks
 
-from .mainloop import copy_ab_stage
+from .mainloop import WgmmaMainloop, copy_ab_stage
 
 TILE_K = 128  # fp8: 128 B per row = one SW128 atom = 4 scale blocks
 SF_VEC = 32
@@ -159,6 +159,7 @@ class Mxfp8Mainloop:
     # the decoder warps (stage workers): a stage's bf16 scale operands are ready once all their lanes arrived
     STAGE_WORKERS = DECODER_WARPS
     REGISTER_TIGHT = True  # acc + the data and scale-product partials: 192 of the consumers' 232 registers
+    publish_stage = WgmmaMainloop.publish_stage   # fence the decoded scales, arrive
 
     def smem_fields(self):
         """Raw SF atoms of each stage, then the bf16 scale operands A' / B'."""

@@ -1,0 +1,130 @@
+"""CPU checks of the dequantizing mainloop's cluster-split B conversion (kernels/sm90/mainloop_dequant.py, module
+docstring): where B is multicast to a 2-CTA cluster along M, each CTA's stage workers convert half of B's rows and
+bulk-copy them into the other CTA's bf16 stage (`cp.async.bulk.shared::cluster.shared::cta ... complete_tx`, SASS
+`UBLKCP.S.S`), warp 1 expects the other CTA's bytes on the stage's worker barrier (an arrive-less tx expect, SASS
+`SYNCS.ARRIVE.TRANS64.RED.A0TR`); no GPU-scope fence appears (no `MEMBAR.ALL.GPU`: the copy is async-proxy and
+signals the barrier itself; discrete weights have the descriptors' own), no local memory, the HGMMAs stay unserialized. Off (no bulk copy) where B is not
+multicast (1x1 clusters) and in the K-grouped wgrad mainloop. ~10 s a module on 2 cores; skipped without the CuTe
+DSL compiler."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+from cudnn_moe_jax.kernels.sm90 import config as sm90_config
+
+E8M0 = "float8_e8m0fnu"
+FORMATS = {"mxfp8": ("float8_e4m3fn", E8M0, 32), "nvfp4": ("float4_e2m1fn", "float8_e4m3fn", 16)}
+SWIGLU = Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True)
+
+
+def _problem(fmt: str, **kw) -> GroupedGemmProblem:
+    data, sf, vec = FORMATS[fmt]
+    return GroupedGemmProblem(op=kw.pop("op", "glu"), m=2048, n=512, k=256, num_groups=4, ab_dtype=data,
+                              sf_dtype=sf, sf_vec_size=vec, epilogue=kw.pop("epilogue", SWIGLU), **kw)
+
+
+def _sass(problem, config=None) -> str:
+    from lab import sass as lab_sass
+
+    try:
+        return lab_sass.sass_of(lab_sass.compile_module(problem, config))
+    except lab_sass.CompilerUnavailable as e:
+        pytest.skip(str(e))
+
+
+def _kernel(problem, config=None):
+    pytest.importorskip("cutlass")
+    from lab.sass import CompilerUnavailable, cutlass_sm90
+
+    try:
+        cutlass_sm90()
+    except CompilerUnavailable as e:
+        pytest.skip(str(e))
+    from cudnn_moe_jax.kernels.sm90.kernel import GroupedGemmSm90
+
+    return GroupedGemmSm90(problem, config)
+
+
+def test_split_rule():
+    """On with the default 2x1 cluster (B multicast), off with 1x1 / 1x2 clusters, in the block-scaled wgrad and
+    where tile lists would pair two experts' tiles (m_aligned below the 256-row block)."""
+    from cudnn_moe_jax.kernels.sm90.mainloop_dequant import DequantMainloop
+
+    p = _problem("mxfp8")
+    assert DequantMainloop.splits_b(p, sm90_config.default_config(p))
+    assert not DequantMainloop.splits_b(p, sm90_config.Config(cluster_m=1))
+    assert not DequantMainloop.splits_b(p, sm90_config.Config(cluster_m=1, cluster_n=2))
+    assert DequantMainloop.splits_b(p, sm90_config.Config(cluster_m=2, cluster_n=2))
+    assert not DequantMainloop.splits_b(dataclasses.replace(p, m_aligned=128), sm90_config.Config())
+    assert _kernel(p).mainloop.split_b
+    assert _kernel(dataclasses.replace(p, discrete_weights=True)).mainloop.split_b
+    wgrad = GroupedGemmProblem(op="wgrad", m=512, n=320, k=2048, num_groups=5, ab_dtype="float8_e4m3fn",
+                               sf_dtype=E8M0, sf_vec_size=32, wgrad_dtype="bfloat16")
+    assert not _kernel(wgrad, sm90_config.Config(cluster_m=2)).mainloop.split_b
+
+
+def _check_split(sass: str, split: bool, gpu_fences: bool = False) -> None:
+    """gpu_fences: the kernel has GPU-scope fences of its own (discrete weights: the expert descriptors' tensormap
+    fences)."""
+    assert "HGMMA" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills in the kernel"
+    hgmma = re.findall(r"HGMMA\.\S+ [^;]*;", sass)
+    assert sum("gsb0" in h for h in hgmma) < len(hgmma), "wgmma serialized: every HGMMA ends a group"
+    copies = re.findall(r"UBLKCP\.S\.S\b", sass)
+    expects = re.findall(r"SYNCS\.ARRIVE\.TRANS64\.RED\.A0TR\b", sass)
+    if split:
+        # one bulk-copy site per stage worker (lanes issue their passes' copies in one waterfall loop) and one
+        # tx expect (warp 1) on the worker barrier
+        assert len(copies) == 3, f"expected one shared::cluster bulk copy per stage worker, got {len(copies)}"
+        assert len(expects) == 1, f"expected one arrive-less tx expect (warp 1), got {len(expects)}"
+        assert gpu_fences or "MEMBAR.ALL.GPU" not in sass, "a GPU-scope fence in the split kernel"
+    else:
+        assert not copies and not expects
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "mxfp8_weight_only", "nvfp4_discrete", "dswiglu_nvfp4"])
+def test_split_kernel_copies_half_of_b_to_the_other_cta(name):
+    fmt = name.split("_")[-1] if name.startswith("d") else name.split("_")[0]
+    kw = {"mxfp8_weight_only": dict(a_dtype="bfloat16"), "nvfp4_discrete": dict(discrete_weights=True),
+          "dswiglu_nvfp4": dict(op="dglu", epilogue=Epilogue(act="dswiglu", c_dtype="bfloat16", d_dtype="bfloat16",
+                                                            compute_amax=True, dbias_dtype="float32"))}.get(name, {})
+    problem = _problem(fmt, **kw)
+    assert sm90_config.supports(problem) is None
+    _check_split(_sass(problem), True, gpu_fences=problem.discrete_weights)
+
+
+def test_no_split_without_multicast():
+    _check_split(_sass(_problem("mxfp8"), sm90_config.Config(cluster_m=1)), False)
+
+
+def test_lab_unsplit_variant_compiles_without_the_split():
+    """lab/bench_kernels.py: the before-the-split kernel the MXFP8 benchmark times beside the default
+    (tools/gpu/build_artifacts.py MXFP8_BENCH `fc1_bf16d_unsplit`), compiled under its own cache key."""
+    from lab.bench_kernels import unsplit_kernel_class
+    from lab.sass import CompilerUnavailable, cutlass_sm90, sass_of
+
+    try:
+        cutlass_sm90()
+    except CompilerUnavailable as e:
+        pytest.skip(str(e))
+    import jax
+    import cutlass
+    from cutlass.jax.compile import _CUTLASS_COMPILE_CACHE
+
+    from cudnn_moe_jax.kernels.sm90 import variants
+    from cudnn_moe_jax.kernels.sm90.jax_bridge import call_of
+
+    problem = _problem("mxfp8")
+    kernel = unsplit_kernel_class(problem)(problem, None)
+    assert not kernel.mainloop.split_b and kernel.cache_key != _kernel(problem).cache_key
+    before = set(_CUTLASS_COMPILE_CACHE)
+    avals = list(variants.input_avals(problem).values())
+    jax.export.export(jax.jit(call_of(kernel)), platforms=["cuda"],
+                      disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*avals)
+    (new,) = [k for k in _CUTLASS_COMPILE_CACHE if k not in before]
+    _check_split(sass_of(_CUTLASS_COMPILE_CACHE[new].module), False)
