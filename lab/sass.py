@@ -1,8 +1,9 @@
 """Compile a kernel module for sm_90a on the CPU machine and read its SASS (cuobjdump from the nvidia wheel).
 
 `compile_module(problem, config)` lowers the kernel the way the runtime does (m or T symbolic) and returns the
-module bytes; `sass_of(module)` disassembles every embedded cubin; `normalized(sass)` drops what names the
-launcher (mangled symbol names), so two trees that emit the same instructions compare equal.
+module bytes (`compile_or_skip`: the same in a test, skipped without the compiler); `sass_of(module)`
+disassembles every embedded cubin; `normalized(sass)` drops what names the launcher (mangled symbol names), so
+two trees that emit the same instructions compare equal.
 """
 
 from __future__ import annotations
@@ -87,6 +88,22 @@ def normalized(sass: str) -> str:
             continue
         lines.append(_SYMBOL.sub("SYM", line))
     return "\n".join(lines)
+
+
+def require_compiler():
+    """For the tests: `cutlass_sm90()`, or skip the calling test (pytest) where the compiler is unavailable."""
+    import pytest
+
+    try:
+        return cutlass_sm90()
+    except CompilerUnavailable as e:
+        pytest.skip(str(e))
+
+
+def compile_or_skip(problem, config=None, axis: str | None = "auto") -> bytes:
+    """For the tests: `compile_module`, or skip the calling test where the compiler is unavailable."""
+    require_compiler()
+    return compile_module(problem, config, axis)
 
 
 def compile_module(problem, config=None, axis: str | None = "auto") -> bytes:

@@ -1,5 +1,5 @@
 """The GPU gradient test's own check, run on the CPU: nn.moe_mlp / nn.moe_layer on the reference backend (the same
-bf16 stores as the kernels, fp32 math) against the plain float32 layer of tests/gpu/nn_grads_cases.py, within its
+bf16 stores as the kernels, fp32 math) against the plain float32 layer of lab/nn_grads_cases.py, within its
 bf16-derived bound. This validates the plain layer (GLU interleave, clamps, routing, loss) and shows the bound's
 room before a GPU run uses them; a deliberately wrong gradient is caught."""
 
@@ -11,7 +11,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-import nn_grads_cases as cases  # noqa: E402  (tests/conftest.py puts tests/gpu/ on sys.path)
+from lab import nn_grads_cases as cases  # noqa: E402
 
 FAST = ("moe_mlp_geglu_bias", "moe_layer_swiglu_bias", "moe_layer_srelu", "moe_mlp_gpt_oss_swiglu_bias",
         "moe_layer_deepseek_style", "moe_layer_gpt_oss_style", "moe_layer_qwen_style_fp16")

@@ -4,11 +4,11 @@
 #   .bundle   tools/gpu/build_bundle.sh (every module the steps lower; checked with compiling disabled)
 #   .runtime  python tools/fetch_runtime.py (libcute_dsl_runtime.so.xz)
 #   .peers    tokamax + deps for the step benchmark (optional; without it the benchmark reports tokamax unavailable)
-#   .out/kgpu tools/gpu/build_artifacts.py (optional: step b runs only where its manifest is present)
-# Use:  OUT=... bash tools/gpu/run_all.sh [tests blockscaled kgpu sanitize ep bench bench_ep]   (default: all, in
-# this order)
-# Expected (H200, warm caches not assumed): tests ~4 min, kgpu ~2 min, sanitize ~2 min, ep ~1 min, bench ~5 min,
-# bench_ep ~2 min (estimate: not yet run on a GPU).
+# Use:  OUT=... bash tools/gpu/run_all.sh [tests blockscaled kernels sanitize ep bench bench_ep]   (default: all, in
+# this order). Every script runs from the checkout's root (PYTHONPATH=$PWD: the checkout's cudnn_moe_jax, lab,
+# benchmarks).
+# Expected (H200, warm caches not assumed): tests ~4 min, kernels ~3 min, sanitize ~2 min, ep ~1 min, bench ~5 min,
+# bench_ep ~2 min (estimates: the bundle-based kernels step has not yet run on a GPU).
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_all_out}; mkdir -p "$OUT"
 if compgen -G ".peers/wheels/*.whl" > /dev/null; then   # tokamax for the benchmark's peer row (no registry here)
@@ -16,7 +16,7 @@ if compgen -G ".peers/wheels/*.whl" > /dev/null; then   # tokamax for the benchm
   export PYTHONPATH=/tmp/peers_site:$PWD/.peers/stub:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-steps=${*:-tests blockscaled kgpu sanitize ep bench bench_ep}
+steps=${*:-tests blockscaled kernels sanitize ep bench bench_ep}
 nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 [ -f .bundle/manifest.json ] && echo "bundle: $(grep -c '"file"' .bundle/manifest.json) module(s)" || echo "NO .bundle"
@@ -39,41 +39,39 @@ for s in $steps; do
       timeout -s KILL ${BS_TIMEOUT:-420} python3 -m pytest tests/gpu/test_blockscaled_gpu.py -q -rf -p no:cacheprovider \
         --tb=line > "$OUT/blockscaled.log" 2>&1
       echo "== blockscaled rc=$?"; summary "$OUT/blockscaled.log"
-      timeout -s KILL ${FMT_TIMEOUT:-300} python3 benchmarks/bench_grouped_gemm.py --formats mxfp8,nvfp4,mxfp4,w_nvfp4,w_mxfp8 \
+      timeout -s KILL ${FMT_TIMEOUT:-300} python3 -m benchmarks.bench_grouped_gemm --formats mxfp8,nvfp4,mxfp4,w_nvfp4,w_mxfp8 \
         --out "$OUT/formats" > "$OUT/formats.log" 2>&1
       echo "== formats rc=$?"; grep -E "TFLOP/s|time bf16" "$OUT/formats.log" | cut -c1-200 | tail -40 ;;
-    kgpu)   # the kernel-level suites run jax.export artifacts (tools/gpu/build_artifacts.py)
-      if [ -f .out/kgpu/manifest.json ]; then
-        timeout -s KILL ${KGPU_TIMEOUT:-240} python3 -m pytest tests/gpu/test_grouped_gemm_gpu.py tests/gpu/test_mxfp8_gpu.py \
-          -q -rf -p no:cacheprovider --tb=line > "$OUT/kgpu.log" 2>&1
-        echo "== kgpu rc=$?"; summary "$OUT/kgpu.log"
-      else
-        echo "== kgpu skipped: no .out/kgpu/manifest.json"
-      fi ;;
-    sanitize)  # backward kernels under memcheck and racecheck (exit 9: a sanitizer error; 1: a wrong result)
+    kernels)  # the kernel-level suites: every forward case (lab/forward_cases.py) through the primitive, from .bundle
+      timeout -s KILL ${KERNELS_TIMEOUT:-300} python3 -m pytest tests/gpu/test_grouped_gemm_gpu.py \
+        tests/gpu/test_mxfp8_gpu.py -q -rf -p no:cacheprovider --tb=line > "$OUT/kernels.log" 2>&1
+      echo "== kernels rc=$?"; summary "$OUT/kernels.log" ;;
+    sanitize)  # the backward suites' `sanitize` subset under memcheck and racecheck (exit 9: a sanitizer error;
+               # 1: a failed test)
       for tool in memcheck racecheck; do
         XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool \
-          --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 tools/gpu/sanitize_backward.py \
-          > "$OUT/bwd_$tool.log" 2>&1
-        echo "== $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY| OK$|\[.*\]$|Error" "$OUT/bwd_$tool.log" | cut -c1-300 | tail -8
+          --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 -m pytest tests/gpu/test_dgrad_gpu.py \
+          tests/gpu/test_wgrad_gpu.py -m sanitize -q -rf -p no:cacheprovider --tb=line > "$OUT/bwd_$tool.log" 2>&1
+        echo "== $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAILED|[0-9]+ (passed|failed)|Error" \
+          "$OUT/bwd_$tool.log" | cut -c1-300 | tail -8
       done ;;
     ep)  # the expert-parallel example on this one GPU (the run its bundle_items record); a fallback fails the step
       timeout -s KILL ${EP_TIMEOUT:-180} python3 examples/moe_expert_parallel.py --devices 1 > "$OUT/ep.log" 2>&1
       rc=$?; grep -q "no GPU kernel" "$OUT/ep.log" && rc="$rc FALLBACK to the reference"
       echo "== ep rc=$rc"; grep -E "^backend|^loss|^timing|no GPU kernel|Error" "$OUT/ep.log" | cut -c1-300 | tail -6 ;;
     bench)
-      timeout -s KILL ${STEP_TIMEOUT:-360} python3 benchmarks/bench_moe_step.py --breakdown --out "$OUT" > "$OUT/step.log" 2>&1
+      timeout -s KILL ${STEP_TIMEOUT:-360} python3 -m benchmarks.bench_moe_step --breakdown --out "$OUT" > "$OUT/step.log" 2>&1
       echo "== bench_moe_step rc=$?"; grep -vE "^\s*$" "$OUT/step.log" | grep -vE "Warning|Autotuning" | cut -c1-250 | tail -30
-      timeout -s KILL ${OPS_TIMEOUT:-180} python3 benchmarks/bench_moe_ops.py --shape fc > "$OUT/ops.log" 2>&1
+      timeout -s KILL ${OPS_TIMEOUT:-180} python3 -m benchmarks.bench_moe_ops --shape fc > "$OUT/ops.log" 2>&1
       echo "== bench_moe_ops rc=$?"; grep -vE "^\s*$" "$OUT/ops.log" | grep -vE "Warning" | cut -c1-250 | tail -12 ;;
     bench_ep)  # EP weak scaling, device-timed: 1 GPU, and 1 vs 2 where two are visible (NCCL env left as set)
       ngpu=$(python3 -c "import jax; print(jax.device_count())" 2>/dev/null | tail -1); ngpu=${ngpu:-1}
       devs=1; [ "$ngpu" -ge 2 ] && devs=1,2
-      timeout -s KILL ${EP_BENCH_TIMEOUT:-300} python3 benchmarks/bench_ep.py --devices $devs --out "$OUT" \
+      timeout -s KILL ${EP_BENCH_TIMEOUT:-300} python3 -m benchmarks.bench_ep --devices $devs --out "$OUT" \
         > "$OUT/bench_ep.log" 2>&1
       rc=$?; grep -q "no GPU kernel" "$OUT/bench_ep.log" && rc="$rc FALLBACK to the reference"
       echo "== bench_ep --devices $devs rc=$rc"; grep -E "^(backend|JAX timed|\|)|^WARNING|no GPU kernel|Error" \
         "$OUT/bench_ep.log" | cut -c1-300 | tail -12 ;;
-    *) echo "unknown step $s (tests kgpu sanitize ep bench bench_ep)" ;;
+    *) echo "unknown step $s (tests blockscaled kernels sanitize ep bench bench_ep)" ;;
   esac
 done

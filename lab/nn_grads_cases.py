@@ -1,7 +1,7 @@
 """`jax.value_and_grad` of nn.moe_mlp and nn.moe_layer (the kernels' training path) for the GPU suite, the plain-jnp
 layer it is checked against, and the bundle items that record the kernel modules of exactly those jitted functions:
 
-    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.nn_grads_cases:bundle_items
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.nn_grads_cases:bundle_items
 
 The shapes are the one-device run of examples/moe_expert_parallel.py (4 experts, H = I = 256, 1792 permuted rows),
 so the swiglu modules serve both. The wgrad modules are specific to the token count (1792; kernels/NOTES.md).
