@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import cudnn_moe_jax as cmj  # noqa: E402
 from cudnn_moe_jax import _compile, _modules, _runtime  # noqa: E402
-from test_runtime import custom_calls, needs_cutlass  # noqa: E402
+from runtime_helpers import custom_calls, needs_cutlass  # noqa: E402
 
 MW, NW, L = 384, 320, 5
 sds = jax.ShapeDtypeStruct
