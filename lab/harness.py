@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from cudnn_moe_jax._problem import GROUP_ALIGN
+from cudnn_moe_jax.limits import GROUP_ALIGN
 
 # ------------------------------------------------------------------------------------------- GPU, bundle, fallback
 
