@@ -7,8 +7,8 @@ come from a bundle like every other GPU run's (one module per case serves every 
 
 BF16_CASES: every default bf16 / fp16 variant (`var_*`) plus odd K / N, one / many groups and other configs
 (tests/gpu/test_grouped_gemm_gpu.py); MXFP8_CASES: the MXFP8 variants plus odd shapes and configs, and FP8 C / D
-from bf16 / fp16 inputs (tests/gpu/test_mxfp8_gpu.py). The arrays of a call are in launcher order
-(`variants.input_avals`): a, b, [sfa, sfb], padded_offsets, alpha, [prob], [bias], [norm_const].
+from bf16 / fp16 inputs (tests/gpu/test_mxfp8_gpu.py). The arrays of a call are in the operand table's order
+(`cudnn_moe_jax.operands.input_specs`): a, b, [sfa, sfb], padded_offsets, alpha, [prob], [bias], [norm_const].
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from cudnn_moe_jax import operands
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 from cudnn_moe_jax.kernels.sm90 import Config, variants
 
@@ -26,14 +27,14 @@ SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", None: "none", E
 
 @functools.lru_cache(maxsize=None)
 def kernel_fn(problem: GroupedGemmProblem, config: Config | None = None):
-    """Jitted fn(*arrays in launcher order) -> {output key: array} of the present outputs: `problem` at the
-    arrays' m, lowered with `config` (None: the default) -- on CUDA to that kernel module, elsewhere to the
+    """Jitted fn(*arrays in the operand table's order) -> {output key: array} of the present outputs: `problem`
+    at the arrays' m, lowered with `config` (None: the default) -- on CUDA to that kernel module, elsewhere to the
     reference (a fallback on CUDA warns: `lab.harness.kernels_only`). One jitted function per (problem, config)."""
     import jax
 
     from cudnn_moe_jax import _primitive
 
-    names = tuple(variants.input_avals(problem))
+    names = tuple(operands.input_specs(problem))
 
     def fn(*arrays):
         p = dataclasses.replace(problem, m=arrays[0].shape[0])
@@ -44,7 +45,10 @@ def kernel_fn(problem: GroupedGemmProblem, config: Config | None = None):
 
 def lowering_item(problem: GroupedGemmProblem, config: Config | None = None):
     """An `aot build` item: the CUDA lowering of `kernel_fn(problem, config)` at the problem's shapes."""
-    fn, avals = kernel_fn(problem, config), tuple(variants.input_avals(problem).values())
+    import jax
+
+    fn = kernel_fn(problem, config)
+    avals = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in operands.input_specs(problem).values())
     return lambda: fn.trace(*avals).lower(lowering_platforms=("cuda",))
 
 
