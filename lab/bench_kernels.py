@@ -20,11 +20,9 @@ from cudnn_moe_jax.kernels.sm90.config import MXFP8_WGMMA
 
 from .forward_cases import lowering_item
 
-BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>] [p: epi_pin]
+BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>]
     "t256c21": Config(tile_n=256, cluster_m=2),
     "t256c21e1": Config(tile_n=256, cluster_m=2, epi_stages=1),
-    "t256c21p": Config(tile_n=256, cluster_m=2, epi_pin=True),
-    "t256c21e1p": Config(tile_n=256, cluster_m=2, epi_stages=1, epi_pin=True),
     "t128c21": Config(tile_n=128, cluster_m=2),
     "t128c21e1": Config(tile_n=128, cluster_m=2, epi_stages=1),
     "t256c22": Config(tile_n=256, cluster_m=2, cluster_n=2),  # 24 co-resident clusters (config.H200_4CTA_CLUSTERS)
