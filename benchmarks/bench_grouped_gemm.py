@@ -483,7 +483,7 @@ def run_formats(args):
 
     from cudnn_moe_jax import formats
 
-    _, dev, timer, why = _session(False)
+    dev, timer, why = _session()
     wanted = args.formats.split(",")
     results = []
     for shape_name in bench_cases.FORMAT_SHAPES:
