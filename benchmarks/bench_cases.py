@@ -3,15 +3,20 @@
 Each named shape (cudnn_moe_jax.shapes) with its fusion: bf16 inputs (SwiGLU C + D + amax on fc1 / small, plain
 D = prob * alpha * acc + amax on fc2), and MXFP8 inputs with bf16 D or FP8 D (+ D_col, SFD_row, SFD_col,
 norm_const); the format comparison (`block_call`): bf16, MXFP8, NVFP4, MXFP4 inputs on those shapes and on the
-memory-bound layers of issue 19 (MEMORY_BOUND). The calls take positional arrays in one fixed order, so the benchmark times them beside its peers
-(and, in the lab, beside exported kernel modules with the same order):
+memory-bound layers of issue 19 (MEMORY_BOUND); discrete weights (`discrete_call`: the bf16 call with the experts
+as L arrays, on DISCRETE_SHAPES); the Hadamard op beside the plain GLU (`hadamard_call`: NVFP4 D, its rowwise /
+colwise Hadamard outputs) on fc1 / small. The calls take positional arrays in one fixed order, so the benchmark
+times them beside its peers (and, in the lab, beside exported kernel modules with the same order):
 
-    bf16:   fn(a, b, padded_offsets, alpha, prob)
-    MXFP8:  fn(a, b, sfa, sfb, padded_offsets, alpha, prob[, norm_const])
+    bf16:      fn(a, b, padded_offsets, alpha, prob)
+    discrete:  fn(a, (b_0, ..., b_{L-1}), padded_offsets, alpha, prob)
+    MXFP8:     fn(a, b, sfa, sfb, padded_offsets, alpha, prob[, norm_const])
 
 On a GPU machine without the CuTe DSL compiler the kernels come from a prebuilt bundle, built elsewhere with
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants benchmarks.bench_cases:bundle_items
+
+(`discrete_bundle_items`: only what `--discrete` needs.)
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import cudnn_moe_jax as cmj
+from cudnn_moe_jax.formats import E2M1 as FP4
 from cudnn_moe_jax.formats import E4M3, sf_physical_shape
 from cudnn_moe_jax.shapes import FUSION, SHAPES
 
@@ -68,6 +74,18 @@ def bf16_call(shape: str):
     return fn
 
 
+def discrete_call(shape: str):
+    """fn(a, bs, padded_offsets, alpha, prob) -> OpResult: `bf16_call` with the experts' weights as L separate
+    arrays (b_tensors, discrete weights) instead of one stacked (L, N, K) array."""
+    op, act = FUSION[shape]
+
+    def fn(a, bs, padded_offsets, alpha, prob):
+        return _call(op, act, dict(a_tensor=a, b_tensors=list(bs), padded_offsets=padded_offsets, alpha_tensor=alpha,
+                                   prob_tensor=prob))
+
+    return fn
+
+
 def mxfp8_call(shape: str, fp8_d: bool):
     """fn(a, b, sfa, sfb, padded_offsets, alpha, prob[, norm_const]) -> OpResult: MXFP8 (e4m3 + e8m0 per 32)
     inputs; bf16 D, or e4m3 D with its SFD outputs (then norm_const is the last argument)."""
@@ -99,6 +117,42 @@ def block_call(shape: str, fmt: str):
     return fn
 
 
+# The Hadamard op beside the plain GLU (`--hadamard`), on the GLU shapes: label -> (op, keyword overrides); every
+# call takes (a, b, sfa, sfb, padded_offsets, alpha, prob, norm_const); the NVFP4 outputs use norm_const for both
+# encode scales
+HADAMARD_SHAPES = ("fc1", "small")
+HADAMARD_VARIANTS = {
+    "glu": ("glu", {}),                                                    # bf16 D + C + amax
+    "glu_fp4d": ("glu", dict(d_dtype=FP4)),                                # MXFP4 D, D_col, SFD_row / SFD_col
+    "h_d4": ("hadamard", dict(d_dtype=FP4)),                               # NVFP4 D + sfd, C
+    "h_d4_row4": ("hadamard", dict(d_dtype=FP4, rht_mode="rowwise", rht_dtype=FP4)),
+    "h_d4_col4": ("hadamard", dict(d_dtype=FP4, rht_mode="colwise")),
+    "h_bf16_rowbf16": ("hadamard", dict(rht_mode="rowwise")),             # bf16 D + amax, bf16 Hadamard output
+}
+
+
+def hadamard_call(shape: str, variant: str, fmt: str):
+    """fn(a, b, sfa, sfb, padded_offsets, alpha, prob, norm_const) -> OpResult: the GLU shape's SwiGLU as
+    `grouped_gemm_glu` or `grouped_gemm_glu_hadamard_quant` (HADAMARD_VARIANTS) on inputs of format `fmt`."""
+    op, options = HADAMARD_VARIANTS[variant]
+
+    def fn(a, b, sfa, sfb, padded_offsets, alpha, prob, norm_const):
+        kw = dict(a_tensor=a, b_tensor=b, padded_offsets=padded_offsets, alpha_tensor=alpha, prob_tensor=prob,
+                  act_func="swiglu", **options)
+        if fmt != "bf16":
+            kw.update(sfa_tensor=None if fmt in WEIGHT_ONLY else sfa, sfb_tensor=sfb,
+                      sf_vec_size=BLOCK_FORMATS[WEIGHT_ONLY.get(fmt, fmt)][2])
+        if options.get("d_dtype") == FP4:
+            kw["norm_const_tensor"] = norm_const
+        if op == "glu":
+            return cmj.grouped_gemm_glu(**kw)
+        if options.get("rht_dtype") == FP4 or options.get("rht_mode") == "colwise":
+            kw["rht_norm_const_tensor"] = norm_const
+        return cmj.grouped_gemm_glu_hadamard_quant(**kw)
+
+    return fn
+
+
 def block_avals(shape: str, fmt: str) -> tuple:
     (m, n, k, groups), _, _ = format_shape(shape)
     sds = jax.ShapeDtypeStruct
@@ -119,6 +173,12 @@ def bf16_avals(shape: str) -> tuple:
     sds = jax.ShapeDtypeStruct
     return (sds((m, k), jnp.bfloat16), sds((groups, n, k), jnp.bfloat16), sds((groups,), jnp.int32),
             sds((groups,), jnp.float32), sds((m,), jnp.float32))
+
+
+def discrete_avals(shape: str) -> tuple:
+    m, n, k, groups = SHAPES[shape]
+    a, _, *tail = bf16_avals(shape)
+    return (a, tuple(jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for _ in range(groups)), *tail)
 
 
 def mxfp8_avals(shape: str, fp8_d: bool) -> tuple:
@@ -142,7 +202,24 @@ def bundle_items() -> list:
               for s in SHAPES for fp8 in MXFP8_OUTPUTS.values()]
     items += [functools.partial(_lower_for_cuda, block_call(s, f), block_avals(s, f))
               for s in FORMAT_SHAPES for f in FORMAT_LABELS]
-    return items
+    return items + discrete_bundle_items()[len(DISCRETE_SHAPES):] + hadamard_bundle_items()
+
+
+def discrete_bundle_items() -> list:
+    """The discrete-weights comparison's modules alone (`--discrete`): the stacked and the discrete bf16 call on
+    DISCRETE_SHAPES (stacked first)."""
+    return ([functools.partial(_lower_for_cuda, bf16_call(s), bf16_avals(s)) for s in DISCRETE_SHAPES]
+            + [functools.partial(_lower_for_cuda, discrete_call(s), discrete_avals(s)) for s in DISCRETE_SHAPES])
+
+
+def hadamard_bundle_items() -> list:
+    """The `--hadamard` benchmark's calls alone (HADAMARD_SHAPES x HADAMARD_VARIANTS x HADAMARD_FORMATS)."""
+    return [functools.partial(_lower_for_cuda, hadamard_call(s, v, f),
+                              block_avals(s, f) + (jax.ShapeDtypeStruct((1,), jnp.float32),))
+            for s in HADAMARD_SHAPES for v in HADAMARD_VARIANTS for f in HADAMARD_FORMATS]
 
 
 FORMAT_SHAPES = tuple(SHAPES) + tuple(MEMORY_BOUND)
+# Shapes of the discrete-weights comparison (`--discrete`: stacked vs per-expert weights, bf16 SwiGLU)
+DISCRETE_SHAPES = ("fc1", "small")
+HADAMARD_FORMATS = ("nvfp4", "bf16")      # cuDNN's Hadamard op takes FP4 inputs; bf16 beside

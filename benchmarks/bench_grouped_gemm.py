@@ -30,6 +30,8 @@ program, CUPTI; one value when every round saw the same program).
 
     python -m benchmarks.bench_grouped_gemm --mxfp8 --out DIR     # MXFP8 inputs (e4m3 + e8m0 per 32)
     python -m benchmarks.bench_grouped_gemm --formats mxfp8,nvfp4,mxfp4 --out DIR   # input formats vs bf16
+    python -m benchmarks.bench_grouped_gemm --discrete --out DIR  # per-expert weights (b_tensors) vs stacked
+    python -m benchmarks.bench_grouped_gemm --hadamard nvfp4,bf16 --out DIR  # Hadamard op vs plain GLU
 
 MXFP8 mode: the same fc1 / fc2 / small shapes with A, B quantized from N(0,1) data per 32-wide K block
 (cudnn_moe_jax.formats.to_block_scaled on the GPU: realistic, non-uniform scales); ours with bf16 D (+ C for
@@ -521,6 +523,57 @@ def run_formats(args):
     return results, str(dev.device_kind)
 
 
+def run_discrete(args):
+    """Discrete weights (`--discrete`): per shape of bench_cases.DISCRETE_SHAPES, the bf16 fused op with stacked
+    weights (one (L, N, K) array) and with the same weights as L arrays (b_tensors: the kernel reads each expert
+    through its own TMA descriptor), timed interleaved on the same inputs. Rows: TFLOP/s and the time ratio
+    discrete / stacked (target <= 1.03)."""
+    import jax
+    import jax.numpy as jnp
+
+    dev, timer, why = _session()
+    results = []
+    for shape_name in bench_cases.DISCRETE_SHAPES:
+        m, n, k, L = shapes.SHAPES[shape_name]
+        offsets = jnp.asarray(np.cumsum(shapes.GROUP_SIZES[shape_name]).astype(np.int32))
+        valid_m = int(offsets[-1])
+        flops = 2.0 * valid_m * n * k
+        keys = jax.random.split(jax.random.PRNGKey(0), 3 * SETS)
+        stacked, discrete = [], []
+        for s in range(SETS):
+            a = jax.random.normal(keys[3 * s], (m, k), jnp.float32).astype(jnp.bfloat16)
+            b = (jax.random.normal(keys[3 * s + 1], (L, n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+            prob = jax.random.uniform(keys[3 * s + 2], (m,), jnp.float32)
+            alpha = jnp.ones((L,), jnp.float32)
+            stacked.append((a, b, offsets, alpha, prob))
+            discrete.append((a, tuple(b[e] for e in range(L)), offsets, alpha, prob))   # L buffers of their own
+        jax.block_until_ready((stacked, discrete))
+        row = {"shape": shape_name, "valid_m": valid_m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {}}
+        if timer is None:
+            row["cupti_unavailable"] = why
+        runners = {
+            "ours[stacked]": _jax_runner(public_op(bench_cases.bf16_call(shape_name), stacked[0],
+                                                  f"ours[stacked] on {shape_name}"), stacked, timer),
+            "ours[discrete]": _jax_runner(public_op(bench_cases.discrete_call(shape_name), discrete[0],
+                                                   f"ours[discrete] on {shape_name}"), discrete, timer),
+        }
+        _record(row, time_interleaved(runners, row), flops, 14)
+        row["discrete_over_stacked"] = row["ms"]["ours[discrete]"] / row["ms"]["ours[stacked]"]
+        print(f"{shape_name:7s} time discrete / stacked: {row['discrete_over_stacked']:.3f}", flush=True)
+        results.append(row)
+        del stacked, discrete, runners
+    return results, str(dev.device_kind)
+
+
+def write_discrete(results, device, out: Path):
+    _, lines = table(results, device, out, "discrete_results.json", "time discrete / stacked",
+                     lambda r: f"{r['discrete_over_stacked']:.3f}")
+    lines += ["", f"TFLOP/s (2*valid_m*N*K / median time), bf16 SwiGLU (C + D + amax), the same weights stacked "
+              f"(b_tensor) or as per-expert arrays (b_tensors). {timing_note(results)}"]
+    (out / "discrete_table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def write_formats(results, device, out: Path):
     _, lines = table(results, device, out, "formats_results.json", "time bf16 / format",
                      lambda r: " ".join(f"{k[5:-1]} {v:.2f}x" for k, v in r["speedup_over_bf16"].items()
@@ -532,6 +585,60 @@ def write_formats(results, device, out: Path):
     keep = [f"ours[{f}]" for f in bench_cases.FORMAT_LABELS]
     plot(results, [k for k in keep if any(k in r["tflops"] for r in results)],
          f"grouped GEMM by input format, {device}", out / "formats_plot.png")
+
+
+def run_hadamard(args):
+    """The Hadamard op beside the plain GLU (`--hadamard`): per GLU shape (bench_cases.HADAMARD_SHAPES) and input
+    format, every call of bench_cases.HADAMARD_VARIANTS (SwiGLU with C; NVFP4 D, rowwise / colwise Hadamard outputs),
+    operands quantized from N(0, 1) data on the GPU. Rows: TFLOP/s and each call's time over the plain GLU's."""
+    import jax
+    import jax.numpy as jnp
+
+    from cudnn_moe_jax import formats
+
+    dev, timer, why = _session()
+    results = []
+    for shape_name, fmt in ((s, f) for s in bench_cases.HADAMARD_SHAPES for f in args.hadamard.split(",")):
+        if args.shapes != "all" and shape_name not in args.shapes.split(","):
+            continue
+        (m, n, k, L), _, rows = bench_cases.format_shape(shape_name)
+        offsets = jnp.asarray(np.arange(1, L + 1, dtype=np.int32) * rows)
+        key = jax.random.PRNGKey(0)
+        alpha, prob = jnp.ones((L,), jnp.float32), jax.random.uniform(jax.random.fold_in(key, 2), (m,))
+        quant = jax.jit(lambda x: (x.astype(jnp.bfloat16), None))
+        if fmt != "bf16":
+            data, sf, vec = bench_cases.BLOCK_FORMATS[fmt]
+            quant = jax.jit(lambda x, data=data, sf=sf, vec=vec: formats.to_block_scaled(x, data, sf, vec))
+        b, sfb = quant(jax.random.normal(jax.random.fold_in(key, 1), (L, n, k), jnp.float32) / np.sqrt(k))
+        a_sets = [quant(jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32))
+                  for i in range(ITERS)]
+        sets = [(a, b, sa, sfb, offsets, alpha, prob, jnp.ones((1,), jnp.float32)) for a, sa in a_sets]
+        row = {"shape": f"{shape_name}/{fmt}", "valid_m": m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {}}
+        if timer is None:
+            row["cupti_unavailable"] = why
+        runners = {}
+        for variant in bench_cases.HADAMARD_VARIANTS:
+            f = public_op(bench_cases.hadamard_call(shape_name, variant, fmt), sets[0], f"{variant} on {row['shape']}")
+            runners[f"ours[{variant}]"] = _jax_runner(f, sets, timer)
+        _record(row, time_interleaved(runners, row), 2.0 * m * n * k, 16)
+        base = row["ms"].get("ours[glu]")
+        row["over_glu"] = {key: t / base for key, t in row["ms"].items() if base}
+        print(f"{row['shape']:12s} time / glu: " + ", ".join(f"{key} {v:.3f}" for key, v in row["over_glu"].items()),
+              flush=True)
+        results.append(row)
+        runners.clear()
+    return results, str(dev.device_kind)
+
+
+def write_hadamard(results, device, out: Path):
+    _, lines = table(results, device, out, "hadamard_results.json", "time / plain glu",
+                     lambda r: " ".join(f"{k[5:-1]} {v:.3f}" for k, v in r["over_glu"].items() if k != "ours[glu]"))
+    lines += ["", "TFLOP/s (2*m*N*K / median time) of SwiGLU calls with C: glu = grouped_gemm_glu with bf16 D (+ "
+              "amax); glu_fp4d = its MXFP4 D (+ D_col, SFD_row, SFD_col); h_* = grouped_gemm_glu_hadamard_quant with "
+              "NVFP4 D (+ sfd), and a rowwise NVFP4 / colwise NVFP4 / (bf16 D) rowwise bf16 Hadamard output. Target "
+              f"(issue 20): h_d4_row4 / h_d4_col4 <= 1.15 x glu. {timing_note(results)}"]
+    (out / "hadamard_table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main(argv=None):
@@ -547,13 +654,23 @@ def main(argv=None):
                     f"(of {','.join(bench_cases.FORMAT_LABELS[1:])}; w_*: bf16 A, block-scaled weights) on fc1 / "
                     "fc2 / small and the memory-bound shapes "
                     "(--shapes all or a subset of " + ",".join(bench_cases.FORMAT_SHAPES) + ")")
+    ap.add_argument("--discrete", action="store_true", help="discrete weights (b_tensors) vs stacked on " +
+                    ",".join(bench_cases.DISCRETE_SHAPES))
+    ap.add_argument("--hadamard", metavar="LIST", help="the Hadamard op beside the plain GLU on fc1 / small, inputs "
+                    "in these formats (bf16, nvfp4, mxfp8, mxfp4)")
     args = ap.parse_args(argv)
-    if args.formats:
-        if args.shapes == ",".join(list(shapes.SHAPES) + list(shapes.ROUTINGS)):
-            args.shapes = "all"
-        results, device = run_formats(args)
-        write_formats(results, device, Path(args.out))
+    if args.discrete:
+        results, device = run_discrete(args)
+        write_discrete(results, device, Path(args.out))
         return
+    for mode, run_mode, write_mode in (("hadamard", run_hadamard, write_hadamard),
+                                       ("formats", run_formats, write_formats)):
+        if getattr(args, mode):
+            if args.shapes == ap.get_default("shapes"):   # these modes have their own shape lists
+                args.shapes = "all"
+            results, device = run_mode(args)
+            write_mode(results, device, Path(args.out))
+            return
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         plot_mxfp8(saved["results"], saved["device"], Path(args.out))

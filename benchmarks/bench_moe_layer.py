@@ -1,7 +1,8 @@
-"""The whole routed MoE layer, forward + backward, on real (uneven, unaligned) routing: ours (`nn.moe_layer`) vs
-the same layer written with `jax.lax.ragged_dot`, with tokamax's ragged_dot, and with torch `_grouped_mm`.
+"""The whole routed MoE layer, forward + backward, on real (uneven, unaligned) routing: ours (`nn.moe_layer`, its
+padding-free layout) vs ours on cuDNN's 256-padded layout (`ours_pad256`: the same pieces with m_aligned=256) vs the
+same layer written with `jax.lax.ragged_dot`, with tokamax's ragged_dot, and with torch `_grouped_mm`.
 
-    python -m benchmarks.bench_moe_layer [--configs 8e,64e,128e,decode] [--out DIR]
+    python -m benchmarks.bench_moe_layer [--configs 8e,64e,128e,decode] [--out DIR] [--no-breakdown]
 
 Every implementation has the same routing semantics: router logits x @ Wr (bf16 operands, fp32 sums; ours as
 `nn.moe_layer` does it), softmax over the experts, top-k, the k weights renormalized, SwiGLU experts (W1 gate /
@@ -12,8 +13,10 @@ sum(y * dy) with respect to x, the router, W1 and W2.
 Useful TFLOP/s = 18 * T * k * H * I / time: only routed rows count (padding is not useful work; the router GEMM
 is not counted). JAX is timed on the device (CUPTI span of a jitted program of STEPS steps on rotating inputs,
 lab/device_timer.py); torch with CUDA events. Memory: XLA's compiled temp + argument + output bytes of one
-step (torch: its peak allocated bytes over one step). `--breakdown` prints our step's device time per kernel and
-the share of the grouped-GEMM kernels.
+step (its buffer assignment's peak; torch: its peak allocated bytes over one step), and its ratio to what the
+routed rows need (`routed_floor_bytes`: the arguments, the gradients and, per routed row, the saved x, C, h and y
+rows). Our step's device time per kernel and the share of the grouped-GEMM kernels are printed (`--no-breakdown`:
+not).
 """
 
 from __future__ import annotations
@@ -59,15 +62,34 @@ def _inputs(avals, seed):
              ).astype(a.dtype) for i, (k, a) in enumerate(zip(keys, avals))]
 
 
-def ours_step(top_k):
+def routed_floor_bytes(name) -> int:
+    """What one step needs at the least: its arguments (x, the router, W1, W2, dy), the gradients of the first four
+    and, per routed row (T * k), the forward's saved rows (x_perm H, C 2I, h I, y_perm H), all bf16."""
+    t, h, i, e, k = CONFIGS[name]
+    args = t * h + h * e + e * 2 * i * h + e * h * i + t * h
+    grads = t * h + h * e + e * 2 * i * h + e * h * i
+    return 2 * (args + grads + t * k * (2 * h + 3 * i))
+
+
+def ours_step(top_k, m_aligned=None):
+    """Our layer's step: `nn.moe_layer` (padding-free), or with m_aligned the same pieces (router, route, permute,
+    moe_mlp, unpermute) on that group alignment (256: cuDNN's padded layout, the buffer sized for the worst case)."""
     import jax
     import jax.numpy as jnp
 
     from cudnn_moe_jax import nn
 
+    def layer(x, router, w1, w2):
+        if m_aligned is None:
+            return nn.moe_layer(x, router, w1, w2, top_k=top_k)[0]
+        gating = nn.apply_router(x, router, nn.RouterConfig(top_k=top_k), compute_dtype=x.dtype.name)
+        plan = nn.route(gating.experts, w1.shape[0], m_aligned=m_aligned)
+        x_perm, prob = nn.permute(x, gating.weights, plan)
+        y_perm = nn.moe_mlp(x_perm, w1, w2, prob, None, plan.padded_offsets, m_aligned=m_aligned)
+        return nn.unpermute(y_perm, plan, x.shape[0])
+
     def loss(x, router, w1, w2, dy):
-        y, _ = nn.moe_layer(x, router, w1, w2, top_k=top_k)
-        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+        return jnp.sum(layer(x, router, w1, w2).astype(jnp.float32) * dy.astype(jnp.float32))
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
 
@@ -101,12 +123,12 @@ def plain_step(top_k, ragged_dot):
 
 
 def bundle_items(configs=tuple(CONFIGS)):
-    """Lowerings of our step for CUDA at every config (`python -m cudnn_moe_jax.aot build --variants
-    benchmarks.bench_moe_layer:bundle_items` records their modules)."""
+    """Lowerings of our steps (padding-free and 256-padded) for CUDA at every config (`python -m cudnn_moe_jax.aot
+    build --variants benchmarks.bench_moe_layer:bundle_items` records their modules)."""
     import jax
 
-    return [lambda n=n: jax.jit(ours_step(CONFIGS[n][4])).trace(*_avals(n)).lower(lowering_platforms=("cuda",))
-            for n in configs]
+    return [lambda n=n, a=a: jax.jit(ours_step(CONFIGS[n][4], a)).trace(*_avals(n)).lower(
+        lowering_platforms=("cuda",)) for n in configs for a in (None, 256)]
 
 
 def _memory_bytes(step, avals):
@@ -229,7 +251,7 @@ def run(args):
     for name in args.configs.split(","):
         t, h, i, e, k = CONFIGS[name]
         avals = _avals(name)
-        impls = {"ours": ours_step(k)}
+        impls = {"ours": ours_step(k), "ours_pad256": ours_step(k, 256)}
         notes, memory, runners = {}, {}, {}
         # jax.lax.ragged_dot has no grouped kernel on the GPU: XLA runs it dense over the experts
         if e * t * k * max(h, 2 * i) * 2 <= args.dense_limit_gb * 2 ** 30:
@@ -255,18 +277,21 @@ def run(args):
         for _ in range(REPS):
             for key, once in runners.items():
                 samples[key].append(once())
-        row = dict(config=name, T=t, H=h, I=i, experts=e, top_k=k, ms={}, tflops={}, memory_gb={}, notes=notes)
+        floor = routed_floor_bytes(name)
+        row = dict(config=name, T=t, H=h, I=i, experts=e, top_k=k, ms={}, tflops={}, memory_gb={}, notes=notes,
+                   routed_floor_gb=floor / 2 ** 30)
         for key, v in samples.items():
             method, secs = device_timer.primary(v)
             med = statistics.median(secs)
             row["ms"][key], row["tflops"][key] = med * 1e3, useful_flops(t, h, i, k) / med / 1e12
             row["memory_gb"][key] = None if memory.get(key) is None else memory[key] / 2 ** 30
-            mem = "" if memory.get(key) is None else f" {memory[key] / 2 ** 30:7.2f} GiB"
+            mem = ("" if memory.get(key) is None else
+                   f" {memory[key] / 2 ** 30:7.2f} GiB ({memory[key] / floor:4.2f}x the routed rows' floor)")
             print(f"{name:7s} {key:11s} {med * 1e3:9.3f} ms {row['tflops'][key]:7.1f} useful TFLOP/s{mem} ({method})",
                   flush=True)
         if notes:
             print(f"{name:7s} notes: {notes}", flush=True)
-        if args.breakdown and timer is not None:
+        if not args.no_breakdown and timer is not None:
             gemm, total = kernel_share(impls["ours"], avals)
             row["ours_gemm_share"] = gemm / total if total else None
             print(f"{name:7s} ours: GEMM kernels {gemm:.0f} us of {total:.0f} us device time "
@@ -284,7 +309,8 @@ def plot(results, path: Path):
     from benchmarks.bench_grouped_gemm import plot as bars
 
     rows = [dict(r, shape=r["config"]) for r in results]
-    impls = [k for k in ("ours", "torch", "tokamax", "ragged_dot") if any(k in r["tflops"] for r in rows)]
+    impls = [k for k in ("ours", "ours_pad256", "torch", "tokamax", "ragged_dot")
+             if any(k in r["tflops"] for r in rows)]
     bars(rows, impls, "Routed MoE layer, fwd + bwd, bf16 SwiGLU (useful TFLOP/s), H200", path)
 
 
@@ -292,7 +318,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default=None)
-    ap.add_argument("--breakdown", action="store_true", help="ours: device time per kernel, GEMM share")
+    ap.add_argument("--no-breakdown", action="store_true", help="ours: no device time per kernel / GEMM share")
     ap.add_argument("--dense-limit-gb", type=float, default=16.0,
                     help="skip jax.lax.ragged_dot where its dense (experts x rows x width) operand exceeds this")
     run(ap.parse_args(argv))

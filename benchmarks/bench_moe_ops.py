@@ -1,8 +1,9 @@
 """The six GEMMs of one MoE training step, each timed alone (the calls `nn.moe_mlp` makes, same keywords), the
-squared-ReLU step's FC2 dgrad (dsrelu), the dgrad with an FP8 D and the wgrad accumulating into an fp32 W, beside
-torch's `_grouped_mm` on the same problem where it has one.
+squared-ReLU step's FC2 dgrad (dsrelu), the dgrad with an FP8 D, the wgrad accumulating into an fp32 W and the
+weight gradients with block-scaled (MXFP8 / MXFP4 / NVFP4) operands (`BS_WGRAD`, beside the bf16 "wgrad w1 / w2"),
+beside torch's `_grouped_mm` on the same problem where it has one.
 
-    python -m benchmarks.bench_moe_ops [--shape fc]      # from the checkout's root
+    python -m benchmarks.bench_moe_ops [--shape fc] [--only wgrad]      # from the checkout's root
 
 JAX on the device (CUPTI span of one jitted program of REPS calls on distinct inputs), torch with CUDA events.
 """
@@ -73,6 +74,64 @@ def _avals(shape: str):
                     sd(avals[2].shape, jnp.float32))
 
 
+# The weight gradients with block-scaled A / B (the dequantizing K-grouped kernel; SF in per-expert segments along
+# the tokens): name -> (format, weight, token-major operands). "tok": dY / h / dC / x as a step stores them (T, rows)
+# with a_major="m", b_major="n" (FP8 only); otherwise token-contiguous (rows, T), cuDNN's layout.
+BS_FORMATS = {"mxfp8": ("float8_e4m3fn", "float8_e8m0fnu", 32), "mxfp4": ("float4_e2m1fn", "float8_e8m0fnu", 32),
+              "nvfp4": ("float4_e2m1fn", "float8_e4m3fn", 16)}
+BS_WGRAD = {"wgrad w2 mxfp8 tok": ("mxfp8", "w2", True), "wgrad w2 mxfp8": ("mxfp8", "w2", False),
+            "wgrad w2 mxfp4": ("mxfp4", "w2", False), "wgrad w2 nvfp4": ("nvfp4", "w2", False),
+            "wgrad w1 mxfp8 tok": ("mxfp8", "w1", True), "wgrad w1 nvfp4": ("nvfp4", "w1", False)}
+
+
+def _bs_wgrad(shape: str, name: str):
+    """(fn(a, b, sfa, sfb, gs), avals, flops, inputs(seed)) of a block-scaled wgrad row: W2 = dY^T h (A (H, T),
+    B (I, T)) or W1 = dC^T x (A (2I, T), B (H, T)); codes uniform over the finite ones, scales in {1, 2}."""
+    import jax
+    import jax.numpy as jnp
+
+    import cudnn_moe_jax as cmj
+    from cudnn_moe_jax.formats import sf_segment_bytes
+
+    fmt, weight, token_major = BS_WGRAD[name]
+    data, sf, vec = BS_FORMATS[fmt]
+    sizes, h, i = step.SHAPES[shape]
+    m, offsets, _ = step._problem(shape, "swiglu")
+    off = jnp.asarray(offsets)
+    rows = (h, i) if weight == "w2" else (2 * i, h)
+    fp4 = data == "float4_e2m1fn"
+    sd = jax.ShapeDtypeStruct
+    shapes = [(m, r) if token_major else (r, m // 2 if fp4 else m) for r in rows]
+    dtype = jnp.uint8 if fp4 else jnp.dtype(data)
+    sf_dtype = jnp.float8_e4m3fn if sf == "float8_e4m3fn" else jnp.uint8
+    avals = ([sd(s, dtype) for s in shapes] + [sd((sf_segment_bytes(r, m, vec),), sf_dtype) for r in rows]
+             + [sd((len(sizes),), jnp.float32)])
+    majors = dict(a_major="m", b_major="n") if token_major else {}
+
+    def fn(a, b, sfa, sfb, gs):
+        if token_major:
+            a, b = a.T, b.T
+        nvfp4 = sf == "float8_e4m3fn"
+        return cmj.grouped_gemm_wgrad(a, b, off, sfa, sfb, gs if nvfp4 else None, gs if nvfp4 else None,
+                                      wgrad_dtype="bfloat16", sf_vec_size=vec, **majors).wgrad_tensor
+
+    def inputs(seed):
+        keys = jax.random.split(jax.random.PRNGKey(1000 + seed), 4)
+        out = []
+        for k, a in zip(keys, avals[:2]):
+            bits = jax.random.bits(k, a.shape, jnp.uint8)
+            if not fp4:   # no NaN code
+                bits = jnp.where((bits & 0x7F) == 0x7F, bits & 0x3F, bits)
+            out.append(bits if fp4 else jax.lax.bitcast_convert_type(bits, dtype))
+        one, two = (0x38, 0x40) if sf == "float8_e4m3fn" else (127, 128)
+        for k, a in zip(keys[2:], avals[2:4]):
+            s = jnp.where(jax.random.bernoulli(k, 0.5, a.shape), one, two).astype(jnp.uint8)
+            out.append(jax.lax.bitcast_convert_type(s, sf_dtype) if sf_dtype != jnp.uint8 else s)
+        return out + [jnp.ones((len(sizes),), jnp.float32)]
+
+    return fn, tuple(avals), 2.0 * sum(sizes) * rows[0] * rows[1], inputs
+
+
 def bundle_items(shapes=("fc",)):
     """Lowerings for CUDA of every op this benchmark times (`python -m cudnn_moe_jax.aot build --variants
     benchmarks.bench_moe_ops:bundle_items` records their modules)."""
@@ -83,6 +142,9 @@ def bundle_items(shapes=("fc",)):
         avals = _avals(shape)
         for fn, _ in _ops(shape)[1].values():
             items.append(lambda fn=fn, avals=avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
+        for name in BS_WGRAD:
+            fn, bs_avals, _, _ = _bs_wgrad(shape, name)
+            items.append(lambda fn=fn, avals=bs_avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
     return items
 
 
@@ -103,6 +165,7 @@ def _kernel_seconds(run, calls: int):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="fc", choices=tuple(step.SHAPES))
+    ap.add_argument("--only", default="", help="time only the rows whose name contains this (e.g. wgrad)")
     args = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -122,10 +185,17 @@ def main(argv=None):
                      jax.random.normal(k, (m, i)).astype(jnp.bfloat16),
                      jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16), w2.astype(jnp.float32)))
     print(f"shape {args.shape}: groups {sizes}, H {h}, I {i}; JAX {'CUPTI' if timer else 'host: ' + str(why)}")
-    n_in = len(sets[0])
-    for name, (fn, fl) in ops.items():
-        prog = jax.jit(lambda *a, fn=fn: [fn(*a[n_in * r:n_in * (r + 1)]) for r in range(REPS)])
-        flat = [t for st in sets for t in st]
+    rows = [(name, fn, fl, lambda: sets) for name, (fn, fl) in ops.items()]
+    for name in BS_WGRAD:   # beside "wgrad w1" / "wgrad w2" (bf16, token-major)
+        fn, _, fl, make = _bs_wgrad(args.shape, name)
+        rows.append((name, fn, fl, lambda make=make: [make(s) for s in range(REPS)]))
+    for name, fn, fl, make_sets in rows:
+        if args.only not in name:
+            continue
+        row_sets = make_sets()
+        n_in = len(row_sets[0])
+        prog = jax.jit(lambda *a, fn=fn, n_in=n_in: [fn(*a[n_in * r:n_in * (r + 1)]) for r in range(REPS)])
+        flat = [t for st in row_sets for t in st]
         run = lambda: jax.block_until_ready(prog(*flat))  # noqa: E731
         run()
         t = [(timer.time(run, REPS) if timer else device_timer.host_time(run, REPS)) for _ in range(3)]

@@ -11,11 +11,11 @@ Kernel side (`cudnn_moe_jax.kernels.sm90`; its import is pure Python): `supports
 cutlass) with `launch` the `@cute.jit` launcher, and `cutlass_call_kwargs(kernel)` (input_spec, output_spec, ...).
 
 One module per problem, whatever the token count: the kernels take m dynamic, and a grouped-GEMM module is
-compiled, keyed and recorded for the symbolic m `symbolic_m()` (= 256*m_blocks), never for the call's m; the
-K-grouped wgrad likewise for the symbolic token count `symbolic_t()` (= 8*t_blocks, its k). (Compiled for a
-concrete m, the device code is the same but the host object's symbol names mangle the shapes, so its bytes would
-differ per m.) The avals (m or T symbolic) are recorded beside the module and checked; a call's avals must be
-exactly them at its m (T).
+compiled, keyed and recorded for the symbolic m `symbolic_m(m_aligned)` (= 256*m_blocks by default), never for the
+call's m; the K-grouped wgrad likewise for the symbolic token count `symbolic_t()` (= 8*t_blocks for 16-bit data,
+its k). (Compiled for a concrete m, the device code is the same but the host object's symbol names mangle the
+shapes, so its bytes would differ per m.) The avals (m or T symbolic) are recorded beside the module and checked; a
+call's avals must be exactly them at its m (T).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import _compile, _modules, operands
 from ._compile import DEFAULT_ARCH, KernelUnavailable
 from ._ffi import sds
-from .limits import GROUP_ALIGN, TOKEN_ALIGN
+from .limits import GROUP_ALIGN, k_align
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,32 +47,43 @@ def _check_supported(problem) -> None:
         raise KernelUnavailable(f"the sm90 kernels do not cover this {problem.op} problem: {verdict}")
 
 
-@functools.lru_cache(maxsize=1)
-def symbolic_m():
-    """The row count every grouped-GEMM module is compiled, keyed and recorded for: the jax.export symbolic
-    dimension `256*m_blocks` (the kernels take m dynamic, m % 256 == 0; its multiples of 128 simplify exactly)."""
+def symbolic_m(m_aligned: int = GROUP_ALIGN):
+    """The row count every grouped-GEMM module of alignment `m_aligned` is compiled, keyed and recorded for: the
+    jax.export symbolic dimension `256*m_blocks` by default (the kernels take m dynamic, m % m_aligned == 0; for
+    256 its multiples of 128 simplify exactly). One object per alignment: symbolic dimensions of separate scopes
+    never compare equal."""
+    return _symbolic_m(int(m_aligned))
+
+
+@functools.lru_cache(maxsize=None)
+def _symbolic_m(m_aligned: int):
     import jax
 
-    (m,) = jax.export.symbolic_shape(f"{GROUP_ALIGN}*m_blocks")
+    (m,) = jax.export.symbolic_shape(f"{m_aligned}*m_blocks" if m_aligned > 1 else "m_blocks")
     return m
 
 
-@functools.lru_cache(maxsize=1)
-def symbolic_t():
-    """The token count every wgrad module is compiled, keyed and recorded for: `8*t_blocks` (the kernel reads T
-    from A's shape; every T the op accepts is a multiple of `limits.TOKEN_ALIGN`)."""
+def symbolic_t(ab_dtype: str = "bfloat16"):
+    """The token count every wgrad module is compiled, keyed and recorded for: `8*t_blocks` for 16-bit operands
+    (FP8 `16*t_blocks`, packed FP4 `32*t_blocks`: 16-byte rows; the kernel reads T from A's shape; every T the op
+    accepts is a multiple of `limits.k_align(ab_dtype)`). One object per alignment."""
+    return _symbolic_tokens(k_align(ab_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _symbolic_tokens(align: int):
     import jax
 
-    (t,) = jax.export.symbolic_shape(f"{TOKEN_ALIGN}*t_blocks")
+    (t,) = jax.export.symbolic_shape(f"{align}*t_blocks")
     return t
 
 
 def canonical_problem(problem):
     """`problem` with its dynamic extent symbolic: what identifies its module. M-grouped ops: m (`symbolic_m()`);
-    wgrad: the token count k (`symbolic_t()`; its m, the weight rows, is static)."""
+    wgrad: the token count k (`symbolic_t(ab_dtype)`; its m, the weight rows, is static)."""
     if problem.op == "wgrad":
-        return dataclasses.replace(problem, k=symbolic_t())
-    return dataclasses.replace(problem, m=symbolic_m())
+        return dataclasses.replace(problem, k=symbolic_t(problem.ab_dtype))
+    return dataclasses.replace(problem, m=symbolic_m(problem.m_aligned))
 
 
 def _present_outputs(problem) -> tuple:
@@ -108,11 +119,14 @@ def grouped_gemm_avals(problem, config, input_names: Sequence[str], in_avals: Se
     for name, a in zip(input_names, in_avals):
         a = sds(a)
         if a is not None and name in axes:
-            axis, rows = axes[name]
-            if len(a.shape) <= axis or a.shape[axis] != extent // rows:
-                raise KernelUnavailable(f"input {name} {a.shape}: axis {axis} must be {field}/{rows} = "
-                                        f"{extent // rows} for {field} = {extent}")
-            a = jax.ShapeDtypeStruct(a.shape[:axis] + (sym // rows,) + a.shape[axis + 1:], a.dtype)
+            axis, per = axes[name]
+            size = operands.axis_extent(per, extent)
+            if len(a.shape) <= axis or a.shape[axis] != size:
+                what = f"{field}/{per}" if isinstance(per, int) else f"its size at {field}"
+                raise KernelUnavailable(f"input {name} {a.shape}: axis {axis} must be {what} = {size} for "
+                                        f"{field} = {extent}")
+            a = jax.ShapeDtypeStruct(a.shape[:axis] + (operands.axis_extent(per, sym),) + a.shape[axis + 1:],
+                                     a.dtype)
         ins.append(a)
     want = launch_avals(problem, config)[0]
     got = want if out_avals is None else tuple(sds(a) for a in out_avals)

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Optional
 
 from . import activations
-from .limits import GROUP_ALIGN  # noqa: F401 (its home is `limits`; kernels/scheduler.py and nn/ import it from here)
+from .limits import GROUP_ALIGN, M_ALIGNED_CHOICES
 
 # Op names (the public op each problem comes from).
 FORWARD_OPS = ("quant", "srelu", "glu", "glu_hadamard_quant")
@@ -59,8 +59,10 @@ class Epilogue:
 class GroupedGemmProblem:
     """One grouped GEMM `acc[m, n] = sum_k A[m, k] * B[g(m), n, k]` plus its epilogue.
 
-    m: rows of A (multiple of 256); n: columns of the GEMM output (rows of each expert weight); k: logical
+    m: rows of A (a multiple of m_aligned); n: columns of the GEMM output (rows of each expert weight); k: logical
     reduction length; num_groups: L. For wgrad, m/n are the weight-gradient rows/cols and k the token count.
+    m_aligned: every group end is a multiple of it (cuDNN's keyword; 256 by default, 1 = padding-free groups;
+    docs/offsets.md). wgrad's token offsets have no alignment rule: it stays 256 there.
     """
 
     op: str
@@ -85,10 +87,13 @@ class GroupedGemmProblem:
     # layout, so a transposed activation or weight (`x.T`, `jnp.swapaxes(w, 1, 2)`) reaches it without a copy.
     a_major: str = "k"
     b_major: str = "k"
+    m_aligned: int = GROUP_ALIGN
 
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"unknown op {self.op!r}")
+        if self.m_aligned not in M_ALIGNED_CHOICES:
+            raise ValueError(f"m_aligned must be one of {M_ALIGNED_CHOICES}, got {self.m_aligned!r}")
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n"):
             raise ValueError(f"a_major must be 'k' or 'm' and b_major 'k' or 'n', got {self.a_major!r}, "
                              f"{self.b_major!r}")

@@ -21,7 +21,7 @@ def run(p: GroupedGemmProblem, x: dict) -> dict:
         return reference.grouped_gemm_wgrad(
             x["a"], x["b"], x["padded_offsets"], x.get("sfa"), x.get("sfb"), x.get("global_scale_a"),
             x.get("global_scale_b"), x.get("wgrad"), wgrad_dtype=p.wgrad_dtype, **_format(p))
-    quant_out = dict(d_dtype=e.d_dtype, compute_amax=e.compute_amax)
+    quant_out = dict(d_dtype=e.d_dtype, compute_amax=e.compute_amax, m_aligned=p.m_aligned)
     if p.op == "quant":
         return reference.grouped_gemm_quant(**_gemm_inputs(x), bias=x.get("bias"), norm_const=x.get("norm_const"),
                                             discrete_col_sfd=e.discrete_col_sfd, **quant_out, **_format(p))

@@ -425,6 +425,32 @@ def unpack_sf_segments(flat, rows, ends, total_tokens, vec):
     return jnp.where(valid[None, :], val, jnp.uint8(0))
 
 
+def segment_token_scales(flat, rows, ends, total_tokens, vec):
+    """The scale byte of every (row, token) as a reader of per-expert segments takes it (wgrad's sfa / sfb,
+    docs/formats.md#segmented-layout): token t of expert g reads local k-block (t - start_g) // vec of segment g
+    -- the blocks of SF(R, T_g) start at the expert's first token. (rows, T) uint8; tokens in no expert and bytes
+    past the buffer (segments of unaligned ends can run off its end) read 0.
+
+    For starts that are multiples of vec this is `unpack_sf_segments` repeated over each block's tokens."""
+    flat = as_u8(flat).reshape(-1)
+    starts, ends, nkb, kb_n, base = _segments(ends, total_tokens, rows, vec)
+    n_groups = ends.shape[0]
+    # every (segment, local block) once: block b of the list is local block b - first[g] of segment g
+    first = jnp.cumsum(nkb) - nkb
+    b = jnp.arange(cdiv(total_tokens, vec) + n_groups, dtype=jnp.int32)       # >= sum(nkb)
+    bg = jnp.minimum(jnp.searchsorted(first + nkb, b, side="right").astype(jnp.int32), n_groups - 1)
+    j = b - first[bg]
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    off = base[bg] + sf_atom_start(r >> 7, j >> 2, kb_n[bg]) + sf_row_byte(r, j)          # (rows, blocks)
+    blocks = jnp.where((j < nkb[bg]) & (off < flat.shape[0]), flat[jnp.clip(off, 0, flat.shape[0] - 1)],
+                       jnp.uint8(0))
+    t = jnp.arange(total_tokens, dtype=jnp.int32)
+    g_raw = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)        # first g with end_g > t
+    g = jnp.minimum(g_raw, n_groups - 1)
+    val = blocks[:, jnp.clip(first[g] + (t - starts[g]) // vec, 0, b.shape[0] - 1)]
+    return jnp.where((g_raw < n_groups)[None, :], val, jnp.uint8(0))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Block quantization (docs/formats.md#quantization: rows, columns, NVFP4)
 # --------------------------------------------------------------------------------------------------------------------
@@ -493,15 +519,19 @@ def quantize_cols(x_f32, d_dtype, norm_const=None):
     """Column quantization (docs/formats.md#column-quantization) of x (R, C): blocks of 32 consecutive rows per
     column, always e8m0.
 
-    Returns (codes (R, C) [e2m1: packed along C, (R, C//2)], s uint8 (C, cdiv(R, 32))). The spec's
-    scale = (val(s) == 0) ? 0 : min(norm_const / val(s), FLT_MAX) equals the row rule's norm_const * (1/val(s)) here:
-    val(s) is a power of two (never 0 for e8m0), so both are the correctly rounded norm_const * 2^(127-e).
+    Returns (codes, s uint8 (C, cdiv(R, 32))): FP8 codes (R, C), x's shape; e2m1 codes transposed and packed
+    along the rows, (C, R//2) -- two consecutive rows (tokens) a byte, the token-contiguous operand wgrad reads
+    (docs/formats.md#fp4-d-outputs). The spec's scale = (val(s) == 0) ? 0 : min(norm_const / val(s), FLT_MAX)
+    equals the row rule's norm_const * (1/val(s)) here: val(s) is a power of two (never 0 for e8m0), so both are
+    the correctly rounded norm_const * 2^(127-e). So the result is the row quantization of x^T.
     """
     d_dtype = _dtype_choice("quantize_cols", "d_dtype", d_dtype, _BLOCK_DATA)
     x = jnp.asarray(x_f32, jnp.float32)
-    if d_dtype == E2M1 and x.shape[-1] % 2:
-        raise ValueError("quantize_cols: e2m1 data needs an even number of columns (two values per byte)")
+    if d_dtype == E2M1 and x.shape[-2] % 2:
+        raise ValueError("quantize_cols: e2m1 data needs an even number of rows (two tokens a byte)")
     y_t, s = _scaled_rows(jnp.swapaxes(x, -1, -2), d_dtype, E8M0, 32, norm_const)
+    if d_dtype == E2M1:
+        return _encode(y_t, d_dtype), s
     return _encode(jnp.swapaxes(y_t, -1, -2), d_dtype), s
 
 

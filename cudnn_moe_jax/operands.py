@@ -5,19 +5,24 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
            key (`OpResult` field)
   kind     how a kernel launcher declares it (kernels/sm90/jax_bridge.py turns a kind into a TensorSpec):
            "rows" (m, cols) row-major, m dynamic; "weights" B (L, N, K), presented to the kernel as (N, K, L);
+           "cols_by_m" (cols, m / 2) packed FP4 with m along the rows' bytes (an FP4 D_col, tokens contiguous);
            "sf_rows" / "sf_cols" / "sf_segments" scale-factor buffers whose row blocks follow m; "m_vector" (m,);
-           "tiles_by_m" (n_parts, m) per-N-tile row partials; "row_tiles" (m / 128, cols) per-M-tile column
+           "tiles_by_m" (n_parts, m) per-N-tile row partials; "row_tiles" (`m_tiles`, cols) per-M-tile column
            partials; "tokens" wgrad's A (m_w, T) / B (n_w, T), T dynamic; "static": its shape involves neither
   shape    (dims) of the problem; `m` (wgrad: the token count `k`) may be a jax.export symbolic dimension
   dtype    dtype name ("uint8": packed FP4 data and scale-factor bytes)
   present  whether the problem has it; an absent operand is neither bound nor passed to a launcher
-  dynamic  inputs whose shape follows the problem's dynamic extent (m; wgrad: T): (axis, extent per index)
+  dynamic  inputs whose shape follows the problem's dynamic extent (m; wgrad: T): (axis, extent per index), or
+           (axis, size of the axis as a function of the extent) (wgrad's SF segments: rup(cdiv(T, vec), 4) columns)
   split    discrete weights: one array per expert, bound as `name:0`, `name:1`, ..., of this shape
   ops      the ops of the table that have the row at all (None: every op of the table)
   launch   outputs: the launcher's name for it
   partial  outputs the launch writes as per-tile partial sums instead, for the lowering to reduce in a fixed order
            (deterministic without float atomics): `Partial(name, kind, shape(problem, config), reduce)`
   alias    outputs the launch writes into an input's buffer (`input_output_aliases`)
+
+Workspaces (`WORKSPACES`) are launch-only outputs that stand for no op output: scratch the launch writes and reads
+itself (the discrete-weights TMA descriptor table), passed after the op's outputs and dropped by `finish`.
 
 The tables (`TABLES`, one per op) are the one statement of the operand contract; the binding order of the public
 ops, the output avals, the dynamic axes, the launcher's operands and TensorSpecs and its unpacking are read from
@@ -36,6 +41,15 @@ Rule = Callable[[Any], Any]
 
 # Rows per partial of a "row_tiles" output: the kernels' M tile (Config.tile_m).
 ROW_TILE = 128
+
+
+def m_tiles(p):
+    """Partials of a "row_tiles" output: the kernels' M tiles, each group's rows cut into ROW_TILE-row tiles from
+    its first row (kernels/scheduler.py). m / 128 when the group ends are multiples of 128; else at most
+    cdiv(m, 128) + L - 1 (each group end adds at most one partial tile), rounded up to + L."""
+    return cdiv(p.m, ROW_TILE) + (p.num_groups if p.m_aligned % ROW_TILE else 0)
+
+
 # Scale-factor block of the FP8 D outputs (SFD_row / SFD_col, e8m0) and of the NVFP4 outputs (e4m3).
 MX_VEC, NVFP4_VEC = 32, 16
 
@@ -119,8 +133,17 @@ def _has_prob(p) -> bool:
     return p.epilogue.has_prob
 
 
-def _fp8_d(p) -> bool:
+def _quant_d(p) -> bool:
+    """FP8 or FP4 D with SFD_row, D_col, SFD_col."""
     return p.epilogue.generate_sfd
+
+
+def _d_col_shape(p):
+    """D_col: D's shape (FP8), or FP4 transposed and packed along the tokens, (N_out, m / 2): wgrad's
+    token-contiguous operand (docs/formats.md#fp4-d-outputs)."""
+    if p.epilogue.d_dtype == FP4:
+        return (p.n_out, p.m // 2)
+    return (p.m, p.n_out)
 
 
 def _norm_const(p) -> bool:
@@ -148,15 +171,19 @@ def _sum_tiles(p, parts, inputs):
 
 
 def _group_sums(p, parts, inputs):
-    """dbias: per-group sums of the per-M-tile column partials (m / 128, N_out) as a one-hot (L, m / 128) x
-    (m / 128, N_out) fp32 product (exact 0/1 weights, fixed order; rows outside every group add nothing)."""
+    """dbias: per-group sums of the per-M-tile column partials (m_tiles, N_out) as a one-hot (L, m_tiles) x
+    (m_tiles, N_out) fp32 product (exact 0/1 weights, fixed order). Tile i belongs to group
+    #{g : tile_end_g <= i}, tile_end_g = sum_{j <= g} ceil(|j| / 128) (the kernels' tiles, from each group's first
+    row); partials past the last tile (zero tiles, or never written) are dropped by a select, not multiplied."""
     import jax
     import jax.numpy as jnp
 
-    from .offsets import row_groups, sanitize_offsets
+    from .offsets import group_starts, sanitize_offsets
 
-    m = parts.shape[0] * ROW_TILE
-    group = row_groups(sanitize_offsets(inputs["padded_offsets"], m), m)[::ROW_TILE]   # group of each tile
+    ends = sanitize_offsets(inputs["padded_offsets"], p.m, p.m_aligned)
+    tile_end = jnp.cumsum((ends - group_starts(ends) + ROW_TILE - 1) // ROW_TILE)
+    group = jnp.searchsorted(tile_end, jnp.arange(parts.shape[0], dtype=tile_end.dtype), side="right")
+    parts = jnp.where((group < p.num_groups)[:, None], parts, 0.0)
     onehot = (group[None, :] == jnp.arange(p.num_groups, dtype=group.dtype)[:, None]).astype(jnp.float32)
     dbias = jnp.dot(onehot, parts, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return dbias.astype(p.epilogue.dbias_dtype)
@@ -210,8 +237,10 @@ WGRAD_INPUTS = (
     Operand("b", "tokens", lambda p: (p.n, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype),
             dynamic=lambda p: (1, _per_byte(p))),
     Operand("padded_offsets", "static", lambda p: (p.num_groups,), "int32"),
-    Operand("sfa", "sf_segments", lambda p: (sf_segment_bytes(p.m, p.k, p.sf_vec_size),), "uint8", _block_scaled),
-    Operand("sfb", "sf_segments", lambda p: (sf_segment_bytes(p.n, p.k, p.sf_vec_size),), "uint8", _block_scaled),
+    Operand("sfa", "sf_segments", lambda p: (sf_segment_bytes(p.m, p.k, p.sf_vec_size),), "uint8", _block_scaled,
+            dynamic=lambda p: (0, lambda t: sf_segment_bytes(p.m, t, p.sf_vec_size))),
+    Operand("sfb", "sf_segments", lambda p: (sf_segment_bytes(p.n, p.k, p.sf_vec_size),), "uint8", _block_scaled,
+            dynamic=lambda p: (0, lambda t: sf_segment_bytes(p.n, t, p.sf_vec_size))),
     Operand("global_scale_a", "static", lambda p: (p.num_groups,), "float32", lambda p: p.has_global_scales),
     Operand("global_scale_b", "static", lambda p: (p.num_groups,), "float32", lambda p: p.has_global_scales),
     Operand("wgrad", "static", lambda p: (p.num_groups, p.m, p.n), lambda p: p.wgrad_dtype, lambda p: p.accumulate),
@@ -221,18 +250,19 @@ WGRAD_INPUTS = (
 # variants may leave it out (c_dtype None).
 _C_OUT = Operand("c_tensor", "rows", lambda p: (p.m, p.n), lambda p: p.epilogue.c_dtype,
                  lambda p: p.epilogue.c_dtype is not None, ops=("srelu", "glu", "glu_hadamard_quant"), launch="c")
-_D_COL = Operand("d_col_tensor", "rows", lambda p: (p.m, p.n_out), lambda p: p.epilogue.d_dtype, _fp8_d,
-                 launch="d_col")
+_D_COL = Operand("d_col_tensor", lambda p: "cols_by_m" if p.epilogue.d_dtype == FP4 else "rows", _d_col_shape,
+                 lambda p: _storage(p.epilogue.d_dtype), _quant_d, launch="d_col")
 _AMAX = Operand("amax_tensor", "static", lambda p: (p.num_groups, 2 if p.op == "dglu" else 1), "float32",
                 lambda p: p.epilogue.compute_amax, launch="amax")
-_SFD_ROW = Operand("sfd_row_tensor", "sf_rows", lambda p: sf_physical_shape(p.m, p.n_out, MX_VEC), "uint8", _fp8_d,
+_SFD_ROW = Operand("sfd_row_tensor", "sf_rows", lambda p: sf_physical_shape(p.m, p.n_out, MX_VEC), "uint8", _quant_d,
                    launch="sfd_row")
 _SFD_COL = Operand("sfd_col_tensor", lambda p: "sf_segments" if p.epilogue.discrete_col_sfd else "sf_cols",
-                   _sfd_col_shape, "uint8", _fp8_d, launch="sfd_col")
+                   _sfd_col_shape, "uint8", _quant_d, launch="sfd_col")
 
 FORWARD_OUTPUTS = (
     _C_OUT,
-    Operand("d_tensor", "rows", lambda p: (p.m, p.n_out), lambda p: p.epilogue.d_dtype, launch="d"),
+    Operand("d_tensor", "rows", lambda p: _packed_out(p.m, p.n_out, p.epilogue.d_dtype),
+            lambda p: _storage(p.epilogue.d_dtype), launch="d"),
     _D_COL,
     _AMAX,
     _SFD_ROW,
@@ -278,7 +308,7 @@ DGRAD_OUTPUTS = (
             partial=Partial("dprob_parts", "tiles_by_m", lambda p, cfg: (dgrad_n_parts(p, cfg), p.m), _sum_tiles)),
     Operand("dbias_tensor", "static", lambda p: (p.num_groups, p.n_out), lambda p: p.epilogue.dbias_dtype,
             lambda p: p.epilogue.dbias_dtype is not None,
-            partial=Partial("dbias_parts", "row_tiles", lambda p, cfg: (p.m // ROW_TILE, p.n_out), _group_sums)),
+            partial=Partial("dbias_parts", "row_tiles", lambda p, cfg: (m_tiles(p), p.n_out), _group_sums)),
     _AMAX,
     _SFD_ROW,
     _SFD_COL,
@@ -299,6 +329,27 @@ TABLES = {
     "dsrelu": (DGRAD_INPUTS, DGRAD_OUTPUTS),
     "wgrad": (WGRAD_INPUTS, WGRAD_OUTPUTS),
 }
+
+
+# Launch-only scratch (no op output): the discrete-weights descriptor table of the M-grouped kernels -- one 128-byte
+# TMA descriptor per expert and per weight operand (B; block-scaled: SFB), then the experts' base addresses (8 bytes
+# each) (kernels/sm90/experts.py; XLA buffers are 256-byte aligned, so every descriptor is 128-byte aligned).
+TMA_DESCRIPTOR_BYTES = 128
+
+
+def expert_descriptor_operands(p) -> int:
+    """Weight operands read through per-expert descriptors: B, and SFB when block-scaled."""
+    return 2 if p.block_scaled else 1
+
+
+def _descriptor_table_bytes(p):
+    return (expert_descriptor_operands(p) * p.num_groups * (TMA_DESCRIPTOR_BYTES + 8),)
+
+
+WORKSPACES = (
+    Operand("expert_descriptors", "static", _descriptor_table_bytes, "uint8",
+            lambda p: p.discrete_weights and p.op != "wgrad", launch="expert_descriptors"),
+)
 
 
 # ------------------------------------------------------------------------------------------------ derived
@@ -325,6 +376,7 @@ def launch_names() -> frozenset:
     for ins, outs in TABLES.values():
         names.update(r.name for r in ins)
         names.update(r.partial.name if r.partial else r.launch for r in outs)
+    names.update(r.launch for r in WORKSPACES)
     return frozenset(names)
 
 
@@ -368,7 +420,7 @@ def output_specs(problem) -> dict:
 
 def launch_outputs(problem, config=None) -> list[Bound]:
     """What the launch writes, in launcher order: the present outputs, each partial-summed one as its partial
-    (whose shape needs the kernel `config`; None: shape None)."""
+    (whose shape needs the kernel `config`; None: shape None), then the present workspaces."""
     out = []
     for r in rows(problem.op)[1]:
         if not r.present(problem):
@@ -379,6 +431,7 @@ def launch_outputs(problem, config=None) -> list[Bound]:
                              part.dtype))
         else:
             out.append(Bound(r.launch, _eval(r.kind, problem), tuple(r.shape(problem)), _eval(r.dtype, problem)))
+    out += [Bound(r.launch, r.kind, tuple(r.shape(problem)), r.dtype) for r in WORKSPACES if r.present(problem)]
     return out
 
 
@@ -391,15 +444,22 @@ def input_output_aliases(problem) -> dict:
 
 def finish(problem) -> Optional[Callable]:
     """None when the launch writes exactly the op's outputs, else `finish(launch outputs, {input name: array})`
-    -> the op's outputs (the partial sums reduced, the rest passed through)."""
+    -> the op's outputs (the partial sums reduced, the workspaces dropped, the rest passed through)."""
     present = [r for r in rows(problem.op)[1] if r.present(problem)]
-    if not any(r.partial for r in present):
+    if not any(r.partial for r in present) and not any(r.present(problem) for r in WORKSPACES):
         return None
 
     def reduce(launch_outs, named_inputs):
+        # zip stops at the op's outputs: the workspaces come after them
         return [r.partial.reduce(problem, x, named_inputs) if r.partial else x for r, x in zip(present, launch_outs)]
 
     return reduce
+
+
+def axis_extent(per, extent):
+    """The size of a dynamic axis (`dynamic_axes`' `per`: extent per index, or a function of the extent) at the
+    problem's extent (concrete or a jax.export symbolic dimension)."""
+    return per(extent) if callable(per) else extent // per
 
 
 def dynamic_axes(problem) -> tuple[str, dict]:

@@ -8,7 +8,8 @@ docs/formats.md#rounding).
 The scale-factor layout and all quantization rules live in `formats`; this module never re-derives them.
 On CUDA (no kernel for a call) the GEMMs are traced with 16-bit operands instead: `tensor_core_operands`.
 
-Device offsets are sanitized (docs/offsets.md): `end_g = running_max(floor256(clip(padded_offsets[g], 0, m)))`.
+Device offsets are sanitized (docs/offsets.md): `end_g = running_max(floor_a(clip(padded_offsets[g], 0, m)))` with
+`a` the call's `m_aligned` (256 by default; every M-grouped op takes it as a keyword).
 Rows outside every group produce zeros everywhere (SF bytes 0, dprob 0) and add nothing to amax/dbias; an empty
 group's amax and dbias are 0 (docs/offsets.md#rows-outside-every-group).
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from . import activations
 from .activations import GLU_BLOCK
 from . import formats as F
-from .limits import FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN
+from .limits import FLOAT_OUT_DTYPES, GROUP_ALIGN, QUANT_D_DTYPES
 from .offsets import group_starts, row_groups, sanitize_offsets, sanitize_token_offsets  # noqa: F401 (API)
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -108,30 +109,62 @@ def dequantize_b(b, sfb, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size:
     return _dequant_rows(b, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
 
 
-def grouped_matmul(a_op, b_op, ends):
+def row_tile(m: int, num_groups: int, m_aligned: int) -> int:
+    """Rows per step of `grouped_matmul`: 256 when groups are 256-aligned (steps never straddle a group end); else
+    about one group's share (a power of two in [16, 256]): a step past its group's end is wasted work."""
+    if m_aligned % GROUP_ALIGN == 0:
+        return GROUP_ALIGN
+    share = max(m // max(num_groups, 1), 1)
+    return min(max(1 << (share.bit_length() - 1), 16), GROUP_ALIGN)
+
+
+def grouped_matmul(a_op, b_op, ends, m_aligned: int = GROUP_ALIGN):
     """acc[r, n] = sum_k a[r, k] * b[g(r), n, k] (fp32 accumulation); rows outside every group are 0.
 
-    Operands are f32 (dequantized, multiplied at HIGHEST) or 16-bit (see `tensor_core_operands`). Sanitized group
-    ends are multiples of 256, so every 256-row tile belongs to one group (or to none): a loop over row tiles, each
-    a (256, K) x (K, N) matmul with its group's weight, does exactly the useful work with O(N*K) extra memory.
-    (`lax.ragged_dot` lowers to an (L, m, K) masked operand on CPU and to L x the work on a GPU.)
+    Operands are f32 (dequantized, multiplied at HIGHEST) or 16-bit (see `tensor_core_operands`). A loop over row
+    tiles, each a (R, K) x (K, N) matmul with its group's weight, does the useful work with O(N*K) extra memory.
+    Each group's rows are cut into tiles from its first row, like the kernels' M tiles: sum_g ceil(|g| / R) steps,
+    at most cdiv(m, R) + L - 1 (each group end adds at most one partial tile; none when the ends are multiples of
+    R). A row is read back from the tile of its own group. (`lax.ragged_dot` lowers to an (L, m, K) masked operand
+    on CPU and to L x the work on a GPU.)
     """
     m, k = a_op.shape
-    num_groups = b_op.shape[0]
-    gid = row_groups(ends, m)
-    if m % GROUP_ALIGN:                                     # not reachable through the public ops (m % 256 == 0)
-        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
-        return jax.lax.ragged_dot(a_op, jnp.swapaxes(b_op, 1, 2), sizes, precision=HIGHEST,
-                                  preferred_element_type=F32)
+    num_groups, n = b_op.shape[0], b_op.shape[1]
+    tile = row_tile(m, num_groups, m_aligned)
+    aligned = m_aligned % tile == 0 and m % tile == 0
+    starts = group_starts(ends)
+    count = (ends - starts + tile - 1) // tile           # tiles of each group (0 for an empty one)
+    tile_end = jnp.cumsum(count)
+    first = tile_end - count
+    steps = F.cdiv(m, tile) + (0 if aligned else num_groups - 1)
+    step = jnp.arange(steps, dtype=jnp.int32)
+    group = jnp.searchsorted(tile_end, step, side="right").astype(jnp.int32)   # L: an unused step
+    used = group < num_groups
+    gc = jnp.minimum(group, num_groups - 1)
+    row0 = jnp.where(used, starts[gc] + (step - first[gc]) * tile, 0)
 
-    def tile(args):
-        a_tile, g = args
+    def product(g, a_tile):
         w = jax.lax.dynamic_index_in_dim(b_op, jnp.minimum(g, num_groups - 1), keepdims=False)
-        y = jnp.dot(a_tile, w.T, precision=HIGHEST, preferred_element_type=F32)
-        return jnp.where(g < num_groups, y, 0.0)
+        return jnp.dot(a_tile, w.T, precision=HIGHEST, preferred_element_type=F32)
 
-    out = jax.lax.map(tile, (a_op.reshape(m // GROUP_ALIGN, GROUP_ALIGN, k), gid[::GROUP_ALIGN]))
-    return out.reshape(m, b_op.shape[1])
+    if aligned:   # every tile lies in one group (or past the last end): the tiles are A's rows in order
+        out = jax.lax.map(lambda args: jnp.where(args[1] < num_groups, product(*args[::-1]), 0.0),
+                          (a_op.reshape(steps, tile, k), row_groups(ends, m)[::tile]))
+        return out.reshape(m, n)
+
+    def one(args):
+        r0, g, use = args
+        rows = jnp.minimum(r0 + jnp.arange(tile, dtype=jnp.int32), m - 1)   # past m: any row, never read back
+        return jax.lax.cond(use, lambda: product(g, jnp.take(a_op, rows, axis=0)),
+                            lambda: jnp.zeros((tile, n), F32))
+
+    tiles = jax.lax.map(one, (row0, group, used)).reshape(steps * tile, n)
+    gid = row_groups(ends, m)
+    r = jnp.arange(m, dtype=jnp.int32)
+    g = jnp.minimum(gid, num_groups - 1)
+    local = r - starts[g]
+    out = jnp.take(tiles, (first[g] + local // tile) * tile + local % tile, axis=0)
+    return jnp.where((gid < num_groups)[:, None], out, 0.0)
 
 
 def token_tile(tokens: int, num_groups: int) -> int:
@@ -174,7 +207,9 @@ def expert_token_matmul(a_op, b_op, ends):
         b_t = jax.lax.dynamic_slice_in_dim(b_op, t * step_tokens, step_tokens, axis=1)
         token = t * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
         keep = use & (token >= starts[e]) & (token < ends[e])
+        # both operands: another expert's NaN / inf must not reach W[e] through a product with a masked zero
         a_t = jnp.where(keep[None, :], a_t, jnp.zeros((), a_t.dtype))
+        b_t = jnp.where(keep[None, :], b_t, jnp.zeros((), b_t.dtype))
         w = jnp.dot(a_t, b_t.T, precision=HIGHEST, preferred_element_type=F32)
         return jax.lax.dynamic_update_index_in_dim(acc, acc[e] + w, e, axis=0), None
 
@@ -214,15 +249,15 @@ def _mma_operand(x, dequantized_f32, ab_dtype: str):
     return jnp.asarray(x)
 
 
-def _gemm(a, b, sfa, sfb, ends, *, ab_dtype, sf_dtype, sf_vec_size):
+def _gemm(a, b, sfa, sfb, ends, *, ab_dtype, sf_dtype, sf_vec_size, m_aligned):
     kw = dict(ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
     a_op = _mma_operand(a, lambda: dequantize_a(a, sfa, **kw), ab_dtype)
     b_op = _mma_operand(b, lambda: dequantize_b(b, sfb, **kw), ab_dtype)
-    return grouped_matmul(a_op, b_op, ends)
+    return grouped_matmul(a_op, b_op, ends, m_aligned)
 
 
-def _prep(padded_offsets, m: int):
-    ends = sanitize_offsets(padded_offsets, m)
+def _prep(padded_offsets, m: int, m_aligned: int):
+    ends = sanitize_offsets(padded_offsets, m, m_aligned)
     gid = row_groups(ends, m)
     return ends, gid, gid < ends.shape[0]
 
@@ -259,15 +294,17 @@ def cast(x, dtype: str):
 
 
 def store_d(dfp, ends, *, d_dtype: str, norm_const=None, discrete_col_sfd: bool = False):
-    """D (and for FP8 D: D_col, SFD_row, SFD_col) from the fp32 D (m, N_out), already zero outside groups.
+    """D (and for FP8 / FP4 D: D_col, SFD_row, SFD_col) from the fp32 D (m, N_out), already zero outside groups.
 
     SFD_row: row quantization (docs/formats.md#row-quantization), e8m0 vec 32, physical (1, Rb, Kb, 32, 4, 4).
     D_col/SFD_col: column quantization, 32-row blocks; SFD_col is the MMA-tiled layout of D^T or, with
     `discrete_col_sfd`, the per-group segments (docs/formats.md#segmented-layout) of the sanitized
-    group ends. Zero data quantizes to code 0 with SF byte 0, so rows outside every group stay zero.
+    group ends. FP4 (MXFP4) D is packed (m, N_out/2), its D_col transposed (N_out, m/2), tokens packed
+    (docs/formats.md#fp4-d-outputs). Zero data quantizes to code 0 with SF byte 0, so rows outside every group stay
+    zero.
     """
     out = dict(d=None, d_col=None, sfd_row=None, sfd_col=None)
-    if d_dtype not in FP8_DTYPES:
+    if d_dtype not in QUANT_D_DTYPES:
         out["d"] = cast(dfp, d_dtype)
         return out
     nc = _norm_const(norm_const)
@@ -323,12 +360,14 @@ def glu_interleave(gate, up):
 
 def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *,
                        ab_dtype: str, sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
-                       d_dtype: str, compute_amax: bool = False, discrete_col_sfd: bool = False):
+                       d_dtype: str, compute_amax: bool = False, discrete_col_sfd: bool = False,
+                       m_aligned: int = GROUP_ALIGN):
     """D = prob*alpha*acc, or with bias D = alpha*acc + prob*bias (docs/ops.md#grouped_gemm_quant). D (m, N);
     FP8 D adds D_col and SFD."""
     m = a.shape[0]
-    ends, gid, _ = _prep(padded_offsets, m)
-    acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
+    ends, gid, _ = _prep(padded_offsets, m, m_aligned)
+    acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size,
+                m_aligned=m_aligned)
     alpha_r = _per_row(_f32(alpha), gid)[:, None]
     prob_r = _prob_rows(prob, m)
     if bias is None:
@@ -339,11 +378,12 @@ def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, n
                         compute_amax=compute_amax, discrete_col_sfd=discrete_col_sfd)
 
 
-def _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, *, ab_dtype, sf_dtype, sf_vec_size):
+def _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, *, ab_dtype, sf_dtype, sf_vec_size, m_aligned):
     """C = alpha*acc (+ bias): the pre-activation of srelu/glu/hadamard (docs/ops.md)."""
     m = a.shape[0]
-    ends, gid, _ = _prep(padded_offsets, m)
-    acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
+    ends, gid, _ = _prep(padded_offsets, m, m_aligned)
+    acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size,
+                m_aligned=m_aligned)
     c = _per_row(_f32(alpha), gid)[:, None] * acc
     if bias is not None:
         c = c + _per_row(_f32(bias), gid)
@@ -364,11 +404,11 @@ def _activation(c, prob, *, act, **options):
 def grouped_gemm_srelu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *,
                        ab_dtype: str, sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
                        c_dtype: str = "bfloat16", d_dtype: str, tanh_clamp_scale: Optional[float] = None,
-                       compute_amax: bool = False, discrete_col_sfd: bool = False):
+                       compute_amax: bool = False, discrete_col_sfd: bool = False, m_aligned: int = GROUP_ALIGN):
     """C = alpha*acc (+ bias), D = prob * relu(C)^2 (or the tanh-clamped form) (docs/ops.md#grouped_gemm_srelu).
     C, D (m, N)."""
     c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
-                           sf_vec_size=sf_vec_size)
+                           sf_vec_size=sf_vec_size, m_aligned=m_aligned)
     dfp = _activation(c, prob, act="srelu", tanh_clamp_scale=tanh_clamp_scale)
     return _fwd_outputs(c, dfp, ends, gid, c_dtype=c_dtype, d_dtype=d_dtype, norm_const=norm_const,
                         compute_amax=compute_amax, discrete_col_sfd=discrete_col_sfd)
@@ -378,11 +418,11 @@ def grouped_gemm_glu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, nor
                      ab_dtype: str, sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
                      act_func: str = "swiglu", c_dtype: str = "bfloat16", d_dtype: str,
                      glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
-                     compute_amax: bool = False, discrete_col_sfd: bool = False):
+                     compute_amax: bool = False, discrete_col_sfd: bool = False, m_aligned: int = GROUP_ALIGN):
     """C = alpha*acc (+ bias) (m, N) stored pre-clamp; D = scale * prob * act(gate, up) (m, N/2), scale = glu_alpha
     for swiglu / geglu (docs/ops.md#grouped_gemm_glu, docs/activations.md)."""
     c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
-                           sf_vec_size=sf_vec_size)
+                           sf_vec_size=sf_vec_size, m_aligned=m_aligned)
     dfp = _activation(c, prob, act=act_func, glu_limit=glu_limit, glu_alpha=glu_alpha)
     return _fwd_outputs(c, dfp, ends, gid, c_dtype=c_dtype, d_dtype=d_dtype, norm_const=norm_const,
                         compute_amax=compute_amax, discrete_col_sfd=discrete_col_sfd)
@@ -422,7 +462,7 @@ def pack_token_segments(packed, ends):
     (docs/ops.md#grouped_gemm_glu_hadamard_quant).
 
     Segment g is `packed[:, start_g/2 : end_g/2]` flattened row-major (tokens contiguous), starting at byte
-    R*start_g/2. Bytes past the last group are 0. Group bounds are even (multiples of 256).
+    R*start_g/2. Bytes past the last group are 0. Group bounds are even (NVFP4 outputs need m_aligned % 128 == 0).
     """
     rows, half_t = packed.shape
     num_groups = ends.shape[0]
@@ -444,7 +484,8 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
                                     act_func: str = "swiglu", c_dtype: str = "bfloat16", d_dtype: str = "bfloat16",
                                     rht: Optional[str] = None, rht_dtype: Optional[str] = None,
                                     glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
-                                    tanh_clamp_scale: Optional[float] = None, compute_amax: bool = False):
+                                    tanh_clamp_scale: Optional[float] = None, compute_amax: bool = False,
+                                    m_aligned: int = GROUP_ALIGN):
     """docs/ops.md#grouped_gemm_glu_hadamard_quant. D = activation output: bf16 (m, N_out), or NVFP4 uint8
     (m, N_out/2) + e4m3 `sfd_tensor`.
 
@@ -455,7 +496,7 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
     amax: per-group max |D| of the fp32 activation output.
     """
     c, ends, gid = _c_fp32(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype=ab_dtype, sf_dtype=sf_dtype,
-                           sf_vec_size=sf_vec_size)
+                           sf_vec_size=sf_vec_size, m_aligned=m_aligned)
     num_groups = ends.shape[0]
     valid = (gid < num_groups)[:, None]
     dfp = jnp.where(valid, _activation(c, prob, act=act_func, glu_limit=glu_limit, glu_alpha=glu_alpha,
@@ -503,11 +544,12 @@ def _load_c(c, c_dtype):
 
 
 def _bwd_prologue(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, *, ab_dtype, sf_dtype, sf_vec_size,
-                  c_dtype):
+                  c_dtype, m_aligned):
     """dD = alpha*acc (acc = dY @ W2^T per group), x = beta*C (the forward pre-activation), prob per row."""
     m = a.shape[0]
-    ends, gid, valid = _prep(padded_offsets, m)
-    acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
+    ends, gid, valid = _prep(padded_offsets, m, m_aligned)
+    acc = _gemm(a, b, sfa, sfb, ends, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size,
+                m_aligned=m_aligned)
     dd = _per_row(_f32(alpha), gid)[:, None] * acc
     x = _per_row(_f32(beta), gid)[:, None] * _load_c(c, c_dtype)
     return dd, x, _prob_rows(prob, m), ends, gid, valid
@@ -531,7 +573,7 @@ def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm
                       sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
                       c_dtype: Optional[str] = None, act_func: str = "dswiglu", glu_limit: Optional[float] = None,
                       glu_alpha: Optional[float] = None, d_dtype: str, dbias_dtype: Optional[str] = None,
-                      compute_amax: bool = False, discrete_col_sfd: bool = False):
+                      compute_amax: bool = False, discrete_col_sfd: bool = False, m_aligned: int = GROUP_ALIGN):
     """GLU backward (docs/ops.md#grouped_gemm_dglu). a = dY (m, H), b = W2^T (L, I, H), c = saved C (m, 2I) with
     dequant scale beta.
 
@@ -543,7 +585,7 @@ def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm
     options = dict(glu_limit=glu_limit, glu_alpha=glu_alpha)
     dd, x, prob_r, ends, gid, valid = _bwd_prologue(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob,
                                                     ab_dtype=ab_dtype, sf_dtype=sf_dtype,
-                                                    sf_vec_size=sf_vec_size, c_dtype=c_dtype)
+                                                    sf_vec_size=sf_vec_size, c_dtype=c_dtype, m_aligned=m_aligned)
     value, d_gate, d_up = entry.reference(*glu_split(x), **entry.constants(options), grad=True)
     scale = entry.output_scale(options)
     if scale is not None:
@@ -565,7 +607,7 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
                         sf_dtype: Optional[str] = None, sf_vec_size: Optional[int] = None,
                         c_dtype: Optional[str] = None, tanh_clamp_scale: Optional[float] = None, d_dtype: str,
                         dbias_dtype: Optional[str] = None, compute_amax: bool = False,
-                        discrete_col_sfd: bool = False):
+                        discrete_col_sfd: bool = False, m_aligned: int = GROUP_ALIGN):
     """sReLU backward (docs/ops.md#grouped_gemm_dsrelu, mirrors dglu). a = dY (m, H), b = W2^T (L, I, H), c = saved
     pre-activation (m, I).
 
@@ -573,7 +615,7 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
     """
     dd, x, prob_r, ends, gid, valid = _bwd_prologue(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob,
                                                     ab_dtype=ab_dtype, sf_dtype=sf_dtype,
-                                                    sf_vec_size=sf_vec_size, c_dtype=c_dtype)
+                                                    sf_vec_size=sf_vec_size, c_dtype=c_dtype, m_aligned=m_aligned)
     entry = activations.get("dsrelu")
     value, dvalue = entry.reference(x, **entry.constants(dict(tanh_clamp_scale=tanh_clamp_scale)), grad=True)
     dc = dd * prob_r * dvalue
@@ -588,8 +630,9 @@ def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, g
     """W[e] = gsa[e]*gsb[e] * A[:, T_e] @ B[:, T_e]^T (L, m_w, n_w) (docs/ops.md#grouped_gemm_wgrad).
 
     a (m_w, T), b (n_w, T) token-contiguous (FP4: uint8 (., T/2)); sfa/sfb flat per-expert SF segments
-    (docs/formats.md#segmented-layout);
-    token ends sanitized as running_max(clip(offsets, 0, T)); `wgrad_tensor` given: out = cast(W_in + W) (fp32 add).
+    (docs/formats.md#segmented-layout: token t of expert e is scaled by local block (t - start_e) // vec of its
+    segment); token ends sanitized as running_max(clip(offsets, 0, T)); `wgrad_tensor` given: out = cast(W_in + W)
+    (fp32 add).
     """
     fp4 = ab_dtype == F.E2M1
     tokens = a.shape[1] * (2 if fp4 else 1)
@@ -599,8 +642,8 @@ def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, g
     def deq(x, sf):
         if not _is_block_scaled(ab_dtype):
             return jnp.asarray(x).astype(F32)
-        s = F.unpack_sf_segments(sf, x.shape[0], ends, tokens, sf_vec_size)
-        return _dequant_rows(x, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
+        s = F.segment_token_scales(sf, x.shape[0], ends, tokens, sf_vec_size)
+        return F.decode(x, ab_dtype) * _decode_scales(s, sf_dtype)
 
     w = expert_token_matmul(_mma_operand(a, lambda: deq(a, sfa), ab_dtype),
                             _mma_operand(b, lambda: deq(b, sfb), ab_dtype), ends)

@@ -40,10 +40,14 @@ FORMATS = {"nvfp4": (E2M1, E4M3, 16), "nvfp4e8": (E2M1, E8M0, 16), "mxfp4": (E2M
 # weight-only quantization: bf16 A (no sfa) with block-scaled B of the named format
 WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp4": "mxfp4", "w_mxfp8": "mxfp8"}
 FORMATS.update({w: FORMATS[f] for w, f in WEIGHT_ONLY.items()})
+HALF = "bf16"   # bf16 A and B (the bf16 A of weight-only for both; no scale factors): the discrete-weights cases
+FORMATS[HALF] = ("bfloat16", None, None)
 M, L = 2048, 4
 PATTERNS = {
     "empty_and_tail": (512, 512, 1024, 1792),   # expert 1 empty, rows 1792.. outside every group (m > valid_m)
     "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048
+    # 300 experts (the pattern sets L), four of them non-empty, rows 1792.. outside (lab/discrete_cases.py)
+    "many_experts": tuple(256 * ((e >= 7) + 2 * (e >= 100) + (e >= 257) + 3 * (e >= 299)) for e in range(300)),
 }
 MODES = ("exact", "adversarial", "specials")
 # (pattern, mode) each case runs in the GPU test: every mode, both routing patterns (~3 s a run)
@@ -93,29 +97,46 @@ EXACT_KEYS = {"quant": ("d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tens
               "srelu": ("c_tensor",), "glu": ("c_tensor",)}
 
 
-def input_avals(case) -> dict:
-    """{input: ShapeDtypeStruct (None: absent)} of a case, as tests/gpu/blockscaled_checks.inputs makes them: packed
-    FP4 codes as uint8 (rows, K/2), FP8 codes typed, bf16 A for the weight-only formats, the MMA-tiled scale bytes
-    (e4m3 scales typed, e8m0 as uint8), the saved C and beta of the backward ops."""
+def input_avals(case, pattern: str = "empty_and_tail", discrete: bool = False) -> dict:
+    """{input: ShapeDtypeStruct (None: absent)} of a case, as tests/gpu/blockscaled_checks.inputs makes them (the
+    pattern sets the expert count L): packed FP4 codes as uint8 (rows, K/2), FP8 codes typed, bf16 A for the
+    weight-only formats (bf16 A and B for HALF), the MMA-tiled scale bytes (e4m3 scales typed, e8m0 as uint8), the
+    saved C and beta of the backward ops; `discrete`: also the per-expert lists of `expert_lists`."""
     _, op, fmt, k, n, options = case
     data, sf, vec = FORMATS[fmt]
+    L = len(PATTERNS[pattern])
     sds = jax.ShapeDtypeStruct
     code = (lambda *s: sds(s[:-1] + (s[-1] // 2,), jnp.uint8)) if data == E2M1 else (lambda *s: sds(s, data))
     sf_type = jnp.float8_e4m3fn if sf == E4M3 else jnp.uint8
-    x = dict(a=sds((M, k), jnp.bfloat16) if fmt in WEIGHT_ONLY else code(M, k),
-             b=code(L, n, k), sfa=None if fmt in WEIGHT_ONLY else sds(sf_physical_shape(M, k, vec), sf_type),
-             sfb=sds(sf_physical_shape(n, k, vec, L), sf_type), alpha=sds((L,), jnp.float32),
+    scaled_a = sf is not None and fmt not in WEIGHT_ONLY
+    x = dict(a=sds((M, k), jnp.bfloat16) if fmt in WEIGHT_ONLY else code(M, k), b=code(L, n, k),
+             sfa=sds(sf_physical_shape(M, k, vec), sf_type) if scaled_a else None,
+             sfb=None if sf is None else sds(sf_physical_shape(n, k, vec, L), sf_type), alpha=sds((L,), jnp.float32),
              prob=sds((M,), jnp.float32), offsets=sds((L,), jnp.int32), norm_const=sds((1,), jnp.float32),
              bias=sds((L, n), options.get("bias") or F32))
     if op in DGRAD_OPS:
         x["c"] = sds((M, 2 * n if op == "dglu" else n), options["c_dtype"])
         x["beta"] = sds((L,), jnp.float32)
+    if discrete:
+        x["bs"] = [sds(x["b"].shape[1:], x["b"].dtype) for _ in range(L)]
+        x["sfbs"] = None if sf is None else [sds((1,) + x["sfb"].shape[1:], sf_type) for _ in range(L)]
     return x
 
 
-def call(case, x):
+def expert_lists(x):
+    """x with every expert's weight (and SF buffer) as its own array, for a discrete-weights call."""
+    sfb = x["sfb"]
+    return dict(x, bs=[x["b"][e] for e in range(x["b"].shape[0])],
+                sfbs=None if sfb is None else [sfb[e:e + 1] for e in range(sfb.shape[0])])
+
+
+def call(case, x, discrete: bool = False):
+    """The case's public op call; `discrete`: the weights as per-expert arrays (b_tensors / sfb_tensors, from
+    `expert_lists`) instead of the stacked b_tensor / sfb_tensor."""
     _, op, fmt, _, _, options = case
     options = dict(options)
+    weights = (dict(b_tensors=x["bs"], sfb_tensors=x["sfbs"]) if discrete
+               else dict(b_tensor=x["b"], sfb_tensor=x["sfb"]))
     if op in DGRAD_OPS:
         prob = None if options.pop("no_prob", False) else x["prob"]
         options.pop("c_dtype")
@@ -123,14 +144,14 @@ def call(case, x):
                   sf_vec_size=FORMATS[fmt][2], **options)
         if options.get("d_dtype") in FP8:
             kw["norm_const_tensor"] = x["norm_const"]
-        return DGRAD_OPS[op](x["a"], x["b"], x["c"], x["sfa"], x["sfb"], **kw)
+        return DGRAD_OPS[op](x["a"], c_tensor=x["c"], sfa_tensor=x["sfa"], **weights, **kw)
     bias = x["bias"] if options.pop("bias", None) else None
     prob = None if options.pop("no_prob", False) else x["prob"]
     kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], prob_tensor=prob, bias_tensor=bias,
               sf_vec_size=FORMATS[fmt][2], **options)
     if options.get("d_dtype") in FP8:
         kw["norm_const_tensor"] = x["norm_const"]
-    return OPS[op](x["a"], x["b"], x["sfa"], x["sfb"], **kw)
+    return OPS[op](x["a"], sfa_tensor=x["sfa"], **weights, **kw)
 
 
 ALL_CASES = CASES + DGRAD_CASES
@@ -138,8 +159,14 @@ ALL_CASES = CASES + DGRAD_CASES
 
 def bundle_items() -> list:
     """Each case's call lowered for CUDA at `input_avals` (aot records the module it asks for)."""
-    return [functools.partial(_lower, case) for case in ALL_CASES]
+    return bundle_items_for(ALL_CASES)
 
 
-def _lower(case):
-    return jax.jit(functools.partial(call, case)).trace(input_avals(case)).lower(lowering_platforms=("cuda",))
+def bundle_items_for(cases, pattern: str = "empty_and_tail", discrete: bool = False) -> list:
+    """The cases' calls (`discrete`: with per-expert weights) lowered for CUDA at `input_avals(case, pattern)`."""
+    return [functools.partial(lower, case, pattern, discrete) for case in cases]
+
+
+def lower(case, pattern: str = "empty_and_tail", discrete: bool = False):
+    fn = jax.jit(functools.partial(call, case, discrete=discrete))
+    return fn.trace(input_avals(case, pattern, discrete)).lower(lowering_platforms=("cuda",))

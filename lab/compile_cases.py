@@ -23,6 +23,13 @@ NVFP4, MXFP4 = ("float4_e2m1fn", "float8_e4m3fn", 16), ("float4_e2m1fn", "float8
 MXFP8, MXFP8E5 = ("float8_e4m3fn", "float8_e8m0fnu", 32), ("float8_e5m2", "float8_e8m0fnu", 32)
 
 
+def _wgrad(fmt, **kw):
+    """A block-scaled wgrad (W rows m_w: 384 runs 1 x 1 clusters, 512 2 x 1)."""
+    sf = dict(zip(("ab_dtype", "sf_dtype", "sf_vec_size"), fmt))
+    return GroupedGemmProblem(op="wgrad", m=kw.pop("m", 384), n=320, k=2048, num_groups=5,
+                              wgrad_dtype=kw.pop("wgrad_dtype", BF), **sf, **kw)
+
+
 BACKWARD = {
     "dsrelu_bias_amax": dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, compute_amax=True, dbias_dtype=F32),
     "dsrelu_tanh_f32c": dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=BF, tanh_clamp_scale=2.0, has_prob=False),
@@ -60,6 +67,48 @@ BACKWARD = {
                                             wgrad_dtype=BF, accumulate=True, has_global_scales=True),
     "wgrad_accum_f32_tokmajor_c2": GroupedGemmProblem(op="wgrad", m=512, n=328, k=2000, num_groups=5, ab_dtype=F16,
                                                       wgrad_dtype=F32, accumulate=True, a_major="m", b_major="n"),
+    # block-scaled A / B with per-expert SF segments (mainloop_dequant_wgrad): A in the consumers' registers
+    # (token-contiguous) or converted by the workers like B (token-major FP8, or dequant_a="workers")
+    "wgrad_mxfp8_c1": _wgrad(MXFP8),
+    "wgrad_mxfp8e5_accum_f32_c2": _wgrad(MXFP8E5, m=512, wgrad_dtype=F32, accumulate=True),
+    "wgrad_nvfp4_gs_c1": _wgrad(NVFP4, has_global_scales=True),
+    "wgrad_mxfp4_c2": _wgrad(MXFP4, m=512),
+    "wgrad_mxfp8_tokmajor_c1": _wgrad(MXFP8, a_major="m", b_major="n"),
+    "wgrad_mxfp8e5_tokmajor_accum_gs_c2": _wgrad(MXFP8E5, m=512, accumulate=True, has_global_scales=True,
+                                                  a_major="m", b_major="n"),
+}
+
+
+def _fwd(op="glu_hadamard_quant", fmt=(BF, None, None), n=512, k=256, **epi):
+    sf = dict(zip(("ab_dtype", "sf_dtype", "sf_vec_size"), fmt))
+    return GroupedGemmProblem(op=op, m=2048, n=n, k=k, num_groups=4, a_dtype=epi.pop("a_dtype", None),
+                              epilogue=Epilogue(**epi), **sf)
+
+
+E2M1, MXFP8E4 = "float4_e2m1fn", ("float8_e4m3fn", "float8_e8m0fnu", 32)
+_H = dict(c_dtype=BF)
+# FP4 outputs: grouped_gemm_glu_hadamard_quant (kernels/sm90/hadamard.py) and the MXFP4 D of the forward ops
+# (epilogue_fp4d): every D / Hadamard-output kind over bf16 / fp16, dequantized and weight-only inputs
+FP4_OUT = {
+    "h_bf16_swiglu_bf16d_amax": _fwd(act="swiglu", d_dtype=BF, compute_amax=True, **_H),
+    "h_bf16_geglu_bias_rowbf16": _fwd(act="geglu", has_bias=True, bias_dtype=F32, glu_limit=3.0, d_dtype=BF,
+                                      compute_amax=True, rht="rowwise", rht_dtype=BF, **_H),
+    "h_bf16_srelu_d4_row4_user": _fwd(act="srelu", n=256, d_dtype=E2M1, rht="rowwise", rht_dtype=E2M1,
+                                      has_hadamard=True, **_H),
+    "h_f16_swiglu_f32c_d4": _fwd(fmt=(F16, None, None), act="swiglu", d_dtype=E2M1, **dict(_H, c_dtype=F32)),
+    "h_nvfp4_swiglu_d4_row4": _fwd(fmt=NVFP4, act="swiglu", d_dtype=E2M1, rht="rowwise", rht_dtype=E2M1, **_H),
+    "h_nvfp4_swiglu_d4_col": _fwd(fmt=NVFP4, act="swiglu", d_dtype=E2M1, rht="colwise", rht_dtype=E2M1, **_H),
+    "h_mxfp8_gptoss_bf16d_col_user": _fwd(fmt=MXFP8E4, act="gpt_oss_swiglu", d_dtype=BF, compute_amax=True,
+                                          rht="colwise", rht_dtype=E2M1, has_hadamard=True, **_H),
+    "h_w_nvfp4_srelu_d4_col": _fwd(fmt=NVFP4, a_dtype=BF, act="srelu", n=384, tanh_clamp_scale=2.0, d_dtype=E2M1,
+                                   rht="colwise", rht_dtype=E2M1, **_H),
+    "quant_bf16_mxfp4d": _fwd("quant", d_dtype=E2M1, generate_sfd=True),
+    "glu_bf16_mxfp4d_seg": _fwd("glu", act="swiglu", c_dtype=BF, d_dtype=E2M1, generate_sfd=True,
+                                discrete_col_sfd=True),
+    "srelu_nvfp4_mxfp4d_n384": _fwd("srelu", fmt=NVFP4, n=384, act="srelu", c_dtype=F32, d_dtype=E2M1,
+                                    generate_sfd=True),
+    "glu_mxfp8_geglu_mxfp4d_seg": _fwd("glu", fmt=MXFP8E4, act="geglu", has_bias=True, bias_dtype=BF, c_dtype=E4M3,
+                                       d_dtype=E2M1, generate_sfd=True, discrete_col_sfd=True),
 }
 
 
@@ -86,4 +135,5 @@ def all_cases() -> dict:
             name += "+"
         out[name] = p
     out.update(BACKWARD)
+    out.update(FP4_OUT)
     return out

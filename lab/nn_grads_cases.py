@@ -4,14 +4,16 @@ modules of exactly those jitted functions:
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.nn_grads_cases:bundle_items
 
-The shapes are the one-device run of examples/moe_expert_parallel.py (4 experts, H = I = 256, 1792 permuted rows),
-so the swiglu modules serve both. The wgrad modules are specific to the token count (1792; kernels/NOTES.md).
+The layers run the padding-free layout (nn.route's default m_aligned=1): moe_layer's 384 tokens x top-2 are 768
+permuted rows, its group ends wherever the router puts them; moe_mlp's ends are set inside 128-row tiles (tiles
+clipped at group ends in every GEMM, wgrad on unaligned token ranges). Kernel modules serve every m (and wgrad every
+token count), so the swiglu modules also serve the one-device run of examples/moe_expert_parallel.py.
 
 OPTIONS adds moe_layer cases for the router variants and expert-block pieces (docs/nn.md): a sigmoid,
 group-limited router with a selection bias and routed scaling, a shared expert, (E, in, out) gate / up halves and
 float32 master weights (DeepSeek-V3 style); top-k-first softmax with a logits bias, GPT-OSS's SwiGLU, FC1 and
 gate-weighted FC2 biases (GPT-OSS style); fp16 compute on float32 masters, unnormalized weights and a gated shared
-expert (Qwen style). The shared expert adds the one-group modules of 512 rows; float32 masters the float32
+expert (Qwen style). The shared expert adds its one-group calls (one group of T rows); float32 masters the float32
 wgrad outputs.
 """
 
@@ -22,9 +24,10 @@ import jax.numpy as jnp
 
 from cudnn_moe_jax import activations, aot, nn
 
-L, H, I, T, TOP_K = 4, 256, 256, 384, 2       # moe_layer: T tokens -> permuted_rows(384, 2, 4) = 1792 rows
-M = 1792                                       # moe_mlp rows (the same m: one wgrad module per weight shape)
-MLP_ENDS = (768, 768, 1024, 1536)              # expert 1 empty, expert 0 holds 3x expert 2; rows 1536.. in no group
+L, H, I, T, TOP_K = 4, 256, 256, 384, 2       # moe_layer: T tokens -> permuted_rows(384, 2, 4) = 768 rows
+M = 1792                                       # moe_mlp rows
+MLP_ENDS = (771, 771, 1028, 1533)              # expert 1 empty, expert 0 holds 3x expert 2, ends inside 128-row
+                                               # tiles; rows 1533.. in no group
 ACTS = tuple(activations.TABLE)                 # every activation
 # (name, layer, act, bias)
 CASES = [(f"{layer}_{act}{'_bias' if bias else ''}", layer, act, bias)

@@ -2,7 +2,8 @@
 
 `compile_module(problem, config)` lowers the kernel the way the runtime does (m or T symbolic) and returns the
 module bytes (`compile_or_skip`: the same in a test, skipped without the compiler); `sass_of(module)`
-disassembles every embedded cubin; `normalized(sass)` drops what names the launcher (mangled symbol names), so
+disassembles every embedded cubin; `check_sass(sass, block_scaled)` is the compile tests' check (wgmma not
+serialized, TMA, no spills); `normalized(sass)` drops what names the launcher (mangled symbol names), so
 two trees that emit the same instructions compare equal.
 """
 
@@ -77,6 +78,31 @@ def sass_of(module: bytes, tool: str | None = None) -> str:
     return "\n".join(texts)
 
 
+def check_sass(sass: str, block_scaled: bool) -> None:
+    """The compile tests' SASS check: sm_90a, wgmma (block_scaled: the FP8-wgmma MXFP8 mainloop, QGMMA + scale
+    HGMMA; everything else bf16 / fp16 HGMMA) not serialized, TMA loads and stores, no local memory."""
+    assert "arch = sm_90a" in sass
+    assert ("QGMMA" if block_scaled else "HGMMA") in sass
+    assert "UTMALDG" in sass and "UTMASTG" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills in the kernel"
+    assert all(int(s) == 0 for s in re.findall(r"LOCAL:(\d+)", sass))
+    if not block_scaled:
+        # a stage's k16 wgmmas form one commit group (only its last HGMMA sets gsb0) and one group stays in
+        # flight (DEPBAR.LE gsb0, 0x1); a serialized wgmma (ptxas C7514) sets gsb0 and waits on every HGMMA
+        hgmma = re.findall(r"HGMMA\.\S+ [^;]*;", sass)
+        assert sum("gsb0" in h for h in hgmma) < len(hgmma), "wgmma serialized: every HGMMA ends a group"
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "no wgmma group kept in flight"
+    if block_scaled:
+        # per 32-K block: the data QGMMA and the scale-product HGMMA are issued back to back (two commit groups,
+        # waited for one after the other). ptxas serializes wgmma (C7514) when it cannot prove the accumulators
+        # retired: then a wait follows every wgmma, also between a QGMMA and its HGMMA
+        events = re.findall(r"\b(QGMMA|HGMMA\.64x(?:32|64|128)x16\.F32\.BF16|WARPGROUP\.DEPBAR)\b", sass)
+        n_q = events.count("QGMMA")
+        assert n_q == sum(e.startswith("HGMMA") for e in events) > 0, "one scale HGMMA per data QGMMA"
+        after_q = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "QGMMA"]
+        assert all(e.startswith("HGMMA") for e in after_q), "wgmma serialized (a wait between QGMMA and HGMMA)"
+
+
 _SYMBOL = re.compile(r"\b(_Z\w+|kernel_\w+|cutlass_\w+)")
 
 
@@ -121,7 +147,9 @@ def compile_module(problem, config=None, axis: str | None = "auto") -> bytes:
     if axis is None:
         avals = list(variants.input_avals(problem).values())
     else:
-        (dim,) = jax.export.symbolic_shape("8*t_blocks" if problem.op == "wgrad" else "m")
+        from cudnn_moe_jax._lowering import symbolic_t
+
+        (dim,) = (symbolic_t(problem.ab_dtype),) if problem.op == "wgrad" else jax.export.symbolic_shape("m")
         avals = list(variants.symbolic_avals(problem, dim).values())
     before = set(_CUTLASS_COMPILE_CACHE)
     exp = jax.export.export(jax.jit(call), platforms=["cuda"],

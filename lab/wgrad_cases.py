@@ -1,7 +1,7 @@
 """Weight-gradient cases (grouped_gemm_wgrad through the public op) of the GPU suite (tests/gpu/test_wgrad_gpu.py:
-the runs and every check against the float64 oracle; also accumulate_on_output / global scales), and the bundle
-items that record their kernel modules on the CPU machine (each module is recorded at T = 2000 only: it serves
-every T):
+the runs and every check against the float64 oracle; also accumulate_on_output / global scales and block-scaled
+A / B: BS_CASES), and the bundle items that record their kernel modules on the CPU machine (each module is
+recorded at T = 2000 only: it serves every T):
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.wgrad_cases:bundle_items
 """
@@ -82,4 +82,131 @@ def accum_call(case, x):
 
 
 def bundle_items():
-    return aot.lowering_items(CASES, inputs, call) + aot.lowering_items(ACCUM_CASES, accum_inputs, accum_call)
+    return (aot.lowering_items(CASES, inputs, call) + aot.lowering_items(ACCUM_CASES, accum_inputs, accum_call)
+            + bs_bundle_items())
+
+
+# ------------------------------------------------------------------------------------------------ block-scaled
+# wgrad with block-scaled A / B (issue 19 item 3: the dequantizing K-grouped kernel, mainloop_dequant_wgrad.py):
+# scales in per-expert segments (docs/formats.md#segmented-layout). The SF buffers are random scale bytes all
+# through, so every byte a segment reads (also of overlapping segments of unaligned offsets) is pinned; A / B
+# random codes. (name, format, W dtype, MW, token-major, global scales, accumulate): MW 384 runs 1x1 clusters,
+# 512 2x1; token-major = a_major="m", b_major="n" (FP8 only). T = 2000 (FP4 2016): a 16 (32)-token tail k-tile.
+E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
+BS_FORMATS = {"mxfp8": (E4M3, E8M0, 32), "mxfp8e5": (E5M2, E8M0, 32), "mxfp4": (E2M1, E8M0, 32),
+              "nvfp4": (E2M1, E4M3, 16), "nvfp4e8": (E2M1, E8M0, 16)}
+BS_CASES = [("bs_mxfp8_c1", "mxfp8", "bfloat16", 384, False, False, False),
+            ("bs_mxfp8e5_c2_f32_acc", "mxfp8e5", "float32", 512, False, False, True),
+            ("bs_mxfp4_c2", "mxfp4", "bfloat16", 512, False, False, False),
+            ("bs_nvfp4_c1_gs", "nvfp4", "bfloat16", 384, False, True, False),
+            ("bs_nvfp4e8_c1_acc", "nvfp4e8", "bfloat16", 384, False, True, True),
+            ("bs_mxfp8_tok_c2", "mxfp8", "bfloat16", 512, True, False, False),
+            ("bs_mxfp8e5_tok_c1_gs_acc", "mxfp8e5", "float32", 384, True, True, True)]
+# (pattern, input mode) of each case's GPU runs. "exact": codes on a coarse grid (FP8: k/8 (e4m3), k/4 (e5m2) in
+# [-2, 2]; FP4: any code), scales in {1, 2}, global scales in {1, 2}: every product and partial sum is exact in
+# fp32, so W must equal the correctly rounded exact result bit for bit (issue 19 item 6). "adversarial": any finite
+# code (subnormals included), e8m0 scales 2^-20..2^20, e4m3 scales over their whole range. "specials":
+# adversarial plus NaN codes (FP4: a NaN scale) of expert 1 and of tokens in no expert, a NaN scale of a B block,
+# e5m2 +-inf codes: NaN / inf land exactly where the oracle's do, and nowhere else.
+BS_RUNS = (("unaligned", "exact"), ("empty_and_tail", "adversarial"), ("a8", "specials"),
+           ("unsanitized", "exact"), ("a64", "adversarial"))
+
+
+def bs_tokens(case) -> int:
+    return T + 16 if BS_FORMATS[case[1]][0] == E2M1 else T
+
+
+def _bs_codes(rng, shape, data, mode):
+    import ml_dtypes
+    import numpy as np
+
+    if data == E2M1:   # two random nibbles a byte (packed along the tokens)
+        return rng.integers(0, 256, (shape[0], shape[1] // 2), dtype=np.uint8)
+    if mode == "exact":
+        step = 8 if data == E4M3 else 4
+        return (rng.integers(-2 * step, 2 * step + 1, shape) / step).astype(
+            ml_dtypes.float8_e4m3fn if data == E4M3 else ml_dtypes.float8_e5m2)
+    codes = rng.integers(0, 256, shape, dtype=np.uint8)
+    special = (codes & 0x7F) == 0x7F if data == E4M3 else (codes & 0x7C) == 0x7C
+    codes = np.where(special, codes & 0x3F, codes).astype(np.uint8)    # every finite code, no NaN / inf
+    return codes.view(ml_dtypes.float8_e4m3fn if data == E4M3 else ml_dtypes.float8_e5m2)
+
+
+def _bs_scales(rng, size, sf, mode):
+    import numpy as np
+
+    if mode == "exact":
+        return np.where(rng.random(size) < 0.5, *((0x38, 0x40) if sf == E4M3 else (127, 128))).astype(np.uint8)
+    if sf == E4M3:
+        return rng.integers(0x01, 0x7F, size, dtype=np.uint8)         # every positive finite code
+    return rng.integers(107, 148, size, dtype=np.uint8)               # 2^-20 .. 2^20
+
+
+def sanitized_token_ends(offsets, tokens: int):
+    """The experts' token ends as the op sanitizes them (clipped to [0, tokens], non-decreasing; numpy)."""
+    import numpy as np
+
+    return np.maximum.accumulate(np.clip(np.asarray(offsets), 0, tokens))
+
+
+def bs_sf_byte(rows, tokens, vec, offsets, e, r, j):
+    """Byte of row r, local block j of expert e's segment (docs/formats.md#segmented-layout)."""
+    from cudnn_moe_jax import formats
+
+    ends = sanitized_token_ends(offsets, tokens).tolist()
+    start, end = ([0] + ends)[e], ends[e]
+    base = -(-rows // 128) * 128 * start // vec
+    return base + formats.sf_offset(r, j, 0, rows, -(-(end - start) // vec))
+
+
+def bs_inputs(case, pattern: str = "unaligned", mode: str = "exact", seed: int = 0):
+    import ml_dtypes
+    import numpy as np
+
+    from cudnn_moe_jax.formats import sf_segment_bytes
+
+    _, fmt, wd, mw, token_major, gs, acc = case
+    data, sf, vec = BS_FORMATS[fmt]
+    tokens = bs_tokens(case)
+    rng = np.random.default_rng(seed)
+    a, b = _bs_codes(rng, (mw, tokens), data, mode), _bs_codes(rng, (NW, tokens), data, mode)
+    sfa = _bs_scales(rng, sf_segment_bytes(mw, tokens, vec), sf, mode)
+    sfb = _bs_scales(rng, sf_segment_bytes(NW, tokens, vec), sf, mode)
+    offsets = np.asarray(PATTERNS[pattern], np.int32)
+    if mode == "specials":
+        nan_sf = 0x7F if sf == E4M3 else 0xFF
+        if data == E2M1:      # no NaN code: a NaN scale of A row 3 in expert 1
+            sfa[bs_sf_byte(mw, tokens, vec, offsets, 1, 3, 0)] = nan_sf
+        else:                 # NaN codes: A row 3 in expert 1 (its first token); row 5 / column 9 in no expert
+            first = int(sanitized_token_ends(offsets, tokens)[0])
+            a.view(np.uint8)[3, first] = 0x7F
+            a.view(np.uint8)[5, tokens - 4] = 0x7F
+            b.view(np.uint8)[9, tokens - 3] = 0xFF
+        sfb[bs_sf_byte(NW, tokens, vec, offsets, 2, 7, 1)] = nan_sf     # B row 7 (W column 7) of expert 2
+        if data == E5M2:      # +inf / -inf codes in expert 3
+            end2 = int(sanitized_token_ends(offsets, tokens)[2])
+            b.view(np.uint8)[100, end2] = 0x7C
+            b.view(np.uint8)[101, end2 + 1] = 0xFC
+    x = {"a_tok": a.T, "b_tok": b.T} if token_major else {"a": a, "b": b}
+    x.update(offsets=offsets, sfa=sfa.view(ml_dtypes.float8_e4m3fn) if sf == E4M3 else sfa,
+             sfb=sfb.view(ml_dtypes.float8_e4m3fn) if sf == E4M3 else sfb)
+    if gs:
+        g = rng.choice([1.0, 2.0], (2, L)) if mode == "exact" else rng.uniform(0.25, 4.0, (2, L))
+        x["gsa"], x["gsb"] = g[0].astype(np.float32), g[1].astype(np.float32)
+    if acc:
+        x["w"] = (rng.standard_normal((L, mw, NW)) * (8.0 if mode == "exact" else 1e6)).astype(np.float32).astype(
+            ml_dtypes.bfloat16 if wd == "bfloat16" else wd)
+    return {k: jnp.asarray(v) for k, v in x.items()}
+
+
+def bs_call(case, x):
+    _, fmt, wd, _, token_major, _, acc = case
+    majors = {"a_major": "m", "b_major": "n"} if token_major else {}
+    return cmj.grouped_gemm_wgrad(*operands(case, x), x["offsets"], x["sfa"], x["sfb"],
+                                  global_scale_a=x.get("gsa"), global_scale_b=x.get("gsb"), wgrad_tensor=x.get("w"),
+                                  accumulate_on_output=acc, wgrad_dtype=None if acc else wd,
+                                  sf_vec_size=BS_FORMATS[fmt][2], **majors)
+
+
+def bs_bundle_items():
+    return aot.lowering_items(BS_CASES, bs_inputs, bs_call)

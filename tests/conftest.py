@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+# The suite compiles kernels for Hopper; CUTE_DSL_ARCH is read once, when the first test imports cutlass (any test may
+# be first: an `importorskip("cutlass")` counts).
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
 _TESTS = Path(__file__).resolve().parent
 for _folder in (_TESTS / "gpu", _TESTS, _TESTS.parent):
     if str(_folder) not in sys.path:

@@ -192,7 +192,8 @@ def np_quantize_cols(x, d_dtype, norm_const=None):
     """Column quantization (docs/formats.md#column-quantization): 32-row blocks per column, e8m0,
     scale = val(s) == 0 ? 0 : min(nc / val(s), FLT_MAX).
 
-    Returns (codes (R, C) [e2m1 packed along C, (R, C//2)], s uint8 (C, cdiv(R, 32))).
+    Returns (codes, s uint8 (C, cdiv(R, 32))): fp8 codes (R, C); e2m1 codes of the transpose, two consecutive rows
+    a byte (docs/formats.md#fp4-d-outputs): byte [c, j] = row 2j (low nibble) and row 2j + 1 of column c.
     """
     x = np.asarray(x, np.float32)
     R, C = x.shape
@@ -205,7 +206,11 @@ def np_quantize_cols(x, d_dtype, norm_const=None):
             if norm_const is not None:
                 pv = (pv * nc).astype(np.float32)
             s[:, i] = np_e8m0_encode(pv)
-    return _np_encode(_np_col_scaled(x, s, norm_const), d_dtype), s
+    y = _np_col_scaled(x, s, norm_const)
+    if d_dtype == E2M1:
+        nib = np_e2m1_encode(y)                                     # (R, C) nibbles
+        return ((nib[0::2, :] & 0xF) | ((nib[1::2, :] & 0xF) << 4)).T.astype(np.uint8).copy(), s
+    return _np_encode(y, d_dtype), s
 
 
 def _np_col_scaled(x, s, norm_const):

@@ -27,6 +27,7 @@ from np_formats import (E2M1, E4M3, E5M2, E8M0, np_cdiv, np_decode, np_dequantiz
                         np_fp8_encode, np_pack_sf, np_quantize_cols, np_quantize_rows, np_unpack_sf)
 
 FP8 = (E4M3, E5M2)
+QUANT_D = FP8 + (E2M1,)         # D dtypes quantized with SFD_row / D_col / SFD_col (FP4: MXFP4)
 FLOAT_OUT = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 BLOCK_SCALED = (E4M3, E5M2, E2M1)
 
@@ -48,9 +49,9 @@ def np_groups(offsets, m, align=256):
     return list(zip([0] + ends[:-1], ends))
 
 
-def np_group_of_rows(offsets, m) -> np.ndarray:
+def np_group_of_rows(offsets, m, align=256) -> np.ndarray:
     """(m,) group index of every row, L for rows past the last sanitized end (outside every group)."""
-    return np.searchsorted(np_sanitized_ends(offsets, m), np.arange(m), side="right")
+    return np.searchsorted(np_sanitized_ends(offsets, m, align), np.arange(m), side="right")
 
 
 def _f64(x):
@@ -139,9 +140,9 @@ def _phys(s):
     return np_pack_sf(s).reshape(1, np_cdiv(rows, 128), np_cdiv(nkb, 4), 32, 4, 4)
 
 
-def np_fp8_outputs(dfp, groups, d_dtype, norm_const, discrete_col_sfd):
-    """Row / column quantization (docs/formats.md#quantization): D, D_col (fp8), SFD_row (physical), SFD_col (physical
-    or flat segments) from float64 D."""
+def np_quant_d_outputs(dfp, groups, d_dtype, norm_const, discrete_col_sfd):
+    """Row / column quantization (docs/formats.md#quantization): D, D_col (fp8, or packed e2m1: D (m, N/2), D_col
+    transposed (N, m/2)), SFD_row (physical), SFD_col (physical or flat segments) from float64 D; e8m0, vec 32."""
     d, s_row = np_quantize_rows(dfp, d_dtype, E8M0, 32, norm_const)
     d_col, s_col = np_quantize_cols(dfp, d_dtype, norm_const)
     sfd_col = np_segments_sf(s_col, groups, 32) if discrete_col_sfd else _phys(s_col)
@@ -154,8 +155,8 @@ def np_nvfp4(x, norm_const):
 
 
 def _d_outputs(dfp, groups, d_dtype, norm_const, discrete_col_sfd):
-    if d_dtype in FP8:
-        o = np_fp8_outputs(dfp, groups, d_dtype, _scalar(norm_const, "norm_const"), discrete_col_sfd)
+    if d_dtype in QUANT_D:
+        o = np_quant_d_outputs(dfp, groups, d_dtype, _scalar(norm_const, "norm_const"), discrete_col_sfd)
         return o["d"], o["d_col"], o["sfd_row"], o["sfd_col"]
     return np_round_float(dfp, d_dtype), None, None, None
 
@@ -325,9 +326,9 @@ def _c_from_acc(acc, groups, alpha, bias):
     return c
 
 
-def _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size):
+def _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size, m_aligned):
     m = np.asarray(a).shape[0]
-    groups = np_groups(padded_offsets, m)
+    groups = np_groups(padded_offsets, m, m_aligned)
     acc, acc_mag = _accumulate(a, b, sfa, sfb, groups, ab_dtype, sf_dtype, sf_vec_size)
     alpha, bias = _f64(alpha), _f64(bias)
     mag = np.zeros_like(acc)
@@ -356,9 +357,10 @@ def _quant_d(acc, groups, p, alpha, bias):
 
 
 def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *, ab_dtype,
-                       sf_dtype=None, sf_vec_size=None, d_dtype, compute_amax=False, discrete_col_sfd=False):
+                       sf_dtype=None, sf_vec_size=None, d_dtype, compute_amax=False, discrete_col_sfd=False,
+                       m_aligned=256):
     m = np.asarray(a).shape[0]
-    groups = np_groups(padded_offsets, m)
+    groups = np_groups(padded_offsets, m, m_aligned)
     acc, acc_mag = _accumulate(a, b, sfa, sfb, groups, ab_dtype, sf_dtype, sf_vec_size)
     p, alpha, bias = _prob(prob, m), _f64(alpha), _f64(bias)
     dfp, mag = _quant_d(acc, groups, p, alpha, bias), np.zeros_like(acc)
@@ -373,8 +375,8 @@ def grouped_gemm_quant(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, n
 
 def grouped_gemm_srelu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *, ab_dtype,
                        sf_dtype=None, sf_vec_size=None, c_dtype="bfloat16", d_dtype, tanh_clamp_scale=None,
-                       compute_amax=False, discrete_col_sfd=False):
-    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size)
+                       compute_amax=False, discrete_col_sfd=False, m_aligned=256):
+    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size, m_aligned)
     dfp, d_mag = _srelu_forward(c, c_mag, _prob(prob, c.shape[0]), tanh_clamp_scale)
     return _forward_result(c, _mask_rows(dfp, groups), groups, c_dtype, d_dtype, norm_const, compute_amax,
                            discrete_col_sfd, dict(c=c_mag, d=d_mag))
@@ -382,8 +384,8 @@ def grouped_gemm_srelu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, n
 
 def grouped_gemm_glu(a, b, sfa, sfb, padded_offsets, alpha, prob, bias=None, norm_const=None, *, ab_dtype,
                      sf_dtype=None, sf_vec_size=None, act_func="swiglu", c_dtype="bfloat16", d_dtype,
-                     glu_limit=None, glu_alpha=None, compute_amax=False, discrete_col_sfd=False):
-    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size)
+                     glu_limit=None, glu_alpha=None, compute_amax=False, discrete_col_sfd=False, m_aligned=256):
+    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size, m_aligned)
     dfp, d_mag = _glu_forward(c, c_mag, _prob(prob, c.shape[0]), act_func,
                               dict(glu_limit=glu_limit, glu_alpha=glu_alpha))
     return _forward_result(c, _mask_rows(dfp, groups), groups, c_dtype, d_dtype, norm_const, compute_amax,
@@ -397,7 +399,7 @@ def np_forward_from_acc(p: dict, acc, offsets, alpha, prob, bias, sigmoid=np_sig
     the activation's sigmoid (a GPU test models the kernel's flush of tiny values with it)."""
     epi = p["epilogue"]
     m = acc.shape[0]
-    groups = np_groups(offsets, m)
+    groups = np_groups(offsets, m, p.get("m_aligned", 256))
     pr = _prob(prob, m)
     if p["op"] == "quant":
         c, d = None, _quant_d(acc, groups, pr, alpha, bias)
@@ -415,7 +417,7 @@ def np_forward_from_acc(p: dict, acc, offsets, alpha, prob, bias, sigmoid=np_sig
 
 def np_forward_oracle(p: dict, a, b, offsets, alpha, prob, bias) -> dict:
     """np_forward_from_acc on a (m, K) times each group's expert b[g] (N, K) (bf16 / fp16 / float64 values)."""
-    groups = np_groups(offsets, np.asarray(a).shape[0])
+    groups = np_groups(offsets, np.asarray(a).shape[0], p.get("m_aligned", 256))
     acc, _ = _accumulate(a, b, None, None, groups, None, None, None)
     return np_forward_from_acc(p, acc, offsets, alpha, prob, bias)
 
@@ -460,9 +462,9 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
                                     rht_norm_const=None, hadamard=None, *, ab_dtype, sf_dtype=None,
                                     sf_vec_size=None, act_func="swiglu", c_dtype="bfloat16", d_dtype="bfloat16",
                                     rht=None, rht_dtype=None, glu_limit=None, glu_alpha=None,
-                                    tanh_clamp_scale=None, compute_amax=False, d_bf16=None):
+                                    tanh_clamp_scale=None, compute_amax=False, d_bf16=None, m_aligned=256):
     """`d_bf16` (test hook): use this bf16-rounded D as the transform input instead of the oracle's own."""
-    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size)
+    c, c_mag, groups = _c(a, b, sfa, sfb, padded_offsets, alpha, bias, ab_dtype, sf_dtype, sf_vec_size, m_aligned)
     p_row = _prob(prob, c.shape[0])
     if act_func in NP_POINTWISE:
         dfp, d_mag = _srelu_forward(c, c_mag, p_row, tanh_clamp_scale)
@@ -507,9 +509,10 @@ def grouped_gemm_glu_hadamard_quant(a, b, sfa, sfb, padded_offsets, alpha, prob,
 # backward ops
 
 
-def _backward_common(a, b, c, sfa, sfb, padded_offsets, alpha, beta, ab_dtype, sf_dtype, sf_vec_size, c_dtype):
+def _backward_common(a, b, c, sfa, sfb, padded_offsets, alpha, beta, ab_dtype, sf_dtype, sf_vec_size, c_dtype,
+                     m_aligned):
     m = np.asarray(a).shape[0]
-    groups = np_groups(padded_offsets, m)
+    groups = np_groups(padded_offsets, m, m_aligned)
     acc, acc_mag = _accumulate(a, b, sfa, sfb, groups, ab_dtype, sf_dtype, sf_vec_size)
     c = np.asarray(c)
     c64 = np_decode(c, c_dtype).astype(np.float64) if (c.dtype == np.uint8 and c_dtype) else c.astype(np.float64)
@@ -549,11 +552,12 @@ def _backward_result(dc, dprob, amax_parts, groups, d_dtype, norm_const, dbias_d
 
 def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm_const=None, *, ab_dtype,
                       sf_dtype=None, sf_vec_size=None, c_dtype=None, act_func="dswiglu", glu_limit=None,
-                      glu_alpha=None, d_dtype, dbias_dtype=None, compute_amax=False, discrete_col_sfd=False):
+                      glu_alpha=None, d_dtype, dbias_dtype=None, compute_amax=False, discrete_col_sfd=False,
+                      m_aligned=256):
     options = dict(glu_limit=glu_limit, glu_alpha=glu_alpha)
     ga = np_glu(act_func, **options).scale
     dd, dd_mag, x, groups = _backward_common(a, b, c, sfa, sfb, padded_offsets, alpha, beta, ab_dtype, sf_dtype,
-                                             sf_vec_size, c_dtype)
+                                             sf_vec_size, c_dtype, m_aligned)
     p = _prob(prob, x.shape[0])[:, None]
     dc, dc_mag = np.zeros_like(x), np.zeros_like(x)
     dprob, dprob_mag = np.zeros(x.shape[0]), np.zeros(x.shape[0])
@@ -578,9 +582,9 @@ def grouped_gemm_dglu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm
 
 def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, norm_const=None, *, ab_dtype,
                         sf_dtype=None, sf_vec_size=None, c_dtype=None, tanh_clamp_scale=None, d_dtype,
-                        dbias_dtype=None, compute_amax=False, discrete_col_sfd=False):
+                        dbias_dtype=None, compute_amax=False, discrete_col_sfd=False, m_aligned=256):
     dd, dd_mag, x, groups = _backward_common(a, b, c, sfa, sfb, padded_offsets, alpha, beta, ab_dtype, sf_dtype,
-                                             sf_vec_size, c_dtype)
+                                             sf_vec_size, c_dtype, m_aligned)
     p = _prob(prob, x.shape[0])[:, None]
     deriv, value = np_srelu_derivative(x, tanh_clamp_scale), np_srelu_value(x, tanh_clamp_scale)
     dc = dd * p * deriv
@@ -590,7 +594,8 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
 
 
 def _segment_operand(x, flat, groups, ab_dtype, sf_dtype, vec):
-    """Token-contiguous (R, T) operand with per-expert SF segments: each segment read as its own MMA-tiled block."""
+    """Token-contiguous (R, T) operand with per-expert SF segments: each segment read as its own MMA-tiled block
+    SF(R, T_g), its blocks starting at the expert's first token; bytes past the buffer read 0."""
     vals = np_decode(x, ab_dtype).astype(np.float64) if ab_dtype in BLOCK_SCALED else np.asarray(x, np.float64)
     if ab_dtype not in BLOCK_SCALED:
         return vals
@@ -604,7 +609,10 @@ def _segment_operand(x, flat, groups, ab_dtype, sf_dtype, vec):
         nblk = np_cdiv(en - st, vec)
         base = rows_pad * st // vec
         size = rows_pad * np_cdiv(nblk, 4) * 4
-        s = np_unpack_sf(flat[base: base + size], rows, nblk)[0]
+        seg = np.zeros(size, np.uint8)
+        part = flat[base: base + size]
+        seg[:part.size] = part
+        s = np_unpack_sf(seg, rows, nblk)[0]
         sv = np_e8m0_decode(s) if sf_dtype == E8M0 else s.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
         out[:, st:en] = vals[:, st:en] * np.repeat(sv.astype(np.float64), vec, axis=1)[:, : en - st]
     return out

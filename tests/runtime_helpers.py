@@ -1,8 +1,8 @@
 """Shared by the runtime tests (tests/test_runtime.py, test_module_cache.py, test_wgrad_lowering.py) and their
 subprocesses (`import runtime_helpers as t`, `aot build --variants runtime_helpers:tiny_variants`): a tiny CuTe DSL
 kernel (elementwise f32 add) behind its own primitive, the real kernel's smallest quant problem, fake modules for the
-cache, the custom calls of a lowering, and a child Python with the checkout and tests/ on its path (optionally
-with cutlass blocked: the GPU machine's situation).
+cache, the custom calls of a lowering (and the lowering tests' one-kernel assertion), and a child Python with the
+checkout and tests/ on its path (optionally with cutlass blocked: the GPU machine's situation).
 """
 
 from __future__ import annotations
@@ -98,6 +98,17 @@ mlir.register_lowering(tiny_add_p, mlir.lower_fun(  # the same shape of rule as 
 
 def tiny_program(a, b):
     return tiny_add_p.bind(a, b) * 2.0 + 1.0
+
+
+def assert_lowers_to_one_kernel(fn, x) -> None:
+    """jax.jit(fn)(x) lowered for CUDA is one kernel custom call, with no fallback to the reference (its
+    RuntimeWarning an error)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        text = jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(custom_calls(text)) == 1, "expected one kernel custom call"
 
 
 def custom_calls(text: str) -> list[dict]:

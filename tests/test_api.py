@@ -121,11 +121,13 @@ BAD_INPUTS = [
     ("sf_vec_size with bf16", lambda d, mx: dict(sf_vec_size=32), ValueError, "sf_vec_size"),
     ("fp8 D without norm_const", lambda d, mx: dict(d_dtype="float8_e4m3fn"), ValueError, "norm_const_tensor"),
     ("bad d_dtype", lambda d, mx: dict(d_dtype=jnp.int8), ValueError, "d_dtype"),
-    ("fp4 D in quant", lambda d, mx: dict(d_dtype="float4_e2m1fn"), NotImplementedError, "d_dtype"),
+    ("fp4 D without norm_const", lambda d, mx: dict(d_dtype="float4_e2m1fn"), ValueError, "norm_const_tensor"),
+    ("fp4 D, N_out % 32", lambda d, mx: dict(b_tensor=d["b"][:, :48], bias_tensor=None, d_dtype="float4_e2m1fn",
+                                             norm_const_tensor=jnp.ones(1)), ValueError, "multiple of 32"),
     ("discrete_col_sfd without FP8 D", lambda d, mx: dict(discrete_col_sfd=True), ValueError,
      "discrete_col_sfd"),
     ("acc_dtype", lambda d, mx: dict(acc_dtype=jnp.float16), ValueError, "acc_dtype"),
-    ("m_aligned", lambda d, mx: dict(m_aligned=128), ValueError, "m_aligned"),
+    ("m_aligned", lambda d, mx: dict(m_aligned=100), ValueError, "m_aligned"),
     ("stream", lambda d, mx: dict(stream=1), ValueError, "stream"),
     ("unknown keyword", lambda d, mx: dict(c_dtype="bfloat16"), TypeError,
      "unexpected keyword argument(s) ['c_dtype']"),
@@ -177,6 +179,11 @@ def test_bad_inputs_of_other_ops(data):
     with pytest.raises(ValueError, match="c_tensor"):
         cmj.grouped_gemm_dglu(a, b[:, :32], c_tensor=jnp.ones((M, 10), jnp.bfloat16),
                               padded_offsets=o)
+    with pytest.raises(NotImplementedError, match="d_dtype=float4_e2m1fn: cuDNN's dglu / dsrelu"):
+        cmj.grouped_gemm_dsrelu(a, b, c_tensor=jnp.ones((M, N), jnp.bfloat16), padded_offsets=o,
+                                d_dtype="float4_e2m1fn", norm_const_tensor=jnp.ones(1))
+    with pytest.raises(NotImplementedError, match="c_dtype=float4_e2m1fn"):
+        cmj.grouped_gemm_glu(a, b, padded_offsets=o, c_dtype="float4_e2m1fn")
     with pytest.raises(ValueError, match="dbias_dtype"):
         cmj.grouped_gemm_dsrelu(a, b, c_tensor=jnp.ones((M, N), jnp.bfloat16), padded_offsets=o,
                                 dbias_dtype="float32")

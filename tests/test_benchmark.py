@@ -48,6 +48,27 @@ def test_mxfp8_benchmark_times_the_public_ops(tiny, tmp_path):
         assert {"ours[bf16d]", "ours[fp8d]"} <= set(row["ms"]) and "fp8d_over_bf16d_pct" in row
 
 
+def test_discrete_benchmark_times_stacked_and_discrete(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_cases, "DISCRETE_SHAPES", ("tiny",))
+    bench.main(["--discrete", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "discrete_results.json").read_text())["results"]
+    assert {"ours[stacked]", "ours[discrete]"} == set(row["ms"]) and row["discrete_over_stacked"] > 0
+    assert "| tiny |" in (tmp_path / "discrete_table.md").read_text()
+
+
+def test_hadamard_benchmark_times_the_public_ops(tiny, tmp_path, monkeypatch):
+    """--hadamard: every call of bench_cases.HADAMARD_VARIANTS beside the plain GLU, its time over the GLU's."""
+    monkeypatch.setitem(shapes.SHAPES, "tiny_h", shapes.GemmShape(512, 256, 64, 2))
+    monkeypatch.setitem(shapes.FUSION, "tiny_h", ("glu", "swiglu"))
+    monkeypatch.setattr(bench_cases, "HADAMARD_SHAPES", ("tiny_h",))
+    bench.main(["--hadamard", "bf16,nvfp4", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "hadamard_results.json").read_text())["results"]
+    assert [r["shape"] for r in rows] == ["tiny_h/bf16", "tiny_h/nvfp4"]
+    for row in rows:
+        assert set(row["over_glu"]) == {f"ours[{v}]" for v in bench_cases.HADAMARD_VARIANTS}
+    assert "h_d4_row4" in (tmp_path / "hadamard_table.md").read_text()
+
+
 def test_unknown_shape_is_named():
     with pytest.raises(SystemExit, match="unknown shape 'fc3'"):
         bench.main(["--shapes", "fc3"])
@@ -67,7 +88,11 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
         warnings.simplefilter("ignore", RuntimeWarning)
         for item in bench_cases.bundle_items():
             item()
-    assert len(asked) == 3 * len(shapes.SHAPES) + len(bench_cases.FORMAT_LABELS) * len(bench_cases.FORMAT_SHAPES)
+    assert len(asked) == (3 * len(shapes.SHAPES) + len(bench_cases.FORMAT_LABELS) * len(bench_cases.FORMAT_SHAPES)
+                          + len(bench_cases.DISCRETE_SHAPES)
+                          + len(bench_cases.HADAMARD_SHAPES) * len(bench_cases.HADAMARD_VARIANTS)
+                          * len(bench_cases.HADAMARD_FORMATS))
+    assert sum(p.discrete_weights for p, _ in asked) == len(bench_cases.DISCRETE_SHAPES)
     kernels = _runtime.kernels_package()
     known = set(shapes.SHAPES.values()) | {s for s, _, _ in bench_cases.MEMORY_BOUND.values()}
     for problem, names in asked:
@@ -75,7 +100,8 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
         assert (problem.m, problem.n, problem.k, problem.num_groups) in known
     assert {(p.ab_dtype, p.sf_dtype, p.sf_vec_size) for p, _ in asked if p.block_scaled} == set(
         bench_cases.BLOCK_FORMATS.values())
-    fp8_d = [p for p, names in asked if p.epilogue.generate_sfd]
+    assert {p.op for p, _ in asked} == {"quant", "glu", "glu_hadamard_quant"}
+    fp8_d = [p for p, names in asked if p.epilogue.generate_sfd and p.epilogue.d_dtype != "float4_e2m1fn"]
     assert len(fp8_d) == len(shapes.SHAPES) and all(p.ab_dtype == "float8_e4m3fn" for p in fp8_d)
 
 
@@ -128,3 +154,8 @@ def test_moe_ops_table_traces_every_op():
         else:
             assert out.shape == (m, widths[name]), name
         assert flops > 0
+    for name in bench_moe_ops.BS_WGRAD:   # block-scaled wgrad rows: their own inputs (segments along the tokens)
+        fn, bs_avals, flops, _ = bench_moe_ops._bs_wgrad("fc", name)
+        out = jax.eval_shape(fn, *bs_avals)
+        assert out.shape == ((len(sizes), h, i) if "w2" in name else (len(sizes), 2 * i, h)), name
+        assert flops == 2.0 * sum(sizes) * out.shape[1] * out.shape[2]

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import pytest
 
 jax = pytest.importorskip("jax")
 
 import blockscaled_checks as checks  # noqa: E402  (tests/gpu on sys.path: tests/conftest.py)
-from runtime_helpers import custom_calls, needs_cutlass  # noqa: E402
+from runtime_helpers import assert_lowers_to_one_kernel, needs_cutlass  # noqa: E402
 
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import config  # noqa: E402
@@ -40,12 +39,7 @@ def test_supports_routes_every_block_format_and_op():
 @needs_cutlass
 @pytest.mark.parametrize("case", cases.ALL_CASES, ids=[c[0] for c in cases.ALL_CASES])
 def test_blockscaled_op_lowers_to_the_kernel(case):
-    fn = jax.jit(functools.partial(cases.call, case))
-    x = checks.inputs(case, mode="exact")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference warns
-        text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(custom_calls(text)) == 1, "expected one kernel custom call"
+    assert_lowers_to_one_kernel(functools.partial(cases.call, case), checks.inputs(case, mode="exact"))
 
 
 @pytest.mark.parametrize("case", cases.ALL_CASES, ids=[c[0] for c in cases.ALL_CASES])

@@ -47,7 +47,8 @@ def f32_patterns(seed=0, n_random=64):
 
 
 STATIC = {"decode": ("data_dtype",), "unpack_sf": ("rows", "n_kblocks", "num_groups"), "pack_sf_segments": ("vec",),
-          "unpack_sf_segments": ("rows", "total_tokens", "vec"), "quantize_rows": ("d_dtype", "sf_dtype", "vec"),
+          "unpack_sf_segments": ("rows", "total_tokens", "vec"),
+          "segment_token_scales": ("rows", "total_tokens", "vec"), "quantize_rows": ("d_dtype", "sf_dtype", "vec"),
           "quantize_cols": ("d_dtype",), "dequantize": ("data_dtype", "sf_dtype", "vec"),
           "to_block_scaled": ("data_dtype", "sf_dtype", "vec"), "from_block_scaled": ("data_dtype", "sf_dtype", "vec")}
 
@@ -279,6 +280,38 @@ def test_sf_segments(R, T, vec, ends):
             assert np.array_equal(flat[off], s[n, m // 32])
 
 
+@pytest.mark.parametrize("R,T,vec,ends", [
+    (300, 1024, 32, [256, 256, 768, 1024]),          # aligned: the global k-blocks of unpack_sf_segments
+    (130, 400, 16, [40, 40, 203, 330, 400]),         # starts inside blocks
+    (64, 96, 32, [40, 96]),                          # segment 1 runs off the buffer end (those bytes read 0)
+    (200, 1000, 32, [-3, 333, 9999, 2]),             # unsanitized ends; tokens past the last end
+])
+def test_segment_token_scales(R, T, vec, ends):
+    """Token t of expert g: local block (t - start_g) // vec of segment g, read at the layout's byte (its own
+    SF(R, T_g) at rup(R,128) * start_g // vec), 0 past the buffer and outside every expert."""
+    rng = np.random.default_rng(R + T)
+    flat = rng.integers(1, 256, (-(-R // 128)) * 128 * (-(-(-(-T // vec)) // 4)) * 4, dtype=np.uint8)
+    got = np.asarray(J.segment_token_scales(flat, rows=R, ends=jnp.asarray(ends, jnp.int32), total_tokens=T,
+                                             vec=vec))
+    sane = np.maximum.accumulate(np.clip(ends, 0, T))
+    want = np.zeros((R, T), np.uint8)
+    rows_pad = -(-R // 128) * 128
+    for st, en in zip(np.concatenate([[0], sane[:-1]]), sane):
+        if en <= st:
+            continue
+        nb = -(-(en - st) // vec)
+        for t in range(st, en):
+            j = (t - st) // vec
+            off = rows_pad * st // vec + np.array([F.sf_offset(r, j, 0, R, nb) for r in range(R)])
+            want[:, t] = np.where(off < flat.size, flat[np.minimum(off, flat.size - 1)], 0)
+    assert_bits_equal(got, want, "per-token segment scales")
+    if all(e % vec == 0 for e in sane):
+        back = np.asarray(J.unpack_sf_segments(flat, rows=R, ends=jnp.asarray(ends, jnp.int32), total_tokens=T,
+                                               vec=vec))
+        inside = np.arange(T) < sane[-1]
+        assert_bits_equal(got[:, inside], np.repeat(back, vec, axis=1)[:, :T][:, inside], "aligned = unpack")
+
+
 def test_sf_segments_garbage_ends_stay_in_bounds():
     R, T, vec = 100, 512, 32
     s = np.random.default_rng(7).integers(1, 256, (R, T // vec), dtype=np.uint8)
@@ -392,7 +425,10 @@ def test_quantize_cols_bitexact(d, norm_const):
     # column quantization is row quantization of the transpose (e8m0, 32)
     codes_t, s_t = J.quantize_rows(x.T, d, F.E8M0, 32, norm_const)
     assert_bits_equal(s_t, s, "transpose rule")
-    if d != F.E2M1:
+    if d == F.E2M1:   # FP4 D_col is stored transposed, tokens packed (docs/formats.md#fp4-d-outputs)
+        assert codes.shape == (C, R // 2)
+        assert_bits_equal(codes_t, codes, "transpose rule codes")
+    else:
         assert_bits_equal(np.asarray(codes_t).T, codes, "transpose rule codes")
 
 

@@ -1,8 +1,9 @@
-"""CPU checks of the backward-family kernels (dglu / dsrelu epilogues, the K-grouped wgrad schedule) and of the
-N / M-major operand mainloop: each compiles for sm_90a, its SASS has HGMMA and TMA, no local-memory spills, and
-its k-loop issues a stage's wgmmas back to back (ptxas serializes wgmma, with a wait after each, when it cannot
-prove the accumulators retired). The wgrad modules are exported for a symbolic token count, as the runtime builds
-them (one module per problem whatever T). Skipped without the CuTe DSL compiler; ~9 modules x 2-10 s.
+"""CPU checks of the backward-family kernels (dglu / dsrelu epilogues, the K-grouped wgrad schedule, bf16 or
+block-scaled) and of the N / M-major operand mainloop: each compiles for sm_90a, its SASS has HGMMA and TMA, no
+local-memory spills, and its k-loop issues a stage's wgmmas back to back (ptxas serializes wgmma, with a wait after
+each, when it cannot prove the accumulators retired). The wgrad modules are exported for a symbolic token count, as
+the runtime builds them (one module per problem whatever T). Skipped without the CuTe DSL compiler; ~30 modules x
+2-30 s.
 """
 
 from __future__ import annotations
@@ -20,12 +21,26 @@ BF, F16, F32 = "bfloat16", "float16", "float32"
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def _workers(name):
+    from cudnn_moe_jax.kernels.sm90.config import Config
+
+    return CASES[name], Config(cluster_m=1, dequant_a="workers")
+
+
+# block-scaled wgrad with A converted by the stage workers like B (Config.dequant_a, the lab's alternative)
+CONFIG_CASES = {"wgrad_mxfp8_c1_workers": lambda: _workers("wgrad_mxfp8_c1"),
+                "wgrad_mxfp8_tokmajor_c1_workers": lambda: _workers("wgrad_mxfp8_tokmajor_c1")}
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(CONFIG_CASES))
 def test_backward_kernel_compiles_unserialized_without_spills(name):
     tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not installed")
-    sass = sass_of(compile_or_skip(CASES[name], axis="auto" if CASES[name].op == "wgrad" else None), tool)
+    problem, config = CONFIG_CASES[name]() if name in CONFIG_CASES else (CASES[name], None)
+    # wgrad: T symbolic, as the runtime compiles it; the others at concrete m (the m-symbolic export is
+    # tests/test_kernels_compile.py's)
+    sass = sass_of(compile_or_skip(problem, config, axis="auto" if problem.op == "wgrad" else None), tool)
     assert "arch = sm_90a" in sass and "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
     local = sum(int(x) for x in re.findall(r"LOCAL:(\d+)", sass))
     assert local == 0 and not re.search(r"\b(LDL|STL)\b", sass), f"{local} bytes of local memory (spills)"

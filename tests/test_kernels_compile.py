@@ -18,34 +18,10 @@ import pytest
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 from cudnn_moe_jax.kernels.sm90 import config as sm90_config
 from cudnn_moe_jax.kernels.sm90 import variants
-from lab.compile_cases import forward_id
-from lab.sass import compile_or_skip, cuobjdump, fatbins, require_compiler, sass_of
+from lab.compile_cases import FP4_OUT, forward_id
+from lab.sass import check_sass, compile_or_skip, cuobjdump, fatbins, require_compiler, sass_of
 
 VARIANTS = variants.problems()
-
-
-def _check_sass(sass: str, block_scaled: bool) -> None:
-    """block_scaled: the FP8-wgmma MXFP8 mainloop (QGMMA + scale HGMMA); everything else runs bf16 / fp16 HGMMA."""
-    assert "arch = sm_90a" in sass
-    assert ("QGMMA" if block_scaled else "HGMMA") in sass
-    assert "UTMALDG" in sass and "UTMASTG" in sass
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills in the kernel"
-    assert all(int(s) == 0 for s in re.findall(r"LOCAL:(\d+)", sass))
-    if not block_scaled:
-        # a stage's k16 wgmmas form one commit group (only its last HGMMA sets gsb0) and one group stays in
-        # flight (DEPBAR.LE gsb0, 0x1); a serialized wgmma (ptxas C7514) sets gsb0 and waits on every HGMMA
-        hgmma = re.findall(r"HGMMA\.\S+ [^;]*;", sass)
-        assert sum("gsb0" in h for h in hgmma) < len(hgmma), "wgmma serialized: every HGMMA ends a group"
-        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "no wgmma group kept in flight"
-    if block_scaled:
-        # per 32-K block: the data QGMMA and the scale-product HGMMA are issued back to back (two commit groups,
-        # waited for one after the other). ptxas serializes wgmma (C7514) when it cannot prove the accumulators
-        # retired: then a wait follows every wgmma, also between a QGMMA and its HGMMA
-        events = re.findall(r"\b(QGMMA|HGMMA\.64x(?:32|64|128)x16\.F32\.BF16|WARPGROUP\.DEPBAR)\b", sass)
-        n_q = events.count("QGMMA")
-        assert n_q == sum(e.startswith("HGMMA") for e in events) > 0, "one scale HGMMA per data QGMMA"
-        after_q = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "QGMMA"]
-        assert all(e.startswith("HGMMA") for e in after_q), "wgmma serialized (a wait between QGMMA and HGMMA)"
 
 
 @pytest.mark.parametrize("problem", VARIANTS, ids=[forward_id(p) for p in VARIANTS])
@@ -55,7 +31,7 @@ def test_variant_compiles_with_wgmma_and_no_spills(problem):
     tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(module, tool), False)
+    check_sass(sass_of(module, tool), False)
 
 
 @pytest.mark.parametrize("cfg", [sm90_config.Config(tile_n=128, cluster_m=1, epi_stages=1),
@@ -78,7 +54,7 @@ def test_many_experts_glu_default_compiles_without_spills(ab):
     module = compile_or_skip(problem)
     tool = cuobjdump()
     if tool is not None:
-        _check_sass(sass_of(module, tool), False)
+        check_sass(sass_of(module, tool), False)
 
 
 E4M3, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
@@ -99,7 +75,7 @@ def test_mxfp8_wgmma_configs_compile(cfg):
     module = compile_or_skip(problem, cfg)
     tool = cuobjdump()
     if tool is not None:
-        _check_sass(sass_of(module, tool), True)
+        check_sass(sass_of(module, tool), True)
 
 
 # GPT-OSS SwiGLU: not in the default variant set (the GPU bundle takes its modules from the tests/gpu case tables);
@@ -120,15 +96,21 @@ GPT_OSS = {
 }
 
 
-@pytest.mark.parametrize("name", list(GPT_OSS))
-def test_gpt_oss_swiglu_compiles_without_spills(name):
-    problem = GPT_OSS[name]
+EXTRA_CASES = {**GPT_OSS, **FP4_OUT}
+
+
+@pytest.mark.parametrize("name", list(EXTRA_CASES))
+def test_extra_cases_compile_without_spills(name):
+    """GPT-OSS SwiGLU, and the FP4 outputs (lab/compile_cases.py: FP4_OUT): grouped_gemm_glu_hadamard_quant (NVFP4 D,
+    rowwise / colwise Hadamard outputs, user matrix) and the MXFP4 D of quant / srelu / glu over bf16 / fp16,
+    dequantized and weight-only inputs: bf16 HGMMA not serialized, no local memory."""
+    problem = EXTRA_CASES[name]
     assert sm90_config.supports(problem) is None
     module = compile_or_skip(problem)
     tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(module, tool), False)   # block-scaled inputs: dequantized to bf16 (HGMMA) by default
+    check_sass(sass_of(module, tool), False)   # block-scaled inputs: dequantized to bf16 (HGMMA) by default
 
 
 def _instructions(sass: str) -> list:
@@ -163,20 +145,20 @@ def test_fp8_outputs_from_bf16_inputs_compile(tile_n):
     module = compile_or_skip(problem, sm90_config.Config(tile_n=tile_n))
     tool = cuobjdump()
     if tool is not None:
-        _check_sass(sass_of(module, tool), False)
+        check_sass(sass_of(module, tool), False)
 
 
 def test_mxfp8_wgmma_k_loop_is_not_serialized():
     """K = 1024 (8 stages: a real k-loop with a back-edge, unlike the 2-stage test shapes, which LLVM unrolls).
     ptxas serialized every wgmma of the first FP8-wgmma MXFP8 kernel for any real k-loop (C7514, a prefetched wgmma
-    in flight across the back-edge; RESULTS.md run 8); `_check_sass` counts one wait per K block."""
+    in flight across the back-edge; RESULTS.md run 8); `check_sass` counts one wait per K block."""
     problem = GroupedGemmProblem(op="glu", m=2048, n=512, k=1024, num_groups=4, ab_dtype=E4M3, sf_dtype=E8M0,
                                  sf_vec_size=32, epilogue=Epilogue(act="swiglu", c_dtype="bfloat16",
                                                                    compute_amax=True))
     tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(compile_or_skip(problem, sm90_config.MXFP8_WGMMA), tool), True)
+    check_sass(sass_of(compile_or_skip(problem, sm90_config.MXFP8_WGMMA), tool), True)
 
 
 def test_public_mxfp8_op_lowers_to_the_kernel():
@@ -226,8 +208,8 @@ def test_supports_reasons():
                            sf_vec_size=32),
         GroupedGemmProblem(op="quant", m=512, n=256, k=144, num_groups=2, ab_dtype="float4_e2m1fn",
                            sf_dtype="float8_e4m3fn", sf_vec_size=16),   # packed FP4 rows of 72 bytes
-        GroupedGemmProblem(op="quant", m=512, n=256, k=128, num_groups=2, ab_dtype=E4M3, sf_dtype=E8M0,
-                           sf_vec_size=32, discrete_weights=True),
+        GroupedGemmProblem(op="wgrad", m=512, n=256, k=128, num_groups=2, ab_dtype="bfloat16",
+                           wgrad_dtype="bfloat16", discrete_weights=True),   # wgrad has no per-expert weights
         GroupedGemmProblem(op="quant", m=500, n=256, k=128, num_groups=2, ab_dtype="bfloat16"),
         GroupedGemmProblem(op="quant", m=512, n=256, k=100, num_groups=2, ab_dtype="bfloat16"),
         GroupedGemmProblem(op="glu", m=512, n=96, k=128, num_groups=2, ab_dtype="bfloat16",

@@ -1,4 +1,5 @@
-"""nn: routing into 256-padded groups, and the custom_vjp MoE MLP's gradients against jax.grad of plain jnp."""
+"""nn: routing into padding-free (or m_aligned-padded) groups, and the custom_vjp MoE MLP's gradients against
+jax.grad of plain jnp."""
 
 from __future__ import annotations
 
@@ -12,20 +13,32 @@ from cudnn_moe_jax.nn import moe as moe_module
 from np_ops import np_glu_value
 
 
-def test_route_builds_padded_contiguous_groups():
+@pytest.mark.parametrize("m_aligned,ends,rows", [(1, [3, 4, 7, 8, 8], 8), (8, [8, 16, 24, 32, 32], 48),
+                                                 (256, [256, 512, 768, 1024, 1024], 1536)])
+def test_route_builds_contiguous_groups(m_aligned, ends, rows):
     experts = jnp.array([[0, 2], [2, 1], [0, 2], [3, 0]], jnp.int32)  # expert 3: one token; all experts used
-    plan = nn.route(experts, num_experts=5)                             # expert 4 empty
+    plan = nn.route(experts, num_experts=5, m_aligned=m_aligned)       # expert 4 empty
     offsets = np.asarray(plan.padded_offsets)
-    np.testing.assert_array_equal(offsets, [256, 512, 768, 1024, 1024])
-    m = nn.permuted_rows(4, 2, 5)
-    assert plan.row_token.shape == (m,) and m % 256 == 0 and m >= offsets[-1]
+    np.testing.assert_array_equal(offsets, ends)
+    m = nn.permuted_rows(4, 2, 5, m_aligned)
+    assert m == rows and plan.row_token.shape == (m,) and m % max(m_aligned, 8) == 0 and m >= offsets[-1]
     dest, row_token = np.asarray(plan.dest_row), np.asarray(plan.row_token)
     starts = np.concatenate([[0], offsets[:-1]])
     for t in range(4):
         for j in range(2):
             e = int(experts[t, j])
             assert starts[e] <= dest[t, j] < offsets[e] and row_token[dest[t, j]] == t
+            # token order kept inside a group: the rank is the number of earlier tokens with this expert
+            assert dest[t, j] - starts[e] == int(np.sum(np.asarray(experts)[:t] == e))
     assert np.sum(row_token < 4) == 8  # every assignment placed exactly once, the rest are padding
+
+
+def test_default_layout_is_padding_free():
+    """The layer's buffer holds the routed rows only (rounded up to 8): 512 tokens, top-2, 64 experts -> 1024 rows
+    (cuDNN's 256-padded worst case would be 17408)."""
+    assert nn.permuted_rows(512, 2, 64) == 1024
+    assert nn.permuted_rows(512, 2, 64, m_aligned=256) == 17408
+    assert nn.permuted_rows(1001, 3, 8) == 3008
 
 
 def test_permute_unpermute_roundtrip():
@@ -281,7 +294,7 @@ def test_moe_mlp_errors_name_its_arguments():
     x = jnp.zeros((512, 64), jnp.bfloat16)
     prob, offsets = jnp.ones((512,)), jnp.array([256, 256, 512, 512], jnp.int32)
     for args, fragment in (((x[:300], w1, w2, prob[:300], None, offsets), "x_perm must have shape (m, H) with m a "
-                                                                           "multiple of 256"),
+                                                                           "multiple of 8"),
                            ((x, w1, w2, prob[:256], None, offsets), "prob must have shape (m,) = (512,)"),
                            ((x, w1, w2, prob, None, offsets[:2]), "padded_offsets must have shape (L,) = (4,)"),
                            ((x, w1[:, :, :32], w2, prob, None, offsets), "x_perm's last dimension")):

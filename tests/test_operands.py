@@ -46,6 +46,9 @@ KERNEL_PROBLEMS = variants.problems() + variants.problems((4096, 1024, 512, 8), 
     _wgrad(),
     _wgrad(ab=F16, wgrad_dtype=F32, a_major="m", b_major="n"),
     _wgrad(accumulate=True, has_global_scales=True),
+    _wgrad(ab=E4M3, sf_dtype="float8_e8m0fnu", sf_vec_size=32, k=512),
+    _wgrad(ab=FP4, sf_dtype=E4M3, sf_vec_size=16, k=512, has_global_scales=True, accumulate=True),
+    _wgrad(ab=E4M3, sf_dtype="float8_e8m0fnu", sf_vec_size=32, k=512, a_major="m", b_major="n"),
 ]
 # Problems no sm90 kernel takes: the table still describes them (the reference runs them).
 OTHER_PROBLEMS = [
@@ -56,7 +59,6 @@ OTHER_PROBLEMS = [
 ] + [
     GroupedGemmProblem(op="glu", m=512, n=256, k=128, num_groups=3, ab_dtype=FP4, sf_dtype=E4M3, sf_vec_size=16,
                        discrete_weights=True, epilogue=Epilogue(act="geglu", c_dtype=BF, d_dtype=BF)),
-    _wgrad(ab=E4M3, sf_dtype="float8_e8m0fnu", sf_vec_size=32, k=512),
 ]
 
 
@@ -70,14 +72,14 @@ def test_dynamic_axes_follow_the_shape_rules(p):
     """Each declared dynamic axis is the one axis whose extent follows m (wgrad: T) at `per` rows an index; the
     module's symbolic avals are the shape rules evaluated at the symbolic extent."""
     _, axes = operands.dynamic_axes(p)
-    unit = TOKEN_ALIGN if p.op == "wgrad" else GROUP_ALIGN
+    unit = 64 * TOKEN_ALIGN if p.op == "wgrad" else GROUP_ALIGN   # (wgrad's SF segments grow per 4 * vec tokens)
     one, two = operands.input_specs(_at(p, 4 * unit)), operands.input_specs(_at(p, 8 * unit))
     for name, (shape, _) in one.items():
         changed = [i for i, (x, y) in enumerate(zip(shape, two[name][0])) if x != y]
         if name in axes:
             axis, per = axes[name]
-            assert changed == [axis] and shape[axis] * per == 4 * unit, name
-        elif p.op != "wgrad" or not p.block_scaled:   # wgrad's SF segments grow with T but not per token
+            assert changed == [axis] and shape[axis] == operands.axis_extent(per, 4 * unit), name
+        else:
             assert not changed, name
     if p in KERNEL_PROBLEMS:
         canon = _lowering.canonical_problem(p)

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import cudnn_moe_jax as cmj  # noqa: E402
 from cudnn_moe_jax import _compile, _modules, _runtime  # noqa: E402
-from runtime_helpers import custom_calls, needs_cutlass  # noqa: E402
+from runtime_helpers import assert_lowers_to_one_kernel, custom_calls, needs_cutlass  # noqa: E402
 
 MW, NW, L = 384, 320, 5
 sds = jax.ShapeDtypeStruct
@@ -57,24 +57,30 @@ def test_wgrad_fingerprint_and_avals_are_token_count_free():
                                    [sds((L, MW, NW), jnp.float32)])
 
 
-@needs_cutlass
-def test_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monkeypatch):
+def _bundle_then_no_compile(tmp_path, monkeypatch, lower_once):
+    """Record the module of `lower_once()` into a bundle, then make compiling an error: (its custom calls, the
+    bundle's entry)."""
     _runtime.import_cutlass()
     bundle = tmp_path / "bundle"
     monkeypatch.setattr(_modules, "bundle_dirs", lambda: [bundle])
     monkeypatch.setattr(_modules, "_MEMORY", {})
     monkeypatch.setenv("CUDNN_MOE_JAX_MODULE_CACHE", "off")
     with _runtime.recording() as got:
-        built = custom_calls(_lower(1000))
+        built = custom_calls(lower_once())
     assert len(got) == 1, "one module for the call"
     _runtime.write_bundle(bundle, got)
     (entry,) = _runtime.read_manifest(bundle)["entries"].values()
-    assert entry["in_avals"][0]["shape"] == [MW, "8*t_blocks"] and entry["meta"]["problem"]["k"] == "8*t_blocks"
-    assert entry["input_output_aliases"] == [[5, 0]]   # wgrad_tensor (operand 5) is the output's buffer
-
     monkeypatch.setattr(_modules, "_MEMORY", {})
     monkeypatch.setenv("CUDNN_MOE_JAX_NO_COMPILE", "1")
     monkeypatch.setattr(_compile, "compile_module", lambda s: pytest.fail(f"compiled {s.name} again"))
+    return built, entry
+
+
+@needs_cutlass
+def test_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monkeypatch):
+    built, entry = _bundle_then_no_compile(tmp_path, monkeypatch, lambda: _lower(1000))
+    assert entry["in_avals"][0]["shape"] == [MW, "8*t_blocks"] and entry["meta"]["problem"]["k"] == "8*t_blocks"
+    assert entry["input_output_aliases"] == [[5, 0]]   # wgrad_tensor (operand 5) is the output's buffer
     for tokens in (1000, 2048, 520):
         text = _lower(tokens)
         (call,) = custom_calls(text)
@@ -85,3 +91,73 @@ def test_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monk
     # another W dtype is another module (the output dtype is part of the problem), not served by this one
     with pytest.raises(RuntimeWarning, match="no GPU kernel"):
         _lower(1000, jnp.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------ block-scaled
+BS_FORMATS = [("float8_e4m3fn", "float8_e8m0fnu", 32), ("float8_e5m2", "float8_e8m0fnu", 32),
+              ("float4_e2m1fn", "float8_e8m0fnu", 32), ("float4_e2m1fn", "float8_e8m0fnu", 16),
+              ("float4_e2m1fn", "float8_e4m3fn", 16)]
+
+
+@pytest.mark.parametrize("fmt", BS_FORMATS, ids=lambda f: f"{f[0]}-{f[1]}-{f[2]}")
+def test_supports_routes_block_scaled_wgrad(fmt):
+    """Every block format to the kernel, token-contiguous (cuDNN's layout) or, FP8, token-major; with the symbolic
+    T of its module; mixed majors and token-major FP4 are refused with the reason."""
+    import dataclasses
+
+    from cudnn_moe_jax._problem import GroupedGemmProblem
+    from cudnn_moe_jax.kernels.sm90.config import supports
+
+    data, sf, vec = fmt
+    p = GroupedGemmProblem(op="wgrad", m=384, n=320, k=2048, num_groups=5, ab_dtype=data, sf_dtype=sf,
+                           sf_vec_size=vec, wgrad_dtype="bfloat16")
+    for q in (p, dataclasses.replace(p, accumulate=True, has_global_scales=True, wgrad_dtype="float32")):
+        assert supports(q) is None and supports(_runtime.canonical_problem(q)) is None, q
+    tok = dataclasses.replace(p, a_major="m", b_major="n")
+    assert supports(tok) is None if data.startswith("float8") else "token-contiguous only" in supports(tok)
+    assert "both token-contiguous" in supports(dataclasses.replace(p, a_major="m"))
+    assert "16-byte TMA rows" in supports(dataclasses.replace(p, k=2048 + 8))
+    if data.startswith("float8"):
+        assert "n_w % 16" in supports(dataclasses.replace(tok, n=328))
+    assert str(_runtime.canonical_problem(p).k) == f"{16 if data.startswith('float8') else 32}*t_blocks"
+
+
+@needs_cutlass
+@pytest.mark.parametrize("name", ["bs_mxfp8_c1", "bs_mxfp4_c2", "bs_nvfp4_c1_gs", "bs_mxfp8e5_tok_c1_gs_acc"])
+def test_blockscaled_wgrad_lowers_to_the_kernel(name):
+    """The public op with block-scaled A / B (lab/wgrad_cases.py: its GPU cases) lowers for CUDA to one kernel
+    custom call, the fallback-to-the-reference warning an error."""
+    import functools
+
+    from lab import wgrad_cases
+
+    case = next(c for c in wgrad_cases.BS_CASES if c[0] == name)
+    assert_lowers_to_one_kernel(functools.partial(wgrad_cases.bs_call, case), wgrad_cases.bs_inputs(case))
+
+
+def _bs_avals(tokens, vec=32):
+    from cudnn_moe_jax.formats import sf_segment_bytes
+
+    f8 = jnp.float8_e4m3fn
+    return (sds((MW, tokens), f8), sds((NW, tokens), f8), sds((L,), jnp.int32),
+            sds((sf_segment_bytes(MW, tokens, vec),), jnp.uint8), sds((sf_segment_bytes(NW, tokens, vec),), jnp.uint8))
+
+
+def _bs_lower(tokens) -> str:
+    def fn(a, b, offsets, sfa, sfb):
+        return cmj.grouped_gemm_wgrad(a, b, offsets, sfa, sfb, wgrad_dtype="float32").wgrad_tensor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        return jax.jit(fn).trace(*_bs_avals(tokens)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@needs_cutlass
+def test_blockscaled_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monkeypatch):
+    """MXFP8 wgrad: the module is recorded for T = 16*t_blocks with the SF segment buffers' sizes as functions of it
+    (rup(m_w, 128) * rup(cdiv(T, 32), 4) bytes), so the bundle recorded at one T serves the others."""
+    built, entry = _bundle_then_no_compile(tmp_path, monkeypatch, lambda: _bs_lower(2000))
+    assert entry["in_avals"][0]["shape"] == [MW, "16*t_blocks"]
+    for tokens in (2000, 1024, 4096, 528):
+        (call,) = custom_calls(_bs_lower(tokens))
+        assert [call[k] for k in ("target", "key", "module")] == [built[0][k] for k in ("target", "key", "module")]

@@ -105,6 +105,12 @@ def prmt2(a: Int32, b: Int32, sel: cutlass.Constexpr) -> Int32:
 
 
 @cute.jit
+def prmt_dynamic(a: Int32, b: Int32, sel: Int32) -> Int32:
+    """Byte permute of (b:a) by the selector in register `sel`."""
+    return _asm("prmt.b32 $0, $1, $2, $3;", a, b, sel)
+
+
+@cute.jit
 def mul_bf16x2(a: Int32, b: Int32) -> Int32:
     """Both bf16 halves of a times those of b, rounded to nearest even (subnormals kept)."""
     return _asm("mul.rn.bf16x2 $0, $1, $2;", a, b)
@@ -144,6 +150,14 @@ def e8m0_bf16(e: Int32) -> Int32:
 
 
 @cute.jit
+def e8m0_bf16x2(e: Int32) -> Int32:
+    """e8m0_bf16 of the two codes in the low bytes of each 16-bit half of e (no carries cross the halves)."""
+    nan = ((e + Int32(0x00010001)) & Int32(0x01000100)) >> 2                  # 0x40 where the code is 255
+    tiny = (~(e + Int32(0x00FF00FF)) & Int32(0x01000100)) >> 2                # 0x40 where it is 0
+    return (e << 7) | nan | tiny
+
+
+@cute.jit
 def e4m3_bf16(c: Int32) -> Int32:
     """bf16 bits of val(c) for an e4m3 code c (0..255; NaN 0x7F / 0xFF -> NaN), exact."""
     placed = ((c & Int32(0x7F)) << 4) | ((c & Int32(0x80)) << 8)           # val * 2^-120
@@ -163,7 +177,7 @@ def scale_bf16x2(code: Int32, sf_dtype: cutlass.Constexpr, valid: cutlass.Boolea
 
 
 @cute.jit
-def _fp8_pair(w: Int32, data_dtype: cutlass.Constexpr, h: cutlass.Constexpr) -> Int32:
+def fp8_pair(w: Int32, data_dtype: cutlass.Constexpr, h: cutlass.Constexpr) -> Int32:
     """Codes 2h, 2h + 1 of a word -> bf16x2 of v * 2^-K; e5m2 specials forced."""
     f = _FP8[data_dtype]
     placed = (prmt(w, _SEL_PAIR[h]) << f["shift"]) & _i32(f["keep"])
@@ -185,19 +199,26 @@ def _fp4_pair(w: Int32, k: cutlass.Constexpr) -> Int32:
 
 
 @cute.jit
-def convert_group(words, data_dtype: cutlass.Constexpr, scale2: Int32, store):
+def convert_group(words, data_dtype: cutlass.Constexpr, scale2, store):
     """One group: its 32-bit words (FP8: 4, FP4: 2) and the block scale (bf16x2) -> its 8 bf16x2 pairs (module
     docstring), val(code) * scale each, handed to `store(p, pair)` as they are made (few live registers: the
-    producer warpgroup's threads have 40)."""
-    bias = _i32(bias_bits(data_dtype))
+    producer warpgroup's threads have 40). `scale2` may be a function of the pair (p -> bf16x2): the two halves of
+    a pair then take their own scales (a group over two scale blocks; the pair of two rows of a token-major
+    operand)."""
     for p in cutlass.range_constexpr(PAIRS):
         if const_expr(data_dtype == E2M1):
             x = _fp4_pair(words[p // 4], p % 4)
         else:
-            x = _fp8_pair(words[p // 2], data_dtype, p % 2)
-        v = mul_bf16x2(x, bias)
-        if const_expr(data_dtype == E4M3):
-            probe = mul_bf16x2(v, Int32(NAN_PROBE))
-            store(p, fma_bf16x2(v, scale2, sub_bf16x2(probe, probe)))
-        else:
-            store(p, mul_bf16x2(v, scale2))
+            x = fp8_pair(words[p // 2], data_dtype, p % 2)
+        store(p, scale_pair(x, data_dtype, scale2(p) if const_expr(callable(scale2)) else scale2))
+
+
+@cute.jit
+def scale_pair(x: Int32, data_dtype: cutlass.Constexpr, scale2: Int32) -> Int32:
+    """A placed pair (bf16x2 of v * 2^-K, `fp8_pair` / `_fp4_pair`) -> val(code) * scale per half (e4m3 NaN codes
+    -> NaN)."""
+    v = mul_bf16x2(x, _i32(bias_bits(data_dtype)))
+    if const_expr(data_dtype == E4M3):
+        probe = mul_bf16x2(v, Int32(NAN_PROBE))
+        return fma_bf16x2(v, scale2, sub_bf16x2(probe, probe))
+    return mul_bf16x2(v, scale2)

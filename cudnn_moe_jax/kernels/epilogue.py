@@ -40,7 +40,7 @@ class EpilogueRecipe:
     def __init__(self, problem):
         epi = problem.epilogue
         self.op = problem.op
-        self.is_glu = problem.op == "glu"
+        self.is_glu = epi.is_glu                   # glu, or glu_hadamard_quant with a GLU
         self.has_bias = epi.has_bias
         self.has_prob = epi.has_prob
         self.has_c = epi.c_dtype is not None and problem.op != "quant"

@@ -1,5 +1,6 @@
-"""FP8 output quantization device functions (docs/formats.md#row-quantization, #column-quantization, #rounding), bit-exact with
-`cudnn_moe_jax.formats.quantize_rows` / `quantize_cols` (e8m0 scales, vec 32).
+"""Output quantization device functions (docs/formats.md#row-quantization, #column-quantization, #fp4-d-outputs,
+#nvfp4, #rounding), bit-exact with `cudnn_moe_jax.formats.quantize_rows` / `quantize_cols`: FP8 and FP4 (MXFP4) D
+with e8m0 scales, vec 32, and NVFP4 (e2m1 with e4m3 scales, vec 16).
 
 Per block of 32 values (a row's 32 columns, or a column's 32 rows):
   amax   max |x| taken on the bit patterns of |x| (integer max: NaN (0x7fc00000) beats +inf, as the spec's
@@ -11,7 +12,12 @@ Per block of 32 values (a row's 32 columns, or a column's 32 rows):
   scale  norm_const * 2^(127 - s) as an exact power-of-two product (2^-127 applied as 2^-126 * 0.5), flushed,
          clamped to FLT_MAX; NaN for s = 0xFF;
   q      RNE-satfinite FP8 of x * scale (`F2FP.SATFINITE`, x flushed).
-rcp_limit is formats.rcp_limit(d_dtype): float32(1/448) for e4m3, float32(1/57344) for e5m2 (docs/formats.md#quantization).
+rcp_limit is formats.rcp_limit(d_dtype): float32(1/448) for e4m3, float32(1/57344) for e5m2, float32(1/6) for e2m1
+(docs/formats.md#quantization).
+
+FP4 (e2m1) data: the same blocks, codes by `e2m1_code` (sm_90 has no e2m1 cvt), packed two a byte. NVFP4 blocks
+(vec 16, `nvfp4_code_scale`) have e4m3 scales: s = RNE-satfinite e4m3 of pv, scale = min(norm_const * rcp.rn(val(s)),
+FLT_MAX) (the correctly rounded reciprocal, as formats' table), NaN for s = 0x7F.
 
 Fragment helpers work on the sm90 epilogue's per-thread D fragment of one 128 x 32 subtile: 16 values, flat index
 `i = v0 + 2*v1 + 4*v2 + 8*v3` at (row + 8*v1, col + v0 + 8*v2 + 16*v3) where the thread's base row is
@@ -35,6 +41,7 @@ FRAGMENT_LAYOUTS = (  # printed coordinate layouts of the D fragment (stmatrix /
     "((1,(2,2,2)),1,2):((0,(1@1,8@0,8@1)),0,16@1)",
 )
 FRAG = 16  # values per thread per 128 x 32 subtile
+NVFP4_RCP_LIMIT = float.fromhex("0x1.555556p-3")   # formats.rcp_limit(e2m1) = float32(1 / 6)
 
 
 def check_fragment_layout(coords) -> None:
@@ -83,6 +90,25 @@ def fresh(x: Int32, zero_addr: Int32) -> Int32:
         Int32.mlir_type, [Int32(x).ir_value(), Int32(zero_addr).ir_value()],
         "{\n.reg .u32 t;\nld.volatile.shared.u32 t, [$2];\nadd.u32 $0, $1, t;\n}", "=r,r,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _asm_f32(code: str, *args) -> Float32:
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Float32(a).ir_value() for a in args], code, "=f" + ",f" * len(args),
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _asm_i32(code: str, *args) -> Int32:
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(a).ir_value() for a in args], code, "=r" + ",r" * len(args),
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def add_rn(a: Float32, b: Float32) -> Float32:
+    """a + b rounded on its own: an explicit `.rn` keeps ptxas from contracting it with the product feeding it into
+    one FFMA (measured: alpha * acc + old W became FFMA), so the result is fl(fl(a) + b)."""
+    return _asm_f32("add.rn.f32 $0, $1, $2;", a, b)
 
 
 @cute.jit
@@ -190,11 +216,12 @@ def column_partial_max(rAbs: list, sColMax: cute.Tensor, warp: Int32, lane: Int3
 
 
 @cute.jit
-def quantize_cols(rVal: cute.Tensor, rQ: cute.Tensor, sColMax: cute.Tensor, warp: Int32, lane: Int32,
-                  rcp_limit: cutlass.Constexpr, norm_const: Float32):
-    """rQ <- column-quantized rVal (32-row blocks = this warp and its partner warp ^ 1; call after the barrier
+def col_scaled(rVal: cute.Tensor, sColMax: cute.Tensor, warp: Int32, lane: Int32, rcp_limit: cutlass.Constexpr,
+               norm_const: Float32):
+    """rVal times its column scales (32-row blocks = this warp and its partner warp ^ 1; call after the barrier
     that follows `column_partial_max`). Lane c computes the code and scale of subtile column c once (both warps
-    of the pair do); each thread takes its 8 columns' scales by shuffle. Returns the e8m0 code of column `lane`."""
+    of the pair do); each thread takes its 8 columns' scales by shuffle. Returns (the e8m0 code of column `lane`,
+    the scaled values)."""
     m = cutlass.max(sColMax[(lane, warp)], sColMax[(lane, warp ^ 1)])
     code, scale = block_code_scale(flush_bits(m), rcp_limit, norm_const)
     base = 2 * (lane % 4)
@@ -204,6 +231,133 @@ def quantize_cols(rVal: cute.Tensor, rQ: cute.Tensor, sColMax: cute.Tensor, warp
         for i in cutlass.range_constexpr(FRAG):
             if const_expr(col_slot(i) == slot):
                 rY[i] = mul_ftz(rVal[i], s)
+    return code, rY
+
+
+@cute.jit
+def quantize_cols(rVal: cute.Tensor, rQ: cute.Tensor, sColMax: cute.Tensor, warp: Int32, lane: Int32,
+                  rcp_limit: cutlass.Constexpr, norm_const: Float32):
+    """rQ <- column-quantized rVal (`col_scaled`, FP8). Returns the e8m0 code of column `lane`."""
+    code, rY = col_scaled(rVal, sColMax, warp, lane, rcp_limit, norm_const)
     rQ.store(rY.load().to(rQ.element_type))
     return code
 
+
+
+# ---------------------------------------------------------------------------------------------------- FP4 (e2m1)
+# A value a >= 0 plus 2^22 / 2^23 / 2^24 rounds (RNE, one fp32 addition) to the e2m1 grid's spacing in [0, 2) (0.5),
+# [2, 4) (1) and [4, 8) (2); the sum's bits minus those of the constant count the steps: the code directly.
+_E2M1_RANGES = ((0x40000000, 4194304.0, 0x4A800000), (0x40800000, 8388608.0, 0x4B000000 - 2),
+                (None, 16777216.0, 0x4B800000 - 4))
+
+
+@cute.jit
+def e2m1_code(y: Float32) -> Int32:
+    """RNE-satfinite e2m1 nibble of y (formats.e2m1_encode): magnitude code 0..7 by `_E2M1_RANGES` (saturating at
+    7 = 6.0, inf too), sign bit 8 (-0 and negatives rounding to 0 keep it); NaN -> 7."""
+    b = y.bitcast(Int32)
+    ab = b & Int32(0x7FFFFFFF)
+    a = ab.bitcast(Float32)
+    (lim0, c0, k0), (lim1, c1, k1), (_, c2, k2) = _E2M1_RANGES
+    mag = cutlass.min(add_rn(a, Float32(c2)).bitcast(Int32) - Int32(k2), Int32(7))
+    mag = Int32(cutlass.select_(ab < Int32(lim1), add_rn(a, Float32(c1)).bitcast(Int32) - Int32(k1), mag))
+    mag = Int32(cutlass.select_(ab < Int32(lim0), add_rn(a, Float32(c0)).bitcast(Int32) - Int32(k0), mag))
+    return Int32(cutlass.select_(ab > Int32(0x7F800000), Int32(7), mag | ((b >> 28) & Int32(8))))
+
+
+@cute.jit
+def e4m3_code(pv: Float32) -> Int32:
+    """RNE-satfinite e4m3 code of pv >= 0 (cvt.rn.satfinite, both halves of the pair from pv); NaN -> 0x7F."""
+    code = Int32(llvm.inline_asm(
+        Int32.mlir_type, [Float32(pv).ir_value()],
+        "{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, $1, $1;\ncvt.u32.u16 $0, t;\n}", "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)) & Int32(0xFF)
+    return Int32(cutlass.select_(pv.bitcast(Int32) > Int32(0x7F800000), Int32(0x7F), code))
+
+
+@cute.jit
+def e4m3_value(code: Int32) -> Float32:
+    """val(code) of an e4m3 code (exact through fp16; both bytes of the pair hold the code)."""
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Int32(code * Int32(0x101)).ir_value()],
+        "{\n.reg .b16 c, lo, hi;\n.reg .b32 h;\ncvt.u16.u32 c, $1;\ncvt.rn.f16x2.e4m3x2 h, c;\n"
+        "mov.b32 {lo, hi}, h;\ncvt.f32.f16 $0, lo;\n}", "=f,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def nvfp4_code_scale(amax_bits: Int32, norm_const: Float32):
+    """(e4m3 code, scale) of an NVFP4 block from the bits of its (flushed) amax (formats._scaled_rows, e4m3)."""
+    pv = mul_ftz(mul_ftz(amax_bits.bitcast(Float32), Float32(NVFP4_RCP_LIMIT)), norm_const)
+    code = e4m3_code(pv)
+    recip = _asm_f32("rcp.rn.f32 $0, $1;", e4m3_value(code))                 # 1 / 0 = inf -> FLT_MAX below
+    s = cute.arch.fmin(mul_ftz(norm_const, recip), Int32(FLT_MAX_BITS).bitcast(Float32))
+    return code, Float32(cutlass.select_(code == Int32(0x7F), Int32(0x7FC00000).bitcast(Float32), s))
+
+
+def frag_v(i: int):
+    """(v0, v1, v2, v3) of fragment index i = v0 + 2 v1 + 4 v2 + 8 v3: column v0 + 8 v2 + 16 v3, row + 8 v1."""
+    return i % 2, (i // 2) % 2, (i // 4) % 2, i // 8
+
+
+@cute.jit
+def row_block_codes(rVal: cute.Tensor, rAbs: list, vec: cutlass.Constexpr, sf_e4m3: cutlass.Constexpr,
+                    rcp_limit: cutlass.Constexpr, norm_const: Float32):
+    """Row quantization of a subtile's 16 values (rAbs: their `abs_raw`) into e2m1 nibbles: blocks of `vec` columns
+    (32: a row of the subtile, e8m0 scales; 16: its halves v3 = 0 / 1, e4m3 scales (NVFP4) when `sf_e4m3`).
+    Returns (nibbles[16], codes[row][block]) with the scale codes of the thread's two rows."""
+    nblk = 32 // vec
+    codes = [[None] * nblk, [None] * nblk]
+    scales = [[None] * nblk, [None] * nblk]
+    for r in cutlass.range_constexpr(2):
+        for blk in cutlass.range_constexpr(nblk):
+            m = Int32(0)
+            for i in cutlass.range_constexpr(FRAG):
+                if const_expr(row_of(i) == r and (nblk == 1 or frag_v(i)[3] == blk)):
+                    m = cutlass.max(m, rAbs[i])
+            m = flush_bits(quad_max(m))
+            if const_expr(sf_e4m3):
+                codes[r][blk], scales[r][blk] = nvfp4_code_scale(m, norm_const)
+            else:
+                codes[r][blk], scales[r][blk] = block_code_scale(m, rcp_limit, norm_const)
+    nib = [e2m1_code(mul_ftz(rVal[i], scales[row_of(i)][frag_v(i)[3] if nblk == 2 else 0])) for i in range(FRAG)]
+    return nib, codes
+
+
+@cute.jit
+def row_words(nib: list, lane: Int32):
+    """The packed bytes of the thread's two rows, 4 consecutive ones a word: lane q of a quad gets byte columns
+    4q..4q+3 of the row's 16 bytes (the subtile's 32 columns). Per row the thread's own 4 bytes (pairs v0 = 0 / 1
+    of columns 2q + 8 v2 + 16 v3) sit at byte columns q + 4 (v2 + 2 v3); a 4 x 4 byte transpose over the quad (two
+    butterfly rounds: shuffle, select, byte permute) brings them in place."""
+    out = []
+    for r in cutlass.range_constexpr(2):
+        w = Int32(0)
+        for i in cutlass.range_constexpr(FRAG):
+            v0, v1, v2, v3 = frag_v(i)
+            if const_expr(v1 == r):
+                w = w | (nib[i] << (8 * (v2 + 2 * v3) + 4 * v0))
+        # round 1 (lanes q ^ 1): keep the bytes whose index bit 0 equals the lane's, take the partner's others;
+        # round 2 (q ^ 2): the same on 16-bit halves (byte index bit 1)
+        for xor, sels in ((1, (0x6240, 0x3715)), (2, (0x5410, 0x3276))):
+            partner = cute.arch.shuffle_sync_bfly(w, offset=xor)
+            sel = Int32(cutlass.select_((lane & Int32(xor)) != Int32(0), Int32(sels[1]), Int32(sels[0])))
+            w = _asm_i32("prmt.b32 $0, $1, $2, $3;", w, partner, sel)
+        out.append(w)
+    return out
+
+
+@cute.jit
+def col_token_bytes(nib: list, lane: Int32):
+    """D_col of FP4 is transposed and packed along the tokens (docs/formats.md#fp4-d-outputs): the column codes of
+    the thread's rows r0 (v1 = 0) and r0 + 8 (v1 = 1) and of lane ^ 4 (rows r0 +- 1) form two token pairs per
+    column. An even-row lane keeps pair (r0, r0 + 1), an odd-row lane pair (r0 + 7, r0 + 8); each sends the other
+    its 8 nibbles of the other row by one shuffle. Returns the 8 bytes, column slot order (`col_slot`)."""
+    own = [Int32(0), Int32(0)]
+    for i in cutlass.range_constexpr(FRAG):
+        own[row_of(i)] = own[row_of(i)] | (nib[i] << (4 * col_slot(i)))
+    odd = (lane & Int32(4)) != Int32(0)
+    got = cute.arch.shuffle_sync_bfly(Int32(cutlass.select_(odd, own[0], own[1])), offset=4)
+    lo = Int32(cutlass.select_(odd, got, own[0]))       # the pair's even token: low nibble
+    hi = Int32(cutlass.select_(odd, own[1], got))
+    return [((lo >> (4 * s)) & Int32(0xF)) | (((hi >> (4 * s)) & Int32(0xF)) << 4) for s in range(8)]

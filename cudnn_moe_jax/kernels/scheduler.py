@@ -5,15 +5,22 @@ One compiled module serves every routing draw: group sizes are read on device, n
 Groupings (`M_GROUPED`, `K_GROUPED`):
 
 * M-grouped (forward, dgrad): `acc[r, :] = A[r, :] @ B[g(r)]^T`, groups are row ranges of A and of the output.
-  Rows are cut into *M blocks* of `block_m = tile_m * cluster_m` rows (128 or 256). The sanitized group ends are
-  multiples of 256, so every M block lies inside exactly one group, or entirely past `valid_m = end_{L-1}`. The
-  linear work index `t` runs over `(m / block_m) * n_blocks` cluster tiles:
-  - `t <  valid_m / block_m * n_blocks`: a *compute* tile, decoded with a grouped swizzle (`group_m` M blocks at a
+  The sanitized group ends are multiples of `m_aligned` (256 by default). The linear work index `t` runs over
+  *M blocks* of `cluster_m` CTA tiles (`block_m = tile_m * cluster_m` rows) times `n_blocks`:
+  - `t <  valid_blocks * n_blocks`: a *compute* tile, decoded with a grouped swizzle (`group_m` M blocks at a
     time, M fastest inside a swizzle group) so that concurrently running clusters share A rows and B columns in L2;
-  - `t >= ...`: a *zero* tile: rows `>= valid_m`; the epilogue writes zeros there (XLA outputs are uninitialised)
-    and the producer issues no loads. Empty groups own no M block, so they are skipped for free.
-  The group of a tile is a lookup of its first row in the ends (`group_of_row`). (Groups ending at any row would
-  change only this part: the tiles of each group, clipped at its end, and the group of a tile.)
+  - `t >= ...`: a *zero* tile: rows `>= valid_m = end_{L-1}`; the epilogue writes zeros there (XLA outputs are
+    uninitialised) and the producer issues no loads.
+  Row blocks (`m_aligned % block_m == 0`, the default): every M block of `block_m` rows lies inside one group, or
+  entirely past `valid_m`; the group of a tile is a lookup of its first row in the ends (`group_of_row`).
+  Tile lists (`by_tiles`, any other m_aligned): each group's rows are cut into CTA tiles from its first row,
+  `ceil(|g| / tile_m)` of them, the last one clipped at the group end (`Tile.rows` < tile_m: the epilogue stores
+  those rows only and folds only them into its reductions); the groups' tiles in order form one list (the tile
+  ends `tile_end_g = sum_{j <= g} ceil(|j| / tile_m)` in shared memory), and M block b holds tiles
+  cluster_m * b + rank_m. The tiles of one block may belong to two groups: then B is not multicast
+  (`Tile.mcast_b` False, each CTA loads its own B tile whole); a block past the list's end is a *masked* tile
+  (rows 0: it runs the block partner's loads and stores nothing). Zero tiles start at valid_m. Empty groups own
+  no tile, a 1-row group one.
 * K-grouped (wgrad): `W[e] = A[:, T_e] @ B[:, T_e]^T`, groups are token (K) ranges. Output tiles (expert e,
   M block, N block) of W (L, m_w, n_w), every expert's tiles in turn (M fastest: consecutive clusters share B
   columns in L2); the reduction runs over the expert's tokens `[end_{e-1}, end_e)`, in k-tiles from its first
@@ -25,9 +32,10 @@ same sequence, which TMA multicast needs). Each warp role runs its own copy of t
 communicated through shared memory except the sanitized group ends.
 
 Group ends. Warp 0 turns the offsets into the sanitized ends once per CTA, into shared memory:
-`s_g = clip(offsets[g], 0, extent)` (M-grouped: `& ~255`), `end_g = max_{j<=g} s_j` (a chunked warp scan), plus
-`valid = end_{L-1}`. The group of an M block starting at row `r` is `#{g : end_g <= r}` (ends are
-non-decreasing), found by a branch-free binary search over the ends (`ceil(log2(L+1))` shared-memory reads).
+`s_g = clip(offsets[g], 0, extent)` (M-grouped: `& ~(m_aligned - 1)`), `end_g = max_{j<=g} s_j` (a chunked warp
+scan), plus `valid = end_{L-1}`; tile lists also the tile ends (a chunked warp sum scan) and their total. The group
+of an M block starting at row `r` is `#{g : end_g <= r}` (ends are non-decreasing), found by a branch-free binary
+search over the ends (`ceil(log2(L+1))` shared-memory reads); that of list tile i likewise in the tile ends.
 """
 
 from __future__ import annotations
@@ -39,7 +47,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-# FIX_PAD_SIZE of cuDNN: group boundaries are multiples of 256 rows
 from cudnn_moe_jax.limits import GROUP_ALIGN
 
 M_GROUPED = "m"  # groups are row ranges of A and the output (forward, dgrad)
@@ -49,7 +56,7 @@ K_GROUPED = "k"  # groups are token ranges of the reduction (wgrad)
 class Tile(NamedTuple):
     """One tile of the schedule as a CTA sees it."""
 
-    m_tile: Any       # CTA tile row of A (M-grouped: and of the output)
+    m_tile: Any       # CTA tile row of A (M-grouped: and of the output); tile lists: the tile's index in the list
     n_tile: Any       # CTA tile column
     group: Any        # the tile's group (expert)
     out_m_tile: Any   # CTA tile row of the output (K-grouped: W[e]'s rows start at e * m_w)
@@ -58,6 +65,9 @@ class Tile(NamedTuple):
     k_start: Any = None  # K-grouped: first token of k-tile 0 (the expert's first token rounded down to tile_k)
     k_head: Any = None   # K-grouped: tokens to drop at the head of k-tile 0
     k_keep: Any = None   # K-grouped: tokens to keep in the last k-tile
+    row0: Any = None     # tile lists: the tile's first row (of A and the output)
+    rows: Any = None     # tile lists: its rows to store, 0..tile_m (a group's last tile: to the group end)
+    mcast_b: Any = None  # tile lists: both tiles of the cluster block read B[group] (else each loads its own)
 
 
 class Work(NamedTuple):
@@ -66,8 +76,11 @@ class Work(NamedTuple):
     first: Any
     stride: Any
     total: Any
-    valid_blocks: Any = None  # M-grouped: M blocks below valid_m
+    valid_blocks: Any = None  # M-grouped: M blocks of compute tiles
     k_tiles: Any = None       # M-grouped: k-tiles of a compute tile
+    list_tiles: Any = None    # tile lists: tiles in the list
+    valid_m: Any = None       # tile lists: end_{L-1}
+    m_rows: Any = None        # tile lists: A's rows
 
 
 class GroupedTileScheduler:
@@ -75,11 +88,13 @@ class GroupedTileScheduler:
 
     tile_m, tile_n: CTA tile; cluster_m, cluster_n: CTAs per cluster along M / N; num_groups: L (static);
     n_blocks: cluster tiles along N; tile_k: K of one k-tile. M-grouped: k_tiles (the static K's k-tiles), group_m
-    (M blocks per swizzle group). K-grouped: m_blocks (cluster tiles along W's m_w).
+    (M blocks per swizzle group), m_aligned (the ends' alignment: row blocks when block_m divides it, else tile
+    lists). K-grouped: m_blocks (cluster tiles along W's m_w).
     """
 
     def __init__(self, grouping: str, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, num_groups: int,
-                 n_blocks: int, tile_k: int, *, k_tiles: int = None, group_m: int = 8, m_blocks: int = None):
+                 n_blocks: int, tile_k: int, *, k_tiles: int = None, group_m: int = 8, m_blocks: int = None,
+                 m_aligned: int = GROUP_ALIGN):
         if grouping not in (M_GROUPED, K_GROUPED):
             raise ValueError(f"grouping must be {M_GROUPED!r} or {K_GROUPED!r}")
         self.grouping = grouping
@@ -88,10 +103,14 @@ class GroupedTileScheduler:
         self.block_m = tile_m * cluster_m
         self.num_groups = num_groups
         self.n_blocks = n_blocks
+        self.by_tiles = False   # tile lists (M-grouped ends not on block_m multiples)
+        self.clipped = False    # a tile may end inside its group's last tile_m rows (ends not on tile_m multiples)
         if grouping == M_GROUPED:
-            if GROUP_ALIGN % self.block_m != 0:
-                raise ValueError(f"block_m={self.block_m} must divide {GROUP_ALIGN}")
-            self.align = GROUP_ALIGN
+            if m_aligned & (m_aligned - 1):
+                raise ValueError(f"m_aligned={m_aligned} must be a power of two")
+            self.align = m_aligned
+            self.by_tiles = m_aligned % self.block_m != 0
+            self.clipped = m_aligned % tile_m != 0
             self.k_tiles, self.group_m = k_tiles, group_m
         else:
             self.align = 1  # token ends: any alignment
@@ -102,10 +121,19 @@ class GroupedTileScheduler:
 
     # ---------------------------------------------------------------------------------------- host
     def num_tiles(self, m_rows):
-        """Cluster tiles of the whole schedule (the persistent grid is at most this many clusters)."""
+        """Cluster tiles of the whole schedule (the persistent grid is at most this many clusters); tile lists: a
+        bound (at most cdiv(valid_m, tile_m) + L - 1 list tiles, cdiv(m - valid_m, tile_m) zero tiles, each rounded
+        up to whole blocks)."""
         if self.grouping == K_GROUPED:
             return self.num_groups * self.m_blocks * self.n_blocks
+        if self.by_tiles:
+            return ((m_rows + self.tile_m - 1) // self.tile_m + self.num_groups) // self.cluster_m * self.n_blocks \
+                + 2 * self.n_blocks
         return (m_rows // self.block_m) * self.n_blocks
+
+    def ends_words(self) -> int:
+        """Int32 words of the group ends in shared memory: the ends (tile lists: then the tile ends)."""
+        return self.num_groups * (2 if self.by_tiles else 1)
 
     def group_extent(self, mA: cute.Tensor):
         """The extent the offsets index: A's rows (M-grouped) or its tokens (K-grouped: A is (m_w, T))."""
@@ -114,8 +142,9 @@ class GroupedTileScheduler:
     # ---------------------------------------------------------------------------------------- setup
     @cute.jit
     def load_group_ends(self, mOffsets: cute.Tensor, extent: Int32, sEnds: cute.Tensor, sValid: cute.Tensor):
-        """Warp-collective (call from one full warp). sEnds: (L,) Int32 smem; sValid: (1,) Int32 smem. Ends are
-        clipped to `extent` and rounded down to `self.align`."""
+        """Warp-collective (call from one full warp). sEnds: (ends_words(),) Int32 smem; sValid: (2,) Int32 smem.
+        Ends are clipped to `extent` and rounded down to `self.align`; tile lists: sEnds[L + g] = tile_end_g and
+        sValid[1] = the list's tiles."""
         lane = cute.arch.lane_idx()
         L = self.num_groups
         run = Int32(0)
@@ -128,22 +157,55 @@ class GroupedTileScheduler:
                     v = v & Int32(~(self.align - 1))
                 run = cutlass.max(run, v)
                 sEnds[j] = run
-        # inclusive max-scan of the per-lane chunk maxima
-        incl = run
-        for d in cutlass.range_constexpr(5):
-            other = cute.arch.shuffle_sync_up(incl, offset=1 << d)
-            if lane >= (1 << d):
-                incl = cutlass.max(incl, other)
-        excl = cute.arch.shuffle_sync_up(incl, offset=1)
-        if lane == 0:
-            excl = Int32(0)
+        # max-scan of the per-lane chunk maxima
+        excl, total = self._warp_scan(run, lane, add=False)
         for i in cutlass.range_constexpr(self.chunk):
             j = lane * self.chunk + i
             if j < L:
                 sEnds[j] = cutlass.max(sEnds[j], excl)
-        total = cute.arch.shuffle_sync(incl, offset=31)
         if lane == 0:
             sValid[0] = total
+        if const_expr(self.by_tiles):
+            self._load_tile_ends(sEnds, sValid, lane, excl)
+
+    @cute.jit
+    def _load_tile_ends(self, sEnds: cute.Tensor, sValid: cute.Tensor, lane: Int32, prev_end: Int32):
+        """tile_end_g = sum_{j <= g} ceil((end_j - end_{j-1}) / tile_m) into sEnds[L + g] (a chunked warp sum scan;
+        each lane reads only the ends it wrote, `prev_end` being the end before its chunk); the total to
+        sValid[1]."""
+        L = self.num_groups
+        run = Int32(0)
+        end_before = prev_end
+        for i in cutlass.range_constexpr(self.chunk):
+            j = lane * self.chunk + i
+            if j < L:
+                e = sEnds[j]
+                run = run + (e - end_before + (self.tile_m - 1)) // self.tile_m
+                end_before = e
+                sEnds[L + j] = run
+        excl, total = self._warp_scan(run, lane, add=True)
+        for i in cutlass.range_constexpr(self.chunk):
+            j = lane * self.chunk + i
+            if j < L:
+                sEnds[L + j] = sEnds[L + j] + excl
+        if lane == 0:
+            sValid[1] = total
+
+    @cute.jit
+    def _warp_scan(self, value: Int32, lane: Int32, add: cutlass.Constexpr):
+        """(exclusive scan (lane 0: 0), total) over the warp's lanes of one value each; max, or sum with `add`."""
+        incl = value
+        for d in cutlass.range_constexpr(5):
+            other = cute.arch.shuffle_sync_up(incl, offset=1 << d)
+            if lane >= (1 << d):
+                if const_expr(add):
+                    incl = incl + other
+                else:
+                    incl = cutlass.max(incl, other)
+        excl = cute.arch.shuffle_sync_up(incl, offset=1)
+        if lane == 0:
+            excl = Int32(0)
+        return excl, cute.arch.shuffle_sync(incl, offset=31)
 
     # ---------------------------------------------------------------------------------------- queries
     @cute.jit
@@ -156,6 +218,13 @@ class GroupedTileScheduler:
             return Work(cluster_id, num_clusters, Int32(self.num_tiles(None)))
         if const_expr(k_tiles is None):
             k_tiles = Int32(self.k_tiles)
+        if const_expr(self.by_tiles):
+            cm = self.cluster_m
+            list_tiles, valid_m = sValid[1], sValid[0]
+            valid_blocks = (list_tiles + (cm - 1)) // cm
+            zero_blocks = ((m_rows - valid_m + (self.tile_m - 1)) // self.tile_m + (cm - 1)) // cm
+            return Work(cluster_id, num_clusters, (valid_blocks + zero_blocks) * self.n_blocks, valid_blocks,
+                        k_tiles, list_tiles, valid_m, m_rows)
         return Work(cluster_id, num_clusters, self.num_tiles(m_rows), sValid[0] // self.block_m, k_tiles)
 
     @cute.jit
@@ -163,6 +232,8 @@ class GroupedTileScheduler:
         """Linear cluster-tile index t -> this CTA's tile (rank_m, rank_n: its place in the cluster)."""
         if const_expr(self.grouping == K_GROUPED):
             return self._k_grouped_tile(t, sEnds, rank_m, rank_n)
+        if const_expr(self.by_tiles):
+            return self._listed_tile(t, work, sEnds, rank_m, rank_n)
         return self._m_grouped_tile(t, work.valid_blocks, work.k_tiles, sEnds, rank_m, rank_n)
 
     @cute.jit
@@ -178,6 +249,56 @@ class GroupedTileScheduler:
         return Tile(m_tile, n_tile, g, m_tile, is_compute, k_count)
 
     @cute.jit
+    def _listed_tile(self, t: Int32, work: Work, sEnds: cute.Tensor, rank_m: Int32, rank_n: Int32):
+        """Tile lists: M block b holds list tiles cluster_m * b + rank; a zero block the tile_m-row tiles from
+        valid_m on (rows past m clipped)."""
+        L, cm, tile_m = self.num_groups, self.cluster_m, self.tile_m
+        m_block, n_block, is_compute = self.decode(t, work.valid_blocks, Int32(self.n_blocks))
+        n_tile = n_block * self.cluster_n + rank_n
+        first = m_block * cm
+        i = first + rank_m
+        # a tile past the list's end (a masked tile) reads the block's first tile's rows and stores none
+        masked = i >= work.list_tiles
+        i_read = i
+        if masked:
+            i_read = first
+        g, row0, rows = self.list_tile(i_read, sEnds)
+        if masked:
+            rows = Int32(0)
+        mcast_b = True
+        if const_expr(cm > 1):   # the block's two tiles in one group: B multicast (cluster_m is 1 or 2)
+            g_first, _, _ = self.list_tile(first, sEnds)
+            g_second, _, _ = self.list_tile(cutlass.min(first + 1, work.list_tiles - 1), sEnds)
+            mcast_b = g_first == g_second
+        k_count = Int32(0)
+        m_tile = i
+        if is_compute:
+            k_count = work.k_tiles
+        else:   # zero tile z: rows valid_m + tile_m * z .. (past m: clipped; wholly past m: rows 0 at valid_m)
+            z = (m_block - work.valid_blocks) * cm + rank_m
+            row0 = work.valid_m + z * tile_m
+            rows = cutlass.max(cutlass.min(work.m_rows - row0, Int32(tile_m)), Int32(0))
+            if rows == 0:
+                row0 = work.valid_m
+            g = Int32(L - 1)
+            m_tile = row0 // tile_m
+        return Tile(m_tile, n_tile, g, m_tile, is_compute, k_count, row0=row0, rows=rows, mcast_b=mcast_b)
+
+    @cute.jit
+    def list_tile(self, i: Int32, sEnds: cute.Tensor):
+        """List tile i (< the list's tiles) -> (group, first row, rows to store)."""
+        L, tile_m = self.num_groups, self.tile_m
+        sTileEnds = cute.make_tensor(sEnds.iterator + L, cute.make_layout(L))
+        g = cutlass.min(self.group_of_row(i, sTileEnds), Int32(L - 1))
+        start = Int32(0)
+        tile_start = Int32(0)
+        if g > 0:
+            start = sEnds[g - 1]
+            tile_start = sTileEnds[g - 1]
+        row0 = start + (i - tile_start) * tile_m
+        return g, row0, cutlass.min(sEnds[g] - row0, Int32(tile_m))
+
+    @cute.jit
     def _k_grouped_tile(self, t: Int32, sEnds: cute.Tensor, rank_m: Int32, rank_n: Int32):
         e, m_block, n_block = self.decode_kgrouped(t, Int32(self.n_blocks))
         k_start, k_count, k_head, k_keep = self.token_tiles(e, sEnds)
@@ -188,7 +309,8 @@ class GroupedTileScheduler:
 
     @cute.jit
     def group_of_row(self, row: Int32, sEnds: cute.Tensor) -> Int32:
-        """#{g : end_g <= row}: the group owning `row` (L when row >= valid_m)."""
+        """#{g : end_g <= row}: the group owning `row` (L when row >= valid_m); over the tile ends, the group of a
+        list tile."""
         L = self.num_groups
         g = Int32(0)
         for step in cutlass.range_constexpr(len(self.search_steps)):

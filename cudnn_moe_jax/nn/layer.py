@@ -2,7 +2,7 @@
 
     x (..., H) -> flatten to (T, H), cast to the compute dtype
     router (nn.router: RouterConfig) or a precomputed gating=(experts, weights)
-    -> route / permute into 256-padded expert groups -> nn.moe_mlp (fused ops; float32: jnp reference)
+    -> route / permute into padding-free expert groups -> nn.moe_mlp (fused ops; float32: jnp reference)
     -> unpermute (each token's k outputs, gate-weighted, summed in fp32)
     (+ gate-weighted FC2 bias, + shared expert: nn.block) -> y (..., H) in the compute dtype, aux
 """
@@ -140,6 +140,9 @@ def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: Optional[int] = None,
     y = _routing.unpermute(y_perm, plan, x2d.shape[0])
     y = block.add_token_terms(y, x2d, gating.experts, gating.weights, params.get("b2"), shared_of(params), act,
                               glu_limit)
-    aux = {"padded_offsets": plan.padded_offsets, "expert_load": expert_load(gating.experts, num_experts),
+    # padding-free groups: a group's rows are its assignments (no scatter-add of T*k ones for the load)
+    load = (jnp.diff(plan.padded_offsets, prepend=0) if _routing.M_ALIGNED == 1
+            else expert_load(gating.experts, num_experts))
+    aux = {"padded_offsets": plan.padded_offsets, "expert_load": load,
            **token_aux(gating, batch_shape)}
     return jnp.reshape(y, batch_shape + (x.shape[-1],)), aux

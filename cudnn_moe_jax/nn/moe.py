@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import activations, ops, reference
+from .routing import M_ALIGNED
 from .weights import check_expert_mlp, check_permuted
 
 
@@ -42,46 +43,47 @@ def _selection(entry, act_func, glu_limit):
     return dict(act_func=act_func, glu_limit=glu_limit) if entry.glu else {}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _fused_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _fused_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned):
     """moe_mlp on the fused ops (bf16 / fp16 x_perm; w1 / w2 in its dtype or float32, cast here)."""
-    y, _ = _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit)
+    y, _ = _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned)
     return y
 
 
-def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
+def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned):
     dtype = x_perm.dtype
     # float32 master weights (and any bias) -> the compute dtype (else no-op), as a Flax Dense with param_dtype
     w1, w2, b1 = w1.astype(dtype), w2.astype(dtype), None if b1 is None else b1.astype(dtype)
     entry = activations.TABLE[act]
     fc1 = _FC1_OPS[entry.forward_op](x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
-                                     c_dtype=dtype, d_dtype=dtype, compute_amax=False,
+                                     c_dtype=dtype, d_dtype=dtype, compute_amax=False, m_aligned=m_aligned,
                                      **_selection(entry, entry.name, glu_limit))
     fc2 = ops.grouped_gemm_quant(fc1.d_tensor, w2, padded_offsets=padded_offsets, d_dtype=dtype,
-                                 compute_amax=False)
+                                 compute_amax=False, m_aligned=m_aligned)
     return fc2.d_tensor, (fc1.c_tensor, fc1.d_tensor)
 
 
-def _moe_mlp_fwd(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
-    y, (c, h) = _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit)
+def _moe_mlp_fwd(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned):
+    y, (c, h) = _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned)
     return y, (x_perm, w1, w2, prob, b1, padded_offsets, c, h)
 
 
-def _moe_mlp_bwd(act, glu_limit, residuals, dy):
+def _moe_mlp_bwd(act, glu_limit, m_aligned, residuals, dy):
     x_perm, w1, w2, prob, b1, padded_offsets, c, h = residuals   # w1 / w2 as given: their dtype is the wgrad's
     dtype = x_perm.dtype
     dy = dy.astype(dtype)
     w1_c, w2_c = w1.astype(dtype), w2.astype(dtype)
     # FC2 dgrad fused with the activation derivative: dC, dprob, db1.
     common = dict(padded_offsets=padded_offsets, prob_tensor=prob, d_dtype=dtype, compute_amax=False,
-                  generate_dbias=b1 is not None, dbias_dtype="float32" if b1 is not None else None)
+                  generate_dbias=b1 is not None, dbias_dtype="float32" if b1 is not None else None,
+                  m_aligned=m_aligned)
     entry = activations.TABLE[act]
     bwd = _DACT_OPS[entry.backward_op](dy, _swap_last(w2_c), c, b_major="n", **common,
                                        **_selection(entry, entry.derivative, glu_limit))
     dc = bwd.d_row_tensor
     # FC1 dgrad: dx = dC W1[e] (quant op with B = W1 seen as (L, H, 2I)).
     dx = ops.grouped_gemm_quant(dc, _swap_last(w1_c), padded_offsets=padded_offsets, d_dtype=dtype, b_major="n",
-                                compute_amax=False).d_tensor
+                                compute_amax=False, m_aligned=m_aligned).d_tensor
     # Weight gradients: tokens are the rows of the permuted layout; the group ends are the token offsets.
     # token-major operands (a_major="m", b_major="n"): the kernel reads dy, h, dC, x as they are, no transpose
     majors = dict(a_major="m", b_major="n")
@@ -102,13 +104,13 @@ def _check_options(act, glu_limit):
         raise ValueError(f"glu_limit applies to act in {activations.GLU_NAMES}, not {act!r}")
 
 
-def _reference_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
+def _reference_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned):
     """The float32 expert MLP: the reference backend's functions for the same two ops on float32 operands
     (`reference` is the library's definition of the ops' math), differentiated by JAX. For debugging: exact fp32
     products and sums, no kernel, and JAX's scan-based gradients are slow at scale."""
     f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
     ones = jnp.ones((w1.shape[0],), jnp.float32)
-    common = dict(ab_dtype="float32", d_dtype="float32")
+    common = dict(ab_dtype="float32", d_dtype="float32", m_aligned=m_aligned)
     entry = activations.TABLE[act]
     h = _REFERENCE_FC1_OPS[entry.forward_op](f32(x_perm), f32(w1), None, None, padded_offsets, ones, prob, f32(b1),
                                              c_dtype="float32", **common, **_selection(entry, entry.name, glu_limit))
@@ -116,16 +118,18 @@ def _reference_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit):
                                         **common)["d_tensor"]
 
 
-def moe_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act: str = "swiglu", glu_limit: Optional[float] = None):
+def moe_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act: str = "swiglu", glu_limit: Optional[float] = None,
+            m_aligned: int = M_ALIGNED):
     """Expert MLP on permuted rows. x_perm (m, H); w1 (L, 2I or I, H); w2 (L, H, I); prob (m,) f32;
-    b1 (L, 2I or I) or None; padded_offsets (L,) int32 (static-shaped, device values). Returns y_perm (m, H) in
+    b1 (L, 2I or I) or None; padded_offsets (L,) int32 (static-shaped, device values), multiples of `m_aligned`
+    (static; default padding-free, 1: any group ends; m a multiple of it and of 8). Returns y_perm (m, H) in
     x_perm's dtype, which is the compute dtype:
 
     - bfloat16 / float16: the fused ops (custom_vjp). w1 / w2 in x_perm's dtype, or float32 master weights: cast
       inside, and their gradients come back float32 straight from the wgrad GEMM's fp32 accumulators.
     - float32: the same math on the reference functions in jnp, differentiated by JAX (for debugging)."""
     _check_options(act, glu_limit)
-    check_permuted(x_perm, prob, padded_offsets, check_expert_mlp(x_perm, w1, w2, b1, act, "x_perm")[0])
+    check_permuted(x_perm, prob, padded_offsets, check_expert_mlp(x_perm, w1, w2, b1, act, "x_perm")[0], m_aligned)
     if x_perm.dtype == jnp.float32:
-        return _reference_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit)
-    return _fused_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit)
+        return _reference_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned)
+    return _fused_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned)

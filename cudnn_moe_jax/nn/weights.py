@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .. import activations
-from .._problem import GROUP_ALIGN
+from ..limits import TOKEN_ALIGN
 
 GLU_BLOCK = 32  # columns per gate / up block in the fused GLU ops
 MAX_EXPERTS = 1024
@@ -105,11 +105,14 @@ def check_expert_mlp(x, w1, w2, b1, act: str, x_arg: str = "x"):
     return num_experts, hidden, inter
 
 
-def check_permuted(x_perm, prob, padded_offsets, num_experts: int):
-    """The routing arguments of moe_mlp: x_perm (m, H) with m a multiple of 256, prob (m,), padded_offsets (L,)."""
-    if x_perm.ndim != 2 or x_perm.shape[0] % GROUP_ALIGN:
-        raise ValueError(f"x_perm must have shape (m, H) with m a multiple of {GROUP_ALIGN} (permuted rows, every "
-                         f"expert group padded to {GROUP_ALIGN}: nn.route + nn.permute); got {tuple(x_perm.shape)}")
+def check_permuted(x_perm, prob, padded_offsets, num_experts: int, m_aligned: int):
+    """The routing arguments of moe_mlp: x_perm (m, H) with m a multiple of m_aligned and of 8 (the wgrad ops read
+    the rows as tokens), prob (m,), padded_offsets (L,)."""
+    unit = max(m_aligned, TOKEN_ALIGN)
+    if x_perm.ndim != 2 or x_perm.shape[0] % unit:
+        raise ValueError(f"x_perm must have shape (m, H) with m a multiple of {unit} (permuted rows, every expert "
+                         f"group padded to a multiple of m_aligned={m_aligned}, m of {TOKEN_ALIGN}: nn.route + "
+                         f"nn.permute, nn.permuted_rows); got {tuple(x_perm.shape)}")
     m = x_perm.shape[0]
     if tuple(prob.shape) != (m,):
         raise ValueError(f"prob must have shape (m,) = ({m},) (one gate weight per permuted row); got "

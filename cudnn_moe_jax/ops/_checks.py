@@ -16,7 +16,8 @@ import numpy as np
 
 from ..formats import dtype_name  # noqa: F401 (re-exported: the one dtype normaliser of the ops and of formats)
 from ..formats import sf_physical_shape
-from ..limits import FLOAT_OUT_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, MAX_GROUPS, SF_DTYPES
+from ..limits import (FLOAT_OUT_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, M_ALIGNED_CHOICES, MAX_GROUPS,
+                      SF_DTYPES, SF_GROUP_ALIGN, k_align)
 
 
 def check_choice(value, allowed, arg: str, why: str = ""):
@@ -62,16 +63,37 @@ def logical_k(x, ab_dtype: str) -> int:
 
 def check_k_alignment(k: int, ab_dtype: str, arg: str):
     # The contiguous extent of A and B must be a multiple of 16 bytes (TMA), docs/ops.md#errors.
-    need = {FP4: 32, "float8_e4m3fn": 16, "float8_e5m2": 16}.get(ab_dtype, 8)
+    need = k_align(ab_dtype)
     if k % need:
         raise ValueError(f"{arg}: K={k} must be a multiple of {need} for {ab_dtype} (16-byte rows)")
 
 
-def check_m(m: int, arg: str = "a_tensor"):
-    if m <= 0 or m % GROUP_ALIGN:
-        raise ValueError(f"{arg}: rows m={m} must be a positive multiple of {GROUP_ALIGN} (expert groups are "
-                         f"padded to {GROUP_ALIGN} rows): cudnn_moe_jax.nn.route + nn.permute build that layout "
-                         "(nn.permuted_rows(T, top_k, L) rows), or pad with jnp.pad")
+def check_m(m: int, m_aligned: int, arg: str = "a_tensor"):
+    if m <= 0 or m % m_aligned:
+        raise ValueError(f"{arg}: rows m={m} must be a positive multiple of {m_aligned} (m_aligned: expert groups "
+                         f"are padded to {m_aligned} rows): cudnn_moe_jax.nn.route + nn.permute build that layout "
+                         "(nn.permuted_rows(T, top_k, L, m_aligned) rows), or pad with jnp.pad")
+
+
+def pop_m_aligned(static_kwargs: dict) -> int:
+    """Pop cuDNN's `m_aligned` (the group-end alignment, default 256) from the static keywords
+    (docs/offsets.md#group-alignment)."""
+    value = static_kwargs.pop("m_aligned", None)
+    if value is None:
+        return GROUP_ALIGN
+    if isinstance(value, bool) or not isinstance(value, int) or value not in M_ALIGNED_CHOICES:
+        raise ValueError(f"m_aligned must be one of {M_ALIGNED_CHOICES} (group ends are multiples of it; 256 is "
+                         f"cuDNN's), got {value!r}")
+    return value
+
+
+def check_sf_alignment(m_aligned: int, what: str):
+    """Scale factors along M come in 128-row atoms and 32-row column blocks: a call that has them (block-scaled A,
+    FP8 / FP4 outputs) keeps group ends on multiples of 128 (docs/offsets.md#group-alignment)."""
+    if m_aligned % SF_GROUP_ALIGN:
+        raise ValueError(f"m_aligned={m_aligned}: {what} needs m_aligned to be a multiple of {SF_GROUP_ALIGN} "
+                         f"(scale factors along M come in {SF_GROUP_ALIGN}-row atoms and 32-row column blocks, "
+                         "which must not span two expert groups)")
 
 
 def int_vector(x, length: int, arg: str):
@@ -229,11 +251,12 @@ def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "s
     return sf_dtype, vec
 
 
-def out_dtype(dtype, arg: str, allowed) -> str:
+def out_dtype(dtype, arg: str, allowed, fp4_reason: str = "") -> str:
+    """The canonical name of an output dtype argument, one of `allowed`; an FP4 one where `allowed` has none is a
+    NotImplementedError saying why (`fp4_reason`)."""
     name = dtype_name(dtype, arg)
     if name == FP4 and FP4 not in allowed:
-        raise NotImplementedError(f"{arg}=float4_e2m1fn: NVFP4 outputs are only produced by "
-                                  "grouped_gemm_glu_hadamard_quant")
+        raise NotImplementedError(f"{arg}=float4_e2m1fn: {fp4_reason or 'no FP4 output here'}")
     check_choice(name, allowed, arg)
     return name
 
@@ -253,15 +276,14 @@ def operand_majors(static_kwargs: dict, a_major_allowed: bool = False) -> dict:
     return out
 
 
-def check_static_kwargs(acc_dtype=None, m_aligned=None, cd_major=None, vector_f32=None, stream=None,
-                        mma_tiler_mn=None, cluster_shape_mn=None, **unknown):
-    """cuDNN wrapper keywords we accept for drop-in compatibility; anything but the supported value is an error."""
+def check_static_kwargs(acc_dtype=None, cd_major=None, vector_f32=None, stream=None, mma_tiler_mn=None,
+                        cluster_shape_mn=None, **unknown):
+    """cuDNN wrapper keywords we accept for drop-in compatibility; anything but the supported value is an error
+    (`m_aligned` is popped before, by `pop_m_aligned`)."""
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)} (this op does not take them)")
     if acc_dtype is not None and dtype_name(acc_dtype, "acc_dtype") != "float32":
         raise ValueError("acc_dtype: only float32 accumulation is supported")
-    if m_aligned is not None and m_aligned != GROUP_ALIGN:
-        raise ValueError(f"m_aligned: groups are padded to {GROUP_ALIGN} rows; other alignments are not supported")
     if cd_major is not None and cd_major != "n":
         raise ValueError("cd_major: outputs are row-major (cd_major='n') in JAX")
     if vector_f32:
@@ -319,16 +341,16 @@ def _weight_layout_hint(b_shape: tuple, a_k: int) -> str:
 
 
 def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors, padded_offsets,
-                  sf_vec_size, b_arg="b_tensor"):
+                  sf_vec_size, m_aligned: int = GROUP_ALIGN, b_arg="b_tensor"):
     """Validate and canonicalise the grouped-GEMM operands shared by every forward and dgrad op.
 
     Returns (inputs dict, dims dict) with dims = m, n, k, num_groups, ab_dtype, a_dtype (bf16 A with
-    block-scaled B, else None), sf_dtype, vec, discrete.
+    block-scaled B, else None), sf_dtype, vec, discrete, m_aligned.
     """
     a = squeeze_unit(array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, K) (or (m, K, 1))")
     ab_dtype = operand_dtype(a, "a_tensor")
     m, k = a.shape[0], logical_k(a, ab_dtype)
-    check_m(m)
+    check_m(m, m_aligned)
     discrete = b_tensors is not None
     if discrete == (b_tensor is not None):
         raise ValueError(f"pass exactly one of {b_arg} (dense (L, N, K)) and b_tensors (list of per-expert "
@@ -375,9 +397,9 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         raise ValueError(f"{b_arg}: number of experts L={num_groups} must be in [1, {MAX_GROUPS}]")
     if n <= 0 or n % 8:
         raise ValueError(f"{b_arg}: N={n} must be a positive multiple of 8")
-    offsets = offsets_vector(padded_offsets, num_groups, m, "padded_offsets", GROUP_ALIGN,
-                             f"the cumulative end row of each expert group: non-decreasing multiples of {GROUP_ALIGN} "
-                             f"in [0, m={m}] (cudnn_moe_jax.nn.route builds them from expert choices)")
+    offsets = offsets_vector(padded_offsets, num_groups, m, "padded_offsets", m_aligned,
+                             f"the cumulative end row of each expert group: non-decreasing multiples of m_aligned="
+                             f"{m_aligned} in [0, m={m}] (cudnn_moe_jax.nn.route builds them from expert choices)")
 
     if discrete and sfb_tensors is not None and len(sfb_tensors) != num_groups:
         raise ValueError(f"sfb_tensors must hold one buffer per expert ({num_groups}), got {len(sfb_tensors)}")
@@ -386,6 +408,8 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                                          weight_only=a_dtype is not None)
     sfa = sfb = None
     if sf_dtype is not None:
+        if a_dtype is None:   # A's scale factors (weight-only calls have B's only)
+            check_sf_alignment(m_aligned, f"block-scaled {ab_dtype} A (sfa_tensor)")
         # FP4 scales quantized for the other vec size have another layout, except where K cannot tell them apart
         # (K <= 64: one atom of 4 k-blocks either way); that is why e8m0 FP4 calls must state sf_vec_size.
         other = {16: 32, 32: 16}[vec] if ab_dtype == FP4 else None
@@ -409,8 +433,7 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                            other_layout(n, num_groups))
     inputs = {"a": a, "b": b, "sfa": sfa, "sfb": sfb, "padded_offsets": offsets}
     dims = dict(m=m, n=n, k=k, num_groups=num_groups, ab_dtype=ab_dtype, a_dtype=a_dtype, sf_dtype=sf_dtype,
-                vec=vec,
-                discrete=discrete, b_arg="b_tensors" if discrete else b_arg)
+                vec=vec, discrete=discrete, m_aligned=m_aligned, b_arg="b_tensors" if discrete else b_arg)
     return inputs, dims
 
 

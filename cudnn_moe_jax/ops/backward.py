@@ -23,9 +23,10 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
           tanh_clamp_scale=None, static_kwargs=None, drop_keys=()):
     static_kwargs = dict(static_kwargs or {})
     majors = ck.operand_majors(static_kwargs)
+    m_aligned = ck.pop_m_aligned(static_kwargs)
     config = ck.check_static_kwargs(**static_kwargs)
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
-                                    padded_offsets, sf_vec_size)
+                                    padded_offsets, sf_vec_size, m_aligned)
     m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
     entry = activations.get(act)
     c_width = entry.input_width(n)
@@ -36,8 +37,12 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
     if tuple(c.shape) != (m, c_width):
         raise ValueError(f"c_tensor (the saved forward pre-activation) must have shape ({m}, {c_width}), got "
                          f"{tuple(c.shape)}")
-    c_dtype = ck.out_dtype(c.dtype.name, "c_tensor dtype", OUT_DTYPES)
-    d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES)
+    c_dtype = ck.out_dtype(c.dtype.name, "c_tensor dtype", OUT_DTYPES, "the saved C is never FP4 (the forward "
+                           "ops store C as bf16 / fp16 / fp32 / FP8)")
+    d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES, "cuDNN's dglu / dsrelu write D_row as FP8 (with SFD) or "
+                           "bf16 / fp16 / fp32 only (docs/ops.md#grouped_gemm_dglu)")
+    if d_dtype in FP8_DTYPES:
+        ck.check_sf_alignment(m_aligned, f"an FP8 d_dtype ({d_dtype}: SFD_row, D_col, SFD_col)")
     if d_dtype in FP8_DTYPES and c_width % 16:
         raise ValueError(f"d_dtype {d_dtype}: output width {c_width} must be a multiple of 16")
     generate_sfd, norm_const, compute_amax = output_quantization(d_dtype, norm_const_tensor, discrete_col_sfd,
@@ -54,7 +59,8 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
                         discrete_col_sfd=bool(discrete_col_sfd), dbias_dtype=dbias_dtype if generate_dbias else None)
     problem = GroupedGemmProblem(op=op, m=m, n=n, k=dims["k"], num_groups=num_groups, ab_dtype=dims["ab_dtype"],
                                  a_dtype=dims["a_dtype"], sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
-                                 discrete_weights=dims["discrete"], epilogue=epilogue, **majors)
+                                 discrete_weights=dims["discrete"], epilogue=epilogue, m_aligned=m_aligned,
+                                 **majors)
     inputs.update(c=c, alpha=ck.float_vector(alpha_tensor, num_groups, "alpha_tensor", default=1.0),
                   beta=ck.float_vector(beta_tensor, num_groups, "beta_tensor", default=1.0),
                   prob=ck.float_vector(prob_tensor, m, "prob_tensor"), norm_const=norm_const)
@@ -136,6 +142,17 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
     result is wgrad_tensor + W (added in fp32, rounded once). Returns wgrad_tensor (L, m, n).
     """
     majors = ck.operand_majors(cudnn_static, a_major_allowed=True)
+    ck.pop_m_aligned(cudnn_static)   # accepted for symmetry: token offsets have no alignment rule
+    output_mode = cudnn_static.pop("output_mode", "dense")
+    if output_mode == "discrete":
+        raise NotImplementedError(
+            "grouped_gemm_wgrad(output_mode='discrete') (cuDNN's per-expert wgrad_ptrs) is not implemented: a JAX "
+            "output is always a new buffer, so per-expert outputs differ from the dense (L, m, n) result only when "
+            "accumulating into existing per-expert buffers, which needs per-expert TMA store descriptors and L "
+            "aliased outputs in the wgrad epilogue (the discrete-weights descriptor table serves loads of B); "
+            "use the dense output (W[e] is expert e's gradient)")
+    if output_mode != "dense":
+        raise ValueError(f"output_mode must be 'dense' or 'discrete', got {output_mode!r}")
     config = ck.check_static_kwargs(**cudnn_static)
     a = ck.squeeze_unit(ck.array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, T)")
     b = ck.squeeze_unit(ck.array(b_tensor, "b_tensor"), 2, "b_tensor", "(n, T)")

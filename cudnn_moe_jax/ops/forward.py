@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from .. import _primitive, activations
 from .._problem import Epilogue, GroupedGemmProblem
 from .._results import OpResult
-from ..limits import FP8_DTYPES, OUT_DTYPES
+from ..limits import FORWARD_D_DTYPES, FP4, OUT_DTYPES, QUANT_D_DTYPES
 from . import _checks as ck
 
 _SF_OUT_KEYS = ("sfd_row_tensor", "sfd_col_tensor", "sfd_tensor", "sfrht_tensor")
@@ -29,12 +29,13 @@ def finish(problem: GroupedGemmProblem, outputs: dict, sf_out_dtype: str) -> OpR
 
 
 def output_quantization(d_dtype: str, norm_const_tensor, discrete_col_sfd: bool, compute_amax):
-    """Decide SFD generation (FP8 D), amax (default: bf16/fp16 D, as cuDNN's wrappers) and check norm_const."""
-    generate_sfd = d_dtype in FP8_DTYPES
+    """Decide SFD generation (FP8 / FP4 D), amax (default: bf16/fp16 D, as cuDNN's wrappers) and check
+    norm_const."""
+    generate_sfd = d_dtype in QUANT_D_DTYPES
     norm_const = None
     if generate_sfd:
         if norm_const_tensor is None:
-            raise ValueError(f"norm_const_tensor is required for an FP8 d_dtype ({d_dtype}): it is the global "
+            raise ValueError(f"norm_const_tensor is required for a quantized d_dtype ({d_dtype}): it is the global "
                              "encode scale of the SFD quantization (pass jnp.ones((1,), jnp.float32) for none)")
         norm_const = ck.scalar_f32(norm_const_tensor, "norm_const_tensor")
     elif discrete_col_sfd:
@@ -73,6 +74,7 @@ def bind_forward(op: str, dims: dict, inputs: dict, epilogue: Epilogue, config, 
     problem = GroupedGemmProblem(op=op, m=dims["m"], n=dims["n"], k=dims["k"], num_groups=dims["num_groups"],
                                  ab_dtype=dims["ab_dtype"], a_dtype=dims["a_dtype"], sf_dtype=dims["sf_dtype"],
                                  sf_vec_size=dims["vec"], discrete_weights=dims["discrete"], epilogue=epilogue,
+                                 m_aligned=dims["m_aligned"],
                                  **(majors or {}))
     inputs.update(alpha=ck.float_vector(alpha_tensor, dims["num_groups"], "alpha_tensor", default=1.0),
                   prob=ck.float_vector(prob_tensor, dims["m"], "prob_tensor"), **extra_inputs)
@@ -85,15 +87,20 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
              tanh_clamp_scale=None, static_kwargs=None):
     static_kwargs = dict(static_kwargs or {})
     majors = ck.operand_majors(static_kwargs)
+    m_aligned = ck.pop_m_aligned(static_kwargs)
     config = ck.check_static_kwargs(**static_kwargs)
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
-                                    padded_offsets, sf_vec_size)
-    d_dtype = ck.out_dtype(d_dtype, "d_dtype", OUT_DTYPES)
+                                    padded_offsets, sf_vec_size, m_aligned)
+    d_dtype = ck.out_dtype(d_dtype, "d_dtype", FORWARD_D_DTYPES)
+    if d_dtype in QUANT_D_DTYPES:
+        ck.check_sf_alignment(m_aligned, f"a quantized d_dtype ({d_dtype}: SFD_row, D_col, SFD_col)")
     if op != "quant":                      # srelu/glu always produce C (docs/ops.md): None is not "no C"
-        c_dtype = ck.out_dtype(c_dtype, "c_dtype", OUT_DTYPES)
+        c_dtype = ck.out_dtype(c_dtype, "c_dtype", OUT_DTYPES, "C is stored unscaled (bf16 / fp16 / fp32 / FP8): "
+                               "an FP4 C would have no scale factors")
     n_out = output_width(act, dims)
-    if d_dtype in FP8_DTYPES and n_out % 16:
-        raise ValueError(f"d_dtype {d_dtype}: N_out={n_out} must be a multiple of 16 (16-byte rows)")
+    row_values = 32 if d_dtype == FP4 else 16          # 16-byte rows of D (FP4: two values a byte)
+    if d_dtype in QUANT_D_DTYPES and n_out % row_values:
+        raise ValueError(f"d_dtype {d_dtype}: N_out={n_out} must be a multiple of {row_values} (16-byte rows)")
     generate_sfd, norm_const, compute_amax = output_quantization(d_dtype, norm_const_tensor, discrete_col_sfd,
                                                                  compute_amax)
     bias, bias_dtype = ck.bias_array(bias_tensor, dims["num_groups"], dims["n"])

@@ -31,10 +31,12 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
     transform is the orthonormal Sylvester H16/4 on bf16-rounded D; `hadamard_tensor` (16, 16) replaces it
     (out = block @ P^T). Returns c_tensor, d_tensor, sfd_tensor, amax_tensor, rht_tensor, sfrht_tensor.
     """
+    cudnn_static = dict(cudnn_static)
+    m_aligned = ck.pop_m_aligned(cudnn_static)
     config = ck.check_static_kwargs(**cudnn_static)
     ck.check_choice(act_func, tuple(activations.TABLE), "act_func")
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
-                                    padded_offsets, sf_vec_size)
+                                    padded_offsets, sf_vec_size, m_aligned)
     act_options = activation_options(act_func, glu_limit, glu_alpha, tanh_clamp_scale)
     n_out = output_width(act_func, dims)
     if n_out % 16:
@@ -52,6 +54,8 @@ def grouped_gemm_glu_hadamard_quant(a_tensor, b_tensor=None, sfa_tensor=None, sf
         if rht_mode == "colwise" and rht_dtype != FP4:
             raise ValueError("rht_dtype: the colwise Hadamard output is NVFP4 only (float4_e2m1fn)")
     fp4_out = d_dtype == FP4 or rht_dtype == FP4
+    if fp4_out:
+        ck.check_sf_alignment(m_aligned, "an NVFP4 output (d_dtype or rht_dtype float4_e2m1fn)")
     if fp4_out and n_out % 128:
         raise ValueError(f"NVFP4 outputs need N_out % 128 == 0, got N_out={n_out}")
     norm_const = rht_norm_const = None

@@ -33,8 +33,8 @@ import numpy as np
 from mxfp8_checks import check_fp8_outputs, check_values
 
 from lab import harness
-from lab.blockscaled_cases import (BF, DGRAD_OPS, E2M1, E4M3, E5M2, EXACT_KEYS, F16, F32, FORMATS, FP8, L, M,
-                                   NORM_CONST, PATTERNS, WEIGHT_ONLY, call)
+from lab.blockscaled_cases import (BF, DGRAD_OPS, E2M1, E4M3, E5M2, EXACT_KEYS, F16, F32, FORMATS, FP8, HALF,
+                                   L, M, NORM_CONST, PATTERNS, WEIGHT_ONLY, call, expert_lists)
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -90,11 +90,14 @@ def _inject_specials(fmt, a, sa, b, sb):
 def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", seed: int = 0):
     _, op, fmt, k, n, options = case
     data, sf, vec = FORMATS[fmt]
+    L = len(PATTERNS[pattern])   # experts
     rng = np.random.default_rng(seed)
     make = _exact_operand if mode == "exact" else _random_operand
+    if fmt == HALF:
+        make = lambda rng, rows, k, fmt: _bf16_operand(rng, rows, k, mode)  # noqa: E731
     a, sa = _bf16_operand(rng, M, k, mode) if fmt in WEIGHT_ONLY else make(rng, M, k, fmt)
     bs = [make(rng, n, k, fmt) for _ in range(L)]
-    b, sb = np.stack([x for x, _ in bs]), np.stack([s for _, s in bs])
+    b, sb = np.stack([x for x, _ in bs]), None if fmt == HALF else np.stack([s for _, s in bs])
     if mode == "specials":
         _inject_specials(fmt, a, sa, b, sb)
     sf_np = ml_dtypes.float8_e4m3fn if sf == E4M3 else np.uint8     # e4m3 scales travel typed (docs/formats.md)
@@ -108,7 +111,8 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", see
         alpha = rng.uniform(0.5, 2.0, L)
         prob = rng.uniform(0.1, 1.0, M)
         bias = rng.standard_normal((L, n))
-    x = dict(a=a, b=b, sfa=None if sa is None else phys(sa), sfb=phys(sb), alpha=alpha.astype(np.float32), prob=prob.astype(np.float32),
+    x = dict(a=a, b=b, sfa=None if sa is None else phys(sa), sfb=None if sb is None else phys(sb),
+             alpha=alpha.astype(np.float32), prob=prob.astype(np.float32),
              offsets=np.asarray(PATTERNS[pattern], np.int32), norm_const=np.asarray([NORM_CONST], np.float32),
              bias=bias.astype(options.get("bias") or F32))
     if op in DGRAD_OPS:   # the saved forward C (m, 2N) / (m, N) and its dequant scale beta
@@ -122,12 +126,17 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", see
 # ------------------------------------------------------------------------------------------------ GPU run + checks
 
 
-def _run_checked(case, pattern: str, mode: str):
+def case_inputs(case, pattern: str, mode: str, discrete: bool = False):
+    """The inputs of one run of a case (seeded by case, pattern and mode)."""
+    x = inputs(case, pattern, mode, seed=zlib.crc32(f"{case[0]}/{pattern}/{mode}".encode()) % 1000)
+    return expert_lists(x) if discrete else x
+
+
+def _run_checked(case, pattern: str, mode: str, discrete: bool = False):
     """Run one case (outputs poisoned first, twice): (inputs, outputs, the oracle's, rows inside groups, ["two calls
     differ" per output that is not bit-identical])."""
-    name = case[0]
-    x = inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
-    got, again = harness.run_twice(jax.jit(functools.partial(call, case)), x)
+    x = case_inputs(case, pattern, mode, discrete)
+    got, again = harness.run_twice(jax.jit(functools.partial(call, case, discrete=discrete)), x)
     want = _oracle(case, x)
     valid = np.zeros(M, bool)
     for s, e in want["_groups"]:
@@ -141,6 +150,7 @@ def _oracle(case, x):
     _, op, fmt, _, _, options = case
     data, sf, vec = FORMATS[fmt]
     options = dict(options)
+    options.pop("b_major", None)   # a memory-order hint: the same math
     if op in DGRAD_OPS:
         return _dgrad_oracle(case, x)
     has_bias = options.pop("bias", None) is not None
@@ -161,6 +171,7 @@ def _dgrad_oracle(case, x):
     _, op, fmt, _, _, options = case
     data, sf, vec = FORMATS[fmt]
     options = dict(options)
+    options.pop("b_major", None)
     no_prob = options.pop("no_prob", False)
     options.pop("generate_dbias", None)
     d_dtype = options.pop("d_dtype")
@@ -173,10 +184,10 @@ def _dgrad_oracle(case, x):
               h["norm_const"] if d_dtype in FP8 else None, **kw)
 
 
-def run_dgrad_case(case, pattern: str, mode: str) -> list[str]:
+def run_dgrad_case(case, pattern: str, mode: str, discrete: bool = False) -> list[str]:
     """A backward case: D_row (FP8: codes and SF bytes), dprob, dbias, amax vs the float64 oracle."""
     name, op, fmt, k, _, options = case
-    x, got, want, valid, errs = _run_checked(case, pattern, mode)
+    x, got, want, valid, errs = _run_checked(case, pattern, mode, discrete)
     fp8_d = options.get("d_dtype") in FP8
     for key, out, rows in (("d_row_tensor", "d", valid), ("dprob_tensor", "dprob", valid),
                            ("dbias_tensor", "dbias", np.ones(L, bool))):
@@ -240,13 +251,13 @@ def _error_bound(want, out: str, k: int, act=None):
     return np.nan_to_num(err, nan=0.0, posinf=np.inf)
 
 
-def run_case(case, pattern: str, mode: str) -> list[str]:
+def run_case(case, pattern: str, mode: str, discrete: bool = False) -> list[str]:
     """Run one case (outputs poisoned first, twice) and check every output element against the float64 oracle;
-    the problems found ([] = ok)."""
+    the problems found ([] = ok). `discrete`: the weights passed as per-expert arrays (b_tensors / sfb_tensors)."""
     name, op, fmt, k, _, options = case
     if op in DGRAD_OPS:
-        return run_dgrad_case(case, pattern, mode)
-    x, got, want, valid, errs = _run_checked(case, pattern, mode)
+        return run_dgrad_case(case, pattern, mode, discrete)
+    x, got, want, valid, errs = _run_checked(case, pattern, mode, discrete)
     groups = want["_groups"]
     if mode == "exact":
         for key in EXACT_KEYS[op]:

@@ -262,14 +262,15 @@ def check_fp8_outputs(p, outs, ref, e_d, offsets, m):
     epi = p["epilogue"]
     d_dtype, n_out = epi["d_dtype"], ref["d"].shape[1]
     L = p["num_groups"]
-    valid = np_ops.np_group_of_rows(offsets, m) < L
+    align = p.get("m_aligned", 256)   # the problem's group alignment (docs/offsets.md#group-alignment)
+    valid = np_ops.np_group_of_rows(offsets, m, align) < L
     d, d_col, sfd_row, sfd_col = outs["d"], outs["d_col"], outs["sfd_row"], outs["sfd_col"]
     errs = []
     s_row = nf.np_unpack_sf(sfd_row, m, -(-n_out // 32))[0]
     errs += check_block_quant("D", d, s_row, ref["d"], e_d, d_dtype, valid)
     if not np.array_equal(nf.np_pack_sf(s_row[None]), np.asarray(sfd_row).reshape(-1)):
         errs.append("SFD_row: nonzero padding bytes")
-    ends = np_ops.np_sanitized_ends(offsets, m)
+    ends = np_ops.np_sanitized_ends(offsets, m, align)
     if epi["discrete_col_sfd"]:
         s_col = nf.np_unpack_sf_segments(sfd_col, n_out, ends, m, 32)
         packed = nf.np_pack_sf_segments(s_col, ends, 32)

@@ -46,7 +46,7 @@ def _ref_loss(case, p, x):
         ends = np.asarray(x["offsets"])
         starts = np.concatenate([[0], ends[:-1]])
         r = np.arange(M)[:, None]
-        member = jnp.asarray((r >= starts[None]) & (r < ends[None]), jnp.float32)      # (M, L), rows past 1536: 0
+        member = jnp.asarray((r >= starts[None]) & (r < ends[None]), jnp.float32)      # (M, L), rows past 1533: 0
         y = _experts(act, p, p["x"], member * p["prob"][:, None])
         load = None
     elif case[0] in OPTIONS:

@@ -1,8 +1,9 @@
 """GPU: the K-grouped weight-gradient kernel against the float64 oracle (tests/np_ops.py), every element, outputs
 poisoned first, on unaligned / empty / unsanitized token offsets; repeated calls bit-identical. Also
 accumulate_on_output (bf16 / fp32 W, random or NaN old W, empty experts) and global scales at two token counts, on
-one module per case. The cases are lab/wgrad_cases.py's (the public op); `pytest -m sanitize` selects the
-compute-sanitizer subset.
+one module per case. Block-scaled A / B (the dequantizing K-grouped kernel): exact, adversarial and NaN / inf inputs,
+tails, empty experts, unaligned offsets, accumulation and global scales (BS_CASES). The cases are
+lab/wgrad_cases.py's (the public op); `pytest -m sanitize` selects the compute-sanitizer subset.
 
 Needs a Hopper GPU and a bundle with the cases' modules (tools/gpu/build_bundle.sh); skipped otherwise.
 """
@@ -29,8 +30,11 @@ harness.skip_without_gpu_or_bundle("lab.wgrad_cases")
 # the compute-sanitizer subset (memcheck / racecheck)
 SANITIZE = {"c2_bf16_tokmajor-empty_and_tail",   # 2x1 clusters, token-major, 3 empty experts
             "c1_bf16-unaligned",                 # ranges ending inside k-tiles, a 33-token one
-            "acc_c1_bf16_gs-random-1024"}        # accumulate_on_output: the epilogue reads the old W (columns
+            "acc_c1_bf16_gs-random-1024",        # accumulate_on_output: the epilogue reads the old W (columns
                                                  # past n_w masked), global scales
+            # block-scaled: scale words by cp.async, token masks and split scale blocks
+            "bs_mxfp8_c1-unaligned-exact", "bs_nvfp4_c1_gs-empty_and_tail-adversarial",
+            "bs_mxfp8e5_tok_c1_gs_acc-a8-specials"}
 
 
 def _run_twice(fn, x):
@@ -102,6 +106,56 @@ def run_accum_case(case, old: str, tokens: int) -> list[str]:
     return errs
 
 
+def run_bs_case(case, pattern: str, mode: str, tokens: int = None) -> list[str]:
+    """One block-scaled case on the GPU (W poisoned first, twice): every element against the float64 oracle
+    (NaN / inf exactly where the oracle has them; "exact" inputs: bit for bit), experts without tokens zero (or their
+    old W unchanged), two calls bit-identical. `tokens`: run at another token count (the offsets clip to it) on the
+    module recorded at T. The problems ([] = ok)."""
+    name, fmt, wd, mw, token_major, gs, acc = case
+    data, sf, vec = cases.BS_FORMATS[fmt]
+    x = cases.bs_inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
+    if tokens is not None:   # the first `tokens` tokens (the SF buffers as the op's shape rule wants them)
+        from cudnn_moe_jax.formats import sf_segment_bytes
+
+        per = 2 if data == cases.E2M1 else 1
+        cut = {"a": (slice(None), slice(0, tokens // per)), "b": (slice(None), slice(0, tokens // per)),
+               "a_tok": (slice(0, tokens // per),), "b_tok": (slice(0, tokens // per),)}
+        x = {k: v[cut[k]] if k in cut else v for k, v in x.items()}
+        x["sfa"] = x["sfa"][:sf_segment_bytes(mw, tokens, vec)]
+        x["sfb"] = x["sfb"][:sf_segment_bytes(cases.NW, tokens, vec)]
+    got, errs = _run_twice(functools.partial(cases.bs_call, case), x)
+    a, b = (np.asarray(v) for v in cases.operands(case, x))
+    n_tok = a.shape[1] * (2 if data == cases.E2M1 else 1)
+    w_old = np.asarray(x["w"].astype(jnp.float32)) if acc else None
+    with np.errstate(invalid="ignore"):   # NaN / inf inputs
+        want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), np.asarray(x["sfa"]).view(np.uint8),
+                                         np.asarray(x["sfb"]).view(np.uint8), global_scale_a=x.get("gsa"),
+                                         global_scale_b=x.get("gsb"), wgrad_tensor=w_old, ab_dtype=data,
+                                         sf_dtype=sf, sf_vec_size=vec, wgrad_dtype=wd)
+    gv = got.astype(np.float32).astype(np.float64)
+    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
+    special = ~np.isfinite(pre)
+    if not np.array_equal(np.isnan(gv), np.isnan(pre)) or not np.array_equal(gv[np.isinf(pre)], pre[np.isinf(pre)]):
+        errs.append(f"NaN at {int(np.isnan(gv).sum())} elements, the oracle at {int(np.isnan(pre).sum())}; inf "
+                    f"{int(np.isinf(gv).sum())} / {int(np.isinf(pre).sum())}")
+    if mode == "specials" and not special.any():
+        errs.append("the specials reached no output")
+    if mode == "exact" and not np.array_equal(got.view(np.uint8), np.asarray(want["wgrad_tensor"]).view(np.uint8)):
+        bad = int(np.sum(got.astype(np.float64) != want["wgrad_tensor"].astype(np.float64)))
+        errs.append(f"not bit-identical to the exact result ({bad} elements differ)")
+    with np.errstate(invalid="ignore"):
+        bound = harness.ULP[wd] * np.abs(pre) + (n_tok * 2.0 ** -24 + 2.0 ** -20) * mag + 2.0 ** -126
+        err = np.where(special, 0.0, np.abs(gv - pre))
+    if not np.all(err <= np.where(special, 1.0, bound)):
+        errs.append(f"worst {np.nanmax(err / bound):.2f} x the bound")
+    for e in _empty_experts(x["offsets"], n_tok):
+        if acc and not np.array_equal(got[e].view(np.uint8), np.asarray(x["w"])[e].view(np.uint8)):
+            errs.append(f"expert {e} has no token: its W must be unchanged")
+        if not acc and gv[e].any():
+            errs.append(f"expert {e} has no token: W[e] must be zero")
+    return errs
+
+
 def module_keys(case) -> set:
     """The kernel module keys the case's lowerings at every T of T_VALUES ask for (one module serves them all)."""
     keys = set()
@@ -135,3 +189,19 @@ def test_wgrad_accumulate_and_global_scales_match_float64(case, old, tokens):
 def test_wgrad_one_module_serves_both_token_counts(case):
     keys = module_keys(case)
     assert len(keys) == 1, f"{len(keys)} kernel modules for T in {cases.T_VALUES}"
+
+
+@pytest.mark.parametrize("case,pattern,mode", harness.sanitize_params(
+    [(f"{c[0]}-{p}-{m}", (c, p, m)) for c in cases.BS_CASES for p, m in cases.BS_RUNS], SANITIZE))
+def test_blockscaled_wgrad_matches_float64(case, pattern, mode):
+    """Block-scaled A / B (MXFP8 e4m3 / e5m2, MXFP4, NVFP4 with e4m3 or e8m0 scales; token-contiguous or token-major
+    FP8) with per-expert SF segments: every element vs the float64 oracle, bit-identical on exact inputs."""
+    errs = run_bs_case(case, pattern, mode)
+    assert not errs, errs
+
+
+@pytest.mark.parametrize("case", [cases.BS_CASES[0], cases.BS_CASES[4]], ids=lambda c: c[0])
+def test_blockscaled_wgrad_module_serves_another_token_count(case):
+    """The module recorded at T runs T = 1024 (A / B and the SF segment buffers shorter): no fallback."""
+    errs = run_bs_case(case, "unaligned", "exact", tokens=1024)
+    assert not errs, errs

@@ -9,9 +9,11 @@ import dataclasses
 from typing import Optional
 
 from cudnn_moe_jax import activations
-from cudnn_moe_jax.limits import FLOAT_OUT_DTYPES, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, MAX_GROUPS, OUT_DTYPES
+from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FORWARD_D_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES,
+                                  MAX_GROUPS, OUT_DTYPES, QUANT_D_DTYPES, SF_GROUP_ALIGN, k_align)
 
-SUPPORTED_OPS = ("quant", "srelu", "glu", "dglu", "dsrelu", "wgrad")
+SUPPORTED_OPS = ("quant", "srelu", "glu", "glu_hadamard_quant", "dglu", "dsrelu", "wgrad")
+FORWARD_ACTS = tuple(activations.TABLE)  # the forward activations (glu_hadamard_quant takes any)
 DGRAD_ACTS = {op: tuple(a.derivative for a in activations.TABLE.values() if a.backward_op == op)
               for op in ("dglu", "dsrelu")}
 GLU_ACTS = activations.GLU_NAMES
@@ -97,24 +99,33 @@ def supports(problem) -> Optional[str]:
                     f"the formats {BLOCK_FORMATS}")
     elif problem.ab_dtype not in HALF_DTYPES:
         return f"A/B dtype {problem.ab_dtype!r} not in {HALF_DTYPES}"
-    if problem.discrete_weights:
-        return "discrete weights are not implemented on sm90 yet"
+    if problem.discrete_weights and problem.op == "wgrad":
+        return "wgrad has no per-expert weight operand (discrete weights are B of the M-grouped ops)"
     if problem.op != "wgrad" and problem.a_major != "k":
         return "an M-major A is implemented for wgrad only"
-    if problem.b_major != "k" and (problem.block_scaled or problem.ab_dtype not in HALF_DTYPES):
+    if problem.op != "wgrad":
+        reason = _alignment_support(problem)
+        if reason is not None:
+            return reason
+    if problem.op != "wgrad" and problem.b_major != "k" and (problem.block_scaled
+                                                            or problem.ab_dtype not in HALF_DTYPES):
         return "an N-major B needs bf16/fp16 operands (FP8 wgmma reads K-major tiles only)"
     if problem.op in DGRAD_ACTS:
         return _dgrad_support(problem)
     if problem.op == "wgrad":
         return _wgrad_support(problem)
-    if epi.rht or epi.has_hadamard:
-        return "RHT and Hadamard are not implemented on sm90 yet"
-    if epi.generate_sfd != (epi.d_dtype in FP8_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
-        return "FP8 D comes with SFD_row/D_col/SFD_col (generate_sfd) and only then discrete_col_sfd"
-    if epi.d_dtype not in OUT_DTYPES:
-        return f"d_dtype {epi.d_dtype!r} not in {OUT_DTYPES}"
-    if epi.generate_sfd and problem.n_out % 16:
-        return "FP8 D needs N_out % 16 == 0 (16-byte rows)"
+    if problem.op == "glu_hadamard_quant":
+        reason = _hadamard_outputs_reason(problem)
+        if reason is not None:
+            return reason
+    elif epi.rht or epi.has_hadamard:
+        return f"{problem.op} has no Hadamard output"
+    elif epi.generate_sfd != (epi.d_dtype in QUANT_D_DTYPES) or (epi.discrete_col_sfd and not epi.generate_sfd):
+        return "FP8 / FP4 D comes with SFD_row/D_col/SFD_col (generate_sfd) and only then discrete_col_sfd"
+    elif epi.d_dtype not in FORWARD_D_DTYPES:
+        return f"d_dtype {epi.d_dtype!r} not in {FORWARD_D_DTYPES}"
+    elif epi.generate_sfd and problem.n_out % (32 if epi.d_dtype == FP4 else 16):
+        return "FP8 / FP4 D needs N_out % 16 / 32 == 0 (16-byte rows)"
     if problem.op == "quant":
         if epi.act is not None:
             return "quant takes no activation"
@@ -123,27 +134,57 @@ def supports(problem) -> Optional[str]:
     elif problem.op == "srelu":
         if epi.act not in (None, "srelu"):
             return f"srelu op with act {epi.act!r}"
-    else:
+    elif problem.op == "glu":
         if epi.act not in GLU_ACTS:
             return f"glu act must be one of {GLU_ACTS}, got {epi.act!r}"
-        if problem.n % 64:
-            return "GLU needs N % 64 == 0"
+    if epi.is_glu and problem.n % 64:
+        return "GLU needs N % 64 == 0"
     if epi.c_dtype is not None and epi.c_dtype not in OUT_DTYPES:
         return f"c_dtype {epi.c_dtype!r} not in {OUT_DTYPES}"
     if epi.has_bias and epi.bias_dtype not in FLOAT_OUT_DTYPES:
         return f"bias_dtype {epi.bias_dtype!r} not in {FLOAT_OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
-    if problem.m % GROUP_ALIGN:
-        return f"m must be a multiple of {GROUP_ALIGN}"
     if problem.k % 8 or problem.n % 8 or problem.n_out % 8:
         return "N, N_out and K must be multiples of 8 (16-byte TMA rows)"
     return _block_k_reason(problem)
 
 
+def _hadamard_outputs_reason(problem) -> Optional[str]:
+    """glu_hadamard_quant (hadamard.py): a forward activation of the table; C 16/32-bit; D bf16 or NVFP4; the
+    Hadamard output none, rowwise (bf16 / NVFP4) or colwise (NVFP4); NVFP4 outputs need N_out % 128 == 0."""
+    epi = problem.epilogue
+    if epi.act not in FORWARD_ACTS:
+        return f"glu_hadamard_quant act {epi.act!r} not in {FORWARD_ACTS}"
+    if epi.c_dtype not in FLOAT_OUT_DTYPES:
+        return f"glu_hadamard_quant c_dtype {epi.c_dtype!r} not in {FLOAT_OUT_DTYPES}"
+    if epi.d_dtype not in ("bfloat16", FP4) or epi.generate_sfd or epi.discrete_col_sfd:
+        return f"glu_hadamard_quant D is bf16 or NVFP4 (with sfd), not {epi.d_dtype!r}"
+    if epi.rht not in (None, "rowwise", "colwise") or (epi.rht is None and (epi.rht_dtype or epi.has_hadamard)):
+        return f"glu_hadamard_quant rht {epi.rht!r} with rht_dtype {epi.rht_dtype!r}"
+    if epi.rht is not None and epi.rht_dtype not in (("bfloat16", FP4) if epi.rht == "rowwise" else (FP4,)):
+        return f"glu_hadamard_quant {epi.rht} output dtype {epi.rht_dtype!r}"
+    if problem.n_out % (128 if FP4 in (epi.d_dtype, epi.rht_dtype) else 16):
+        return "glu_hadamard_quant needs N_out % 16 == 0 (N_out % 128 == 0 with an NVFP4 output)"
+    return None
+
+
 def _block_k_reason(problem) -> Optional[str]:
     if problem.block_scaled and problem.k % (32 if problem.ab_dtype == "float4_e2m1fn" else 16):
         return "block-scaled operands need 16-byte TMA rows (K % 16 == 0, packed FP4 K % 32 == 0)"
+    return None
+
+
+def _alignment_support(problem) -> Optional[str]:
+    """M-grouped ops: m a multiple of m_aligned (any power of two up to 256: below 128 the schedule clips tiles at
+    group ends, kernels/scheduler.py); scale factors along M (MXFP8 A: 128-row SFA atoms loaded per tile; FP8 D:
+    SFD in 128-row atoms, D_col in 32-row blocks) need whole 128-row tiles inside one group."""
+    # (a symbolic m, a module's for every m, is m_aligned * m_blocks by construction)
+    if isinstance(problem.m, int) and problem.m % problem.m_aligned:
+        return f"m must be a multiple of m_aligned={problem.m_aligned}"
+    if problem.m_aligned % SF_GROUP_ALIGN and (problem.block_scaled or problem.epilogue.generate_sfd):
+        return (f"m_aligned={problem.m_aligned}: block-scaled inputs and FP8 D need group ends on multiples of "
+                f"{SF_GROUP_ALIGN} (scale-factor atoms along M)")
     return None
 
 
@@ -162,27 +203,37 @@ def _dgrad_support(problem) -> Optional[str]:
         return f"{problem.op}: saved C dtype {epi.c_dtype!r} not in {OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
-    if problem.m % GROUP_ALIGN:
-        return f"m must be a multiple of {GROUP_ALIGN}"
     if problem.k % 8 or problem.n % 32:
         return "K must be a multiple of 8 and N (the dgrad output width per gate/up half) of 32"
     return _block_k_reason(problem)
 
 
 def _wgrad_support(problem) -> Optional[str]:
-    """The K-grouped weight gradient (scheduler.K_GROUPED): bf16/fp16 A (m_w, T), B (n_w, T), W 16/32-bit; global
-    scales (alpha = gsa[e] * gsb[e]) and accumulate_on_output (W += ..., in place) included. T is dynamic (the
-    problem's k may be symbolic: `_runtime.symbolic_t()`)."""
-    if problem.block_scaled or problem.ab_dtype not in HALF_DTYPES:
-        return f"wgrad with {problem.ab_dtype} inputs: the sm90 kernel takes bf16/fp16 A/B only"
+    """The K-grouped weight gradient (scheduler.K_GROUPED): A (m_w, T), B (n_w, T), W 16/32-bit; global scales
+    (alpha = gsa[e] * gsb[e]) and accumulate_on_output (W += ..., in place) included. T is dynamic (the problem's k
+    may be symbolic: `_runtime.symbolic_t()`). bf16/fp16 A / B in any majors; block-scaled A / B (per-expert SF
+    segments, the dequantizing mainloop) both token-contiguous (cuDNN's layout) or, FP8, both token-major
+    (`a_major="m"`, `b_major="n"`: dY / D_col as a training step stores them)."""
+    if problem.block_scaled:
+        majors = (problem.a_major, problem.b_major)
+        if majors not in (("k", "k"), ("m", "n")):
+            return ("block-scaled wgrad reads A and B both token-contiguous (a_major='k', b_major='k') or both "
+                    "token-major (a_major='m', b_major='n')")
+        if majors == ("m", "n") and problem.ab_dtype not in FP8_DTYPES:
+            return "packed FP4 wgrad operands are token-contiguous only (their bytes pack two tokens)"
+        if majors == ("m", "n") and problem.n % 16:
+            return "token-major FP8 wgrad needs n_w % 16 == 0 (16-byte rows of B's (T, n_w) storage)"
+    elif problem.ab_dtype not in HALF_DTYPES:
+        return f"wgrad with {problem.ab_dtype} inputs: A/B must be bf16/fp16 or block-scaled"
     if problem.wgrad_dtype not in FLOAT_OUT_DTYPES:
         return f"wgrad_dtype {problem.wgrad_dtype!r} not in {FLOAT_OUT_DTYPES}"
     if not 1 <= problem.num_groups <= MAX_GROUPS:
         return f"num_groups must be in [1, {MAX_GROUPS}]"
     if problem.m % 128:
         return "wgrad needs m_w % 128 == 0 (an output tile must not straddle two experts' W rows)"
-    if problem.k % 8 or problem.n % 8:
-        return "wgrad needs T % 8 == 0 and n_w % 8 == 0 (16-byte TMA rows)"
+    if problem.k % k_align(problem.ab_dtype) or problem.n % 8:
+        return (f"wgrad needs T % {k_align(problem.ab_dtype)} == 0 and n_w % 8 == 0 (16-byte TMA rows of "
+                f"{problem.ab_dtype})")
     return None
 
 
@@ -202,6 +253,10 @@ def default_config(problem) -> Config:
     617, 2x2 clusters per SM no better (626 from 24 clusters on 96 SMs); raster group 4 / 16 603 / 602, 1x2 cluster
     602 vs 615.
     """
+    if _block_scaled_pairs_groups(problem):
+        # ends on odd multiples of 128 would pair two groups in a 2-CTA block, and the block-scaled mainloops
+        # multicast B (and its scales) unconditionally: 1x1 clusters (FP8-wgmma MXFP8 on fc1: 591 vs 597-600 TFLOP/s)
+        return Config(cluster_m=1)
     if problem.op == "wgrad" and problem.m % 256:
         return Config(cluster_m=1)  # a 2-CTA cluster pairs two M tiles of one expert's W
     if problem.op == "glu" and problem.epilogue.c_dtype in HALF_DTYPES and problem.num_groups >= 64:
@@ -213,6 +268,13 @@ def default_config(problem) -> Config:
 
 # the FP8-wgmma MXFP8 mainloop's measured schedule (opt-in: Config.mxfp8_wgmma)
 MXFP8_WGMMA = Config(tile_n=128, cluster_m=2, mx_n_parts=2, mxfp8_wgmma=True)
+
+
+def _block_scaled_pairs_groups(problem) -> bool:
+    """Block-scaled inputs or FP4 D with ends not on 256-row blocks: a 2-CTA cluster along M would pair two groups
+    (tile lists), which their loads (SF atoms multicast with B) and stores (FP4 D / D_col boxes) do not follow; such
+    problems run 1-CTA clusters (default_config)."""
+    return (problem.block_scaled or problem.epilogue.d_dtype == FP4) and problem.m_aligned % GROUP_ALIGN != 0
 
 
 def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Config:
@@ -227,7 +289,7 @@ def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Conf
         changes["tile_n"] = mma_tiler_mn[1]
     if cluster_shape_mn is not None:
         cluster_m, cluster_n = cluster_shape_mn
-        if cluster_m in (1, 2):
+        if cluster_m in (1, 2) and (cluster_m == 1 or not _block_scaled_pairs_groups(problem)):
             changes["cluster_m"] = cluster_m
         if cluster_n in (1, 2):
             changes["cluster_n"] = cluster_n

@@ -34,9 +34,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import quantize as q8
 from ..epilogue import DgradRecipe
-from .epilogue import EpilogueHooks, fold_amax, fold_row_sum, merge_amax, store_row_partials
+from .epilogue import EpilogueHooks, fold_amax, fold_row_sum, merge_amax, row_kept, store_row_partials
 from .epilogue_fp8d import EPI_N
-from .gemm import DTYPES, GroupedGemmSm90Base, TileContext
+from .gemm import DTYPES, GroupedGemmSm90Base, Store, TileContext
 
 C_LOAD_BUFFERS = 2  # C subtiles in flight: step s + 2 is loaded while steps s and s + 1 compute
 EPI_WARPS = 8
@@ -52,6 +52,7 @@ class CLoads(NamedTuple):
     tma_atom_cin: Any
     bSG_sCin: Any
     bSG_gCin: Any
+    mCin: Any
     sColSum: Any
     mDprobParts: Any
     mDbiasParts: Any
@@ -142,7 +143,7 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
             args.tma_atom_cin, 0, cute.make_layout(1), cute.group_modes(sCin, 0, 2),
             cute.zipped_divide(args.mCin, self.epi_tile)
         )
-        return CLoads(sCin, cin_copy, cta.epi_mbar, args.tma_atom_cin, bSG_sCin, bSG_gCin, sColSum,
+        return CLoads(sCin, cin_copy, cta.epi_mbar, args.tma_atom_cin, bSG_sCin, bSG_gCin, args.mCin, sColSum,
                       args.mDprobParts, args.mDbiasParts, cta.sZero)
 
     @cute.jit
@@ -151,35 +152,42 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
         ctid = setup.ctid
         g = tile.group
         alpha = args.mAlpha[g]
-        prob_v = Float32(1.0)
-        if const_expr(self.recipe.has_prob):
-            if ctid < self.tile_m:
-                prob_v = args.mProb[tile.m_tile * self.tile_m + ctid]
+        prob_v = self.tile_prob(tile, args, ctid)
         beta = args.mBeta[g]
         op = setup.op
-        self.prefetch_c(op.tma_atom_cin, op.bSG_sCin, op.bSG_gCin, op.cin_bars, setup.is_store_warp, tile.m_tile,
-                        tile.n_tile)
-        return TileContext(tile.out_m_tile, tile.n_tile, g, tile.is_compute, alpha, prob_v, Float32(0.0), beta)
+        tile_row = tile.m_tile
+        if const_expr(self.sched.by_tiles):
+            tile_row = tile.row0
+        self.prefetch_c(op.tma_atom_cin, op.bSG_sCin, op.bSG_gCin, op.sCin, op.mCin, op.cin_bars,
+                        setup.is_store_warp, tile_row, tile.n_tile)
+        return TileContext(tile.out_m_tile, tile.n_tile, g, tile.is_compute, alpha, prob_v, Float32(0.0), beta,
+                           tile.row0, tile.rows)
 
     @cute.jit
-    def prefetch_c(self, tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, is_store_warp, m_tile, n_tile):
+    def prefetch_c(self, tma_atom_cin, bSG_sCin, bSG_gCin, sCin, mCin, cin_bars, is_store_warp, tile_row, n_tile):
         """Store warp, before the tile's mainloop: issue the C loads of steps 0 and 1 (the previous tile's reads of
         both buffers finished before its last step barrier)."""
         if is_store_warp:
             for step in cutlass.range_constexpr(min(C_LOAD_BUFFERS, self.epi_steps)):
-                self._load_c_step(tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, m_tile, n_tile, step)
+                self._load_c_step(tma_atom_cin, bSG_sCin, bSG_gCin, sCin, mCin, cin_bars, tile_row, n_tile, step)
 
     @cute.jit
-    def _load_c_step(self, tma_atom_cin, bSG_sCin, bSG_gCin, cin_bars, m_tile, n_tile, step: cutlass.Constexpr):
+    def _load_c_step(self, tma_atom_cin, bSG_sCin, bSG_gCin, sCin, mCin, cin_bars, tile_row, n_tile,
+                     step: cutlass.Constexpr):
         """Whole store warp: the TMA copy is warp-collective (it elects its issuing lane and ends in a WARPSYNC.ALL,
-        so a copy under a one-lane branch never returns); only the expect-tx arrival is one lane's."""
+        so a copy under a one-lane branch never returns); only the expect-tx arrival is one lane's. `tile_row`:
+        the M tile (tile lists: the tile's first row; its rows past the group end or past m load but are never
+        stored)."""
         buf = step % C_LOAD_BUFFERS
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(cin_bars + buf, self.cin_step_bytes)
         for j in cutlass.range_constexpr(self.d_per_step):
             col = self.d_block(n_tile, step, j)   # 32-column block of C / D_row
-            cute.copy(tma_atom_cin, bSG_gCin[(None, (m_tile, col))], bSG_sCin[(None, buf * self.d_per_step + j)],
-                      tma_bar_ptr=cin_bars + buf)
+            if const_expr(self.sched.by_tiles):
+                gC = self.tile_at_row(tma_atom_cin, sCin, mCin, tile_row, col)
+            else:
+                gC = bSG_gCin[(None, (tile_row, col))]
+            cute.copy(tma_atom_cin, gC, bSG_sCin[(None, buf * self.d_per_step + j)], tma_bar_ptr=cin_bars + buf)
 
     @cute.jit
     def _wait_c(self, step: cutlass.Constexpr, cin_bars):
@@ -193,9 +201,12 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
         step s + 2's C."""
         if const_expr(step + C_LOAD_BUFFERS < self.epi_steps):
             op, ctx = st.op, st.ctx
+            tile_row = ctx.m_tile
+            if const_expr(self.sched.by_tiles):
+                tile_row = ctx.row0
             if st.setup.is_store_warp:
-                self._load_c_step(op.tma_atom_cin, op.bSG_sCin, op.bSG_gCin, op.cin_bars, ctx.m_tile, ctx.n_tile,
-                                  step + C_LOAD_BUFFERS)
+                self._load_c_step(op.tma_atom_cin, op.bSG_sCin, op.bSG_gCin, op.sCin, op.mCin, op.cin_bars, tile_row,
+                                  ctx.n_tile, step + C_LOAD_BUFFERS)
 
     def epilogue_hooks(self) -> EpilogueHooks:
         return EpilogueHooks(begin=self._dgrad_begin, visit=self._dgrad_visit, writes=self._dgrad_writes,
@@ -309,7 +320,10 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
                     rVal[j][i] = vals[j]
                 else:
                     rD[j][i] = vals[j].to(self.d_dtype)
-                    self._amax_dbias(vals[j], i, st.amax_bits, col_sum[j], j)
+                    v = vals[j]
+                    if const_expr(self.sched.clipped):   # rows past the group end: kept out of amax and dbias
+                        v = row_kept(v, st.r0 + 8 * q8.row_of(i), ctx.rows)
+                    self._amax_dbias(v, i, st.amax_bits, col_sum[j], j)
             fold_row_sum(st.row_sum, i, dd * value)
         codes = [None] * self.d_per_step
         for j in cutlass.range_constexpr(self.d_per_step):
@@ -334,7 +348,8 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
         if const_expr(self.quant_d):
             fp8, ctx = st.fp8, st.ctx
             self._quantize_d_cols(st.rVal[j], st.rDcol[j], fp8.sColMax[(None, None, j)], codes[j][0], codes[j][1],
-                                  ctx.is_compute, fp8, ctx.m_tile, ctx.n_tile, step, ctx.group, st.warp_e, st.lane, j)
+                                  self.owns_rows(ctx), fp8, ctx.m_tile, ctx.n_tile, step, ctx.group, st.warp_e,
+                                  st.lane, j)
 
     def _dgrad_writes(self, step: int, buf: int, j: int, st, codes):
         """(copy, fragment, smem buffer) of subtile j: [D_col,] D_row."""
@@ -343,30 +358,38 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
         yield st.setup.r2s_d, st.rD[j], st.tRS_sD[(None, None, None, buf * self.d_per_step + j)]
 
     def _dgrad_stores(self, step: int, buf: int, st):
-        """(TMA atom, smem buffer, global tile) of the step's subtiles: per subtile D_row[, D_col]."""
-        setup, m_tile = st.setup, st.ctx.m_tile
+        """The step's subtiles (`gemm.Store`): per subtile D_row[, D_col]."""
+        setup = st.setup
         for j in range(self.d_per_step):
             col = self.d_block(st.ctx.n_tile, step, j)
-            yield setup.tma_atom_d, setup.bSG_sD[(None, buf * self.d_per_step + j)], setup.bSG_gD[(None, (m_tile, col))]
+            yield Store(setup.tma_atom_d, setup.bSG_sD, setup.sD, buf * self.d_per_step + j, setup.bSG_gD, setup.mD,
+                        setup.mDout, col)
             if self.quant_d:
-                yield (st.fp8.tma_atom_dcol, setup.bSG_sD[(None, self._dcol_buffer(buf, j))],
-                       st.fp8.bSG_gDcol[(None, (m_tile, col))])
+                yield Store(st.fp8.tma_atom_dcol, setup.bSG_sD, setup.sD, self._dcol_buffer(buf, j),
+                            st.fp8.bSG_gDcol, st.fp8.mDcol, None, col)
 
     @cute.jit
     def _dgrad_after_store(self, step: cutlass.Constexpr, st):
         if const_expr(self.recipe.has_dbias):
-            self._store_column_partials(st.op.sColSum, step % C_LOAD_BUFFERS, st.op.mDbiasParts, st.ctx.m_tile,
-                                        st.ctx.n_tile, step, st.setup.ctid)
+            if const_expr(not self.sched.by_tiles):
+                self._store_column_partials(st.op.sColSum, step % C_LOAD_BUFFERS, st.op.mDbiasParts, st.ctx.m_tile,
+                                            st.ctx.n_tile, step, st.setup.ctid)
+            else:   # one partial per list tile (row = its list index); zero and masked tiles store none
+                sColSum, parts, m_tile, n_tile, ctid = (st.op.sColSum, st.op.mDbiasParts, st.ctx.m_tile,
+                                                        st.ctx.n_tile, st.setup.ctid)
+                if st.ctx.is_compute & (st.ctx.rows > 0):
+                    self._store_column_partials(sColSum, step % C_LOAD_BUFFERS, parts, m_tile, n_tile, step, ctid)
 
     @cute.jit
     def _dgrad_end(self, st):
         """dprob partials of the thread's rows (quad sum, fixed order), amax per subtile kind (dglu: gate, up)."""
         ctx = st.ctx
         store_row_partials(st.row_sum, ctx.is_compute, st.lane, st.r0, st.op.mDprobParts, ctx.m_tile, ctx.n_tile,
-                           self.tile_m)
+                           self.tile_m, ctx.row0, ctx.rows)
         if const_expr(self.recipe.compute_amax):
             for j in cutlass.range_constexpr(self.d_per_step):
-                merge_amax(st.amax_bits[j], st.setup.mAmax, ctx.group, ctx.is_compute, st.lane, j, self.d_per_step)
+                merge_amax(st.amax_bits[j], st.setup.mAmax, ctx.group, self.owns_rows(ctx), st.lane, j,
+                           self.d_per_step)
 
     @cute.jit
     def _amax_dbias(self, v, i: cutlass.Constexpr, amax_bits, col_sum, j: cutlass.Constexpr):
@@ -397,8 +420,8 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
     @cute.jit
     def _store_column_partials(self, sColSum, lb, mDbiasParts, m_tile, n_tile, step: cutlass.Constexpr, ctid):
         """After the step's second barrier: thread c < 32 * d_per_step sums column c over the 8 warps (fixed
-        order) and stores the tile's partial; the buffer lb is rewritten two steps later, after two more
-        barriers."""
+        order) and stores the tile's partial (row m_tile of the partials); the buffer lb is rewritten two steps
+        later, after two more barriers."""
         if ctid < EPI_N * self.d_per_step:
             j = ctid // EPI_N
             c = ctid % EPI_N

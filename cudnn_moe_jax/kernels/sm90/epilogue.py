@@ -13,7 +13,8 @@
           finish(step, j, state, frags)        work that needs the other warps' smem data (FP8 column quantization)
           writes(step, buf, j, state, frags)   (register->smem copy, fragment, smem buffer) of each output subtile
       fence_proxy; epi_barrier
-      store warp: stores(step, buf, state)     (TMA atom, smem buffer, global tile) of each subtile; commit
+      store warp: stores(step, buf, state)     each subtile (a `gemm.Store`) by TMA; commit
+      (a clipped tile: every thread stores its rows by plain 16-byte stores instead, `store_rows`)
       after_store(step, state)                 (dgrad: the dbias column partials)
   end(state)                                   per-tile reductions to global (amax atomics, dprob partials)
 
@@ -23,6 +24,16 @@ hand-written loops (kept because the acceptance test of this structure is byte-i
 
 `setup` is the consumer's `gemm.EpilogueSetup` (built once per kernel), `ctx` the tile's `gemm.TileContext`. A mixin
 of the kernel classes' shared body (`gemm.GroupedGemmSm90Base`), traced inside the consumer warpgroups' tile loop.
+
+Clipped tiles (m_aligned < tile_m, `scheduler.Tile.rows`): a group's last tile ends at the group end, inside its
+128 rows, and the TMA store of its box would overwrite the next group's rows. Such a tile (and the last zero tile
+past m) stores its staged subtiles with plain stores, each thread a 16-byte piece of a row, predicated on the row
+(`store_rows`); every other tile keeps the TMA store. Chosen over per-group tensor maps rewritten on the device
+(a 128-byte descriptor write, a proxy fence and a descriptor fetch each time a CTA changes group, for every output;
+complex to get right) because the plain stores cost only where they are needed: at most one tile per group and N
+tile. Cost estimate: a 128 x 32 bf16 subtile is 512 16-byte pieces, 2 per thread (LDS.128 + STG.128), ~60 cycles
+of issue per step against a step's ~500; coalesced (a quad of lanes writes one row's 64 bytes). On the fine-grained
+layers (~2k rows per expert, 16 tiles per group) that is ~1/17 of the tiles, so < 1% of the GEMM.
 """
 
 from __future__ import annotations
@@ -31,10 +42,15 @@ from typing import Any, Callable, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 from .. import quantize as q8
 from ..epilogue import abs_bits, warp_max_i32
+from .epilogue_fp8d import EPI_N
+
+
+EPI_THREADS = 256    # the two consumer warpgroups
 
 
 def no_hook(*_args) -> None:
@@ -84,12 +100,72 @@ class EpilogueDriver:
             # written). It emits nothing until iterated, so its operations land inside the store warp's branch;
             # the loop's names are new ones for the same reason (a name written inside is carried if live before)
             stores = hooks.stores(step, buf, state)
-            if is_store_warp:
-                for tma_atom, smem_src, gmem_dst in stores:
-                    cute.copy(tma_atom, smem_src, gmem_dst)
-                store_pipeline.producer_commit()
+            if const_expr(not self.sched.by_tiles):
+                if is_store_warp:
+                    for out in stores:
+                        cute.copy(out.tma_atom, out.bSG_s[(None, out.buf)], self.store_tile(out, ctx))
+                    store_pipeline.producer_commit()
+            else:   # tile lists: TMA for whole tiles; a clipped one by rows, a masked one (rows 0) not at all
+                whole = ctx.rows == self.tile_m
+                clipped = hooks.stores(step, buf, state)
+                if is_store_warp:
+                    if whole:
+                        for out in stores:
+                            cute.copy(out.tma_atom, out.bSG_s[(None, out.buf)], self.store_tile(out, ctx))
+                    store_pipeline.producer_commit()
+                if const_expr(self.sched.clipped):
+                    if not whole:
+                        for out_rows in clipped:
+                            self.store_rows(out_rows, ctx, setup.ctid)
             hooks.after_store(step, state)
         hooks.end(state)
+
+    def owns_rows(self, ctx):
+        """Whether the tile's reductions (amax) and scale-factor bytes count: a compute tile, with tile lists not a
+        masked one (rows 0: it computed its block partner's rows with prob 1)."""
+        if not self.sched.by_tiles:
+            return ctx.is_compute
+        return ctx.is_compute & (ctx.rows > 0)
+
+    @cute.jit
+    def store_tile(self, out, ctx):
+        """The global TMA tile of output subtile `out` (a `gemm.Store`): by M tile index, or (tile lists) from
+        the tile's first row."""
+        if const_expr(out.transposed):   # never with tile lists (config.supports)
+            return out.bSG_g[(None, (out.col, ctx.m_tile))]
+        if const_expr(not self.sched.by_tiles):
+            return out.bSG_g[(None, (ctx.m_tile, out.col))]
+        return self.tile_at_row(out.tma_atom, out.smem, out.mX, ctx.row0, out.col)
+
+    @cute.jit
+    def tile_at_row(self, tma_atom, smem, mX, row0, col):
+        """The TMA tile (tile_m rows from row0, 32-column block col) of the TMA view mX, staged through `smem`
+        (tile lists: a tile starts at its group's first row; TMA boxes may start at any row)."""
+        _, bSG_g = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                         cute.zipped_divide(cute.domain_offset((row0, 0), mX), self.epi_tile))
+        return bSG_g[(None, (0, col))]
+
+    @cute.jit
+    def store_rows(self, out, ctx, ctid):
+        """All epilogue threads, after the step's second barrier: rows [row0, row0 + rows) of output subtile `out`
+        from its staging buffer to memory, a 16-byte piece of a row per thread and pass (LDS.128 + STG.128);
+        pieces past the output's width are dropped (widths are multiples of 16 bytes). The buffer is next written
+        after a later step's first barrier, which every thread reaches after these reads."""
+        dtype = out.out.element_type
+        vec = 128 // dtype.width              # elements per 16 bytes
+        per_row = EPI_N // vec                # threads per subtile row
+        width = out.out.shape[1]
+        col0 = out.col * EPI_N
+        piece = ctid % per_row
+        sX = out.smem[(None, None, out.buf)]
+        base = out.out.iterator.toint() + (Int64(ctx.row0) * width + col0 + piece * vec) * (dtype.width // 8)
+        for p in cutlass.range_constexpr(self.tile_m * per_row // EPI_THREADS):
+            r = p * (EPI_THREADS // per_row) + ctid // per_row
+            if (r < ctx.rows) & (col0 + piece * vec < width):
+                dst = cute.make_tensor(
+                    cute.make_ptr(dtype, base + Int64(r) * width * (dtype.width // 8), cute.AddressSpace.gmem,
+                                  assumed_align=16), cute.make_layout((1, vec)))
+                cute.autovec_copy(cute.local_tile(sX, (1, vec), (r, piece)), dst)
 
 
 # ---------------------------------------------------------------------------------------------- reductions
@@ -100,6 +176,15 @@ class EpilogueDriver:
 def fold_amax(bits: Int32, v: Float32) -> Int32:
     """The thread's amax bits with value v folded in."""
     return cutlass.max(bits, abs_bits(v))
+
+
+@cute.jit
+def row_kept(v: Float32, row, rows) -> Float32:
+    """v, or 0 for a row past the tile's `rows` (a clipped tile's rows of the next group: kept out of amax, dbias)."""
+    out = Float32(0.0)
+    if row < rows:
+        out = v
+    return out
 
 
 @cute.jit
@@ -132,14 +217,20 @@ def fold_row_sum(row_sum: list, i: int, v) -> None:
 
 
 @cute.jit
-def store_row_partials(row_sum: list, is_compute, lane, r0, mParts, m_tile, n_tile, tile_m: cutlass.Constexpr):
+def store_row_partials(row_sum: list, is_compute, lane, r0, mParts, m_tile, n_tile, tile_m: cutlass.Constexpr,
+                       row0=None, rows=None):
     """The thread's two row sums -> quad sums (lanes 4q..4q+3 hold one row's columns; fixed shuffle order) ->
-    mParts[n_tile, row] by the quad's first lane (rows r0, r0 + 8 of tile m_tile); zero tiles store 0."""
+    mParts[n_tile, row] by the quad's first lane (rows r0, r0 + 8 of tile m_tile; tile lists: of the tile from
+    row0, only its `rows` rows); zero tiles store 0."""
     for h in cutlass.range_constexpr(2):
         s = row_sum[h]
         if not is_compute:
             s = Float32(0.0)
         s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
         s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
-        if lane % 4 == 0:
-            mParts[n_tile, m_tile * tile_m + r0 + 8 * h] = s
+        if const_expr(row0 is None):
+            if lane % 4 == 0:
+                mParts[n_tile, m_tile * tile_m + r0 + 8 * h] = s
+        else:
+            if (lane % 4 == 0) & (r0 + 8 * h < rows):
+                mParts[n_tile, row0 + r0 + 8 * h] = s

@@ -21,30 +21,20 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from .. import quantize as q8
 from ..epilogue import EpilogueRecipe
-from .epilogue import EpilogueHooks, fold_amax, merge_amax
+from .epilogue import EpilogueHooks, fold_amax, merge_amax, row_kept
 from .epilogue_fp8d import EPI_N  # epilogue subtile width = one GLU block
-from .gemm import GroupedGemmSm90Base, TileContext
-
-
-@cute.jit
-def add_rn(a: Float32, b: Float32) -> Float32:
-    """a + b rounded on its own: an explicit `.rn` keeps ptxas from contracting it with the product feeding it into
-    one FFMA (measured: alpha * acc + old W became FFMA), so the result is the reference's fl(fl(alpha*acc) + W)."""
-    return Float32(llvm.inline_asm(
-        Float32.mlir_type, [Float32(a).ir_value(), Float32(b).ir_value()],
-        "add.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
+from .gemm import GroupedGemmSm90Base, Store, TileContext
 
 
 class CStores(NamedTuple):
     """The forward's own epilogue state (`EpilogueSetup.op`): C's register->smem copy, fragments (GLU: gate and
-    up), staging buffers and TMA store partition; `old_w`: (the old D, its thread-value copy) when accumulating."""
+    up), staging buffers and TMA store partition; `old_w`: (the old D, its thread-value copy) when accumulating;
+    `extra`: a subclass's own (the Hadamard op's outputs)."""
 
     r2s_c: Any
     tRS_rC0: Any
@@ -53,8 +43,11 @@ class CStores(NamedTuple):
     bSG_sC: Any
     bSG_gC: Any
     tma_atom_c: Any
+    mC: Any
+    mCout: Any
     sC: Any
     old_w: Any
+    extra: Any = None
 
 
 class GroupedGemmSm90Forward(GroupedGemmSm90Base):
@@ -122,7 +115,8 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
             # the old W, read with the accumulator's thread-value layout (plain loads, as the dgrad's C)
             old_w = (args.mWold, cute.make_tiled_copy_S(
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype), tiled_copy_acc))
-        return CStores(r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, args.tma_atom_c, sC, old_w)
+        return CStores(r2s_c, tRS_rC0, tRS_rC1, tRS_sC, bSG_sC, bSG_gC, args.tma_atom_c, args.mC, args.mCout, sC,
+                       old_w)
 
     @cute.jit
     def tile_alpha(self, g, args):
@@ -134,16 +128,14 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
         ctid = setup.ctid
         g = tile.group
         alpha = self.tile_alpha(g, args)
-        prob_v = Float32(1.0)
-        if const_expr(self.recipe.has_prob):
-            if ctid < self.tile_m:
-                prob_v = args.mProb[tile.m_tile * self.tile_m + ctid]
+        prob_v = self.tile_prob(tile, args, ctid)
         bias_v = Float32(0.0)
         if const_expr(self.recipe.has_bias):
             col = tile.n_tile * self.tile_n + ctid
             if ctid < self.tile_n and col < self.n:
                 bias_v = args.mBias[g, col].to(Float32)
-        return TileContext(tile.out_m_tile, tile.n_tile, g, tile.is_compute, alpha, prob_v, bias_v, None)
+        return TileContext(tile.out_m_tile, tile.n_tile, g, tile.is_compute, alpha, prob_v, bias_v, None, tile.row0,
+                           tile.rows)
 
     def epilogue_hooks(self) -> EpilogueHooks:
         return EpilogueHooks(begin=self._fwd_begin, visit=self._fwd_visit, finish=self._fwd_finish,
@@ -162,13 +154,17 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
         # thread coordinates re-derived per tile from an opaque copy: otherwise every address computed from them is
         # hoisted above the tile loop and held across the MXFP8 mainloop (192 accumulator registers) -> spills
         warp_e = lane = None
-        if const_expr(self.quant_d or self.mainloop_class.REGISTER_TIGHT):
+        fp4_views = (None, None)
+        if const_expr(self.quant_d or self.fp4_d or self.mainloop_class.REGISTER_TIGHT):
             ctid_o = q8.opaque(ctid)
             warp_e = ctid_o // 32
             lane = ctid_o % 32
             # non-stmatrix smem stores (8-bit / 32-bit outputs) need 8 swizzled addresses per buffer: recomputed
             # per tile instead of held across the MXFP8 mainloop
-            tRS_sD = setup.r2s_d.get_slice(ctid_o).partition_D(setup.sD)
+            if const_expr(self.fp4_d):
+                fp4_views = self.fp4_thread_views(setup.sD, warp_e, lane)
+            else:
+                tRS_sD = setup.r2s_d.get_slice(ctid_o).partition_D(setup.sD)
             if const_expr(recipe.has_c):
                 tRS_sC = op.r2s_c.get_slice(ctid_o).partition_D(op.sC)
         # stage per-row prob and per-column bias in smem (previous tile's readers passed its last barrier)
@@ -201,7 +197,7 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
         rVal = cute.make_rmem_tensor(setup.tRS_cD.shape, Float32)
         return SimpleNamespace(setup=setup, ctx=ctx, op=op, fp8=setup.fp8, tRS_sD=tRS_sD, tRS_sC=tRS_sC,
                                warp_e=warp_e, lane=lane, thr_w=thr_w, tWcW=tWcW, rOld=rOld, amax_bits=amax_bits,
-                               rVal=rVal)
+                               rVal=rVal, fp4_views=fp4_views)
 
     @cute.jit
     def _fwd_visit(self, step: cutlass.Constexpr, st):
@@ -244,13 +240,18 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
                 rVal[i] = recipe.d_value(acc_i, c, alpha, prob, bias)
                 if const_expr(self.accumulate):
                     # flat index i is the same (row, col) in both fragments (same thread-value layout)
-                    rVal[i] = add_rn(st.rOld[step % 2][i].to(Float32), rVal[i])
+                    rVal[i] = q8.add_rn(st.rOld[step % 2][i].to(Float32), rVal[i])
             if const_expr(recipe.compute_amax):
-                st.amax_bits = fold_amax(st.amax_bits, rVal[i])
+                if const_expr(self.sched.clipped):
+                    st.amax_bits = fold_amax(st.amax_bits, row_kept(rVal[i], tRS_cD[i][0], st.ctx.rows))
+                else:
+                    st.amax_bits = fold_amax(st.amax_bits, rVal[i])
         # plain names inside the dynamic `if`: a method called on `st` there would carry all of st through it
         tRS_rD, tRS_rC0, tRS_rC1 = setup.tRS_rD, op.tRS_rC0, op.tRS_rC1
         codes = None
-        if const_expr(self.quant_d):
+        if const_expr(self.fp4_d):
+            codes = self._fp4_visit(st)
+        elif const_expr(self.quant_d):
             codes = self._quantize_d_rows(rVal, tRS_rD, st.fp8.sColMax, st.warp_e, st.lane, st.fp8.norm_const)
         else:
             tRS_rD.store(rVal.load().to(self.d_dtype))
@@ -262,43 +263,85 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
         return codes
 
     @cute.jit
-    def _fwd_finish(self, step: cutlass.Constexpr, j: cutlass.Constexpr, st, codes):
-        """FP8 D, after the step's first barrier: D_col and the SF bytes (the partner warp's maxima are in smem)."""
+    def _fp4_visit(self, st):
+        """FP4 D before the step's first barrier: zero tiles quantize zeros; the row codes packed into the thread's
+        two D words, its rows' scale codes; MXFP4: the warp's column maxima -> smem."""
+        rVal = st.rVal
+        if not st.ctx.is_compute:  # rows past valid_m (the accumulator holds another tile's values)
+            rVal.fill(0.0)
+        rAbs = [q8.abs_raw(rVal[i]) for i in range(q8.FRAG)]
+        words, codes = self.fp4_rows(rVal, rAbs, st.fp8.norm_const, st.lane)
         if const_expr(self.quant_d):
+            q8.column_partial_max(rAbs, st.fp8.sColMax, st.warp_e, st.lane)
+        return words, codes
+
+    @cute.jit
+    def _fp4_finish(self, step: cutlass.Constexpr, st, frags):
+        """FP4 D after the step's first barrier: MXFP4 D_col (transposed) and the SFD_row / SFD_col bytes of
+        compute tiles (the zeroing kernel wrote 0x00), or NVFP4's sfd bytes (every tile: a zero tile's are 0x00);
+        then the packed D (D_col) into the step's smem buffer."""
+        fp8, ctx = st.fp8, st.ctx
+        words, codes = frags
+        col_bytes = None
+        if const_expr(self.quant_d):
+            col_bytes, code_c = self.fp4_cols(st.rVal, fp8.sColMax, st.warp_e, st.lane, fp8.norm_const)
+            # plain names inside the dynamic `if` (the module's rule)
+            code_r0, code_r1, mSfdRow, mSfdCol, sEnds, m_rows = codes[0][0], codes[1][0], fp8.mSfdRow, \
+                fp8.mSfdCol, fp8.sEnds, fp8.m_rows
+            m_tile, n_tile, g, warp_e, lane = ctx.m_tile, ctx.n_tile, ctx.group, st.warp_e, st.lane
+            if ctx.is_compute:
+                self._store_sf_bytes(code_r0, code_r1, code_c, mSfdRow, mSfdCol, sEnds, m_rows, m_tile, n_tile,
+                                     step, g, warp_e, lane)
+        else:
+            self.store_nvfp4_sf(codes, fp8.mSfdRow, ctx.m_tile, ctx.n_tile, step, st.warp_e, st.lane)
+        self.fp4_store_smem(words, col_bytes, st.fp4_views[0], st.fp4_views[1], step % self.epi_stages)
+
+    @cute.jit
+    def _fwd_finish(self, step: cutlass.Constexpr, j: cutlass.Constexpr, st, codes):
+        """FP8 D, after the step's first barrier: D_col and the SF bytes (the partner warp's maxima are in smem);
+        FP4 D: `_fp4_finish`."""
+        if const_expr(self.fp4_d):
+            self._fp4_finish(step, st, codes)
+        elif const_expr(self.quant_d):
             fp8, ctx = st.fp8, st.ctx
-            self._quantize_d_cols(st.rVal, fp8.tRS_rDcol, fp8.sColMax, codes[0], codes[1], ctx.is_compute, fp8,
-                                  ctx.m_tile, ctx.n_tile, step, ctx.group, st.warp_e, st.lane)
+            self._quantize_d_cols(st.rVal, fp8.tRS_rDcol, fp8.sColMax, codes[0], codes[1], self.owns_rows(ctx),
+                                  fp8, ctx.m_tile, ctx.n_tile, step, ctx.group, st.warp_e, st.lane)
 
     def _fwd_writes(self, step: int, buf: int, j: int, st, codes):
         """(copy, fragment, smem buffer) of the step's subtiles: [D_col,] D, [C (GLU: gate, up)]."""
         setup, op = st.setup, st.op
-        if self.quant_d:
-            yield setup.r2s_d, st.fp8.tRS_rDcol, st.tRS_sD[(None, None, None, self.epi_stages + buf)]
-        yield setup.r2s_d, setup.tRS_rD, st.tRS_sD[(None, None, None, buf)]
+        if not self.fp4_d:  # FP4 D is written by `_fp4_finish`
+            if self.quant_d:
+                yield setup.r2s_d, st.fp8.tRS_rDcol, st.tRS_sD[(None, None, None, self.epi_stages + buf)]
+            yield setup.r2s_d, setup.tRS_rD, st.tRS_sD[(None, None, None, buf)]
         if self.recipe.has_c:
             yield op.r2s_c, op.tRS_rC0, st.tRS_sC[(None, None, None, buf * self.c_per_step)]
             if self.is_glu:
                 yield op.r2s_c, op.tRS_rC1, st.tRS_sC[(None, None, None, buf * self.c_per_step + 1)]
 
     def _fwd_stores(self, step: int, buf: int, st):
-        """(TMA atom, smem buffer, global tile) of the step's subtiles: D, [D_col], [C]."""
+        """The step's subtiles (`gemm.Store`): D, [D_col], [C]."""
         setup, op = st.setup, st.op
         subtiles_per_tile = self.tile_n // EPI_N
         s0 = step * self.c_per_step
-        m_tile, n_tile = st.ctx.m_tile, st.ctx.n_tile
-        yield setup.tma_atom_d, setup.bSG_sD[(None, buf)], setup.bSG_gD[(None, (m_tile, self.d_block(n_tile, step)))]
-        if self.quant_d:
-            yield (st.fp8.tma_atom_dcol, setup.bSG_sD[(None, self.epi_stages + buf)],
-                   st.fp8.bSG_gDcol[(None, (m_tile, self.d_block(n_tile, step)))])
+        n_tile = st.ctx.n_tile
+        yield Store(setup.tma_atom_d, setup.bSG_sD, setup.sD, buf, setup.bSG_gD, setup.mD, setup.mDout,
+                    self.d_block(n_tile, step))
+        if self.quant_d and self.fp4_d:  # transposed (N_out, m / 2): coordinates (column block, row tile)
+            yield Store(st.fp8.tma_atom_dcol, st.fp8.bSG_sDcol, None, buf, st.fp8.bSG_gDcol, st.fp8.mDcol, None,
+                        self.d_block(n_tile, step), transposed=True)
+        elif self.quant_d:
+            yield Store(st.fp8.tma_atom_dcol, setup.bSG_sD, setup.sD, self.epi_stages + buf, st.fp8.bSG_gDcol,
+                        st.fp8.mDcol, None, self.d_block(n_tile, step))
         if self.recipe.has_c:
             for j in range(self.c_per_step):
-                yield (op.tma_atom_c, op.bSG_sC[(None, buf * self.c_per_step + j)],
-                       op.bSG_gC[(None, (m_tile, n_tile * subtiles_per_tile + s0 + j))])
+                yield Store(op.tma_atom_c, op.bSG_sC, op.sC, buf * self.c_per_step + j, op.bSG_gC, op.mC,
+                            op.mCout, n_tile * subtiles_per_tile + s0 + j)
 
     @cute.jit
     def _fwd_end(self, st):
         if const_expr(self.recipe.compute_amax):
-            merge_amax(st.amax_bits, st.setup.mAmax, st.ctx.group, st.ctx.is_compute)
+            merge_amax(st.amax_bits, st.setup.mAmax, st.ctx.group, self.owns_rows(st.ctx))
 
     @cute.jit
     def _load_old_w(self, mW, thr_w, tWcW, rOld, m_tile, n_tile, step: cutlass.Constexpr):

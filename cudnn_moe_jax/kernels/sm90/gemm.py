@@ -26,7 +26,7 @@ kernel launched just before the GEMM in the same call, then merged with per-warp
 
 Launcher arguments: what `cutlass.jax.cutlass_call` passes, the stream first, then the inputs and outputs of
 `operands.launcher_operands` (the one table; `_unpack` names them). `m` is dynamic (one module serves every
-m % 256 == 0); wgrad's T likewise (T % 8 == 0).
+m % m_aligned == 0, 256 by default: every routing of that alignment); wgrad's T likewise (T % 8 == 0).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from cudnn_moe_jax.formats import rcp_limit
-from cudnn_moe_jax.limits import FP8_DTYPES
+from cudnn_moe_jax.limits import FP4, FP8_DTYPES
+from cudnn_moe_jax.operands import expert_descriptor_operands
 
 from .. import quantize as q8
 from ..scheduler import M_GROUPED, GroupedTileScheduler
@@ -52,7 +53,10 @@ from . import mainloop_dequant
 from . import mainloop_mxfp8 as mx
 from .config import H200_4CTA_CLUSTERS, SMEM_CAPACITY, Config, default_config, supports
 from .epilogue import EpilogueDriver
+from .epilogue_fp4d import Fp4DOutput
 from .epilogue_fp8d import EPI_N, Fp8DOutput
+from .experts import BUILD_THREADS, DescriptorTable
+from .experts import templates as expert_templates
 from .mainloop import WgmmaMainloop
 from .operands import unpack
 
@@ -109,6 +113,13 @@ class KernelArgs(NamedTuple):
     mDprobParts: Any
     mDbiasParts: Any
     mWold: Any           # wgrad with accumulation: the old W
+    mDout: Any           # clipped tiles (m_aligned < tile_m): D (D_row) as memory, for their row-clipped stores
+    mCout: Any           # the same of the forward's C
+    mExpertDescriptors: Any  # discrete weights: the per-expert TMA descriptor table (experts.py)
+    mRht: Any            # glu_hadamard_quant: the Hadamard output, its scales, their encode scale, a user matrix
+    mSfrht: Any
+    mRhtNormConst: Any
+    mHadamard: Any
 
 
 class CtaSetup(NamedTuple):
@@ -128,10 +139,12 @@ class CtaSetup(NamedTuple):
 
 
 class Fp8Setup(NamedTuple):
-    """FP8 D outputs (epilogue_fp8d): D_col store partition, column-maxima table, SF outputs."""
+    """FP8 / FP4 D outputs (epilogue_fp8d, epilogue_fp4d): D_col store partition, column-maxima table, SF outputs
+    (the Hadamard op's NVFP4 D: its `sfd` as mSfdRow, no D_col)."""
 
     tma_atom_dcol: Any
     bSG_gDcol: Any
+    mDcol: Any
     tRS_rDcol: Any
     sColMax: Any
     mSfdRow: Any
@@ -139,6 +152,7 @@ class Fp8Setup(NamedTuple):
     norm_const: Any
     sEnds: Any
     m_rows: Any
+    bSG_sDcol: Any = None  # FP4 D_col's own smem partition (FP8 D_col shares D's)
 
 
 class EpilogueSetup(NamedTuple):
@@ -156,6 +170,8 @@ class EpilogueSetup(NamedTuple):
     bSG_sD: Any
     bSG_gD: Any
     tma_atom_d: Any
+    mD: Any              # D's TMA view (tile lists: each tile's store partition starts at its first row)
+    mDout: Any           # clipped tiles: D as memory
     sD: Any
     sProb: Any
     sBias: Any
@@ -170,7 +186,7 @@ class EpilogueSetup(NamedTuple):
 class TileContext(NamedTuple):
     """What the epilogue hooks get per tile."""
 
-    m_tile: Any          # output tile row (wgrad: W[e]'s rows start at e * m_w)
+    m_tile: Any          # output tile row (wgrad: W[e]'s rows start at e * m_w); tile lists: the list index
     n_tile: Any
     group: Any
     is_compute: Any      # False: a zero tile (rows past valid_m)
@@ -178,9 +194,27 @@ class TileContext(NamedTuple):
     prob: Any            # this thread's row's prob (ctid < tile_m)
     bias: Any            # this thread's column's bias (ctid < tile_n)
     beta: Any            # dgrad: x = beta * C
+    row0: Any = None     # tile lists: the tile's first row
+    rows: Any = None     # tile lists: rows to store (and fold into the reductions), 0..tile_m
 
 
-class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
+class Store(NamedTuple):
+    """One output subtile of an epilogue step (`EpilogueHooks.stores`): staged in buffer `buf` of the staging
+    tensor `smem` (TMA partition `bSG_s`), stored by `tma_atom` to 32-column block `col` of the TMA view `mX`
+    (partition `bSG_g`); `out`: the output as memory, for row-clipped stores (None unless tiles are clipped)."""
+
+    tma_atom: Any
+    bSG_s: Any
+    smem: Any
+    buf: Any
+    bSG_g: Any
+    mX: Any
+    out: Any
+    col: Any
+    transposed: bool = False   # a transposed output (FP4 D_col, (N_out, m / 2)): TMA tile (col, row tile)
+
+
+class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
     """The body every op kind shares: host-side layout choices, the launcher, the kernel and its warp roles."""
 
     # epilogue buffers tried per store (the most A/B stages win, then the most buffers)
@@ -199,6 +233,9 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         self.tile_m, self.tile_n, self.cluster_m, self.cluster_n = cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n
         self.cluster_size = self.cluster_m * self.cluster_n
         self.n, self.num_groups = problem.n, problem.num_groups
+        # discrete weights: expert e's B / SFB through its own TMA descriptor (experts.py)
+        self.discrete = problem.discrete_weights
+        self.expert_table = DescriptorTable(self.num_groups, expert_descriptor_operands(problem))
         self.n_tiles = -(-problem.n // self.tile_n)
         self.n_blocks = -(-self.n_tiles // self.cluster_n)  # cluster tiles along N
         self.max_clusters = cfg.num_sms // self.cluster_size
@@ -208,17 +245,26 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         self.d_dtype = DTYPES[epi.d_dtype]
         self.c_dtype = DTYPES[epi.c_dtype] if self.recipe.has_c else None
         self.bias_dtype = DTYPES[epi.bias_dtype] if epi.has_bias else None
-        # FP8 D: SFD row/col outputs
+        # FP8 / FP4 D: SFD row/col outputs
         self.quant_d = epi.generate_sfd
         self.discrete_col_sfd = epi.discrete_col_sfd
-        self.rcp_limit = rcp_limit(epi.d_dtype) if self.quant_d else None  # float32(1 / q_max) of FP8 D
+        self.rcp_limit = rcp_limit(epi.d_dtype) if self.quant_d else None  # float32(1 / q_max) of FP8 / FP4 D
+        # FP4 D (epilogue_fp4d): packed two a byte; MXFP4 (vec 32, with D_col) or the Hadamard op's NVFP4 (vec 16)
+        self.fp4_d = epi.d_dtype == FP4
+        self.fp4_vec = 32 if self.quant_d else 16
         # epilogue steps per tile: one 32-column block of D each (d_per_step subtiles), from c_per_step accumulator
         # subtiles
         self.epi_steps = self.tile_n // EPI_N // self.c_per_step
         self.epi_tile = (self.tile_m, EPI_N)
+        self.d_tile = (self.tile_m, EPI_N // 2) if self.fp4_d else self.epi_tile  # D's TMA box (FP4: packed)
+        # D's register fragment (FP4: codes are made in the 8-bit fragment layout, then packed)
+        self.d_frag_dtype = cutlass.Float8E4M3FN if self.fp4_d else self.d_dtype
         self.mainloop_class = self.mainloop_class_for(problem)
         self.tile_k = self.mainloop_class.TILE_K
         self.sched = self.make_scheduler(problem)
+        if self.sched.by_tiles and problem.block_scaled:
+            raise NotImplementedError("block-scaled inputs with a 2-CTA cluster along M need m_aligned % 256 == 0 "
+                                      "(the MXFP8 mainloop multicasts B and its scales to both tiles of a block)")
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         self.mainloop = self.mainloop_class.from_problem(problem, cfg, self.ab_dtype, self.ab_stages)
         # lanes arriving on a stage's worker barrier (every lane of every stage worker), besides the TMA's
@@ -267,7 +313,22 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         """M-grouped: groups are row ranges of A and the output (the forward and dgrad schedule)."""
         return GroupedTileScheduler(M_GROUPED, self.tile_m, self.tile_n, self.cluster_m, self.cluster_n,
                                     self.num_groups, self.n_blocks, self.tile_k,
-                                    k_tiles=-(-problem.k // self.tile_k), group_m=self.config.group_m)
+                                    k_tiles=-(-problem.k // self.tile_k), group_m=self.config.group_m,
+                                    m_aligned=problem.m_aligned)
+
+    @cute.jit
+    def tile_prob(self, tile, args: KernelArgs, ctid):
+        """prob of this thread's row of the tile (threads ctid < tile_m; tile lists: the tile's `rows` rows), else
+        1."""
+        prob_v = Float32(1.0)
+        if const_expr(self.recipe.has_prob):
+            if const_expr(not self.sched.by_tiles):
+                if ctid < self.tile_m:
+                    prob_v = args.mProb[tile.m_tile * self.tile_m + ctid]
+            else:
+                if ctid < tile.rows:
+                    prob_v = args.mProb[tile.row0 + ctid]
+        return prob_v
 
     def d_block(self, n_tile, step: int, j: int = 0):
         """D's 32-column block of output subtile j of epilogue step `step` of N tile n_tile."""
@@ -276,13 +337,15 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
     # ------------------------------------------------------------------------------------------ host
     def _smem_fit(self, epi_stages: int) -> int:
         """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
-        header = 16 * 8 + 4 * self.num_groups + 32 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 stages) ..
+        header = 16 * 8 + 4 * self.sched.ends_words() + 32 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 ..
         header = -(-header // 1024) * 1024  # sA/sB/sC/sD are 1024-aligned, each a multiple of 1 KiB
         return (SMEM_CAPACITY - header - self.epilogue_smem_bytes(epi_stages)) // self.mainloop_class.smem_stage_bytes(
             self.ab_dtype, self.tile_m, self.tile_n)
 
     def _d_bytes(self) -> int:
-        """Bytes per element of D's smem buffers (FP8 D: D and D_col)."""
+        """Bytes per element of D's smem buffers (FP8 D: D and D_col; FP4: half a byte each, rounded up)."""
+        if self.fp4_d:
+            return 1
         return self.d_dtype.width // 8 * (2 if self.quant_d else 1)
 
     def _choose_stages(self, cfg: Config):
@@ -321,6 +384,9 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
     @cute.jit
     def launch(self, stream: cuda.CUstream, *tensors):
         t = self._unpack(tensors)
+        experts = None
+        if const_expr(self.discrete):  # the TMA atoms are made from expert 0's buffers: the descriptors' template
+            t, experts = expert_templates(t, self.num_groups)
         a, b = t["a"], t["b"]
         m_rows = a.shape[0]
         d, m_alpha, m_beta, m_wold = self.output_operands(t)
@@ -339,16 +405,21 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb = self.mainloop.scale_tmas(t, self.cluster_m, self.cluster_n)
         # buffers [0, epi_stages * d_per_step) hold D (D_row), FP8 D: as many after them D_col (one partition
         # serves both)
-        d_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
-                                                   self.epi_stages * self.d_per_step * (2 if self.quant_d else 1))
-        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(d_layout, (None, None, 0)), self.epi_tile
-        )
         tma_atom_dcol = tma_dcol = mSfdRow = mSfdCol = None
-        if const_expr(self.quant_d):
-            tma_atom_dcol, tma_dcol = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), t["d_col"], cute.slice_(d_layout, (None, None, 0)), self.epi_tile
+        if const_expr(self.fp4_d):
+            d_layout, tma_atom_d, tma_d, tma_atom_dcol, tma_dcol = self.fp4_d_tmas(d, t["d_col"])
+        else:
+            d_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
+                                                       self.epi_stages * self.d_per_step * (2 if self.quant_d else 1))
+            tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(d_layout, (None, None, 0)), self.epi_tile
             )
+        if const_expr(self.quant_d):
+            if const_expr(not self.fp4_d):
+                tma_atom_dcol, tma_dcol = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), t["d_col"], cute.slice_(d_layout, (None, None, 0)),
+                    self.epi_tile
+                )
             mSfdRow = cute.make_tensor(t["sfd_row"].iterator, cute.make_layout(cute.size(t["sfd_row"])))
             mSfdCol = cute.make_tensor(t["sfd_col"].iterator, cute.make_layout(cute.size(t["sfd_col"])))
         args = dict.fromkeys(KernelArgs._fields)
@@ -359,8 +430,10 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
             tma_atom_sfa=tma_atom_sfa, mSFA=tma_sfa, tma_atom_sfb=tma_atom_sfb, mSFB=tma_sfb,
             tma_atom_dcol=tma_atom_dcol, mDcol=tma_dcol, mSfdRow=mSfdRow, mSfdCol=mSfdCol,
             mNormConst=t["norm_const"], mBeta=m_beta, mDprobParts=t["dprob_parts"], mDbiasParts=t["dbias_parts"],
-            mWold=m_wold,
+            mWold=m_wold, mExpertDescriptors=t["expert_descriptors"],
         )
+        if const_expr(self.sched.clipped):   # a group's last tile stores its rows by plain stores
+            args.update(mDout=d, mCout=t.get("c") if self.recipe.has_c else None)
         args.update(self.epilogue_operands(t))
         args = KernelArgs(**args)
 
@@ -369,7 +442,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         fields = [("ab_mbar", MemRange[cutlass.Int64, self.ab_stages * 2])]
         if const_expr(self.stage_arrivals > 0):  # MXFP8: decoded scales; wgrad: masked A
             fields.append(("dec_mbar", MemRange[cutlass.Int64, self.ab_stages]))
-        fields += [("ends", MemRange[Int32, self.num_groups]), ("valid", MemRange[Int32, 4]),
+        fields += [("ends", MemRange[Int32, self.sched.ends_words()]), ("valid", MemRange[Int32, 4]),
                    ("prob", MemRange[Float32, self.tile_m]), ("scalars", MemRange[Float32, 4]),
                    ("bias", MemRange[Float32, self.tile_n]),
                    ("sA", Align[MemRange[a_dtype, cute.cosize(a_layout)], 1024]),
@@ -387,6 +460,11 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
             # SF bytes are written only for computed rows/blocks; XLA outputs are uninitialised (rows outside every
             # group and SF padding must read 0x00)
             self.zero_bytes_kernel(mSfdRow, mSfdCol).launch(grid=[264, 1, 1], block=[256, 1, 1], stream=stream)
+
+        if const_expr(self.discrete):
+            atoms = (tma_atom_b, tma_atom_sfb)[:self.expert_table.operands]
+            self.expert_table.build_table(atoms, experts[:len(atoms)], t["expert_descriptors"]).launch(
+                grid=[1, 1, 1], block=[BUILD_THREADS, 1, 1], stream=stream)
 
         num_clusters = cutlass.min(self.sched.num_tiles(m_rows), Int32(self.max_clusters))
         self.kernel(args).launch(
@@ -447,7 +525,8 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        # the TMA's arrive-and-expect-tx (and the mainloop's own producer copies: PRODUCER_ARRIVALS)
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mainloop_class.PRODUCER_ARRIVALS)
         # every consumer warp releases each stage to all CTAs that multicast into it (its cluster row + column)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, (self.cluster_m + self.cluster_n - 1) * 8)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
@@ -472,7 +551,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         epi_mbar = self.init_epilogue_barriers(storage, warp_idx)
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
-        sEnds = storage.ends.get_tensor(cute.make_layout(self.num_groups))
+        sEnds = storage.ends.get_tensor(cute.make_layout(self.sched.ends_words()))
         sValid = storage.valid.get_tensor(cute.make_layout(4))
         mA = args.mA
         m_rows = mA.shape[0]
@@ -540,9 +619,17 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         while t < work.total:
             tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
             tAgA, tAsA, tBgB, tBsB = self.tile_ab(ab, tile, args, cta, rank_m, rank_n)
+            descriptors, weights = None, tile.group
+            if const_expr(self.discrete):  # the expert's own B / SFB, at expert index 0 of its descriptors
+                descriptors, weights = self.expert_table.acquire(args.mExpertDescriptors, tile.group), 0
+            b_own = {}
+            if const_expr(self.pairs_groups()):
+                # tile lists: the block's tiles may use two groups' B; then each CTA loads its whole B tile itself
+                b_own = dict(b_own=(ab[5][(None, tile.n_tile, None, weights)], ab[4], tile.mcast_b,
+                                    Int32(1) << (rank_m + self.cluster_m * rank_n)))
             prod_state = self.mainloop.load_tile(
                 cta.ab_pipeline, prod_state, args.tma_atom_a, tAgA, tAsA, args.tma_atom_b, tBgB, tBsB,
-                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, (tile.m_tile, tile.n_tile, tile.group),
+                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, tile, descriptors, **b_own,
             )
             t += work.stride
         cta.ab_pipeline.producer_tail(prod_state)
@@ -560,12 +647,24 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
 
     @cute.jit
     def ab_partitions(self, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
-        """M-grouped: the producer's A / B TMA partitions, made once (every tile reads the whole K)."""
+        """M-grouped: the producer's A / B TMA partitions, made once (every tile reads the whole K; tile lists:
+        A's is re-made per tile, from the tile's first row). Tile lists with a 2-CTA cluster along M also the
+        other CTA's half of the B tile (`mcast_b` False: each CTA loads both halves)."""
         # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L); bK: the TMA box (packed FP4: K / 2 bytes)
         (_, a_box_k), (_, b_box_k) = self.mainloop.tma_operands()
         gA = cute.local_tile(args.mA, (self.tile_m, a_box_k), (None, None))
         gB = cute.local_tile(args.mB, (self.tile_n, b_box_k), (None, None, None))
-        return self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
+        parts = self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
+        if const_expr(self.pairs_groups()):
+            tBsB_other, tBgB_other = cpasync.tma_partition(
+                args.tma_atom_b, 1 - rank_m, cute.make_layout(self.cluster_m), cute.group_modes(cta.sB, 0, 2),
+                cute.group_modes(gB, 0, 2))
+            parts = parts + (tBsB_other, tBgB_other)
+        return parts
+
+    def pairs_groups(self) -> bool:
+        """Tile lists with a 2-CTA cluster along M: the two tiles of a block may use two groups' B."""
+        return self.sched.by_tiles and self.cluster_m > 1
 
     def ab_k_tiles(self, ab):
         """M-grouped: the k-tiles of a compute tile as the producer counts them (A's partition: K as A's shape
@@ -574,9 +673,19 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
 
     @cute.jit
     def tile_ab(self, ab, tile, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
-        """M-grouped: (tAgA, tAsA, tBgB, tBsB) of one tile: its A rows and B[group], over K."""
-        tAsA, tAgA, tBsB, tBgB = ab
-        return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None, tile.group)], tBsB
+        """M-grouped: (tAgA, tAsA, tBgB, tBsB) of one tile: its A rows and B[group], over K (tile lists: A from
+        the tile's first row; TMA loads may start at any row, rows past m read as zeros; discrete weights: the
+        expert's own B, index 0 of its descriptor)."""
+        tAsA, tAgA, tBsB, tBgB = ab[:4]
+        group = 0 if const_expr(self.discrete) else tile.group
+        if const_expr(self.sched.by_tiles):
+            (_, a_box_k), _ = self.mainloop.tma_operands()
+            gA = cute.local_tile(cute.domain_offset((tile.row0, 0), args.mA), (self.tile_m, a_box_k), (None, None))
+            tAsA, tAgA = cpasync.tma_partition(
+                args.tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(cta.sA, 0, 2),
+                cute.group_modes(gA, 0, 2))
+            return tAgA[(None, 0, None)], tAsA, tBgB[(None, tile.n_tile, None, group)], tBsB
+        return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None, group)], tBsB
 
     @cute.jit
     def stage_worker(self, cta: CtaSetup, worker: cutlass.Constexpr):
@@ -625,7 +734,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
             # per-tile epilogue operands, loaded before the mainloop so their latency hides under it
             ctx = self.tile_context(tile, args, setup)
             read_state, release_state = self.mainloop.mma_tile(
-                cta.ab_pipeline, read_state, release_state, mma_operands, acc, tile.k_count, cta.stage_mbar
+                cta.ab_pipeline, read_state, release_state, mma_operands, acc, tile.k_count, cta.stage_mbar, tile
             )
             self.run_epilogue(hooks, setup, ctx, store_pipeline)
             t += work.stride
@@ -637,29 +746,35 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
         stmatrix source layout of the accumulator), FP8 D's, then the op kind's (`op_epilogue_setup`)."""
         storage = cta.storage
         d_layout = args.d_layout
-        sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
+        if const_expr(self.fp4_d):
+            sD = storage.sD.get_tensor(d_layout)        # plain packed tiles (epilogue_fp4d)
+        else:
+            sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
         sProb = storage.prob.get_tensor(cute.make_layout(self.tile_m))
         sScalars = storage.scalars.get_tensor(cute.make_layout(4))
         sBias = storage.bias.get_tensor(cute.make_layout(self.tile_n))
         copy_atom_layout = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
         tiled_copy_acc = cute.make_tiled_copy_C_atom(copy_atom_layout, args.tiled_mma)
+        # FP4 D: the codes are made in the 8-bit fragment layout (kernels/quantize.py), then packed (epilogue_fp4d)
         r2s_d = cute.make_tiled_copy_S(
-            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.d_dtype, Float32), tiled_copy_acc
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.d_frag_dtype, Float32), tiled_copy_acc
         )
         thr_r2s_d = r2s_d.get_slice(ctid)
-        tRS_sD = thr_r2s_d.partition_D(sD)
+        tRS_sD = None
+        if const_expr(not self.fp4_d):
+            tRS_sD = thr_r2s_d.partition_D(sD)
         tRS_rAcc = r2s_d.retile(acc)
         tRS_cD = thr_r2s_d.partition_S(cute.make_identity_tensor(self.epi_tile))  # (row, col) in a subtile
         frag_shape = tRS_cD.shape
         tRS_rD = cute.make_rmem_tensor(frag_shape, self.d_dtype)
         bSG_sD, bSG_gD = cpasync.tma_partition(
             args.tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.zipped_divide(args.mD,
-                                                                                                   self.epi_tile)
+                                                                                                   self.d_tile)
         )
         epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=256)
         is_store_warp = warp_idx == 4
         fp8 = None
-        if const_expr(self.quant_d):
+        if const_expr(self.quant_d and not self.fp4_d):
             # D_col store partition (same smem layout as D), the column-maxima table, norm_const
             q8.check_fragment_layout(tRS_cD)
             tRS_rDcol = cute.make_rmem_tensor(frag_shape, self.d_dtype)
@@ -668,12 +783,20 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput):
                 cute.zipped_divide(args.mDcol, self.epi_tile)
             )
             sColMax = storage.col_max.get_tensor(cute.make_layout(self.col_max_shape()))
-            fp8 = Fp8Setup(args.tma_atom_dcol, bSG_gDcol, tRS_rDcol, sColMax, args.mSfdRow, args.mSfdCol,
-                           args.mNormConst[0], cta.sEnds, cta.m_rows)
+            fp8 = Fp8Setup(args.tma_atom_dcol, bSG_gDcol, args.mDcol, tRS_rDcol, sColMax, args.mSfdRow,
+                           args.mSfdCol, args.mNormConst[0], cta.sEnds, cta.m_rows)
+        if const_expr(self.fp4_d):
+            q8.check_fragment_layout(tRS_cD)
+            bSG_sDcol = bSG_gDcol = sColMax = None
+            if const_expr(self.quant_d):
+                bSG_sDcol, bSG_gDcol = self.fp4_dcol_partition(sD, args.tma_atom_dcol, args.mDcol)
+                sColMax = storage.col_max.get_tensor(cute.make_layout(self.col_max_shape()))
+            fp8 = Fp8Setup(args.tma_atom_dcol, bSG_gDcol, args.mDcol, None, sColMax, args.mSfdRow, args.mSfdCol,
+                           args.mNormConst[0], cta.sEnds, cta.m_rows, bSG_sDcol)
         op = self.op_epilogue_setup(args, cta, tiled_copy_acc, ctid)
         return EpilogueSetup(ctid, acc, tRS_rAcc, tRS_cD, cute.size(frag_shape), r2s_d, tRS_rD, tRS_sD, bSG_sD,
-                             bSG_gD, args.tma_atom_d, sD, sProb, sBias, sScalars, epi_barrier, is_store_warp,
-                             args.mAmax, fp8, op)
+                             bSG_gD, args.tma_atom_d, args.mD, args.mDout, sD, sProb, sBias, sScalars,
+                             epi_barrier, is_store_warp, args.mAmax, fp8, op)
 
     def col_max_shape(self):
         """(column, warp) of the FP8-D column-maxima table (dgrad: per subtile of a step)."""

@@ -3,9 +3,9 @@ arguments and a ready-made call.
 
 The operands, their order, shapes and kinds are the operand table's (`cudnn_moe_jax.operands`, docs there). Every
 array is row-major unless a major says otherwise; B is presented to the kernel as (N, K, L) through `mode` (no
-copy). Tensors whose shape involves `m` are dynamic with `m % 256 == 0` declared, so one compiled module serves
-every `m` (and `jax.export` with a symbolic `m` works); likewise wgrad's A (m_w, T) / B (n_w, T) with `T % 8 == 0`;
-the others are static.
+copy), discrete weights as L arrays (N, K). Tensors whose shape involves `m` are dynamic with `m % m_aligned == 0`
+declared (256 by default), so one compiled module serves every `m` (and `jax.export` with a symbolic `m` works);
+likewise wgrad's A (m_w, T) / B (n_w, T) with `T % 8 == 0`; the others are static.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from cutlass.jax import TensorSpec, cutlass_call
 
 from cudnn_moe_jax import operands as table
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS
-from cudnn_moe_jax.limits import GROUP_ALIGN, TOKEN_ALIGN
+from cudnn_moe_jax.limits import FP4, k_align
 
 from .config import supports
 from .kernel import GroupedGemmSm90
@@ -24,27 +24,35 @@ from .kernel import GroupedGemmSm90
 
 def _spec(problem, operand: table.Bound) -> TensorSpec:
     name, kind, shape = operand.name, operand.kind, operand.shape
+    align = problem.m_aligned   # m's divisibility; scale factors along M need align % 128 == 0 (ops/_checks)
     if kind == "tokens":  # wgrad (rows, T), T dynamic; token-major ("m" / "n"): rows contiguous, as stored
         token_major = (problem.a_major, problem.b_major)[name == "b"] != "k"
-        return TensorSpec(layout=(0, 1) if token_major else None, divisibility=(shape[0], TOKEN_ALIGN))
+        per_byte = 2 if problem.ab_dtype == FP4 else 1   # packed FP4: (rows, T / 2) bytes
+        return TensorSpec(layout=(0, 1) if token_major else None,
+                          divisibility=(shape[0], k_align(problem.ab_dtype) // per_byte))
+    if kind == "weights" and len(shape) == 2:  # discrete: one expert's (N, K) (N contiguous for b_major "n")
+        return TensorSpec(static=True, layout=(0, 1) if problem.b_major == "n" else None)
     if kind == "weights" and problem.b_major == "n":
         return TensorSpec(mode=(1, 2, 0), static=True, layout=(2, 0, 1))  # (L, N, K) with N contiguous
     if kind == "rows":  # (m, cols): m dynamic
-        return TensorSpec(divisibility=(GROUP_ALIGN, shape[1]))
+        return TensorSpec(divisibility=(align, shape[1]))
     if kind == "weights":
         return TensorSpec(mode=(1, 2, 0), static=True)  # B (L, N, K) -> (N, K, L)
+    if kind == "cols_by_m":  # (cols, m / 2): packed FP4 tokens (dynamic) along the rows
+        return TensorSpec(divisibility=(shape[0], GROUP_ALIGN // 2))
     if kind == "sf_rows":  # (1, m / 128 row blocks (dynamic), Kb, atom...)
-        return TensorSpec(divisibility=(1, GROUP_ALIGN // SF_ATOM_ROWS, 1) + shape[3:])
+        return TensorSpec(divisibility=(1, max(1, align // SF_ATOM_ROWS), 1) + shape[3:])
     if kind == "sf_cols":  # (1, cols / 128, m / 128 k-block quads (dynamic), atom...)
-        return TensorSpec(divisibility=(1, 1, GROUP_ALIGN // SF_ATOM_ROWS) + shape[3:])
+        return TensorSpec(divisibility=(1, 1, max(1, align // SF_ATOM_ROWS)) + shape[3:])
     if kind == "sf_segments":
         return TensorSpec(divisibility=(SF_ATOM_BYTES,))
     if kind == "m_vector":
-        return TensorSpec(divisibility=(GROUP_ALIGN,))
+        return TensorSpec(divisibility=(align,))
     if kind == "tiles_by_m":
-        return TensorSpec(divisibility=(1, GROUP_ALIGN))
-    if kind == "row_tiles":
-        return TensorSpec(divisibility=(GROUP_ALIGN // table.ROW_TILE, shape[1]))
+        return TensorSpec(divisibility=(1, align))
+    if kind == "row_tiles":   # m / 128 tiles, or cdiv(m, 128) + L (operands.m_tiles)
+        return TensorSpec(divisibility=(max(1, align // table.ROW_TILE) if align % table.ROW_TILE == 0 else 1,
+                                        shape[1]))
     assert kind == "static", kind
     return TensorSpec(static=True)
 

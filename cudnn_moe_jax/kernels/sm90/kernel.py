@@ -9,13 +9,16 @@ from cudnn_moe_jax._problem import DGRAD_OPS
 from .config import Config
 from .dgrad import GroupedGemmSm90Dgrad
 from .forward import GroupedGemmSm90Forward
+from .hadamard import GroupedGemmSm90Hadamard
 from .wgrad import GroupedGemmSm90Wgrad
 
 
 def kernel_class_for(problem):
-    """forward ops (quant / srelu / glu), dgrad ops (dglu / dsrelu) or wgrad."""
+    """forward ops (quant / srelu / glu; glu_hadamard_quant), dgrad ops (dglu / dsrelu) or wgrad."""
     if problem.op == "wgrad":
         return GroupedGemmSm90Wgrad
+    if problem.op == "glu_hadamard_quant":
+        return GroupedGemmSm90Hadamard
     if problem.op in DGRAD_OPS:
         return GroupedGemmSm90Dgrad
     return GroupedGemmSm90Forward

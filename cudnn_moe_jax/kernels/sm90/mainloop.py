@@ -65,10 +65,12 @@ def make_ab_smem_layouts(ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: 
 
 @cute.jit
 def copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k: Int32, s: Int32,
-                  a_mcast_mask, b_mcast_mask):
-    """TMA of K tile `k` of A and B into stage `s` on the stage's barriers (both mainloops' producers)."""
+                  a_mcast_mask, b_mcast_mask, descriptors=None):
+    """TMA of K tile `k` of A and B into stage `s` on the stage's barriers (both mainloops' producers); B through
+    the expert's own descriptor with discrete weights (`descriptors`: experts.ExpertDescriptors, else None)."""
     cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, s)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-    cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+    cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask,
+              tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.b)
 
 class WgmmaMainloop:
     """Producer and consumer k-loops over one tile. Pipeline states are returned (loop-carried by the caller).
@@ -83,11 +85,18 @@ class WgmmaMainloop:
       `STAGE_WORKERS`, `process_stage()`          warps of the producer warpgroup that rework each loaded stage
                                                   in shared memory before the consumers read it (none here);
       `REGISTER_TIGHT`                            the k-loop keeps nearly every consumer register live;
-      `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops."""
+      `PRODUCER_ARRIVALS`                         arrivals on a stage's full barrier besides the TMA bytes (the
+                                                  producer warp's own copies, e.g. cp.async of scale words);
+      `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops (both get the
+                                                  schedule's tile); `load_tile` takes the tile's B partition (of
+                                                  its expert) and, with discrete weights, the expert's TMA
+                                                  descriptors (`experts.ExpertDescriptors`, which the B and SFB
+                                                  loads go through, the expert index then 0; else None)."""
 
     TILE_K = TILE_K
     STAGE_WORKERS = ()
     REGISTER_TIGHT = False
+    PRODUCER_ARRIVALS = 1
 
     def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: bool = False, b_mn: bool = False):
         self.ab_dtype = ab_dtype
@@ -154,15 +163,33 @@ class WgmmaMainloop:
         b_mcast_mask,
         k_count: Int32,
         scale_loads=None,
-        tile_coord=None,
+        tile=None,
+        descriptors=None,
+        b_own=None,
     ):
-        """k_count stages of one tile (`scale_loads` / `tile_coord`: the block-scaled mainloop's, unused here)."""
+        """k_count stages of one tile (`scale_loads` / `tile`: the block-scaled mainloops', unused here).
+        `b_own` = (the other CTA's half of this tile's B, its smem partition, multicast, this CTA's own mask):
+        a 2-CTA cluster whose tiles may use two experts' B (tile lists) multicasts B only when `multicast`; else
+        each CTA loads both halves to itself (the same bytes arrive per stage either way)."""
         prod_state.reset_count()
         for _k in cutlass.range(k_count, unroll=1):
             ab_pipeline.producer_acquire(prod_state)
             bar = ab_pipeline.producer_get_barrier(prod_state)
-            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, prod_state.count, prod_state.index,
-                          a_mcast_mask, b_mcast_mask)
+            if const_expr(b_own is None):
+                copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, prod_state.count,
+                              prod_state.index, a_mcast_mask, b_mcast_mask, descriptors)
+            else:
+                tBgB_other, tBsB_other, multicast, own_mask = b_own
+                k, s = prod_state.count, prod_state.index
+                if multicast:
+                    copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
+                                  b_mcast_mask, descriptors)
+                else:
+                    copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
+                                  own_mask, descriptors)
+                    cute.copy(tma_atom_b, tBgB_other[(None, k)], tBsB_other[(None, s)], tma_bar_ptr=bar,
+                              mcast_mask=own_mask,
+                              tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.b)
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
@@ -184,9 +211,10 @@ class WgmmaMainloop:
         acc: cute.Tensor,
         k_count: Int32,
         stage_mbar=None,
+        tile=None,
     ):
         """acc = sum over k_count k-tiles (acc is zeroed first; k_count == 0 leaves zeros); `operands` from
-        `consumer_operands`, `stage_mbar` the stage workers' barriers."""
+        `consumer_operands`, `stage_mbar` the stage workers' barriers, `tile` the schedule's tile (unused here)."""
         tiled_mma, tCrA, tCrB = operands
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)

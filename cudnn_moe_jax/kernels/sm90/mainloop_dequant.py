@@ -186,11 +186,18 @@ class DequantMainloop(WgmmaMainloop):
         """(SF atoms (128, 4, atom, stage) u8, bf16 A stages (None with A in registers), bf16 B stages (wgmma
         operand views), the narrow A / B stages and the bf16 A / B stages as flat Int32 words (the converters'
         loads and stores), the SF bytes as a flat u8 tensor)."""
-        a16, b16 = self.bf16_layouts()
         n_atoms = sf_atoms(self.tile_m, self.tile_n)
         sSF = storage.sSF.get_tensor(cute.make_layout(
             (SF_ATOM_ROWS, SF_ATOM_KBLOCKS, n_atoms, self.stages),
             stride=(1, SF_ATOM_ROWS, SF_ATOM_BYTES, n_atoms * SF_ATOM_BYTES)))
+        sf_bytes = cute.make_tensor(storage.sSF.data_ptr(), cute.make_layout(n_atoms * SF_ATOM_BYTES * self.stages))
+        return (sSF,) + self.stage_views(storage) + (sf_bytes,)
+
+    @cute.jit
+    def stage_views(self, storage):
+        """(bf16 A stages (None with A in registers), bf16 B stages (wgmma operand views), the narrow A / B stages
+        and the bf16 A / B stages as flat Int32 words)."""
+        a16, b16 = self.bf16_layouts()
         sB16 = storage.sB16.get_tensor(b16.outer, swizzle=b16.inner)
         sA16 = None
         mems = [(storage.sA, self.tile_m, self.FORMAT.a_row_bytes), (storage.sB, self.tile_n, self.FORMAT.row_bytes),
@@ -201,8 +208,7 @@ class DequantMainloop(WgmmaMainloop):
         words = [None if m is None else cute.make_tensor(cute.recast_ptr(m[0].data_ptr(), dtype=Int32),
                                                          cute.make_layout(m[1] * m[2] // 4 * self.stages))
                  for m in mems]
-        sf_bytes = cute.make_tensor(storage.sSF.data_ptr(), cute.make_layout(n_atoms * SF_ATOM_BYTES * self.stages))
-        return sSF, sA16, sB16, words[0], words[1], words[2], words[3], sf_bytes
+        return sA16, sB16, words[0], words[1], words[2], words[3]
 
     # ------------------------------------------------------------------------------------------ producer
     def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
@@ -233,12 +239,14 @@ class DequantMainloop(WgmmaMainloop):
 
     @cute.jit
     def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile_coord):
+                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile, descriptors=None):
         """k_count stages of tile (m_tile, n_tile, expert g): the narrow A / B boxes and the SF atoms of stage k
         (k-block quad k // stages_per_atom). SFA atoms are (m / 128, Kb), SFB atoms (L, cdiv(N, 128), Kb); a B
-        row block past N loads the expert's last one (its rows are masked by the workers)."""
+        row block past N loads the expert's last one (its rows are masked by the workers). Discrete weights: B and
+        SFB through the expert's `descriptors`, g = 0."""
         tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs = scale_loads
-        m_tile, n_tile, g = tile_coord
+        m_tile, n_tile = tile.m_tile, tile.n_tile
+        g = 0 if const_expr(descriptors is not None) else tile.group
         b_blocks = self.tile_n // SF_ATOM_ROWS
         prod_state.reset_count()
         for _k in cutlass.range(k_count, unroll=1):
@@ -246,7 +254,8 @@ class DequantMainloop(WgmmaMainloop):
             bar = ab_pipeline.producer_get_barrier(prod_state)
             k = prod_state.count
             s = prod_state.index
-            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask)
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask,
+                          descriptors)
             kq = k // self.stages_per_atom
             if const_expr(not self.FORMAT.a_bf16):
                 cute.copy(tma_atom_sfa, tSAg[(None, 0, m_tile * self.k_blocks4 + kq)], tSAs[(None, s)],
@@ -254,7 +263,8 @@ class DequantMainloop(WgmmaMainloop):
             for i in cutlass.range_constexpr(b_blocks):
                 rb = cutlass.min(n_tile * b_blocks + i, Int32(self.sfb_row_blocks - 1))
                 cute.copy(tma_atom_sfb, tSBg[(None, 0, (g * self.sfb_row_blocks + rb) * self.k_blocks4 + kq)],
-                          tSBs[i][(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+                          tSBs[i][(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask,
+                          tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.sfb)
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
@@ -283,11 +293,8 @@ class DequantMainloop(WgmmaMainloop):
         """Group q of row `row` of `operand` (0: A, 1: B) in stage idx (tile-local k-tile k) -> `store(p, pair)`
         for its 8 bf16x2 pairs (dequant.convert_group); `valid` false: zeros (K past K, rows past N)."""
         fmt = self.FORMAT
-        rows = self.tile_m if const_expr(operand == 0) else self.tile_n
-        src, sf_bytes = smem[3 + operand], smem[7]
-        n_words = dq.bytes_per_group(fmt.data) // 4
-        base = (idx * rows + row) * (fmt.row_bytes // 4) + q * n_words
-        words = cute.make_tensor(src.iterator + base, cute.make_layout(n_words)).load()
+        sf_bytes = smem[7]
+        words = self.group_words(smem, operand, row, q, idx)
         k0 = k * TILE_K + q * dq.GROUP           # first K of the group
         # SF byte: atom (A's, or B's row block) of this stage, row interleave and k-block (formats.sf_atom_byte;
         # shifts and masks: the coordinates are non-negative, and signed // and % cost sign fix-ups)
@@ -295,17 +302,30 @@ class DequantMainloop(WgmmaMainloop):
         kb = (k0 >> (fmt.vec.bit_length() - 1)) & (SF_ATOM_KBLOCKS - 1)
         code = Int32(sf_bytes[(idx * sf_atoms(self.tile_m, self.tile_n) + atom) * SF_ATOM_BYTES
                               + sf_atom_byte(row & 31, (row >> 5) & 3, kb)]) & Int32(0xFF)  # (the u8 load sign-extends)
-        dq.convert_group([words[i] for i in range(n_words)], fmt.data,
-                         dq.scale_bf16x2(code, fmt.sf, valid & (k0 < self.k)), store)
+        dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid & (k0 < self.k)), store)
+
+    @cute.jit
+    def group_words(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32):
+        """The 32-bit words of group q of row `row` of the narrow `operand` stage idx (FP8: 4, FP4: 2)."""
+        rows = self.tile_m if const_expr(operand == 0) else self.tile_n
+        n_words = dq.bytes_per_group(self.FORMAT.data) // 4
+        base = (idx * rows + row) * (self.FORMAT.row_bytes // 4) + q * n_words
+        words = cute.make_tensor(smem[3 + operand].iterator + base, cute.make_layout(n_words)).load()
+        return [words[i] for i in range(n_words)]
 
     @cute.jit
     def convert_row_group(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32, k: Int32,
                           n_tile: Int32):
-        """A worker's group: into the bf16 stage of `operand` (bf16_stage_layout: row group, row in group, word q
-        of K chunk p)."""
-        rows = self.tile_m if const_expr(operand == 0) else self.tile_n
+        """A worker's group: into the bf16 stage of `operand` (`row_group_store`)."""
+        valid, store = self.row_group_store(smem, operand, row, q, idx, n_tile)
+        self.convert_group(smem, operand, row, q, idx, k, valid, store)
+
+    def row_group_store(self, smem, operand: int, row: Int32, q: Int32, idx: Int32, n_tile: Int32):
+        """(valid, store(p, pair)) of a worker's group q of row `row`: B rows past N are not valid; pair p goes to
+        the bf16 stage of `operand` (bf16_stage_layout: row group, row in group, word q of K chunk p)."""
+        rows = self.tile_m if operand == 0 else self.tile_n
         valid = cutlass.Boolean(True)
-        if const_expr(operand == 1):
+        if operand == 1:
             valid = n_tile * self.tile_n + row < self.n
         dst = smem[5 + operand]
         out = (idx * rows + (row & ~7)) * (2 * TILE_K // 4) + (row & 7) * 4 + q
@@ -313,7 +333,7 @@ class DequantMainloop(WgmmaMainloop):
         def store(p, pair):
             dst[out + p * 32] = pair
 
-        self.convert_group(smem, operand, row, q, idx, k, valid, store)
+        return valid, store
 
     # ------------------------------------------------------------------------------------------ consumer
     @cute.jit
@@ -328,7 +348,7 @@ class DequantMainloop(WgmmaMainloop):
 
     @cute.jit
     def mma_tile(self, ab_pipeline, read_state, release_state, operands, acc: cute.Tensor, k_count: Int32,
-                 stage_mbar=None):
+                 stage_mbar=None, tile=None):
         tiled_mma, tCrA, tCrB, smem = operands
         if const_expr(not self.A_IN_REGISTERS):
             return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, (tiled_mma, tCrA, tCrB),

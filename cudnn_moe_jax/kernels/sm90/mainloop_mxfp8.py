@@ -113,6 +113,8 @@ def sf_view(sf: cute.Tensor) -> cute.Tensor:
 class Mxfp8Mainloop:
     """Producer / decoder / consumer k-loops of one output tile (128 x 128) with per-32 e8m0 scales."""
 
+    PRODUCER_ARRIVALS = 1
+
     def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, k: int, n_parts: int = 1, n: int = 128,
                  cluster_m: int = 1, cluster_n: int = 1):
         if n_parts not in (1, 2, 4):
@@ -225,12 +227,14 @@ class Mxfp8Mainloop:
     def load_tile(
         self, ab_pipeline, prod_state,
         tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-        a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile_coord,
+        a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile, descriptors=None,
     ):
-        """k_count stages of one tile (m_tile, n_tile, expert g) = tile_coord; SF atom of stage k: the tile's first
-        atom + k (one atom per 128 rows per stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb) atoms."""
+        """k_count stages of one tile (m_tile, n_tile, expert g of the schedule's tile); SF atom of stage k: the
+        tile's first atom + k (one atom per 128 rows per stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb)
+        atoms. Discrete weights: B and SFB through the expert's `descriptors`, g = 0."""
         tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs = scale_loads
-        m_tile, n_tile, g = tile_coord
+        m_tile, n_tile = tile.m_tile, tile.n_tile
+        g = 0 if const_expr(descriptors is not None) else tile.group
         sfa_atom0 = m_tile * self.k_tiles
         sfb_atom0 = (g * self.sfb_row_blocks + n_tile) * self.k_tiles
         prod_state.reset_count()
@@ -239,11 +243,13 @@ class Mxfp8Mainloop:
             bar = ab_pipeline.producer_get_barrier(prod_state)
             k = prod_state.count
             s = prod_state.index
-            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask)
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask,
+                          descriptors)
             cute.copy(tma_atom_sfa, tSAg[(None, 0, sfa_atom0 + k)], tSAs[(None, s)], tma_bar_ptr=bar,
                       mcast_mask=a_mcast_mask)
             cute.copy(tma_atom_sfb, tSBg[(None, 0, sfb_atom0 + k)], tSBs[(None, s)], tma_bar_ptr=bar,
-                      mcast_mask=b_mcast_mask)
+                      mcast_mask=b_mcast_mask,
+                      tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.sfb)
             ab_pipeline.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
@@ -341,7 +347,7 @@ class Mxfp8Mainloop:
 
     @cute.jit
     def mma_tile(self, ab_pipeline, read_state, release_state, operands, acc: cute.Tensor, k_count: Int32,
-                 dec_mbar):
+                 dec_mbar, tile=None):
         """acc = sum over k_count stages of P * S per 32-wide K block (zeros when k_count == 0); `operands` from
         `consumer_operands`, `dec_mbar` the decoder warps' stage barriers.
 

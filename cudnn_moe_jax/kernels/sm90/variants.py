@@ -113,8 +113,8 @@ def symbolic_avals(problem, m):
     out = {}
     for name, a in input_avals(problem).items():
         if name in axes:
-            axis, rows = axes[name]
-            a = jax.ShapeDtypeStruct(a.shape[:axis] + (m // rows,) + a.shape[axis + 1:], a.dtype)
+            axis, per = axes[name]
+            a = jax.ShapeDtypeStruct(a.shape[:axis] + (table.axis_extent(per, m),) + a.shape[axis + 1:], a.dtype)
         out[name] = a
     return out
 

@@ -1,11 +1,12 @@
 """The weight-gradient kernel class of the sm90 grouped GEMM: per-expert W[e] = A[:, T_e] @ B[:, T_e]^T.
 
 The forward class with the K-grouped schedule (`kernels.scheduler.K_GROUPED`) and the token-masking mainloop
-(`mainloop.KGroupedWgmmaMainloop`): output tiles (expert e, M block, N block) of W (L, m_w, n_w), stored through the
-forward `quant` epilogue (D = alpha * acc, no prob) into W seen as (L * m_w, n_w). A (m_w, T) and B (n_w, T) are
-read from expert e's first token rounded down to a k-tile (any alignment of the offsets): the producer offsets
-both TMA coordinate tensors by it per tile, and the mainloop's stage worker zeroes the neighbouring experts' tokens
-in the first and last k-tiles. Token ends are sanitized like the reference's (running max of clip(offsets, 0, T));
+(`mainloop.KGroupedWgmmaMainloop`; block-scaled A / B: `mainloop_dequant_wgrad`, exact bf16 conversion on chip with
+the scales read from the per-expert segments): output tiles (expert e, M block, N block) of W (L, m_w, n_w), stored
+through the forward `quant` epilogue (D = alpha * acc, no prob) into W seen as (L * m_w, n_w). A (m_w, T) and
+B (n_w, T) are read from expert e's first token rounded down to a k-tile (any alignment of the offsets): the
+producer offsets both TMA coordinate tensors by it per tile, and the mainloop zeroes the neighbouring experts'
+tokens in the first and last k-tiles. Token ends are sanitized like the reference's (running max of clip(offsets, 0, T));
 an expert with no token runs no k-tile and stores zeros. Global scales: alpha = gsa[e] * gsb[e] (the two vectors
 ride in the launcher's alpha / beta slots). accumulate_on_output: the W input is aliased to the output and the
 epilogue adds the old W (forward.py `_load_old_w`).
@@ -22,6 +23,7 @@ from cudnn_moe_jax._problem import Epilogue
 
 from ..scheduler import K_GROUPED, GroupedTileScheduler
 from .forward import GroupedGemmSm90Forward
+from . import mainloop_dequant_wgrad
 from .mainloop import KGroupedWgmmaMainloop
 
 
@@ -35,6 +37,9 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
             problem, op="quant", epilogue=Epilogue(has_prob=False, d_dtype=problem.wgrad_dtype)))
 
     def mainloop_class_for(self, problem):
+        """bf16 / fp16: the token-masking bf16 mainloop; block-scaled: the K-grouped dequantizing mainloop."""
+        if problem.block_scaled:
+            return mainloop_dequant_wgrad.mainloop_class(problem, self.config)
         return KGroupedWgmmaMainloop
 
     def make_scheduler(self, problem):
@@ -67,8 +72,12 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
     @cute.jit
     def tile_ab(self, ab, tile, args, cta, rank_m, rank_n):
         """(tAgA, tAsA, tBgB, tBsB) of one tile: k-tile k = tokens tile.k_start + tile_k * k (k_start: the expert's
-        first token rounded down to tile_k)."""
-        gA = cute.local_tile(cute.domain_offset((0, tile.k_start), args.mA), (self.tile_m, self.tile_k), (None, None))
-        gB = cute.local_tile(cute.domain_offset((0, tile.k_start), args.mB), (self.tile_n, self.tile_k), (None, None))
+        first token rounded down to tile_k); packed FP4 operands hold two tokens a byte (TMA box: tile_k / 2)."""
+        (_, a_box), (_, b_box) = self.mainloop.tma_operands()
+        k0 = tile.k_start
+        if const_expr(a_box != self.tile_k):
+            k0 = tile.k_start // (self.tile_k // a_box)
+        gA = cute.local_tile(cute.domain_offset((0, k0), args.mA), (self.tile_m, a_box), (None, None))
+        gB = cute.local_tile(cute.domain_offset((0, k0), args.mB), (self.tile_n, b_box), (None, None))
         tAsA, tAgA, tBsB, tBgB = self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
         return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None)], tBsB

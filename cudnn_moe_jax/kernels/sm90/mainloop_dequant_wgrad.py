@@ -1,0 +1,547 @@
+"""The dequantizing mainloop of the K-grouped weight gradient: block-scaled A (m_w, T) and B (n_w, T) with their scales
+in per-expert segments (docs/formats.md#segmented-layout), converted exactly to bf16 on chip as in the forward
+(mainloop_dequant.py, kernels/dequant.py) over the K-grouped schedule (kernels/scheduler.py, wgrad.py).
+
+What differs from the forward's dequantizing mainloop:
+  scales    token t of the tile's expert e is scaled by local block L = (t - start_e) // vec of e's segment, at byte
+            base_e + ((row // 128) * Kb_e + L // 4) * 512 + sf_row_byte(row, L), base_e = rup(R, 128) * start_e / vec
+            (`formats.segment_token_scales`). Segments start at any token, so no TMA box fits them: per stage the
+            producer warp's 32 lanes copy, per row of A and B, the 4-byte words of the two 4-block quads Q0, Q0 + 1
+            the stage's tokens can touch (`cp.async` of 4 bytes, zero-filled past the segment, the buffer or n_w)
+            into a word table (slot, row), and arrive on the stage's full barrier through
+            `cp.async.mbarrier.arrive.noinc` (the barrier counts the TMA's arrival and these 32:
+            `PRODUCER_ARRIVALS`). A converter takes byte L % 4 of slot L // 4 - Q0 of its row.
+  tokens    a stage is 64 tokens from the expert's first token rounded down to 64 (TMA boxes start on 64-token
+            boundaries); the tokens of other experts in the first / last stage are zeroed after conversion, in A and
+            in B (their codes or scales may be NaN). Where the expert starts inside a 16-token group the group spans
+            two scale blocks and its pairs take their own scales. Both run on a "general" path, only in the first /
+            last stage of a tile or in tiles whose expert starts off a 16-token boundary; the rest is the forward's
+            conversion.
+  k-loop    the k-tile count is the expert's (dynamic, any parity): the register-A loop runs pairs of stages and an
+            odd last stage after them.
+  majors    token-contiguous operands (cuDNN's layout: A (m_w, T), B (n_w, T) with T contiguous, FP4 packed along T)
+            as in the forward; or, FP8 only, both token-major (a_major="m", b_major="n": (T, m_w) / (T, n_w) rows as a
+            training step stores dY and D_col). A token-major stage is TMA'd MN-major with the 128-byte swizzle; the
+            stage workers convert B into an MN-major bf16 stage (the bf16 wgmma reads MN-major operands): a lane
+            converts 16 rows of one token (one 16-byte load, two 16-byte stores) with the 16 rows' scales loaded once
+            per 32-token run; K in its natural order. A goes into the RS fragment (`_convert_a_tokens`: a thread's
+            rows r, r + 8 share a 16-byte chunk of each token's line) or, with Config(dequant_a="workers"), into an
+            MN-major bf16 stage like B.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
+
+from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_row_byte
+
+from .. import dequant as dq
+from .. import quantize as q8
+from .mainloop import WgmmaMainloop, copy_ab_stage
+from .mainloop_dequant import TILE_K, WORKERS, DequantFormat, DequantMainloop, advanced_if, bf16_stage_layout
+
+SF_SLOTS = 2          # 4-block quads of a segment a stage's tokens can touch
+MN_RUN = 32           # tokens of a token-major lane run (one 32-token half of a stage)
+
+
+def mainloop_class(problem, config):
+    """The K-grouped dequantizing mainloop for `problem`'s formats and majors: A in the consumers' registers
+    (`config.dequant_a == "registers"`) or converted by the stage workers like B."""
+    fmt = DequantFormat.of(problem)
+    mn = problem.a_major == "m"
+    a_regs = config.dequant_a == "registers"
+    name = f"KGroupedDequantMainloop_{fmt.data}_{fmt.sf}_{fmt.vec}_{'mn' if mn else 'k'}_{a_regs}"
+    return type(name, (KGroupedDequantMainloop,), {"FORMAT": fmt, "A_IN_REGISTERS": a_regs, "REGISTER_TIGHT": a_regs,
+                                                   "TOKEN_MAJOR": mn})
+
+
+@cute.jit
+def cp_async_4(dst: Int32, src: Int64, src_bytes: Int32):
+    """cp.async of one 4-byte word from global `src` to shared address `dst`; `src_bytes` 0 writes zeros."""
+    llvm.inline_asm(None, [Int32(dst).ir_value(), Int64(src).ir_value(), Int32(src_bytes).ir_value()],
+                    "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@cute.jit
+def load_words(ptr, n: cutlass.Constexpr):
+    """n (4) consecutive 32-bit words of shared memory at a 16-byte aligned `ptr` (one vector load)."""
+    v = cute.make_tensor(ptr, cute.make_layout(n)).load()
+    return [v[i] for i in range(n)]
+
+
+@cute.jit
+def store_words(ptr, values):
+    """Consecutive 32-bit words to shared memory at a 16-byte aligned `ptr` (one vector store)."""
+    r = cute.make_rmem_tensor(cute.make_layout(len(values)), Int32)
+    for i in cutlass.range_constexpr(len(values)):
+        r[i] = values[i]
+    cute.make_tensor(ptr, cute.make_layout(len(values))).store(r.load())
+
+
+class Segment(NamedTuple):
+    """The tile's expert as the converters and the producer see it (uniform values)."""
+
+    start: Int32      # first token
+    end: Int32
+    k_start: Int32    # first token of k-tile 0
+    k_head: Int32     # tokens of other experts at the head of k-tile 0
+    k_keep: Int32     # tokens of the expert in the last k-tile
+    k_count: Int32
+    last_block: Int32  # the expert's last local scale block
+
+
+class Stage(NamedTuple):
+    """One stage (tile-local k-tile k) of the tile's expert (uniform values)."""
+
+    tb: Int32         # its first token
+    start: Int32
+    q0: Int32         # the first of the two quads in the word table
+    lo: Int32         # the expert's tokens of the stage: [lo, hi) of 0..63
+    hi: Int32
+    last_block: Int32
+    partial: cutlass.Boolean   # tokens of other experts to zero
+    general: cutlass.Boolean   # partial, or the expert starts inside a 16-token group
+
+
+class KGroupedDequantMainloop(DequantMainloop):
+    """The mainloop protocol (WgmmaMainloop's docstring) of the dequantizing K-grouped wgrad (module docstring)."""
+
+    PRODUCER_ARRIVALS = 1 + 32   # the TMA's arrive-and-expect-tx, warp 0's lanes' cp.async arrivals
+    TOKEN_MAJOR = False
+
+    def __init__(self, tile_m: int, tile_n: int, stages: int, m: int, n: int, cluster_m: int, cluster_n: int):
+        WgmmaMainloop.__init__(self, BFloat16, tile_m, tile_n, stages, self.TOKEN_MAJOR, self.TOKEN_MAJOR)
+        self.m, self.n = m, n      # W's rows (A's) and columns (B's rows)
+        self.cluster_m, self.cluster_n = cluster_m, cluster_n
+        self.rows = tile_m + tile_n   # word-table rows: A's, then B's
+        self.log_vec = self.FORMAT.vec.bit_length() - 1
+
+    @classmethod
+    def from_problem(cls, problem, config, ab_dtype, stages: int):
+        return cls(config.tile_m, config.tile_n, stages, problem.m, problem.n, config.cluster_m, config.cluster_n)
+
+    # ------------------------------------------------------------------------------------------ sizes
+    @classmethod
+    def tx_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
+        """TMA bytes per stage: the narrow A and B tiles (the scales come by cp.async)."""
+        return (tile_m + tile_n) * cls.FORMAT.row_bytes
+
+    @classmethod
+    def smem_stage_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
+        """The narrow tiles, the scale-word table, the bf16 B (and A) stage(s), the worker barrier."""
+        bf16_rows = tile_n if cls.A_IN_REGISTERS else tile_m + tile_n
+        return cls.tx_bytes(ab_dtype, tile_m, tile_n) + SF_SLOTS * (tile_m + tile_n) * 4 + bf16_rows * TILE_K * 2 + 8
+
+    def tiled_mma(self) -> cute.TiledMma:
+        """bf16 wgmma: B (and a shared-memory A) K-major, or MN-major for token-major operands; A from registers
+        (the RS fragment has one layout)."""
+        major = cute.nvgpu.OperandMajorMode.MN if self.TOKEN_MAJOR else cute.nvgpu.OperandMajorMode.K
+        source = warpgroup.OperandSource.RMEM if self.A_IN_REGISTERS else warpgroup.OperandSource.SMEM
+        a_major = cute.nvgpu.OperandMajorMode.K if self.A_IN_REGISTERS else major
+        return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, a_major, major, cutlass.Float32, (2, 1, 1),
+                                                 tiler_mn=(64, self.tile_n), a_source=source)
+
+    def tma_operands(self):
+        """((element type, TMA box extent along the token axis) of A, of B): token-major boxes are 64 tokens."""
+        if const_expr(self.TOKEN_MAJOR):
+            return (self.FORMAT.tma(0)[0], TILE_K), (self.FORMAT.tma(1)[0], TILE_K)
+        return self.FORMAT.tma(0), self.FORMAT.tma(1)
+
+    def ab_smem_layouts(self):
+        """Token-contiguous: the forward's narrow stages. Token-major (FP8): (rows, 64 tokens, stages), 128 rows of a
+        token in one 128-byte line, 64 lines per 128-row block, the 128-byte swizzle (16-byte chunk c of line t at
+        c ^ (t % 8): a quarter warp reading one chunk of 8 tokens, or 8 chunks of one token, hits 8 bank groups)."""
+        if const_expr(not self.TOKEN_MAJOR):
+            return DequantMainloop.ab_smem_layouts(self)
+        out = []
+        for rows in (self.tile_m, self.tile_n):
+            layout = cute.make_layout(((SF_ATOM_ROWS, rows // SF_ATOM_ROWS), TILE_K, self.stages),
+                                      stride=((1, SF_ATOM_ROWS * TILE_K), SF_ATOM_ROWS, rows * TILE_K))
+            out.append(cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0, layout))
+        return tuple(out)
+
+    def bf16_layouts(self):
+        if const_expr(not self.TOKEN_MAJOR):
+            return DequantMainloop.bf16_layouts(self)
+        return tuple(mn_bf16_stage_layout(rows, self.stages) for rows in (self.tile_m, self.tile_n))
+
+    def smem_fields(self):
+        """The scale-word table of each stage ((slot, A rows + B rows) words) and the bf16 stage(s)."""
+        fields = DequantMainloop.smem_fields(self)
+        words = SF_SLOTS * self.rows * self.stages
+        fields[0] = ("sSF", cute.struct.Align[cute.struct.MemRange[Int32, words], 128])
+        return fields
+
+    @cute.jit
+    def smem_tensors(self, storage, tidx: Int32, nthreads: cutlass.Constexpr):
+        """As the forward's (mainloop_dequant), with the scale-word table (flat Int32) first and its bytes last."""
+        n_words = SF_SLOTS * self.rows * self.stages
+        words = storage.sSF.get_tensor(cute.make_layout(n_words))
+        sf_bytes = cute.make_tensor(cute.recast_ptr(storage.sSF.data_ptr(), dtype=cutlass.Uint8),
+                                    cute.make_layout(4 * n_words))
+        return (words,) + self.stage_views(storage) + (sf_bytes,)
+
+    # ------------------------------------------------------------------------------------------ schedule
+    @cute.jit
+    def segment(self, tile) -> Segment:
+        """The tile's expert from the schedule's tile (scheduler.Tile: k_start, k_head, k_keep, k_count)."""
+        start = tile.k_start + tile.k_head
+        end = tile.k_start + (tile.k_count - 1) * TILE_K + tile.k_keep
+        last = (end - 1 - start) >> self.log_vec
+        return Segment(start, end, tile.k_start, tile.k_head, tile.k_keep, tile.k_count, last)
+
+    @cute.jit
+    def stage(self, seg: Segment, k: Int32) -> Stage:
+        """Stage k of the tile: its first token, the word table's first quad, the expert's tokens in it."""
+        tb = seg.k_start + k * TILE_K
+        first = cutlass.min(cutlass.max(tb - seg.start, Int32(0)) >> self.log_vec, seg.last_block)
+        lo = Int32(0)
+        hi = Int32(TILE_K)
+        if k == 0:
+            lo = seg.k_head
+        if k == seg.k_count - 1:
+            hi = seg.k_keep
+        partial = (lo > 0) | (hi < TILE_K)
+        return Stage(tb, seg.start, first >> 2, lo, hi, seg.last_block, partial, partial | ((seg.start & 15) != 0))
+
+    @cute.jit
+    def block_of(self, st: Stage, t: Int32) -> Int32:
+        """Local scale block of stage token t (0..63), clamped to the expert's blocks (tokens of other experts take
+        a block of their row that the expert has: their values are zeroed, and a NaN scale of that block makes the
+        row NaN anyway)."""
+        return cutlass.min(cutlass.max(st.tb + t - st.start, Int32(0)) >> self.log_vec, st.last_block)
+
+    @cute.jit
+    def sf_code(self, smem, st: Stage, idx: Int32, trow: Int32, block: Int32) -> Int32:
+        """The SF byte of word-table row `trow` (A's rows, then B's) and local block `block` in stage idx."""
+        slot = cutlass.min(cutlass.max((block >> 2) - st.q0, Int32(0)), Int32(SF_SLOTS - 1))
+        return Int32(smem[7][((idx * SF_SLOTS + slot) * self.rows + trow) * 4 + (block & 3)]) & Int32(0xFF)
+
+    # ------------------------------------------------------------------------------------------ producer
+    def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
+        """No scale TMA: the flat segment buffers themselves (the producer's cp.async reads them)."""
+        return None, tensors["sfa"], None, tensors["sfb"]
+
+    @cute.jit
+    def partition_scale_loads(self, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, smem, rank_m, rank_n):
+        return mSFA, mSFB, smem[0]
+
+    @cute.jit
+    def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
+                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile):
+        """k_count stages of the tile: the narrow A / B boxes by TMA, then the stage's scale words by cp.async
+        (every lane: rows lane, lane + 32, ...; the quads Q0 and, where the stage's tokens reach it, Q0 + 1), each
+        lane arriving on the stage's full barrier once its copies landed."""
+        mSFA, mSFB, sWords = scale_loads
+        seg = self.segment(tile)
+        lane = cute.arch.lane_idx()
+        fmt = self.FORMAT
+        kb_n = (((seg.end - seg.start + fmt.vec - 1) >> self.log_vec) + 3) >> 2     # the segment's quads
+        prod_state.reset_count()
+        for _k in cutlass.range(k_count, unroll=1):
+            ab_pipeline.producer_acquire(prod_state)
+            bar = ab_pipeline.producer_get_barrier(prod_state)
+            k = prod_state.count
+            s = prod_state.index
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask)
+            st = self.stage(seg, k)
+            last = cutlass.min((st.tb + TILE_K - 1 - seg.start) >> self.log_vec, seg.last_block)
+            slots = 1 + Int32((last >> 2) > st.q0)
+            for operand in cutlass.range_constexpr(2):
+                mSF = mSFA if const_expr(operand == 0) else mSFB
+                rows = self.m if const_expr(operand == 0) else self.n
+                tile_rows = self.tile_m if const_expr(operand == 0) else self.tile_n
+                first_row = (tile.m_tile if const_expr(operand == 0) else tile.n_tile) * tile_rows
+                base = ((rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS >> self.log_vec) * seg.start
+                size = cute.size(mSF)
+                src0 = mSF.iterator.toint()
+                for i in cutlass.range_constexpr(tile_rows // 32):
+                    r = first_row + lane + 32 * i
+                    row_off = base + (r >> 7) * kb_n * SF_ATOM_BYTES + sf_row_byte(r, 0)
+                    trow = (0 if const_expr(operand == 0) else self.tile_m) + lane + 32 * i
+                    for w in cutlass.range(slots, unroll=1):
+                        quad = st.q0 + w
+                        off = row_off + quad * SF_ATOM_BYTES
+                        ok = (r < rows) & (quad < kb_n) & (off + 4 <= size)
+                        dst = sWords.iterator + ((s * SF_SLOTS + w) * self.rows + trow)
+                        cp_async_4(dst.toint(), src0 + Int64(cutlass.select_(ok, off, Int32(0))),
+                                   cutlass.select_(ok, Int32(4), Int32(0)))
+            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+            ab_pipeline.producer_commit(prod_state)
+            prod_state.advance()
+        return prod_state
+
+    # ------------------------------------------------------------------------------------------ converters
+    @cute.jit
+    def convert_kgroup(self, smem, st: Stage, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32,
+                       valid: cutlass.Boolean, store, general: cutlass.Constexpr):
+        """Group q (stage tokens 16q..16q+15) of row `row` of token-contiguous `operand` -> store(p, pair), scaled
+        by its block's SF byte from the word table (`valid` false: 0.0, B rows past n_w). General path: the group
+        may span two blocks (its first `split` tokens in the first), each half of a pair takes its token's scale,
+        and tokens outside the stage's [lo, hi) come out zero."""
+        fmt = self.FORMAT
+        trow = row if const_expr(operand == 0) else self.tile_m + row
+        u0 = q * dq.GROUP
+        b0 = self.block_of(st, u0)
+        s0 = dq.scale_bf16x2(self.sf_code(smem, st, idx, trow, b0), fmt.sf, valid)
+        words = self.group_words(smem, operand, row, q, idx)
+        if const_expr(not general):
+            dq.convert_group(words, fmt.data, s0, store)
+        else:
+            s1 = dq.scale_bf16x2(self.sf_code(smem, st, idx, trow, cutlass.min(b0 + 1, st.last_block)), fmt.sf,
+                                 valid)
+            split = self.clamp16(st.start + ((b0 + 1) << self.log_vec) - st.tb - u0)
+            first = (Int32(1) << split) - 1                                   # bit i: token u0 + i in block b0
+            keep = ((Int32(1) << self.clamp16(st.hi - u0)) - 1) & ~((Int32(1) << self.clamp16(st.lo - u0)) - 1)
+
+            def scale_of(p):
+                h = [Int32(cutlass.select_(((first >> dq.pair_k(fmt.data, p, e)) & 1) != 0, s0, s1))
+                     for e in range(2)]
+                return dq.prmt2(h[0], h[1], 0x7610)
+
+            def masked(p, pair):
+                m = [Int32(cutlass.select_(((keep >> dq.pair_k(fmt.data, p, e)) & 1) != 0,
+                                           dq._i32(0xFFFF << (16 * e)), Int32(0))) for e in range(2)]
+                store(p, pair & (m[0] | m[1]))
+
+            dq.convert_group(words, fmt.data, scale_of, masked)
+
+    @staticmethod
+    def clamp16(x: Int32) -> Int32:
+        return cutlass.min(cutlass.max(x, Int32(0)), Int32(dq.GROUP))
+
+    @cute.jit
+    def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
+                      lane: Int32):
+        """Worker `worker` converts its passes of stage idx (tile-local k-tile k) into the bf16 stage(s). The lane's
+        coordinates are re-derived per stage from an opaque lane index: the per-pass addresses do not depend on the
+        stage, and hoisted out of the k-loop they spilled the workers' 40 registers."""
+        lane = q8.opaque(lane)
+        st = self.stage(self.segment(tile_ctx), k)
+        if const_expr(self.TOKEN_MAJOR):
+            if st.partial:
+                self.convert_mn_stage(worker, smem, st, idx, lane, True)
+            else:
+                self.convert_mn_stage(worker, smem, st, idx, lane, False)
+        else:
+            if st.general:
+                self.convert_k_stage(worker, smem, st, idx, lane, tile_ctx.n_tile, True)
+            else:
+                self.convert_k_stage(worker, smem, st, idx, lane, tile_ctx.n_tile, False)
+
+    @cute.jit
+    def convert_k_stage(self, worker: cutlass.Constexpr, smem, st: Stage, idx: Int32, lane: Int32, n_tile: Int32,
+                        general: cutlass.Constexpr):
+        """The forward's passes (8 rows x 4 groups each, every third pass per worker) over token-contiguous stages;
+        B rows past n_w scaled by 0."""
+        units = self._units()
+        for u in cutlass.range_constexpr(worker[0] - 1, len(units), len(WORKERS)):
+            operand, r0 = units[u]
+            row = r0 + (lane >> 2)
+            q = lane & 3
+            valid, store = self.row_group_store(smem, operand, row, q, idx, n_tile)
+            self.convert_kgroup(smem, st, operand, row, q, idx, valid, store, general)
+
+    # token-major (FP8): units of (operand, first 16-row chunk, 32-token half); a quarter warp converts 4 chunks
+    def _mn_units(self):
+        out = []
+        for operand, rows in enumerate((self.tile_m, self.tile_n)):
+            if operand == 0 and self.A_IN_REGISTERS:
+                continue
+            for h in range(TILE_K // MN_RUN):
+                out += [(operand, c0, h) for c0 in range(0, rows // 16, 4)]
+        return out
+
+    @cute.jit
+    def convert_mn_stage(self, worker: cutlass.Constexpr, smem, st: Stage, idx: Int32, lane: Int32,
+                         partial: cutlass.Constexpr):
+        """Token-major stages: quarter warp j of a unit takes 16-row chunk c0 + j, its lane l the tokens
+        l, l + 8, l + 16, l + 24 of the unit's 32-token half (a quarter warp's loads and stores each hit 8 bank
+        groups); the run's 16 row scales are loaded once per scale block it spans (two where the expert starts
+        inside it)."""
+        units = self._mn_units()
+        chunk_lane = lane >> 3
+        l8 = lane & 7
+        for u in cutlass.range_constexpr(worker[0] - 1, len(units), len(WORKERS)):
+            operand, c0, h = units[u]
+            r0 = (c0 + chunk_lane) * 16
+            first = self.block_of(st, Int32(h * MN_RUN))
+            # tokens of the run in block `first` (the rest are in the next one)
+            split = cutlass.min(cutlass.max(st.start + ((first + 1) << self.log_vec) - st.tb - h * MN_RUN,
+                                            Int32(0)), Int32(MN_RUN))
+            for ph in cutlass.range(1 + Int32(split < MN_RUN), unroll=1):
+                scales = self.mn_scales(smem, st, idx, operand, r0, cutlass.min(first + ph, st.last_block))
+                for i in cutlass.range_constexpr(MN_RUN // 8):
+                    t = l8 + 8 * i
+                    if (t < split) == (ph == 0):
+                        self.convert_mn_token(smem, st, idx, operand, r0, h * MN_RUN + t, scales, partial)
+
+    @cute.jit
+    def mn_scales(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, block: Int32):
+        """The scales of rows r0..r0+15 (a 16-row chunk of `operand`) in local block `block` as 8 bf16x2 pairs
+        (rows 2p, 2p + 1): the chunk's 16 words of the block's slot, its byte picked by a register-selected
+        permute, e8m0 -> bf16 two at a time (0x00 -> 2^-127, 0xFF -> NaN)."""
+        slot = cutlass.min(cutlass.max((block >> 2) - st.q0, Int32(0)), Int32(SF_SLOTS - 1))
+        trow = r0 if const_expr(operand == 0) else self.tile_m + r0
+        base = (idx * SF_SLOTS + slot) * self.rows + trow
+        words = []
+        for j in cutlass.range_constexpr(4):
+            words += load_words(smem[0].iterator + base + 4 * j, 4)
+        byte = block & 3
+        sel = byte | ((byte + 4) << 4)
+        out = []
+        for p in cutlass.range_constexpr(8):
+            codes = dq.prmt_dynamic(words[2 * p], words[2 * p + 1], sel)       # bytes 0, 1: rows 2p, 2p + 1
+            e = dq.prmt(codes, 0x4140)                                          # each code in its own half
+            out.append(dq.e8m0_bf16x2(e))
+        return out
+
+    @cute.jit
+    def convert_mn_token(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, t: Int32,
+                         scales, partial: cutlass.Constexpr):
+        """Token t (0..63) of rows r0..r0+15 of a token-major stage -> two 16-byte stores into the MN-major bf16
+        stage (rows r0..r0+7 and r0+8..r0+15 of K line t); partial: zero where t is another expert's."""
+        rows = self.tile_m if const_expr(operand == 0) else self.tile_n
+        src = smem[3 + operand]
+        line = (idx * rows + (r0 & ~127)) * TILE_K + t * 128          # bytes: the 128-row block's line t
+        chunk = ((r0 & 127) >> 4) ^ (t & 7)
+        words = load_words(src.iterator + ((line + chunk * 16) >> 2), 4)
+        if const_expr(partial):
+            keep = Int32(cutlass.select_((t >= st.lo) & (t < st.hi), Int32(-1), Int32(0)))
+            words = [w & keep for w in words]
+        out = []
+        dq.convert_group(words, self.FORMAT.data, lambda p: scales[p], lambda p, pair: out.append(pair))
+        at = mn_bf16_word(rows, idx, r0, t)
+        for half in cutlass.range_constexpr(2):
+            store_words(smem[5 + operand].iterator + at + half * MN_CORE_WORDS, out[4 * half: 4 * half + 4])
+
+    # ------------------------------------------------------------------------------------------ consumer
+    @cute.jit
+    def mma_tile(self, ab_pipeline, read_state, release_state, operands, acc: cute.Tensor, k_count: Int32,
+                 stage_mbar=None, tile=None):
+        """A converted by the workers: the bf16 SS k-loop. A in registers: pairs of stages (each fragment a fixed
+        register set) and, for an odd count, the last stage after them; the first stage has no previous one to
+        release, the odd last one releases the pair loop's last."""
+        tiled_mma, tCrA, tCrB, smem = operands
+        if const_expr(not self.A_IN_REGISTERS):
+            return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, (tiled_mma, tCrA, tCrB),
+                                          acc, k_count, stage_mbar)
+        frags = (cute.make_rmem_tensor(tCrA, BFloat16), cute.make_rmem_tensor(tCrA, BFloat16))
+        a_thread = self.a_thread(smem) + (self.segment(tile),)
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for j in cutlass.range(k_count // 2, unroll=1):
+            for b in cutlass.range_constexpr(2):
+                self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[b], tCrB, a_thread, 2 * j + b, stage_mbar)
+                read_state.advance()
+                warpgroup.wait_group(1)           # the previous stage's wgmmas are done: release it
+                if const_expr(b == 0):
+                    if j > 0:
+                        ab_pipeline.consumer_release(release_state)
+                    release_state = advanced_if(release_state, j > 0)
+                else:
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+        for _k in cutlass.range(k_count % 2, unroll=1):
+            self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[0], tCrB, a_thread, k_count - 1, stage_mbar)
+            read_state.advance()
+            warpgroup.wait_group(1)
+            if k_count > 1:
+                ab_pipeline.consumer_release(release_state)
+            release_state = advanced_if(release_state, k_count > 1)
+        warpgroup.wait_group(0)
+        for _k in cutlass.range(cutlass.min(k_count, Int32(1)), unroll=1):
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def _convert_a(self, frag: cute.Tensor, a_thread, idx: Int32, k: Int32):
+        """The thread's A groups of stage idx into its RS fragment (as the forward's), scales from the word
+        table; the general path for the first / last stage and unaligned experts."""
+        smem, row, q, seg = a_thread
+        words = cute.make_tensor(cute.recast_ptr(frag.iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
+        st = self.stage(seg, k)
+        if const_expr(self.TOKEN_MAJOR):
+            if st.partial | ((st.start & (self.FORMAT.vec - 1)) != 0):
+                self._convert_a_tokens(words, smem, st, row, q, idx, True)
+            else:
+                self._convert_a_tokens(words, smem, st, row, q, idx, False)
+        elif st.general:
+            self._convert_a_rows(words, smem, st, row, q, idx, True)
+        else:
+            self._convert_a_rows(words, smem, st, row, q, idx, False)
+
+    @cute.jit
+    def _convert_a_rows(self, words: cute.Tensor, smem, st: Stage, row: Int32, q: Int32, idx: Int32,
+                        general: cutlass.Constexpr):
+        for half in cutlass.range_constexpr(2):
+            def store(p, pair, half=half):
+                words[2 * p + half] = pair
+
+            self.convert_kgroup(smem, st, 0, row + 8 * half, q, idx, cutlass.Boolean(True), store, general)
+
+    @cute.jit
+    def _convert_a_tokens(self, words: cute.Tensor, smem, st: Stage, row: Int32, q: Int32, idx: Int32,
+                          general: cutlass.Constexpr):
+        """Token-major A into the RS fragment, K in its natural order (B's token-major bf16 stage has it): word
+        2p + half = row r + 8 half at tokens 8p + 2q, 8p + 2q + 1. Rows r and r + 8 are bytes r % 16 and r % 16 + 8
+        of one 16-byte chunk of a token's line: one 32-bit load per token and row, a register-selected permute
+        pairs two tokens' bytes. Scales: the stage's blocks (fast path: tokens 0..31 in the first, 32..63 in the
+        next); general: each token's own block, other experts' tokens zeroed."""
+        fmt = self.FORMAT
+        src = smem[3]
+        byte = row & 3
+        sel = byte | ((byte + 4) << 4)
+        first = self.block_of(st, Int32(0))
+        n_blocks = 3 if const_expr(general) else TILE_K // fmt.vec
+        scales = [[dq.scale_bf16x2(self.sf_code(smem, st, idx, row + 8 * half,
+                                                cutlass.min(first + j, st.last_block)), fmt.sf, cutlass.Boolean(True))
+                   for j in range(n_blocks)] for half in range(2)]
+        for p in cutlass.range_constexpr(dq.PAIRS):
+            t0 = 8 * p + 2 * q
+            line = [(idx * self.tile_m * TILE_K + t * 128   # A: one 128-row block, a 128-byte line per token
+                     + ((((row & 127) >> 4) ^ (t & 7)) << 4) + (row & 15)) >> 2 for t in (t0, t0 + 1)]
+            for half in cutlass.range_constexpr(2):
+                codes = dq.prmt_dynamic(src[line[0] + 2 * half], src[line[1] + 2 * half], sel)
+                x = dq.fp8_pair(codes, fmt.data, 0)
+                if const_expr(not general):
+                    words[2 * p + half] = dq.scale_pair(x, fmt.data, scales[half][(8 * p) // fmt.vec])
+                else:
+                    h = [self.pick3(scales[half], self.block_of(st, t0 + e) - first) for e in range(2)]
+                    keep = [Int32(cutlass.select_((t0 + e >= st.lo) & (t0 + e < st.hi),
+                                                  dq._i32(0xFFFF << (16 * e)), Int32(0))) for e in range(2)]
+                    y = dq.scale_pair(x, fmt.data, dq.prmt2(h[0], h[1], 0x7610))
+                    words[2 * p + half] = y & (keep[0] | keep[1])
+
+    @staticmethod
+    def pick3(s, j: Int32) -> Int32:
+        """s[j] of three values, j in 0..2."""
+        return Int32(cutlass.select_(j == 0, s[0], cutlass.select_(j == 1, s[1], s[2])))
+
+
+# ---------------------------------------------------------------------------------------------- token-major bf16
+MN_CORE_WORDS = 32     # one 8 x 8 bf16 core matrix: 128 bytes
+
+
+def mn_bf16_stage_layout(rows: int, stages: int):
+    """bf16 stages (rows, 64, stages), MN-major without swizzle (interleaved): 8 x 8 core matrices of 128 contiguous
+    bytes (8 rows of one K line per 16 bytes, 8 K lines), row chunks 128 bytes apart (SBO), K chunks rows * 16
+    bytes apart (LBO). Element (r, k) sits at byte (r // 8) * 128 + (k % 8) * 16 + (k // 8) * rows * 16 + (r % 8) * 2:
+    a quarter warp storing K lines t..t+7 of one row chunk fills one core matrix (8 bank groups)."""
+    layout = cute.make_layout(((8, rows // 8), (8, TILE_K // 8), stages),
+                              stride=((1, 64), (8, 8 * rows), rows * TILE_K))
+    return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, layout)
+
+
+def mn_bf16_word(rows: int, idx, r0, t):
+    """Word offset (of the flat bf16 stages) of rows r0..r0+7 (r0 % 8 == 0) of K line t in stage idx."""
+    return (idx * rows * TILE_K + (r0 >> 3) * 64 + (t & 7) * 8 + (t >> 3) * 8 * rows) >> 1
