@@ -171,11 +171,12 @@ def _sum_tiles(p, parts, inputs):
 
 
 def _group_sums(p, parts, inputs):
-    """dbias: per-group sums of the per-M-tile column partials (m_tiles, N_out) as a one-hot (L, m_tiles) x
-    (m_tiles, N_out) fp32 product (exact 0/1 weights, fixed order). Tile i belongs to group
-    #{g : tile_end_g <= i}, tile_end_g = sum_{j <= g} ceil(|j| / 128) (the kernels' tiles, from each group's first
-    row); partials past the last tile (zero tiles, or never written) are dropped by a select, not multiplied."""
-    import jax
+    """dbias: per-group sums of the per-M-tile column partials (m_tiles, N_out): for each group a reduction over
+    the tiles of its partials, the other tiles' selected out (fp32, XLA's fixed reduction order; no atomics).
+    Tile i belongs to group #{g : tile_end_g <= i}, tile_end_g = sum_{j <= g} ceil(|j| / 128) (the kernels'
+    tiles, from each group's first row); partials past the last tile (zero tiles, or never written) are dropped.
+    Selected, never multiplied by a 0/1 weight: a one-hot (L, m_tiles) x (m_tiles, N_out) product turned one
+    group's NaN / inf partial into NaN in every group's dbias (0 * NaN), where the reference keeps it in its own."""
     import jax.numpy as jnp
 
     from .offsets import group_starts, sanitize_offsets
@@ -183,9 +184,8 @@ def _group_sums(p, parts, inputs):
     ends = sanitize_offsets(inputs["padded_offsets"], p.m, p.m_aligned)
     tile_end = jnp.cumsum((ends - group_starts(ends) + ROW_TILE - 1) // ROW_TILE)
     group = jnp.searchsorted(tile_end, jnp.arange(parts.shape[0], dtype=tile_end.dtype), side="right")
-    parts = jnp.where((group < p.num_groups)[:, None], parts, 0.0)
-    onehot = (group[None, :] == jnp.arange(p.num_groups, dtype=group.dtype)[:, None]).astype(jnp.float32)
-    dbias = jnp.dot(onehot, parts, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    member = group[None, :, None] == jnp.arange(p.num_groups, dtype=group.dtype)[:, None, None]   # (L, tiles, 1)
+    dbias = jnp.sum(jnp.where(member, parts[None].astype(jnp.float32), 0.0), axis=1)   # fused: no (L, tiles, N)
     return dbias.astype(p.epilogue.dbias_dtype)
 
 

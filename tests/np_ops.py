@@ -81,7 +81,12 @@ def np_operand(x, sf, rows_axis_groups, ab_dtype, sf_dtype, vec):
     xs = x if batched else x[None]
     k = xs.shape[2] * (2 if ab_dtype == E2M1 else 1)
     s = np_unpack_sf(sf, xs.shape[1], np_cdiv(k, vec), xs.shape[0])
+    # np_dequantize rounds (and flushes) to fp32, as formats.dequantize; the GEMMs of the oracle are float64: a
+    # float32 product here ran the block-scaled GEMMs in fp32 (BLAS order), off the exact sum by up to ~K 2^-24
+    # sum|a b| -- under cancellation far beyond the value itself (mxfp4_srelu_tanh_k224: an oracle C of -384.4
+    # where the exact value is -56.2)
     out = np.stack([np_dequantize(xs[l], s[l], ab_dtype, sf_dtype, vec) for l in range(xs.shape[0])])
+    out = out.astype(np.float64)
     return out if batched else out[0]
 
 

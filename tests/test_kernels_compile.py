@@ -134,6 +134,25 @@ def test_gpt_oss_swiglu_defaults_compile_to_the_geglu_kernel(op):
     assert len(sass["geglu"]) > 1000 and sass["geglu"] == sass["gpt_oss_swiglu"]
 
 
+@pytest.mark.parametrize("op", ["glu", "dglu"])
+def test_glu_clamps_propagate_nan(op):
+    """GeGLU's clamps (gate <= 7, up in [-7, 7]) are NaN-propagating min / max (FMNMX.NAN), as the reference's
+    jnp.minimum / maximum: the plain FMNMX returns the bound for a NaN input, and D was finite where the reference
+    has NaN (GPU: mxfp8e5_geglu_f16 with NaN / inf codes, tests/gpu/test_blockscaled_gpu.py). No spills either."""
+    act = "geglu" if op == "glu" else "dgeglu"
+    problem = GroupedGemmProblem(op=op, m=2048, n=512, k=256, num_groups=4, ab_dtype="bfloat16",
+                                 epilogue=Epilogue(act=act, c_dtype="bfloat16", d_dtype="bfloat16"))
+    module = compile_or_skip(problem)
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    sass = sass_of(module, tool)
+    check_sass(sass, False)
+    clamps = re.findall(r"FMNMX\S* R\d+, R\d+, -?7, !?PT", sass)
+    assert clamps, "no clamp at +-7 found"
+    assert all(".NAN" in c for c in clamps), f"NaN-quiet clamps: {sorted(set(clamps))}"
+
+
 @pytest.mark.parametrize("tile_n", [256, 128])
 def test_fp8_outputs_from_bf16_inputs_compile(tile_n):
     """FP8 C and D (SFD_row / D_col / SFD_col) from bf16 inputs at both tile widths: supported, no spills (GPU:

@@ -139,7 +139,9 @@ def test_one_activation_table_unknown_names_fail_everywhere():
 def test_dgrad_partial_sums_reduce_in_a_fixed_order():
     """The lowering's reduction of the dgrad kernel's partials (the operand table's `finish`): dprob =
     the N-tile partials summed in tile order, dbias = per-group sums of the 128-row tile partials (rows past the
-    last group and empty groups add nothing), amax passed through; equal to float64 sums, bit-identical reruns."""
+    last group and empty groups add nothing), amax passed through; equal to float64 sums, bit-identical reruns.
+    A NaN / inf partial stays in its own group's dbias (a one-hot product spread 0 * NaN = NaN to every group),
+    and one past the last group (never-written partials may hold anything) reaches none."""
     from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
     from cudnn_moe_jax import operands
 
@@ -151,6 +153,7 @@ def test_dgrad_partial_sums_reduce_in_a_fixed_order():
     d = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     dprob_parts = rng.standard_normal((3, m)).astype(np.float32)
     dbias_parts = rng.standard_normal((m // 128, n)).astype(np.float32)
+    dbias_parts[1, 5], dbias_parts[4, 7], dbias_parts[7, 9] = np.nan, np.inf, np.nan   # groups 0, 2; none
     amax = jnp.asarray(rng.random((L, 1)), jnp.float32)
     offsets = jnp.asarray([256, 256, 700, 768], jnp.int32)       # -> ends 256, 256, 512, 768; rows 768.. in none
 
@@ -164,8 +167,9 @@ def test_dgrad_partial_sums_reduce_in_a_fixed_order():
     ends, lo = [256, 256, 512, 768], 0
     for g, hi in enumerate(ends):
         want = dbias_parts[lo // 128:hi // 128].astype(np.float64).sum(0)
-        np.testing.assert_allclose(np.asarray(out[2][g]), want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(out[2][g]), want, rtol=1e-6, atol=1e-6)   # NaN where want's
         lo = hi
+    assert np.isnan(np.asarray(out[2])).sum() == 1 and np.isinf(np.asarray(out[2])).sum() == 1
     assert not np.asarray(out[2][1]).any()                      # the empty group
     np.testing.assert_array_equal(np.asarray(out[3]), np.asarray(amax))
     for x, y in zip(out, again):

@@ -71,27 +71,37 @@ def _both_sides(limit):
     return (None,) * 4 if limit is None else (-limit, limit, -limit, limit)
 
 
+# The clamps propagate NaN (min.NaN / max.NaN), as the reference's jnp.minimum / jnp.maximum: the plain PTX min /
+# max return the other operand, so a NaN gate or up became the bound and D finite where the reference has NaN.
+
+
 @cute.jit
 def _clamped(x: Float32, lo, hi) -> Float32:
     if const_expr(hi is not None):
-        x = cute.arch.fmin(x, Float32(hi))
+        x = cute.arch.fmin(x, Float32(hi), nan=True)
     if const_expr(lo is not None):
-        x = cute.arch.fmax(x, Float32(lo))
+        x = cute.arch.fmax(x, Float32(lo), nan=True)
     return x
 
 
 @cute.jit
 def _clamp_pass(x: Float32, lo, hi):
-    """(clamped x, 1.0 where the gradient passes (inclusive bounds) else 0.0)."""
+    """(clamped x, 1.0 where the gradient passes (inclusive bounds) else 0.0; a NaN x: NaN, 0.0)."""
     y = x
     ok = Float32(1.0)
     if const_expr(lo is not None):
         ok = Float32(cutlass.select_(x >= Float32(lo), ok, Float32(0.0)))
-        y = cute.arch.fmax(y, Float32(lo))
+        y = cute.arch.fmax(y, Float32(lo), nan=True)
     if const_expr(hi is not None):
         ok = Float32(cutlass.select_(x <= Float32(hi), ok, Float32(0.0)))
-        y = cute.arch.fmin(y, Float32(hi))
+        y = cute.arch.fmin(y, Float32(hi), nan=True)
     return y, ok
+
+
+@cute.jit
+def _passed(ok: Float32, d: Float32) -> Float32:
+    """d where the gradient passes, else 0 -- selected, as the reference's jnp.where (0 * NaN would be NaN)."""
+    return Float32(cutlass.select_(ok != Float32(0.0), d, Float32(0.0)))
 
 
 @cute.jit
@@ -127,8 +137,8 @@ def _sigmoid_glu_grad(gate: Float32, up: Float32, k, plus_one, bounds):
     sig = _sigmoid_of(g, k)
     gact = g * sig
     value = lin * gact
-    d_gate = g_ok * (lin * sig * (Float32(1.0) + Float32(k) * g * (Float32(1.0) - sig)))
-    d_up = u_ok * gact
+    d_gate = _passed(g_ok, lin * sig * (Float32(1.0) + Float32(k) * g * (Float32(1.0) - sig)))
+    d_up = _passed(u_ok, gact)
     return value, d_gate, d_up
 
 

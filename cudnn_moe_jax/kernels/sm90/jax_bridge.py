@@ -39,7 +39,7 @@ def _spec(problem, operand: table.Bound) -> TensorSpec:
     if kind == "weights":
         return TensorSpec(mode=(1, 2, 0), static=True)  # B (L, N, K) -> (N, K, L)
     if kind == "cols_by_m":  # (cols, m / 2): packed FP4 tokens (dynamic) along the rows
-        return TensorSpec(divisibility=(shape[0], GROUP_ALIGN // 2))
+        return TensorSpec(divisibility=(shape[0], align // 2))
     if kind == "sf_rows":  # (1, m / 128 row blocks (dynamic), Kb, atom...)
         return TensorSpec(divisibility=(1, max(1, align // SF_ATOM_ROWS), 1) + shape[3:])
     if kind == "sf_cols":  # (1, cols / 128, m / 128 k-block quads (dynamic), atom...)

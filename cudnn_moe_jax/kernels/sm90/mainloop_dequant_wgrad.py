@@ -236,10 +236,11 @@ class KGroupedDequantMainloop(DequantMainloop):
 
     @cute.jit
     def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile):
+                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile, descriptors=None):
         """k_count stages of the tile: the narrow A / B boxes by TMA, then the stage's scale words by cp.async
         (every lane: rows lane, lane + 32, ...; the quads Q0 and, where the stage's tokens reach it, Q0 + 1), each
-        lane arriving on the stage's full barrier once its copies landed."""
+        lane arriving on the stage's full barrier once its copies landed (`descriptors`: None, wgrad has no
+        per-expert weights)."""
         mSFA, mSFB, sWords = scale_loads
         seg = self.segment(tile)
         lane = cute.arch.lane_idx()
