@@ -1,9 +1,10 @@
 """Weak scaling of the expert-parallel MoE layer (nn.moe_layer_ep), timed on the device: the same per-GPU expert
 load on 1, 2, ... GPUs; step time, the exchange alone, expert-MLP TFLOP/s per GPU, efficiency t(1) / t(d).
 
-    python benchmarks/bench_ep.py [--devices 1,2] [--out DIR]          # default: 8 experts x 2048 rows per GPU,
-                                                                        # H 7168, I 2048, top-2, bf16 SwiGLU
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_ep.py --devices 1,2 \\
+    python -m benchmarks.bench_ep [--devices 1,2] [--out DIR]          # from the checkout's root; default: 8
+                                                                        # experts x 2048 rows per GPU, H 7168,
+                                                                        # I 2048, top-2, bf16 SwiGLU
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.bench_ep --devices 1,2 \\
         --experts-per-device 2 --rows-per-expert 128 --hidden 64 --intermediate 64     # CPU, host-timed
 
 For each device count d the problem is built by examples/moe_expert_parallel.py's own functions (parse_args,
@@ -21,7 +22,7 @@ choice) assignments computed per GPU (all of them, minus those dropped for capac
 work over the whole step's time. Efficiency = t_ep(1) / t_ep(d) (the same program on one GPU; 1.0 is perfect
 weak scaling) and, beside it, t_moe_layer / t_ep(d).
 
-Timing: JAX is timed on the device (benchmarks/device_timer.py): each round is one execution of the jitted program
+Timing: JAX is timed on the device (lab/device_timer.py): each round is one execution of the jitted program
 in its own CUPTI session, and its time is the span from the first device event to the last. CUPTI puts every GPU's
 events on one process-wide clock, so for d GPUs the span runs from the first kernel on any GPU of the mesh to the
 last kernel on any of them: the NCCL all_to_all kernels, waits inside them for the slower GPU, and the launch skew
@@ -36,10 +37,10 @@ and the 1-device moe_layer step at the default shape (`python -m cudnn_moe_jax.a
 problems are the same (L/d = 8 local experts, H, I, dtypes; only m, the received-buffer rows, differs, and a
 module is compiled for a symbolic m). This was checked on the CPU machine by lowering the 2-device step for CUDA
 on 2 virtual CPU devices (`two_device_items`) against a bundle built from `bundle_items` only, with compiling
-disabled (tools/gpu/check_bundle.py: no fallback; with an empty bundle the same check lists all six misses), and
-by recording the modules each lowering asks for: the 2-device EP step, the 1-device EP step and the moe_layer
-step ask for the same six (op, fingerprint, avals key) at the default shape (by hand) and, in tests/test_bench_ep.py,
-at a small shape of the same structure.
+disabled (`python -m tools.gpu.check_bundle`: no fallback; with an empty bundle the same check lists all six
+misses), and by recording the modules each lowering asks for: the 2-device EP step, the 1-device EP step and the
+moe_layer step ask for the same six (op, fingerprint, avals key) at the default shape (by hand) and, in
+tests/test_bench_ep.py, at a small shape of the same structure.
 """
 
 from __future__ import annotations
@@ -52,10 +53,7 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples import moe_expert_parallel as example  # noqa: E402
+from examples import moe_expert_parallel as example
 
 from cudnn_moe_jax import activations  # noqa: E402
 
@@ -99,7 +97,7 @@ def time_program(fn, inputs, timer, reps):
     """(first result, median seconds, method, fewest GPUs seen in a span or None, fallback warnings)."""
     import jax
 
-    import device_timer
+    from lab import device_timer
 
     def run():
         return jax.block_until_ready(fn(*inputs))
@@ -184,7 +182,7 @@ def table(rows, header) -> str:
 def run(args):
     import jax
 
-    import device_timer
+    from lab import device_timer
 
     visible = jax.device_count()
     counts = list(range(1, visible + 1)) if args.devices is None else [int(c) for c in args.devices.split(",")]

@@ -1,16 +1,17 @@
 """Grouped-GEMM benchmark on an H200: the public fused ops (cudnn_moe_jax.grouped_gemm_*) vs peers, one run, same
 process.
 
-    python benchmarks/bench_grouped_gemm.py --out DIR        # a Hopper GPU; kernels compile at first use, or
-                                                             # come from a bundle (benchmarks/bench_cases.py)
+    python -m benchmarks.bench_grouped_gemm --out DIR       # from the checkout's root, on a Hopper GPU; kernels
+                                                            # compile at first use, or come from a bundle
+                                                            # (benchmarks/bench_cases.py)
 
 Shapes (cudnn_moe_jax/shapes.py; bf16 in): fc1 = 8 experts x 2048 rows, K 7168, N 4096, SwiGLU fused (C and D
 written); fc2 = 8 x 2048, K 2048, N 7168, plain quant epilogue (D = prob*alpha*acc); small = 64 x 256, K 2048,
 N 1536, SwiGLU; skewed = fc1 on a skewed routing draw (half the rows in expert 0, two empty experts).
 Every op gets prob, alpha and per-group amax (the library's defaults for bf16 D). `ours` is the public op with its
 default kernel configuration (benchmarks/bench_cases.py); it must lower to the kernel (a fallback to the reference
-stops the run). `--artifacts` (the lab) also times every exported kernel module of the shape in the manifest of
-tools/gpu/build_artifacts.py (other configurations, timing variants) as `kernel[NAME]`.
+stops the run). `--lab` also times the lab's other configurations of the shape (lab/bench_kernels.py, through
+the primitive; their modules from the same kind of bundle) as `kernel[LABEL]`.
 
 Peers: jax.lax.ragged_dot + the same epilogue in jnp (jitted), torch._grouped_mm (GEMM only, if importable),
 tokamax ragged_dot (if importable). Timing (METHOD.md: device work is timed on the device): warm-up, then REPS
@@ -19,7 +20,7 @@ spread = (max - min) / median). JAX: the 20 calls on 20 distinct input sets insi
 calls would be merged by XLA), each round's execution in its own torch.profiler session; time per call = the
 CUPTI span of that program (end of its last device event - start of its first, GPU timestamps) / 20, so the
 program's host-side dispatch and completion (~1-2 ms per program, RESULTS.md run 8) is not charged to the
-kernels (device_timer.py). The host wall time to block_until_ready of the same execution is kept as host_ms.
+kernels (lab/device_timer.py). The host wall time to block_until_ready of the same execution is kept as host_ms.
 Without torch or CUPTI, JAX is timed on the host, and the header and the table footnote say so. torch: rotating
 3 input sets, CUDA events. TFLOP/s = 2 * valid_m * N * K / t (t = device time where measured).
 Writes results.json, table.md and plot.png (MXFP8: mxfp8_*) to --out; RESULTS.md is appended on the CPU machine.
@@ -27,10 +28,10 @@ Per row of results.json, by implementation: ms (median, device time where measur
 "host" or "cuda_events"), samples_ms / host_samples_ms (per round) and device_events (device events per
 program, CUPTI; one value when every round saw the same program).
 
-    python benchmarks/bench_grouped_gemm.py --mxfp8 --out DIR     # MXFP8 inputs (e4m3 + e8m0 per 32)
-    python benchmarks/bench_grouped_gemm.py --formats mxfp8,nvfp4,mxfp4 --out DIR   # input formats vs bf16
-    python benchmarks/bench_grouped_gemm.py --discrete --out DIR  # per-expert weights (b_tensors) vs stacked
-    python benchmarks/bench_grouped_gemm.py --hadamard nvfp4,bf16 --out DIR  # Hadamard op vs plain GLU
+    python -m benchmarks.bench_grouped_gemm --mxfp8 --out DIR     # MXFP8 inputs (e4m3 + e8m0 per 32)
+    python -m benchmarks.bench_grouped_gemm --formats mxfp8,nvfp4,mxfp4 --out DIR   # input formats vs bf16
+    python -m benchmarks.bench_grouped_gemm --discrete --out DIR  # per-expert weights (b_tensors) vs stacked
+    python -m benchmarks.bench_grouped_gemm --hadamard nvfp4,bf16 --out DIR  # Hadamard op vs plain GLU
 
 MXFP8 mode: the same fc1 / fc2 / small shapes with A, B quantized from N(0,1) data per 32-wide K block
 (cudnn_moe_jax.formats.to_block_scaled on the GPU: realistic, non-uniform scales); ours with bf16 D (+ C for
@@ -45,15 +46,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-import bench_cases  # benchmarks/, the script's folder
-import device_timer
+from benchmarks import bench_cases
 from cudnn_moe_jax import shapes
+from lab import device_timer
 
 REPS, ITERS, SETS = 7, 20, 20  # JAX: 20 distinct input sets per program; torch rotates the first 3
 JAX_ON_DEVICE = f"JAX timed on device (CUPTI span of the {ITERS}-call program)"
@@ -143,30 +143,20 @@ def _record(row: dict, timed: dict, flops: float, width: int) -> None:
 
 
 BUNDLE_HINT = ("build the benchmark's kernel modules into a bundle: python -m cudnn_moe_jax.aot build --arch sm_90a "
-               "--out .bundle --variants benchmarks.bench_cases:bundle_items (CUDNN_MOE_JAX_BUNDLE=DIR if elsewhere), or "
-               "install the CuTe DSL compiler (pip install -e .[cuda])")
+               "--out .bundle --variants benchmarks.bench_cases:bundle_items [lab.bench_kernels:bundle_items: "
+               "--lab] (CUDNN_MOE_JAX_BUNDLE=DIR if elsewhere), or install the CuTe DSL compiler "
+               "(pip install -e .[cuda])")
 
 
-def _session(artifacts: bool):
-    """(lab manifest or None, device, CUPTI timer or None, why not) after printing the run's header line."""
+def _session():
+    """(device, CUPTI timer or None, why not) after printing the run's header line."""
     import jax
 
-    lab = _lab() if artifacts else None
-    man = lab.manifest() if lab else None
-    how = f"; artifacts runtime: {lab.register()}" if lab else ""
     dev = jax.devices()[0]
     timer, why = device_timer.cupti_timer()
     jax_timing = JAX_ON_DEVICE if timer is not None else f"JAX timed on host (no CUPTI: {why})"
-    print(f"device: {dev.device_kind}{how}; {jax_timing}", flush=True)
-    return man, dev, timer, why
-
-
-def _lab():
-    """tests/gpu/harness.py: the lab's exported kernel modules (--artifacts only; the public ops need none of it)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
-    import harness
-
-    return harness
+    print(f"device: {dev.device_kind}; {jax_timing}", flush=True)
+    return dev, timer, why
 
 
 def public_op(fn, args, what: str):
@@ -184,16 +174,14 @@ def public_op(fn, args, what: str):
     return jitted
 
 
-def lab_kernels(man, section: str, prefix: str, configs: str = "") -> dict:
-    """--artifacts: {label: jitted exported kernel} of the manifest section's modules named prefix + label."""
-    import jax
+def lab_kernels(cases: dict, prefix: str, configs: str) -> dict:
+    """--lab: {label: (problem, jitted kernel call)} of lab/bench_kernels.py's cases named prefix + label
+    (`configs`: a comma-separated subset of the labels, or all)."""
+    from lab.forward_cases import kernel_fn
 
-    if not man or not man.get(section):
-        raise SystemExit(f"--artifacts: no {section!r} section in the manifest (run tools/gpu/build_artifacts.py)")
-    labels = sorted(k[len(prefix):] for k in man[section] if k.startswith(prefix))
-    if configs:
-        labels = [c for c in labels if c in configs.split(",")]
-    return {c: jax.jit(_lab().load(prefix + c).call) for c in labels}
+    wanted = configs.split(",") if configs else None
+    return {name[len(prefix):]: (p, kernel_fn(p, cfg)) for name, (p, cfg) in cases.items()
+            if name.startswith(prefix) and (wanted is None or name[len(prefix):] in wanted)}
 
 
 def timing_note(results) -> str:
@@ -232,7 +220,7 @@ def run(args):
     import jax
     import jax.numpy as jnp
 
-    man, dev, timer, why = _session(args.artifacts)
+    dev, timer, why = _session()
     results = []
     for shape_name in args.shapes.split(","):
         if shape_name not in shapes.GROUP_SIZES and shape_name not in shapes.ROUTINGS:
@@ -263,9 +251,13 @@ def run(args):
         runners = {"ours": _jax_runner(ours, sets, timer)}
         # ours twice: the difference between the two is the run's noise floor
         runners["ours#2"] = _jax_runner(ours, sets, timer)
-        if args.artifacts:
-            for cfg, fn in lab_kernels(man, "bench", f"bench_{art_shape}_", args.configs).items():
-                runners[f"kernel[{cfg}]"] = _jax_runner(fn, sets, timer)
+        if args.lab:
+            from lab import bench_kernels
+
+            for label, (_, fn) in lab_kernels(bench_kernels.bf16_cases([art_shape]), f"{art_shape}_",
+                                              args.configs).items():
+                checked = public_op(fn, sets[0], f"kernel[{label}] on {shape_name}")
+                runners[f"kernel[{label}]"] = _jax_runner(checked, sets, timer)
 
         def ragged(a, b, offsets, alpha, prob, _p=p):
             bt = jnp.swapaxes(b, 1, 2)  # (L, K, N); layout change counted, as a user would have to do it
@@ -385,7 +377,7 @@ def run_mxfp8(args):
 
     from cudnn_moe_jax import formats
 
-    man, dev, timer, why = _session(args.artifacts)
+    dev, timer, why = _session()
     quant = jax.jit(lambda x: formats.to_block_scaled(x, formats.E4M3))
     results = []
     for shape_name in args.shapes.split(","):
@@ -422,12 +414,15 @@ def run_mxfp8(args):
             if not fp8_d and shape_name == "fc1":
                 runners[f"ours[{label},uniformB]"] = _jax_runner(
                     f, [(a, b_codes, sa, sfb_uni, offsets, alpha, prob) for a, sa in a_sets], timer)
-        if args.artifacts:  # the lab: other configurations and timing variants of the exported modules
-            section = man.get("mxfp8_bench", {}) if man else {}
-            for label, f in lab_kernels(man, "mxfp8_bench", f"mxbench_{shape_name}_", args.configs).items():
-                tail = (nc,) if section[f"mxbench_{shape_name}_{label}"]["problem"]["epilogue"]["generate_sfd"] else ()
-                runners[f"kernel[{label}]"] = _jax_runner(
-                    f, [(a, b_codes, sa, sfb, offsets, alpha, prob) + tail for a, sa in a_sets], timer)
+        if args.lab:  # the lab: other configurations of the shape (lab/bench_kernels.py)
+            from lab import bench_kernels
+
+            for label, (problem, f) in lab_kernels(bench_kernels.mxfp8_cases(), f"{shape_name}_",
+                                                   args.configs).items():
+                tail = (nc,) if problem.epilogue.generate_sfd else ()
+                sets = [(a, b_codes, sa, sfb, offsets, alpha, prob) + tail for a, sa in a_sets]
+                checked = public_op(f, sets[0], f"kernel[{label}] on {shape_name}")
+                runners[f"kernel[{label}]"] = _jax_runner(checked, sets, timer)
 
         def ragged(a, b, offsets, alpha, prob, _p=p):
             gs = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offsets]))
@@ -490,7 +485,7 @@ def run_formats(args):
 
     from cudnn_moe_jax import formats
 
-    _, dev, timer, why = _session(False)
+    dev, timer, why = _session()
     wanted = args.formats.split(",")
     results = []
     for shape_name in bench_cases.FORMAT_SHAPES:
@@ -536,7 +531,7 @@ def run_discrete(args):
     import jax
     import jax.numpy as jnp
 
-    _, dev, timer, why = _session(False)
+    dev, timer, why = _session()
     results = []
     for shape_name in bench_cases.DISCRETE_SHAPES:
         m, n, k, L = shapes.SHAPES[shape_name]
@@ -601,7 +596,7 @@ def run_hadamard(args):
 
     from cudnn_moe_jax import formats
 
-    _, dev, timer, why = _session(False)
+    dev, timer, why = _session()
     results = []
     for shape_name, fmt in ((s, f) for s in bench_cases.HADAMARD_SHAPES for f in args.hadamard.split(",")):
         if args.shapes != "all" and shape_name not in args.shapes.split(","):
@@ -650,10 +645,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--shapes", default=",".join(list(shapes.SHAPES) + list(shapes.ROUTINGS)))
-    ap.add_argument("--artifacts", action="store_true",
-                    help="lab: also time the exported kernel modules of the manifest (tools/gpu/build_artifacts.py)")
-    ap.add_argument("--configs", default="", help="with --artifacts: comma-separated subset of the modules' labels")
-    ap.add_argument("--mxfp8", action="store_true", help="MXFP8 inputs (mxbench_* artifacts)")
+    ap.add_argument("--lab", action="store_true",
+                    help="also time the lab's other configurations of each shape (lab/bench_kernels.py)")
+    ap.add_argument("--configs", default="", help="with --lab: comma-separated subset of the lab kernels' labels")
+    ap.add_argument("--mxfp8", action="store_true", help="MXFP8 inputs")
     ap.add_argument("--replot", metavar="MXFP8_JSON", help="only redraw the MXFP8 plot of a saved mxfp8_results.json")
     ap.add_argument("--formats", metavar="LIST", help="format comparison: bf16 and these input formats "
                     f"(of {','.join(bench_cases.FORMAT_LABELS[1:])}; w_*: bf16 A, block-scaled weights) on fc1 / "

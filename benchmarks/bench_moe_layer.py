@@ -12,7 +12,7 @@ sum(y * dy) with respect to x, the router, W1 and W2.
 
 Useful TFLOP/s = 18 * T * k * H * I / time: only routed rows count (padding is not useful work; the router GEMM
 is not counted). JAX is timed on the device (CUPTI span of a jitted program of STEPS steps on rotating inputs,
-benchmarks/device_timer.py); torch with CUDA events. Memory: XLA's compiled temp + argument + output bytes of one
+lab/device_timer.py); torch with CUDA events. Memory: XLA's compiled temp + argument + output bytes of one
 step (its buffer assignment's peak; torch: its peak allocated bytes over one step), and its ratio to what the
 routed rows need (`routed_floor_bytes`: the arguments, the gradients and, per routed row, the saved x, C, h and y
 rows). Our step's device time per kernel and the share of the grouped-GEMM kernels are printed (`--no-breakdown`:
@@ -167,7 +167,7 @@ def _jax_runner(step, avals, timer, device_timer):
 def _torch_runner(name):
     import torch
 
-    from benchmarks.device_timer import Timing
+    from lab.device_timer import Timing
 
     t, h, i, e, k = CONFIGS[name]
     dev, bf = "cuda", torch.bfloat16
@@ -242,7 +242,7 @@ def kernel_share(step, avals, top=10):
 def run(args):
     import jax
 
-    from benchmarks import device_timer
+    from lab import device_timer
 
     timer, why = device_timer.cupti_timer()
     print(f"device: {jax.devices()[0].device_kind}; JAX timed "

@@ -3,7 +3,7 @@ squared-ReLU step's FC2 dgrad (dsrelu), the dgrad with an FP8 D, the wgrad accum
 weight gradients with block-scaled (MXFP8 / MXFP4 / NVFP4) operands (`BS_WGRAD`, beside the bf16 "wgrad w1 / w2"),
 beside torch's `_grouped_mm` on the same problem where it has one.
 
-    python benchmarks/bench_moe_ops.py [--shape fc] [--only wgrad]
+    python -m benchmarks.bench_moe_ops [--shape fc] [--only wgrad]      # from the checkout's root
 
 JAX on the device (CUPTI span of one jitted program of REPS calls on distinct inputs), torch with CUDA events.
 """
@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_moe_step as step  # noqa: E402
+from benchmarks import bench_moe_step as step
 
 REPS = 5
 
@@ -175,7 +171,7 @@ def main(argv=None):
     import jax.numpy as jnp
     import numpy as np
 
-    import device_timer
+    from lab import device_timer
 
     m, ops, sizes, h, i = _ops(args.shape)
     _, _, avals = step._problem(args.shape, "swiglu")

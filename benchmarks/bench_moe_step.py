@@ -2,10 +2,10 @@
 ours (`nn.moe_mlp`, custom_vjp over the fused ops) vs `jax.lax.ragged_dot` + `jax.vjp` vs tokamax ragged_dot +
 `jax.vjp` (when importable) vs torch `_grouped_mm` + autograd (when importable), same shapes, same run.
 
-    python benchmarks/bench_moe_step.py [--out DIR] [--shapes fc,small,skewed] [--act swiglu]
+    python -m benchmarks.bench_moe_step [--out DIR] [--shapes fc,small,skewed] [--act swiglu]   # checkout root
 
 JAX is timed on the device (CUPTI span of one jitted program of STEPS steps, each on its own inputs;
-benchmarks/device_timer.py); torch with CUDA events around STEPS steps. TFLOP/s = 18 * valid_m * H * I / time
+lab/device_timer.py); torch with CUDA events around STEPS steps. TFLOP/s = 18 * valid_m * H * I / time
 (fc1 2*m*H*2I, fc2 2*m*I*H, each backward GEMM pair twice that). Kernel modules come from a bundle recorded on
 the CPU machine (`bundle_items`); a step whose module is missing falls back to the reference with a warning,
 which this script prints.
@@ -16,14 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {  # name -> (group sizes, H, I)
     "fc": ([2048] * 8, 7168, 2048),
@@ -179,7 +175,7 @@ def _torch_runner(sizes, h, i, act):
     torch.cuda.synchronize()
 
     def once():
-        from device_timer import Timing
+        from lab.device_timer import Timing
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -231,7 +227,7 @@ def transposes(step, avals):
 def run(args):
     import jax
 
-    import device_timer
+    from lab import device_timer
 
     timer, why = device_timer.cupti_timer()
     dev = jax.devices()[0]
@@ -284,7 +280,7 @@ def run(args):
 
 def plot(results, path: Path):
     """The step's TFLOP/s per shape and implementation (benchmarks/bench_grouped_gemm.plot's bars)."""
-    from bench_grouped_gemm import plot as bars
+    from benchmarks.bench_grouped_gemm import plot as bars
 
     impls = [k for k in ("ours", "torch._grouped_mm+autograd", "tokamax+vjp", "ragged_dot+vjp")
              if any(k in r["tflops"] for r in results)]

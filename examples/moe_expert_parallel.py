@@ -21,18 +21,15 @@ step this script runs with `--devices 1` at the default sizes (`python -m cudnn_
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
-
-from cudnn_moe_jax import activations, nn  # noqa: E402
+from cudnn_moe_jax import activations, nn
 
 
 def parse_args(argv=None):

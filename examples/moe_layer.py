@@ -14,16 +14,13 @@ converts the W1 / b1 gradients back with nn.deinterleave_glu_weights (the checkp
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from cudnn_moe_jax import activations, nn  # noqa: E402
+from cudnn_moe_jax import activations, nn
 
 
 def parse_args(argv=None):

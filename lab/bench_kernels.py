@@ -1,36 +1,93 @@
-"""Lab kernel variants timed beside the product's kernels (never used by `cudnn_moe_jax`): kernel classes that
-differ from the product's in one mechanism, exported by tools/gpu/build_artifacts.py (`kernel_class` of a bench
-entry) and timed by `benchmarks/bench_grouped_gemm.py --mxfp8 --artifacts` as `kernel[NAME]`.
+"""The lab's benchmark kernels: other schedules (Config) of the benchmark's problems, timed beside the public ops'
+defaults (`python -m benchmarks.bench_grouped_gemm --lab [--mxfp8]`) and run alone for ncu / the launch-gap probes
+(lab.profile_one, lab.probe_launch_overhead, lab.trace_launch_gaps). Each runs through the primitive with its
+config (lab.forward_cases.kernel_fn); the modules come from a bundle like every other GPU run's:
 
-`unsplit_kernel_class(problem)`: the dequantizing mainloop without the cluster-split B conversion (both CTAs of a
-2x1 cluster convert the whole multicast B stage, the behaviour before issue 19's change), for before / after
-timings in one run.
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_kernels:bundle_items
+
+Names: bf16 `<shape>_<config label>` (e.g. fc1_t256c21: BENCH_CONFIGS on each named shape, the shape's fusion,
+bf16 D + amax, C for GLU); MXFP8 `<shape>_<variant>` (MXFP8_BENCH: e4m3 + e8m0 per 32, bf16 or FP8 D). The
+arrays of a call are the benchmark's: bf16 (a, b, padded_offsets, alpha, prob); MXFP8 (a, b, sfa, sfb,
+padded_offsets, alpha, prob[, norm_const]).
 """
 
 from __future__ import annotations
 
+from cudnn_moe_jax import shapes
+from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+from cudnn_moe_jax.kernels.sm90 import Config
+from cudnn_moe_jax.kernels.sm90.config import MXFP8_WGMMA
 
-def unsplit_kernel_class(problem):
-    """The product's kernel class of `problem` with a dequantizing mainloop that never splits B's conversion."""
-    from cudnn_moe_jax.kernels.sm90.kernel import kernel_class_for
-    from cudnn_moe_jax.kernels.sm90.mainloop_dequant import DequantMainloop
+from .forward_cases import lowering_item
 
-    base = kernel_class_for(problem)
+BENCH_CONFIGS = {  # t<tile_n> c<cluster_m><cluster_n> [e<epi_stages>]
+    "t256c21": Config(tile_n=256, cluster_m=2),
+    "t256c21e1": Config(tile_n=256, cluster_m=2, epi_stages=1),
+    "t128c21": Config(tile_n=128, cluster_m=2),
+    "t128c21e1": Config(tile_n=128, cluster_m=2, epi_stages=1),
+    "t256c22": Config(tile_n=256, cluster_m=2, cluster_n=2),  # 24 co-resident clusters (config.H200_4CTA_CLUSTERS)
+}
 
-    class Unsplit(base):
-        def mainloop_class_for(self, problem):
-            cls = super().mainloop_class_for(problem)
-            if not issubclass(cls, DequantMainloop):
-                return cls
-            return type(cls.__name__ + "_unsplit", (cls,),
-                        {"splits_b": staticmethod(lambda problem, config: False)})
+E4M3, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
+SWIGLU_BF16D = Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True)
+SWIGLU_FP8D = Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype=E4M3, generate_sfd=True)
+FC2_FP8D = Epilogue(d_dtype=E4M3, generate_sfd=True)
+FC2_BF16D = Epilogue(d_dtype="bfloat16", compute_amax=True)
+WGMMA = MXFP8_WGMMA  # the opt-in FP8-wgmma MXFP8 mainloop (its measured schedule)
+MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default: exact dequantization to bf16)
+    "fc1_bf16d": ("fc1", SWIGLU_BF16D, None),
+    "fc1_bf16d_wgmma": ("fc1", SWIGLU_BF16D, WGMMA),
+    # the converter split: A converted by the stage workers into a bf16 stage too (SS wgmma; fewer stages)
+    "fc1_bf16d_aworkers": ("fc1", SWIGLU_BF16D, Config(dequant_a="workers")),
+    "fc1_fp8d": ("fc1", SWIGLU_FP8D, None),
+    "fc1_fp8d_wgmma": ("fc1", SWIGLU_FP8D, WGMMA),
+    "fc2_bf16d": ("fc2", FC2_BF16D, None),
+    "fc2_bf16d_wgmma": ("fc2", FC2_BF16D, WGMMA),
+    "fc2_fp8d": ("fc2", FC2_FP8D, None),
+    "fc2_fp8d_wgmma": ("fc2", FC2_FP8D, WGMMA),
+    "small_bf16d": ("small", SWIGLU_BF16D, None),
+    "small_bf16d_wgmma": ("small", SWIGLU_BF16D, WGMMA),
+    "small_fp8d": ("small", SWIGLU_FP8D, None),
+    "small_fp8d_wgmma": ("small", SWIGLU_FP8D, WGMMA),
+    # one epilogue buffer, more A/B stages (the bf16 kernel's `small` default)
+    "small_bf16d_e1": ("small", SWIGLU_BF16D, Config(epi_stages=1)),
+}
 
-        @property
-        def cache_key(self):   # the product kernel's key names the same (problem, config): keep them apart
-            return super().cache_key + ("unsplit",)
 
-    Unsplit.__name__ = base.__name__ + "Unsplit"
-    return Unsplit
+def bf16_problem(shape: str) -> GroupedGemmProblem:
+    """The benchmark's bf16 problem of a named shape (its fusion; bf16 D + amax, C for GLU)."""
+    m, n, k, groups = shapes.SHAPES[shape]
+    op, act = shapes.FUSION[shape]
+    epi = Epilogue(act=act, c_dtype="bfloat16" if op == "glu" else None, d_dtype="bfloat16", compute_amax=True)
+    return GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype="bfloat16", epilogue=epi)
 
 
-KERNEL_CLASSES = {"unsplit": unsplit_kernel_class}
+def mxfp8_problem(name: str) -> GroupedGemmProblem:
+    """The problem of MXFP8_BENCH[name] (e4m3 + e8m0 per 32 on its bench shape)."""
+    shape, epi, _ = MXFP8_BENCH[name]
+    m, n, k, groups = shapes.SHAPES[shape]
+    return GroupedGemmProblem(op=shapes.FUSION[shape][0], m=m, n=n, k=k, num_groups=groups, ab_dtype=E4M3,
+                              sf_dtype=E8M0, sf_vec_size=32, epilogue=epi)
+
+
+def bf16_cases(shape_names=None) -> dict:
+    """{"<shape>_<label>": (problem, config)}: every BENCH_CONFIGS entry on each named shape (default: all)."""
+    return {f"{s}_{label}": (bf16_problem(s), cfg) for s in (shape_names or shapes.SHAPES)
+            for label, cfg in BENCH_CONFIGS.items()}
+
+
+def mxfp8_cases() -> dict:
+    """{name: (problem, config)} of MXFP8_BENCH."""
+    return {name: (mxfp8_problem(name), cfg) for name, (_, _, cfg) in MXFP8_BENCH.items()}
+
+
+def case(name: str):
+    """(problem, config) of a bf16 or MXFP8 benchmark kernel by name."""
+    found = {**bf16_cases(), **mxfp8_cases()}
+    if name not in found:
+        raise SystemExit(f"unknown lab kernel {name!r}; known: {sorted(found)}")
+    return found[name]
+
+
+def bundle_items() -> list:
+    return [lowering_item(p, cfg) for p, cfg in {**bf16_cases(), **mxfp8_cases()}.values()]

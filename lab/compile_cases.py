@@ -11,7 +11,8 @@ _SHORT = {BF: "bf16", F16: "f16", F32: "f32", E4M3: "e4m3", E5M2: "e5m2"}
 _FP4 = {(E4M3, 16): "nvfp4", ("float8_e8m0fnu", 16): "nvfp4e8", ("float8_e8m0fnu", 32): "mxfp4"}
 
 
-def _dgrad(op, act, **epi):
+def dgrad(op, act, **epi):
+    """A dglu / dsrelu (or N-major, or block-scaled: fmt) problem of the backward compile cases' shape."""
     sf = dict(zip(("ab_dtype", "sf_dtype", "sf_vec_size"), epi.pop("fmt", (epi.pop("ab", BF), None, None))))
     return GroupedGemmProblem(op=op, m=2048, n=512, k=epi.pop("k", 256), num_groups=4,
                               b_major=epi.pop("b_major", "k"), epilogue=Epilogue(act=act, **epi), **sf)
@@ -30,29 +31,29 @@ def _wgrad(fmt, **kw):
 
 
 BACKWARD = {
-    "dsrelu_bias_amax": _dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, compute_amax=True, dbias_dtype=F32),
-    "dsrelu_tanh_f32c": _dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=BF, tanh_clamp_scale=2.0, has_prob=False),
-    "dswiglu_nmajor": _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=BF, compute_amax=True, b_major="n"),
-    "dgeglu_f32": _dgrad("dglu", "dgeglu", ab=F16, c_dtype=F32, d_dtype=F32, glu_limit=3.0, glu_alpha=1.702,
+    "dsrelu_bias_amax": dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, compute_amax=True, dbias_dtype=F32),
+    "dsrelu_tanh_f32c": dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=BF, tanh_clamp_scale=2.0, has_prob=False),
+    "dswiglu_nmajor": dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=BF, compute_amax=True, b_major="n"),
+    "dgeglu_f32": dgrad("dglu", "dgeglu", ab=F16, c_dtype=F32, d_dtype=F32, glu_limit=3.0, glu_alpha=1.702,
                          dbias_dtype=BF),
     # FP8 D_row with SFD_row / D_col / SFD_col (epilogue_fp8d): dglu quantizes a gate and an up subtile per step
-    "dswiglu_e4m3": _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3, generate_sfd=True, compute_amax=True,
+    "dswiglu_e4m3": dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3, generate_sfd=True, compute_amax=True,
                            dbias_dtype=F32),
-    "dsrelu_e5m2_segsfd": _dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=E5M2, generate_sfd=True,
+    "dsrelu_e5m2_segsfd": dgrad("dsrelu", "dsrelu", c_dtype=F32, d_dtype=E5M2, generate_sfd=True,
                                  discrete_col_sfd=True, dbias_dtype=BF),
     # FP8 saved C (the forward's e4m3 / e5m2 c_dtype): 8-bit C subtiles by TMA, widened to fp32 in the epilogue
-    "dswiglu_e4m3c": _dgrad("dglu", "dswiglu", c_dtype=E4M3, d_dtype=BF, compute_amax=True, dbias_dtype=F32),
-    "dsrelu_e4m3c_tanh": _dgrad("dsrelu", "dsrelu", c_dtype=E4M3, d_dtype=BF, tanh_clamp_scale=2.0,
+    "dswiglu_e4m3c": dgrad("dglu", "dswiglu", c_dtype=E4M3, d_dtype=BF, compute_amax=True, dbias_dtype=F32),
+    "dsrelu_e4m3c_tanh": dgrad("dsrelu", "dsrelu", c_dtype=E4M3, d_dtype=BF, tanh_clamp_scale=2.0,
                                 compute_amax=True),   # 2 store buffers + 4 A/B stages (a 16-bit C: 1 + 4)
-    "dsrelu_e5m2c_e4m3": _dgrad("dsrelu", "dsrelu", c_dtype=E5M2, d_dtype=E4M3, generate_sfd=True,
+    "dsrelu_e5m2c_e4m3": dgrad("dsrelu", "dsrelu", c_dtype=E5M2, d_dtype=E4M3, generate_sfd=True,
                                 dbias_dtype=F32),
-    "dswiglu_nvfp4": _dgrad("dglu", "dswiglu", fmt=NVFP4, c_dtype=BF, d_dtype=BF, compute_amax=True,
+    "dswiglu_nvfp4": dgrad("dglu", "dswiglu", fmt=NVFP4, c_dtype=BF, d_dtype=BF, compute_amax=True,
                             dbias_dtype=F32),
-    "dgeglu_mxfp4_k1024": _dgrad("dglu", "dgeglu", fmt=MXFP4, k=1024, c_dtype=F32, d_dtype=F32, glu_limit=3.0,
+    "dgeglu_mxfp4_k1024": dgrad("dglu", "dgeglu", fmt=MXFP4, k=1024, c_dtype=F32, d_dtype=F32, glu_limit=3.0,
                                  glu_alpha=1.702, dbias_dtype=BF),
-    "dsrelu_mxfp8_e4m3d": _dgrad("dsrelu", "dsrelu", fmt=MXFP8, c_dtype=E4M3, d_dtype=E4M3, generate_sfd=True,
+    "dsrelu_mxfp8_e4m3d": dgrad("dsrelu", "dsrelu", fmt=MXFP8, c_dtype=E4M3, d_dtype=E4M3, generate_sfd=True,
                                  dbias_dtype=F32),
-    "dswiglu_mxfp8e5_e4m3d_seg": _dgrad("dglu", "dswiglu", fmt=MXFP8E5, c_dtype=BF, d_dtype=E4M3,
+    "dswiglu_mxfp8e5_e4m3d_seg": dgrad("dglu", "dswiglu", fmt=MXFP8E5, c_dtype=BF, d_dtype=E4M3,
                                         generate_sfd=True, discrete_col_sfd=True, compute_amax=True),
     "quant_nmajor": GroupedGemmProblem(op="quant", m=2048, n=512, k=256, num_groups=4, ab_dtype=BF, b_major="n",
                                        epilogue=Epilogue(d_dtype=BF)),

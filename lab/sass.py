@@ -1,8 +1,10 @@
 """Compile a kernel module for sm_90a on the CPU machine and read its SASS (cuobjdump from the nvidia wheel).
 
 `compile_module(problem, config)` lowers the kernel the way the runtime does (m or T symbolic) and returns the
-module bytes; `sass_of(module)` disassembles every embedded cubin; `normalized(sass)` drops what names the
-launcher (mangled symbol names), so two trees that emit the same instructions compare equal.
+module bytes (`compile_or_skip`: the same in a test, skipped without the compiler); `sass_of(module)`
+disassembles every embedded cubin; `check_sass(sass, block_scaled)` is the compile tests' check (wgmma not
+serialized, TMA, no spills); `normalized(sass)` drops what names the launcher (mangled symbol names), so
+two trees that emit the same instructions compare equal.
 """
 
 from __future__ import annotations
@@ -76,6 +78,31 @@ def sass_of(module: bytes, tool: str | None = None) -> str:
     return "\n".join(texts)
 
 
+def check_sass(sass: str, block_scaled: bool) -> None:
+    """The compile tests' SASS check: sm_90a, wgmma (block_scaled: the FP8-wgmma MXFP8 mainloop, QGMMA + scale
+    HGMMA; everything else bf16 / fp16 HGMMA) not serialized, TMA loads and stores, no local memory."""
+    assert "arch = sm_90a" in sass
+    assert ("QGMMA" if block_scaled else "HGMMA") in sass
+    assert "UTMALDG" in sass and "UTMASTG" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills in the kernel"
+    assert all(int(s) == 0 for s in re.findall(r"LOCAL:(\d+)", sass))
+    if not block_scaled:
+        # a stage's k16 wgmmas form one commit group (only its last HGMMA sets gsb0) and one group stays in
+        # flight (DEPBAR.LE gsb0, 0x1); a serialized wgmma (ptxas C7514) sets gsb0 and waits on every HGMMA
+        hgmma = re.findall(r"HGMMA\.\S+ [^;]*;", sass)
+        assert sum("gsb0" in h for h in hgmma) < len(hgmma), "wgmma serialized: every HGMMA ends a group"
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "no wgmma group kept in flight"
+    if block_scaled:
+        # per 32-K block: the data QGMMA and the scale-product HGMMA are issued back to back (two commit groups,
+        # waited for one after the other). ptxas serializes wgmma (C7514) when it cannot prove the accumulators
+        # retired: then a wait follows every wgmma, also between a QGMMA and its HGMMA
+        events = re.findall(r"\b(QGMMA|HGMMA\.64x(?:32|64|128)x16\.F32\.BF16|WARPGROUP\.DEPBAR)\b", sass)
+        n_q = events.count("QGMMA")
+        assert n_q == sum(e.startswith("HGMMA") for e in events) > 0, "one scale HGMMA per data QGMMA"
+        after_q = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "QGMMA"]
+        assert all(e.startswith("HGMMA") for e in after_q), "wgmma serialized (a wait between QGMMA and HGMMA)"
+
+
 _SYMBOL = re.compile(r"\b(_Z\w+|kernel_\w+|cutlass_\w+)")
 
 
@@ -87,6 +114,22 @@ def normalized(sass: str) -> str:
             continue
         lines.append(_SYMBOL.sub("SYM", line))
     return "\n".join(lines)
+
+
+def require_compiler():
+    """For the tests: `cutlass_sm90()`, or skip the calling test (pytest) where the compiler is unavailable."""
+    import pytest
+
+    try:
+        return cutlass_sm90()
+    except CompilerUnavailable as e:
+        pytest.skip(str(e))
+
+
+def compile_or_skip(problem, config=None, axis: str | None = "auto") -> bytes:
+    """For the tests: `compile_module`, or skip the calling test where the compiler is unavailable."""
+    require_compiler()
+    return compile_module(problem, config, axis)
 
 
 def compile_module(problem, config=None, axis: str | None = "auto") -> bytes:

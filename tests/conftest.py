@@ -1,8 +1,8 @@
-"""Shared by every test: the folders whose helper modules the tests import by name, and a private module cache.
+"""Shared by every test: the import roots of the test helpers, and a private module cache.
 
-tests/ holds the float64 oracle (np_ops, np_formats), tests/gpu/ the GPU harness and cases, benchmarks/ the
-device timer and the benchmark the CPU tests check. The GPU tools (tools/gpu/_paths.py) put the same folders on
-sys.path when they run as scripts.
+The checkout's root (the lab package `lab`, `benchmarks`, `examples`: imported as packages, as the scripts run
+from the root with `python -m`), tests/ (the float64 oracle: np_ops, np_formats) and tests/gpu/ (the GPU suites'
+checks, e.g. mxfp8_checks), the last two imported by name. This is the only sys.path insert of the repository.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 _TESTS = Path(__file__).resolve().parent
-for _folder in (_TESTS.parent / "benchmarks", _TESTS / "gpu", _TESTS):
+for _folder in (_TESTS / "gpu", _TESTS, _TESTS.parent):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 

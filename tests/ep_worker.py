@@ -1,7 +1,8 @@
 """Subprocess side of tests/test_expert_parallel.py: runs with its own CPU device count, prints JSON lines.
 
-    python tests/ep_worker.py cases [NAME,...]       # 4 virtual CPU devices; one line per case (default all)
-    python tests/ep_worker.py process ID PORT        # one of 2 processes (2 virtual devices each) of a
+    python -m tests.ep_worker cases [NAME,...]       # from the checkout's root; 4 virtual CPU devices; one line
+                                                     # per case (default all)
+    python -m tests.ep_worker process ID PORT        # one of 2 processes (2 virtual devices each) of a
                                                      # jax.distributed run with a local coordinator
 
 The device count has to be fixed before jax is imported, hence a separate process (the pytest session keeps its
@@ -20,7 +21,6 @@ _DEVICES = 4 if _MODE == "cases" else 2
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={_DEVICES}").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 
 from cudnn_moe_jax import activations
 from cudnn_moe_jax.reference import glu_split
+from lab.sass import require_compiler
 
-import nn_grads_cases
+import nn_grads_checks
 import np_ops as O
-import test_reference
 
 
 def test_every_entry_is_in_the_oracle_and_the_names_pair():
@@ -28,10 +28,7 @@ def test_every_entry_is_in_the_oracle_and_the_names_pair():
 
 
 def test_every_entry_has_device_functions():
-    from cudnn_moe_jax import _compile
-    if _compile.compile_unavailable_reason() is not None:
-        pytest.skip(_compile.compile_unavailable_reason())
-    _compile.import_cutlass()
+    require_compiler()   # cutlass imported for sm_90a (CUTE_DSL_ARCH is read once, at its first import), or skip
     from cudnn_moe_jax.kernels import activations as device
 
     for entry in activations.TABLE.values():
@@ -42,9 +39,9 @@ def test_every_entry_has_device_functions():
 @pytest.mark.parametrize("oracle", [
     lambda: O.np_glu("gelu"),
     lambda: O.grouped_gemm_dglu(*([None] * 9), ab_dtype="bfloat16", d_dtype="bfloat16", act_func="dgelu"),
-    lambda: test_reference._jnp_glu_forward(jnp.ones((2, 64)), jnp.ones(2), "relu", None, None),
-    lambda: nn_grads_cases._act("gelu", jnp.ones((2, 64))),
-], ids=["np_ops", "np_ops_dglu", "test_reference_autodiff", "nn_grads_cases"])
+    lambda: O.np_glu_value(jnp.ones((2, 32)), jnp.ones((2, 32)), "relu", {}, xp=jnp),  # test_reference's autodiff
+    lambda: nn_grads_checks._act("gelu", jnp.ones((2, 64))),
+], ids=["np_ops", "np_ops_dglu", "np_ops_jnp", "nn_grads_checks"])
 def test_oracles_raise_on_an_unknown_name(oracle):
     with pytest.raises(ValueError, match="knows no GLU activation"):
         oracle()

@@ -16,21 +16,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks" / "bench_ep.py"
 TINY = ["--experts-per-device", "2", "--rows-per-expert", "128", "--hidden", "64", "--intermediate", "64"]
 
 
 def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     return env
 
 
 @pytest.mark.slow  # ~30 s on 2 shared cores: five programs compiled on the CPU reference
 def test_bench_ep_rows_on_two_virtual_devices(tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCH), "--devices", "1,2", *TINY, "--reps", "1", "--out",
-                           str(tmp_path)], env=_env(), text=True, capture_output=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_ep", "--devices", "1,2", *TINY, "--reps", "1",
+                           "--out", str(tmp_path)], cwd=ROOT, env=_env(), text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_ep.json").read_text())
     rows = result["rows"]
@@ -70,7 +68,7 @@ def test_bench_ep_rows_on_two_virtual_devices(tmp_path):
 _RECORD = """
 import json, sys, warnings
 from cudnn_moe_jax import _modules, _runtime
-import bench_ep
+from benchmarks import bench_ep
 asked = []
 def record(spec):
     asked.append((spec.name, spec.fingerprint, spec.avals_key))
@@ -91,10 +89,10 @@ print(json.dumps(out))
 
 def test_two_device_step_needs_only_the_one_device_modules():
     """At a small shape with the default's structure (2 local experts, swiglu, bf16; H = I = 256, kernel-covered):
-    the default shape was checked the same way, and with tools/gpu/check_bundle.py, by hand (~1 min)."""
+    the default shape was checked the same way, and with `python -m tools.gpu.check_bundle`, by hand (~1 min)."""
     small = ["--experts-per-device", "2", "--rows-per-expert", "256", "--hidden", "256", "--intermediate", "256"]
-    proc = subprocess.run([sys.executable, "-c", _RECORD, *small], env=_env(), text=True, capture_output=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _RECORD, *small], cwd=ROOT, env=_env(), text=True,
+                          capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     assert set(got) == {"d1/0", "d1/1", "d2/0"}              # EP step d=1, moe_layer step, EP step d=2

@@ -1,4 +1,4 @@
-"""The benchmark's device timing (benchmarks/device_timer.py) without a GPU or torch: the CUPTI span over fake
+"""The benchmark's device timing (lab/device_timer.py) without a GPU or torch: the CUPTI span over fake
 profiler events, the choice between device and host time per implementation, and what the rows and the table
 footnote of bench_grouped_gemm.py record for each case."""
 
@@ -8,9 +8,10 @@ import contextlib
 import importlib.util
 from types import SimpleNamespace
 
-import bench_grouped_gemm as bench
-import device_timer as dt
 import pytest
+
+from benchmarks import bench_grouped_gemm as bench
+from lab import device_timer as dt
 
 CUDA, CPU = "cuda", "cpu"  # stand-ins for torch.autograd.DeviceType members (compared with ==)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import warnings
 
-import bench_cases
-import bench_grouped_gemm as bench
 import pytest
 
+from benchmarks import bench_cases
+from benchmarks import bench_grouped_gemm as bench
 from cudnn_moe_jax import _lowering, _runtime, shapes
 
 
@@ -105,28 +105,42 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
     assert len(fp8_d) == len(shapes.SHAPES) and all(p.ab_dtype == "float8_e4m3fn" for p in fp8_d)
 
 
-def test_lab_artifacts_are_timed_beside_the_public_op(tiny, tmp_path, monkeypatch):
-    """--artifacts: every exported module of the shape in the manifest runs as kernel[label] (here a CPU export of
-    the same public op stands in for a kernel module)."""
-    import harness
-    import jax
-
-    exported = jax.export.export(jax.jit(bench_cases.bf16_call("tiny")))(*bench_cases.bf16_avals("tiny"))
-    (tmp_path / "bench_tiny_t1.jaxexp").write_bytes(exported.serialize())
-    (tmp_path / "manifest.json").write_text(json.dumps({"bench": {"bench_tiny_t1": {}, "bench_other_t1": {}}}))
-    monkeypatch.setattr(harness, "ART_DIR", tmp_path)
-    monkeypatch.setattr(harness, "register", lambda: "test")
+def test_lab_configs_are_timed_beside_the_public_op(tiny, tmp_path):
+    """--lab: the lab's other configurations of the shape (lab/bench_kernels.py, through the primitive; the
+    reference here) run as kernel[label], --configs picking a subset, bf16 and MXFP8."""
     out = tmp_path / "out"
-    bench.main(["--artifacts", "--out", str(out), "--shapes", "tiny"])
+    bench.main(["--lab", "--configs", "t128c21,t256c22", "--out", str(out), "--shapes", "tiny"])
     (row,) = json.loads((out / "results.json").read_text())["results"]
-    assert {"ours", "ours#2", "kernel[t1]"} <= set(row["ms"]) and not any("other" in k for k in row["ms"])
+    assert {"ours", "ours#2", "kernel[t128c21]", "kernel[t256c22]"} <= set(row["ms"])
+    assert not {"kernel[t256c21]", "kernel[t256c21e1]"} & set(row["ms"])
+
+
+def test_lab_kernels_cover_every_shape_and_bundle(monkeypatch):
+    """lab/bench_kernels.py: a bf16 kernel per (shape, config) and the MXFP8 table, each a problem the sm90 kernels
+    implement, named as run_device.sh's ncu steps name them; its bundle items lower one kernel each (recorded)."""
+    from lab import bench_kernels
+
+    cases = {**bench_kernels.bf16_cases(), **bench_kernels.mxfp8_cases()}
+    assert {"fc1_t256c21", "fc2_t256c21", "small_t256c21", "fc1_bf16d"} <= set(cases)
+    assert len(cases) == len(shapes.SHAPES) * len(bench_kernels.BENCH_CONFIGS) + len(bench_kernels.MXFP8_BENCH)
+    kernels = _runtime.kernels_package()
+    for p, _ in cases.values():
+        assert kernels.supports(p) is None, p
+    asked = []
+    monkeypatch.setattr(_lowering, "kernel_lowering", lambda problem, names, config, *avals: asked.append(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for item in bench_kernels.bundle_items():
+            item()
+    assert asked == [cfg for _, cfg in cases.values()]
 
 
 def test_moe_ops_table_traces_every_op():
     """benchmarks/bench_moe_ops.py: every op of its table traces on the inputs its bundle items declare (the
     shapes and dtypes the GPU run feeds it), with the output shape the op defines."""
     import jax
-    import bench_moe_ops
+
+    from benchmarks import bench_moe_ops
 
     m, ops, sizes, h, i = bench_moe_ops._ops("fc")
     avals = bench_moe_ops._avals("fc")

@@ -1,4 +1,4 @@
-"""CPU: every public op call of the block-scaled GPU suite (tests/gpu/blockscaled_cases.py: NVFP4, MXFP4, NVFP4
+"""CPU: every public op call of the block-scaled GPU suite (lab/blockscaled_cases.py: NVFP4, MXFP4, NVFP4
 with e8m0 scales, MXFP8 e4m3 / e5m2; quant, srelu, glu, dglu, dsrelu) lowers for CUDA to one kernel custom call,
 with the fallback-to-the-reference warning turned into an error, and the support predicate routes every
 block-scaled format of every M-grouped op to the kernel. Compiles one sm_90a module per case (~10 s each; skipped
@@ -14,11 +14,12 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-import blockscaled_cases as cases  # noqa: E402  (tests/gpu on sys.path: tests/conftest.py)
-from test_runtime import assert_lowers_to_one_kernel, needs_cutlass  # noqa: E402
+import blockscaled_checks as checks  # noqa: E402  (tests/gpu on sys.path: tests/conftest.py)
+from runtime_helpers import assert_lowers_to_one_kernel, needs_cutlass  # noqa: E402
 
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import config  # noqa: E402
+from lab import blockscaled_cases as cases  # noqa: E402
 
 
 def test_supports_routes_every_block_format_and_op():
@@ -38,5 +39,15 @@ def test_supports_routes_every_block_format_and_op():
 @needs_cutlass
 @pytest.mark.parametrize("case", cases.ALL_CASES, ids=[c[0] for c in cases.ALL_CASES])
 def test_blockscaled_op_lowers_to_the_kernel(case):
-    cases.bundle_items()   # puts tests/ on sys.path for the inputs' numpy quantizer (as pytest already has)
-    assert_lowers_to_one_kernel(functools.partial(cases.call, case), cases.inputs(case, mode="exact"))
+    assert_lowers_to_one_kernel(functools.partial(cases.call, case), checks.inputs(case, mode="exact"))
+
+
+@pytest.mark.parametrize("case", cases.ALL_CASES, ids=[c[0] for c in cases.ALL_CASES])
+def test_bundle_items_lower_at_the_suite_inputs(case):
+    """The bundle items lower each call at lab.blockscaled_cases.input_avals: exactly the shapes and dtypes of the
+    GPU suite's inputs (the numpy quantizer's), so the bundle holds the modules the suite asks for."""
+    def sds(v):
+        return None if v is None else (tuple(v.shape), str(v.dtype))
+
+    got = {k: sds(v) for k, v in checks.inputs(case, mode="adversarial").items()}
+    assert got == {k: sds(v) for k, v in cases.input_avals(case).items()}

@@ -101,30 +101,3 @@ def test_split_kernel_copies_half_of_b_to_the_other_cta(name):
 def test_no_split_without_multicast():
     _check_split(_sass(_problem("mxfp8"), sm90_config.Config(cluster_m=1)), False)
 
-
-def test_lab_unsplit_variant_compiles_without_the_split():
-    """lab/bench_kernels.py: the before-the-split kernel the MXFP8 benchmark times beside the default
-    (tools/gpu/build_artifacts.py MXFP8_BENCH `fc1_bf16d_unsplit`), compiled under its own cache key."""
-    from lab.bench_kernels import unsplit_kernel_class
-    from lab.sass import CompilerUnavailable, cutlass_sm90, sass_of
-
-    try:
-        cutlass_sm90()
-    except CompilerUnavailable as e:
-        pytest.skip(str(e))
-    import jax
-    import cutlass
-    from cutlass.jax.compile import _CUTLASS_COMPILE_CACHE
-
-    from cudnn_moe_jax.kernels.sm90 import variants
-    from cudnn_moe_jax.kernels.sm90.jax_bridge import call_of
-
-    problem = _problem("mxfp8")
-    kernel = unsplit_kernel_class(problem)(problem, None)
-    assert not kernel.mainloop.split_b and kernel.cache_key != _kernel(problem).cache_key
-    before = set(_CUTLASS_COMPILE_CACHE)
-    avals = list(variants.input_avals(problem).values())
-    jax.export.export(jax.jit(call_of(kernel)), platforms=["cuda"],
-                      disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*avals)
-    (new,) = [k for k in _CUTLASS_COMPILE_CACHE if k not in before]
-    _check_split(sass_of(_CUTLASS_COMPILE_CACHE[new].module), False)

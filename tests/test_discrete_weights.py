@@ -5,8 +5,9 @@
 - the reference: the same call with stacked and with per-expert weights gives identical bytes;
 - (CuTe DSL compiler) discrete kernels compile for sm_90a with bf16 wgmma (HGMMA) kept in flight, no local memory,
   the descriptor-table kernel beside the GEMM, the producer's acquire (UTMACCTL.IV) before its loads, and as many
-  HGMMA as the stacked kernel; every GPU case (tests/gpu/discrete_cases.py: each op with b_tensors) lowers for
-  CUDA to one kernel custom call with the fallback-to-the-reference warning turned into an error.
+  HGMMA as the stacked kernel; every GPU case (lab/discrete_cases.py: each op with b_tensors) lowers for CUDA to
+  one kernel custom call with the fallback-to-the-reference warning turned into an error;
+- the bundle items lower each case at exactly the GPU suite's input shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import jax
 import numpy as np
 import pytest
 
-import blockscaled_cases as bc  # tests/gpu on sys.path (tests/conftest.py)
-import discrete_cases as cases
-from test_runtime import custom_calls, needs_cutlass
+import blockscaled_checks as checks  # tests/gpu on sys.path (tests/conftest.py)
+from runtime_helpers import custom_calls, needs_cutlass
 
 from cudnn_moe_jax import operands
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 from cudnn_moe_jax.kernels.sm90 import config
 from cudnn_moe_jax.kernels.sm90 import operands as launcher
+from lab import blockscaled_cases as bc
+from lab import discrete_cases as cases
+from lab.sass import check_sass, compile_or_skip, cuobjdump, sass_of
 
 BF, E4M3, E8M0 = "bfloat16", "float8_e4m3fn", "float8_e8m0fnu"
 EPILOGUES = {"quant": Epilogue(d_dtype=BF), "srelu": Epilogue(act="srelu", c_dtype=BF),
@@ -87,7 +90,7 @@ def test_wgrad_discrete_output_mode_is_refused_with_the_reason():
 
 
 def _stacked_and_discrete(case):
-    x = bc.case_inputs(case, *cases.runs(case)[0], discrete=True)
+    x = checks.case_inputs(case, *cases.runs(case)[0], discrete=True)
     return [jax.jit(functools.partial(bc.call, case, discrete=d))(x) for d in (False, True)]
 
 
@@ -128,17 +131,15 @@ def _hgmma(sass: str) -> int:
 @needs_cutlass
 @pytest.mark.parametrize("name", list(COMPILE_CASES))
 def test_discrete_kernel_compiles(name):
-    import test_kernels_compile as tk
-
     problem, cfg = COMPILE_CASES[name]
-    tool = tk._cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found")
-    sass = tk.sass_of(tk.compile_module(problem, cfg), tool)
-    tk._check_sass(sass, cfg is not None and cfg.mxfp8_wgmma)
+    sass = sass_of(compile_or_skip(problem, cfg), tool)
+    check_sass(sass, cfg is not None and cfg.mxfp8_wgmma)
     assert "build_table" in sass, "no descriptor-table kernel"
     assert "UTMACCTL.IV" in sass, "no tensormap acquire before the expert's loads"
-    stacked = tk.sass_of(tk.compile_module(dataclasses.replace(problem, discrete_weights=False), cfg), tool)
+    stacked = sass_of(compile_or_skip(dataclasses.replace(problem, discrete_weights=False), cfg), tool)
     assert _hgmma(sass) == _hgmma(stacked) > 0
 
 
@@ -146,7 +147,7 @@ def test_discrete_kernel_compiles(name):
 @pytest.mark.parametrize("case", cases.CASES, ids=[c[0] for c in cases.CASES])
 def test_discrete_op_lowers_to_the_kernel(case):
     fn = jax.jit(functools.partial(bc.call, case, discrete=True))
-    x = bc.case_inputs(case, *cases.runs(case)[0], discrete=True)
+    x = checks.case_inputs(case, *cases.runs(case)[0], discrete=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference warns
         text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -158,3 +159,16 @@ def test_discrete_op_lowers_to_the_kernel(case):
     experts = len(bc.PATTERNS[cases.runs(case)[0][0]])
     assert calls[0]["types"].count(f"tensor<{n}x{row_bytes}x") == experts, calls[0]["types"]
 
+
+@pytest.mark.parametrize("case", cases.CASES, ids=[c[0] for c in cases.CASES])
+def test_bundle_items_lower_at_the_suite_inputs(case):
+    """lab.discrete_cases' bundle items lower each call at lab.blockscaled_cases.input_avals(case, pattern,
+    discrete=True): exactly the shapes and dtypes of the GPU suite's inputs (per-expert lists included)."""
+    def sds(v):
+        if isinstance(v, (list, tuple)):
+            return [sds(e) for e in v]
+        return None if v is None else (tuple(v.shape), str(v.dtype))
+
+    pattern, mode = cases.runs(case)[0]
+    got = {k: sds(v) for k, v in checks.case_inputs(case, pattern, mode, discrete=True).items()}
+    assert got == {k: sds(v) for k, v in bc.input_avals(case, pattern, discrete=True).items()}

@@ -93,7 +93,7 @@ def test_block_scaled_example_reads_fp8_and_fp4_outputs_back_within_the_format_b
 def test_too_many_devices_says_how_to_get_cpu_devices(monkeypatch):
     """examples/moe_expert_parallel.py --devices N and benchmarks/bench_ep.py --devices 1,N on a machine with fewer
     devices: the error says so and, on a CPU machine, names XLA_FLAGS=--xla_force_host_platform_device_count=N."""
-    import bench_ep
+    from benchmarks import bench_ep
 
     n = jax.device_count() + 1
     hint = f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"

@@ -21,9 +21,9 @@ import pytest
 
 from cudnn_moe_jax import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "ep_worker.py")
-EXAMPLE = os.path.join(HERE, "..", "examples", "moe_expert_parallel.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = ("-m", "tests.ep_worker")                 # run from the checkout's root, as the scripts are
+EXAMPLE = ("-m", "examples.moe_expert_parallel")
 EXAMPLE_ARGS = ("--tokens-per-device", "64", "--hidden", "64", "--intermediate", "64", "--steps", "1",
                 "--time-exchange", "--bias")
 GROUPS = ("d2,d4_skew_empty,d4_overflow,d4_options", "d2x2_data_explicit_batched,errors,modules,d4_gating_overflow")
@@ -63,13 +63,13 @@ def _collect(procs):
 @pytest.fixture(scope="module")
 def runs():
     env = dict(os.environ, JAX_PLATFORMS="cpu")   # the worker appends its device count to XLA_FLAGS (last wins)
-    start = lambda *args, env=env: subprocess.Popen([sys.executable, *args], env=env, text=True,
+    start = lambda *args, env=env: subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     port = str(_free_port())
-    procs = [(f"cases {g}", start(WORKER, "cases", g)) for g in GROUPS]
-    procs += [(f"process {i}", start(WORKER, "process", str(i), port)) for i in range(2)]
+    procs = [(f"cases {g}", start(*WORKER, "cases", g)) for g in GROUPS]
+    procs += [(f"process {i}", start(*WORKER, "process", str(i), port)) for i in range(2)]
     flags = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    procs.append(("example", start(EXAMPLE, *EXAMPLE_ARGS, env=dict(env, XLA_FLAGS=flags))))
+    procs.append(("example", start(*EXAMPLE, *EXAMPLE_ARGS, env=dict(env, XLA_FLAGS=flags))))
     results, failures = _collect(procs)
     return results, failures
 

@@ -2,9 +2,9 @@
 every Hadamard-op combination (each activation of the table, bf16 / NVFP4 D, no / rowwise bf16 / rowwise NVFP4 /
 colwise Hadamard output, user matrix, bias) and the MXFP4 D of quant / srelu / glu over every input format (bf16,
 fp16, the block-scaled formats, weight-only) to the kernel; the combinations left out on purpose raise with their
-reason; and every public call of the GPU suite (tests/gpu/fp4_out_cases.py) lowers for CUDA to one kernel custom call
-with the fallback-to-the-reference warning turned into an error (one sm_90a compile each, ~10 s; skipped without the
-CuTe DSL compiler).
+reason; every public call of the GPU suite (lab/fp4_out_cases.py) lowers for CUDA to one kernel custom call with the
+fallback-to-the-reference warning turned into an error (one sm_90a compile each, ~10 s; skipped without the CuTe DSL
+compiler); and the bundle items lower each call at exactly the GPU suite's input shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-import fp4_out_cases as cases  # noqa: E402  (tests/gpu on sys.path: tests/conftest.py)
-from test_runtime import assert_lowers_to_one_kernel, needs_cutlass  # noqa: E402
+import fp4_out_checks as checks  # noqa: E402  (tests/gpu on sys.path: tests/conftest.py)
+from runtime_helpers import assert_lowers_to_one_kernel, needs_cutlass  # noqa: E402
 
 import cudnn_moe_jax as cmj  # noqa: E402
 from cudnn_moe_jax import activations  # noqa: E402
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import config  # noqa: E402
+from lab import fp4_out_cases as cases  # noqa: E402
 
 E2M1, BF = "float4_e2m1fn", "bfloat16"
 INPUTS = [("bfloat16", None, None, None), ("float16", None, None, None)] + [
@@ -96,5 +97,16 @@ def test_unsupported_combinations_raise_with_their_reason(case):
 @needs_cutlass
 @pytest.mark.parametrize("case", cases.ALL_CASES, ids=[c[0] for c in cases.ALL_CASES])
 def test_fp4_output_call_lowers_to_the_kernel(case):
-    cases.bundle_items()   # puts tests/ on sys.path for the inputs' numpy quantizer (as pytest already has)
-    assert_lowers_to_one_kernel(functools.partial(cases.call, case), cases.inputs(case, mode="exact"))
+    assert_lowers_to_one_kernel(functools.partial(cases.call, case), checks.inputs(case, mode="exact"))
+
+
+@pytest.mark.parametrize("mode", ["exact", "random"])
+@pytest.mark.parametrize("case", cases.ALL_CASES, ids=[c[0] for c in cases.ALL_CASES])
+def test_bundle_items_lower_at_the_suite_inputs(case, mode):
+    """The bundle items lower each call at lab.fp4_out_cases.input_avals: exactly the shapes and dtypes of the GPU
+    suite's inputs in both modes, so the bundle holds the modules the suite asks for."""
+    def sds(v):
+        return None if v is None else (tuple(v.shape), str(v.dtype))
+
+    got = {k: sds(v) for k, v in checks.inputs(case, mode=mode).items()}
+    assert got == {k: sds(v) for k, v in cases.input_avals(case).items()}

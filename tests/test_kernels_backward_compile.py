@@ -12,38 +12,13 @@ import re
 
 import pytest
 
-import test_kernels_compile as compile_checks  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
-from lab.compile_cases import BACKWARD, _dgrad
+from lab import dgrad_cases
+from lab.compile_cases import BACKWARD as CASES
+from lab.compile_cases import dgrad
+from lab.sass import compile_or_skip, cuobjdump, require_compiler, sass_of
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
-
-
-CASES = BACKWARD   # the backward / operand-major compile cases (lab/compile_cases.py: also the SASS snapshot's)
-
-
-def _compile(problem, config=None) -> bytes:
-    compile_checks._cutlass_sm90()
-    import cutlass
-    import jax
-    from cutlass.jax.compile import _CUTLASS_COMPILE_CACHE
-
-    from cudnn_moe_jax.kernels.sm90 import variants
-    from cudnn_moe_jax.kernels.sm90.jax_bridge import make_call
-
-    call = make_call(problem, config)
-    if problem.op == "wgrad":  # T symbolic, as the runtime compiles it
-        from cudnn_moe_jax._lowering import symbolic_t
-
-        avals = list(variants.symbolic_avals(problem, symbolic_t(problem.ab_dtype)).values())
-    else:  # concrete m (the m-symbolic export is tests/test_kernels_compile.py's)
-        avals = list(variants.input_avals(problem).values())
-    before = set(_CUTLASS_COMPILE_CACHE)
-    jax.export.export(jax.jit(call), platforms=["cuda"],
-                      disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*avals)
-    new = [k for k in _CUTLASS_COMPILE_CACHE if k not in before]
-    assert len(new) == 1, "expected exactly one compiled module"
-    return _CUTLASS_COMPILE_CACHE[new[0]].module
 
 
 def _workers(name):
@@ -59,11 +34,13 @@ CONFIG_CASES = {"wgrad_mxfp8_c1_workers": lambda: _workers("wgrad_mxfp8_c1"),
 
 @pytest.mark.parametrize("name", list(CASES) + list(CONFIG_CASES))
 def test_backward_kernel_compiles_unserialized_without_spills(name):
-    tool = compile_checks._cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not installed")
     problem, config = CONFIG_CASES[name]() if name in CONFIG_CASES else (CASES[name], None)
-    sass = compile_checks.sass_of(_compile(problem, config), tool)
+    # wgrad: T symbolic, as the runtime compiles it; the others at concrete m (the m-symbolic export is
+    # tests/test_kernels_compile.py's)
+    sass = sass_of(compile_or_skip(problem, config, axis="auto" if problem.op == "wgrad" else None), tool)
     assert "arch = sm_90a" in sass and "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
     local = sum(int(x) for x in re.findall(r"LOCAL:(\d+)", sass))
     assert local == 0 and not re.search(r"\b(LDL|STL)\b", sass), f"{local} bytes of local memory (spills)"
@@ -77,12 +54,11 @@ def test_backward_kernel_compiles_unserialized_without_spills(name):
 def test_fp8_dgrad_op_lowers_to_the_kernel(name):
     """The public op with an FP8 d_dtype or an FP8 saved C lowers for CUDA to the kernel (a fallback to the
     reference would warn, and the warning is an error here), with every FP8 output present
-    (tests/gpu/dgrad_cases.py: its GPU cases)."""
-    compile_checks._cutlass_sm90()
+    (lab/dgrad_cases.py: its GPU cases)."""
+    require_compiler()
     import functools
     import warnings
 
-    import dgrad_cases
     import jax
 
     case = next(c for c in dgrad_cases.CASES if c[0] == name)
@@ -122,8 +98,8 @@ def test_fp8_dgrad_supports_and_launch_outputs():
 
     for name in ("dswiglu_e4m3", "dsrelu_e5m2_segsfd", "dswiglu_e4m3c", "dsrelu_e5m2c_e4m3"):
         assert config.supports(CASES[name]) is None, name
-    no_sfd = _dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3)
-    seg_no_fp8 = _dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, discrete_col_sfd=True)
+    no_sfd = dgrad("dglu", "dswiglu", c_dtype=BF, d_dtype=E4M3)
+    seg_no_fp8 = dgrad("dsrelu", "dsrelu", c_dtype=BF, d_dtype=BF, discrete_col_sfd=True)
     for p in (no_sfd, seg_no_fp8):
         assert "generate_sfd" in config.supports(p)
 

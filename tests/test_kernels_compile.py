@@ -11,136 +11,27 @@ Skipped when the CuTe DSL compiler is not installed. ~24 bf16/fp16 variants x ~2
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 import re
-import shutil
-import struct
-import subprocess
-import sys
-import tempfile
 
 import pytest
 
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 from cudnn_moe_jax.kernels.sm90 import config as sm90_config
 from cudnn_moe_jax.kernels.sm90 import variants
-from lab.compile_cases import FP4_OUT
-
-FATBIN_MAGIC = 0xBA55ED50
-
-
-def _cutlass_sm90():
-    """Import cutlass targeting sm_90a, or skip."""
-    if "cutlass" not in sys.modules:
-        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    try:
-        import cutlass  # noqa: F401
-        import cutlass.jax  # noqa: F401
-        from cutlass.cutlass_dsl.cutlass import CuTeDSL
-    except Exception as e:  # noqa: BLE001 - any import problem means "no compiler here"
-        pytest.skip(f"CuTe DSL compiler not importable: {e}")
-    if CuTeDSL._get_dsl().envar.arch != "sm_90a":
-        pytest.skip("cutlass was imported for another arch; set CUTE_DSL_ARCH=sm_90a")
-    return cutlass
-
-
-def _cuobjdump():
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    for site in sys.path:
-        hits = glob.glob(os.path.join(site, "nvidia", "cu1*", "bin", "cuobjdump"))
-        if hits:
-            return hits[0]
-    return None
-
-
-def fatbins(module: bytes) -> list:
-    """The fatbin images embedded in a CuTe DSL host object (the cubin lives inside)."""
-    out, i = [], 0
-    while True:
-        i = module.find(struct.pack("<I", FATBIN_MAGIC), i)
-        if i < 0:
-            return out
-        _, _, header, size = struct.unpack_from("<IHHQ", module, i)
-        out.append(module[i:i + header + size])
-        i += header + size
-
-
-def sass_of(module: bytes, tool: str) -> str:
-    texts = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for j, fb in enumerate(fatbins(module)):
-            path = os.path.join(tmp, f"m{j}.fatbin")
-            with open(path, "wb") as f:
-                f.write(fb)
-            texts.append(subprocess.run([tool, "-sass", "-res-usage", path], capture_output=True, text=True,
-                                        check=True).stdout)
-    return "\n".join(texts)
-
-
-def compile_module(problem, config=None, kernel_class=None) -> bytes:
-    """Lower + export with a symbolic m; returns the module bytes cutlass_call compiled."""
-    cutlass = _cutlass_sm90()
-    import jax
-    from cutlass.jax.compile import _CUTLASS_COMPILE_CACHE
-
-    from cudnn_moe_jax.kernels.sm90.jax_bridge import call_of, make_call
-
-    call = make_call(problem, config) if kernel_class is None else call_of(kernel_class(problem, config))
-    (m,) = jax.export.symbolic_shape("m")
-    sym = list(variants.symbolic_avals(problem, m).values())
-    before = set(_CUTLASS_COMPILE_CACHE)
-    exp = jax.export.export(jax.jit(call), platforms=["cuda"],
-                            disabled_checks=cutlass.jax.get_export_disabled_safety_checks())(*sym)
-    assert "CuteDSLRT_NvJaxCutlassCall" in exp.mlir_module()
-    new = [k for k in _CUTLASS_COMPILE_CACHE if k not in before]
-    assert len(new) == 1, "expected exactly one compiled module"
-    return _CUTLASS_COMPILE_CACHE[new[0]].module
-
+from lab.compile_cases import FP4_OUT, forward_id
+from lab.sass import check_sass, compile_or_skip, cuobjdump, fatbins, require_compiler, sass_of
 
 VARIANTS = variants.problems()
 
 
-def _id(p):
-    from lab.compile_cases import forward_id
-
-    return forward_id(p)
-
-
-def _check_sass(sass: str, block_scaled: bool) -> None:
-    """block_scaled: the FP8-wgmma MXFP8 mainloop (QGMMA + scale HGMMA); everything else runs bf16 / fp16 HGMMA."""
-    assert "arch = sm_90a" in sass
-    assert ("QGMMA" if block_scaled else "HGMMA") in sass
-    assert "UTMALDG" in sass and "UTMASTG" in sass
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills in the kernel"
-    assert all(int(s) == 0 for s in re.findall(r"LOCAL:(\d+)", sass))
-    if not block_scaled:
-        # a stage's k16 wgmmas form one commit group (only its last HGMMA sets gsb0) and one group stays in
-        # flight (DEPBAR.LE gsb0, 0x1); a serialized wgmma (ptxas C7514) sets gsb0 and waits on every HGMMA
-        hgmma = re.findall(r"HGMMA\.\S+ [^;]*;", sass)
-        assert sum("gsb0" in h for h in hgmma) < len(hgmma), "wgmma serialized: every HGMMA ends a group"
-        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass), "no wgmma group kept in flight"
-    if block_scaled:
-        # per 32-K block: the data QGMMA and the scale-product HGMMA are issued back to back (two commit groups,
-        # waited for one after the other). ptxas serializes wgmma (C7514) when it cannot prove the accumulators
-        # retired: then a wait follows every wgmma, also between a QGMMA and its HGMMA
-        events = re.findall(r"\b(QGMMA|HGMMA\.64x(?:32|64|128)x16\.F32\.BF16|WARPGROUP\.DEPBAR)\b", sass)
-        n_q = events.count("QGMMA")
-        assert n_q == sum(e.startswith("HGMMA") for e in events) > 0, "one scale HGMMA per data QGMMA"
-        after_q = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "QGMMA"]
-        assert all(e.startswith("HGMMA") for e in after_q), "wgmma serialized (a wait between QGMMA and HGMMA)"
-
-
-@pytest.mark.parametrize("problem", VARIANTS, ids=[_id(p) for p in VARIANTS])
+@pytest.mark.parametrize("problem", VARIANTS, ids=[forward_id(p) for p in VARIANTS])
 def test_variant_compiles_with_wgmma_and_no_spills(problem):
-    module = compile_module(problem)
+    module = compile_or_skip(problem)
     assert fatbins(module), "no fatbin in the compiled module"
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(module, tool), False)
+    check_sass(sass_of(module, tool), False)
 
 
 @pytest.mark.parametrize("cfg", [sm90_config.Config(tile_n=128, cluster_m=1, epi_stages=1),
@@ -150,7 +41,7 @@ def test_variant_compiles_with_wgmma_and_no_spills(problem):
 def test_other_configs_compile(cfg):
     problem = GroupedGemmProblem(op="glu", m=2048, n=512, k=256, num_groups=4, ab_dtype="bfloat16",
                                  epilogue=Epilogue(act="swiglu", c_dtype="bfloat16", compute_amax=True))
-    assert fatbins(compile_module(problem, cfg))
+    assert fatbins(compile_or_skip(problem, cfg))
 
 
 @pytest.mark.parametrize("ab", ["bfloat16", "float16"])
@@ -160,10 +51,10 @@ def test_many_experts_glu_default_compiles_without_spills(ab):
                                  epilogue=Epilogue(act="swiglu", has_bias=True, bias_dtype=ab, c_dtype=ab,
                                                    d_dtype=ab, compute_amax=True))
     assert sm90_config.default_config(problem).epi_stages == 1
-    module = compile_module(problem)
-    tool = _cuobjdump()
+    module = compile_or_skip(problem)
+    tool = cuobjdump()
     if tool is not None:
-        _check_sass(sass_of(module, tool), False)
+        check_sass(sass_of(module, tool), False)
 
 
 E4M3, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
@@ -181,10 +72,10 @@ def test_mxfp8_wgmma_configs_compile(cfg):
     problem = GroupedGemmProblem(op="glu", m=2048, n=384, k=208, num_groups=4, ab_dtype=E4M3, sf_dtype=E8M0,
                                  sf_vec_size=32, epilogue=Epilogue(act="swiglu", c_dtype="bfloat16",
                                                                    d_dtype=E4M3, generate_sfd=True))
-    module = compile_module(problem, cfg)
-    tool = _cuobjdump()
+    module = compile_or_skip(problem, cfg)
+    tool = cuobjdump()
     if tool is not None:
-        _check_sass(sass_of(module, tool), True)
+        check_sass(sass_of(module, tool), True)
 
 
 # GPT-OSS SwiGLU: not in the default variant set (the GPU bundle takes its modules from the tests/gpu case tables);
@@ -215,11 +106,11 @@ def test_extra_cases_compile_without_spills(name):
     dequantized and weight-only inputs: bf16 HGMMA not serialized, no local memory."""
     problem = EXTRA_CASES[name]
     assert sm90_config.supports(problem) is None
-    module = compile_module(problem)
-    tool = _cuobjdump()
+    module = compile_or_skip(problem)
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(module, tool), False)   # block-scaled inputs: dequantized to bf16 (HGMMA) by default
+    check_sass(sass_of(module, tool), False)   # block-scaled inputs: dequantized to bf16 (HGMMA) by default
 
 
 def _instructions(sass: str) -> list:
@@ -230,7 +121,7 @@ def _instructions(sass: str) -> list:
 def test_gpt_oss_swiglu_defaults_compile_to_the_geglu_kernel(op):
     """With its defaults (alpha 1.702, limit 7) GPT-OSS SwiGLU is cuDNN's default GeGLU function: the kernels must
     be instruction for instruction the same (the geglu ones are validated on the GPU)."""
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     epi = dict(c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True)
@@ -239,7 +130,7 @@ def test_gpt_oss_swiglu_defaults_compile_to_the_geglu_kernel(op):
     for act in ("geglu", "gpt_oss_swiglu"):
         problem = GroupedGemmProblem(op=op, m=2048, n=512, k=256, num_groups=4, ab_dtype="bfloat16",
                                      epilogue=Epilogue(act=act if op == "glu" else "d" + act, **epi))
-        sass[act] = _instructions(sass_of(compile_module(problem), tool))
+        sass[act] = _instructions(sass_of(compile_or_skip(problem), tool))
     assert len(sass["geglu"]) > 1000 and sass["geglu"] == sass["gpt_oss_swiglu"]
 
 
@@ -248,14 +139,15 @@ def test_glu_clamps_propagate_nan(op):
     """GeGLU's clamps (gate <= 7, up in [-7, 7]) are NaN-propagating min / max (FMNMX.NAN), as the reference's
     jnp.minimum / maximum: the plain FMNMX returns the bound for a NaN input, and D was finite where the reference
     has NaN (GPU: mxfp8e5_geglu_f16 with NaN / inf codes, tests/gpu/test_blockscaled_gpu.py). No spills either."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     act = "geglu" if op == "glu" else "dgeglu"
     problem = GroupedGemmProblem(op=op, m=2048, n=512, k=256, num_groups=4, ab_dtype="bfloat16",
                                  epilogue=Epilogue(act=act, c_dtype="bfloat16", d_dtype="bfloat16"))
-    sass = sass_of(compile_module(problem), tool)
-    _check_sass(sass, False)
+    module = compile_or_skip(problem)
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    sass = sass_of(module, tool)
+    check_sass(sass, False)
     clamps = re.findall(r"FMNMX\S* R\d+, R\d+, -?7, !?PT", sass)
     assert clamps, "no clamp at +-7 found"
     assert all(".NAN" in c for c in clamps), f"NaN-quiet clamps: {sorted(set(clamps))}"
@@ -269,29 +161,29 @@ def test_fp8_outputs_from_bf16_inputs_compile(tile_n):
                                  epilogue=Epilogue(act="swiglu", c_dtype=E4M3, d_dtype=E4M3, generate_sfd=True,
                                                    discrete_col_sfd=True))
     assert sm90_config.supports(problem) is None
-    module = compile_module(problem, sm90_config.Config(tile_n=tile_n))
-    tool = _cuobjdump()
+    module = compile_or_skip(problem, sm90_config.Config(tile_n=tile_n))
+    tool = cuobjdump()
     if tool is not None:
-        _check_sass(sass_of(module, tool), False)
+        check_sass(sass_of(module, tool), False)
 
 
 def test_mxfp8_wgmma_k_loop_is_not_serialized():
     """K = 1024 (8 stages: a real k-loop with a back-edge, unlike the 2-stage test shapes, which LLVM unrolls).
     ptxas serialized every wgmma of the first FP8-wgmma MXFP8 kernel for any real k-loop (C7514, a prefetched wgmma
-    in flight across the back-edge; RESULTS.md run 8); `_check_sass` counts one wait per K block."""
+    in flight across the back-edge; RESULTS.md run 8); `check_sass` counts one wait per K block."""
     problem = GroupedGemmProblem(op="glu", m=2048, n=512, k=1024, num_groups=4, ab_dtype=E4M3, sf_dtype=E8M0,
                                  sf_vec_size=32, epilogue=Epilogue(act="swiglu", c_dtype="bfloat16",
                                                                    compute_amax=True))
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _check_sass(sass_of(compile_module(problem, sm90_config.MXFP8_WGMMA), tool), True)
+    check_sass(sass_of(compile_or_skip(problem, sm90_config.MXFP8_WGMMA), tool), True)
 
 
 def test_public_mxfp8_op_lowers_to_the_kernel():
     """The public op's argument order (a, b, sfa, sfb, offsets, alpha, [prob], [bias], [norm_const]) reaches the
     MXFP8 kernel's launcher: CUDA lowering through cudnn_moe_jax._runtime, no reference fallback."""
-    cutlass = _cutlass_sm90()  # noqa: F841
+    require_compiler()
     import warnings
 
     import jax

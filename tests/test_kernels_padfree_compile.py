@@ -1,6 +1,6 @@
 """CPU checks of the M-grouped kernels with group ends below 256-row blocks (m_aligned < 256: the schedule's tile
 lists, kernels/scheduler.py): each compiles for sm_90a with m symbolic (one module for every routing), its SASS has
-HGMMA and TMA, no local-memory spills, wgmma not serialized (test_kernels_compile's checks), and, where tiles are
+HGMMA and TMA, no local-memory spills, wgmma not serialized (lab.sass.check_sass), and, where tiles are
 clipped at group ends (m_aligned < 128), the row-clipped stores as 16-byte shared loads and global stores
 (LDS.128 / STG.E.128). Also the support rules of the alignments. Skipped without the CuTe DSL compiler;
 ~12 modules x 3-6 s.
@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-import test_kernels_compile as compile_checks  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 from cudnn_moe_jax.kernels.sm90 import config as sm90_config
+from lab.sass import check_sass, compile_or_skip, cuobjdump, sass_of
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
 E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
@@ -64,13 +64,13 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_padfree_kernel_compiles(name):
     problem, config, clipped = CASES[name]
-    module = compile_checks.compile_module(problem, config)
-    tool = compile_checks._cuobjdump()
+    module = compile_or_skip(problem, config)
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    sass = compile_checks.sass_of(module, tool)
+    sass = sass_of(module, tool)
     # HGMMA (block-scaled inputs: the dequantizing mainloop, bf16 wgmma), TMA, no spills, wgmma not serialized
-    compile_checks._check_sass(sass, block_scaled=False)
+    check_sass(sass, block_scaled=False)
     vector_stores = len(re.findall(r"\bSTG\.E\.128\b", sass))
     vector_loads = len(re.findall(r"\bLDS\.128\b", sass))
     if clipped:

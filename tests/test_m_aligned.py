@@ -3,7 +3,7 @@ float64 oracle (tests/np_ops.py) with group ends at any multiple of m_aligned (1
 straddle every 128-row tile, m > valid_m, invalid offsets sanitized to the alignment), and the API's rules (the
 accepted values, m and the offsets as multiples of it, scale-factor operands keeping 128).
 
-Tolerances and comparisons are tests/test_reference.py's.
+Tolerances and comparisons are tests/reference_checks.py's (tests/test_reference.py's harness).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import cudnn_moe_jax as cmj
 from cudnn_moe_jax import reference as R
 
 import np_ops as O
-import test_reference as TR
+import reference_checks as TR
 from np_formats import E4M3, E5M2
 
 L = TR.L

@@ -3,7 +3,6 @@ switched off, unwritable, concurrent writers, and a second process that finds wh
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -11,24 +10,10 @@ import subprocess
 import sys
 import textwrap
 
-import jax
-import jax.numpy as jnp
 import pytest
-from test_runtime import _BLOCK_CUTLASS, REPO, _python, needs_cutlass
+from runtime_helpers import _BLOCK_CUTLASS, REPO, _python, fake_module, fake_spec, needs_cutlass
 
 from cudnn_moe_jax import _compile, _module_cache, _modules, _runtime
-
-AVAL = jax.ShapeDtypeStruct((8, 8), jnp.float32)
-
-
-def fake_module(payload: bytes) -> _runtime.KernelModule:
-    return _runtime.KernelModule(payload, hashlib.sha256(payload).digest(), _runtime.FFI_TARGET, ((1, 0),), ((1, 0),))
-
-
-def fake_spec(name="test/cached") -> _runtime.KernelSpec:
-    return _runtime.KernelSpec(name, _runtime.fingerprint(name, "fake"), (AVAL,), (AVAL,),
-                               lambda: pytest.fail("build() is not reached: compile_module is faked"))
-
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
@@ -129,7 +114,7 @@ def test_off_and_unwritable(cache, monkeypatch, tmp_path, caplog):
 _WRITER = """
 import os, sys, time
 from cudnn_moe_jax import _compile, _module_cache, _modules, _runtime
-import test_module_cache as t
+import runtime_helpers as t
 me, rounds, barrier = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 payload = bytes([me]) * (1 << 20) + b"writer %d" % me
 open(os.path.join(barrier, str(me)), "w").close()
@@ -175,7 +160,7 @@ def test_second_process_finds_what_the_first_compiled(tmp_path):
     env = {"CUDNN_MOE_JAX_MODULE_CACHE": str(tmp_path / "modules"), "CUDNN_MOE_JAX_BUNDLE": str(tmp_path / "none")}
     lower = textwrap.dedent("""
         import dataclasses, json, os, sys, warnings, jax
-        import test_runtime as t
+        import runtime_helpers as t
         from cudnn_moe_jax import _compile, _module_cache, _modules, _runtime
         warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
         p, _ = t.small_quant_problem()

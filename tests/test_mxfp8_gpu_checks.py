@@ -1,30 +1,30 @@
-"""CPU self-test of the MXFP8 GPU checks (tests/gpu/test_mxfp8_gpu.py): the pure-jnp reference backend, run through
-the public ops with the kernels' argument order (MXFP8 and bf16 / fp16 inputs), must pass every check, and corrupted
-outputs (one e8m0 byte, one FP8 code, a nonzero padding byte, a value in a row outside every group) must be caught.
-The GPU run has no second chance, so the checker is validated here.
+"""CPU self-test of the MXFP8 GPU checks (tests/gpu/mxfp8_checks.py): the GPU suite's own call (the primitive with
+the kernels' argument order, lab.forward_cases.kernel_fn), lowered here to the pure-jnp reference, must pass every
+check (MXFP8 and bf16 / fp16 inputs), and corrupted outputs (one e8m0 byte, one FP8 code, a nonzero padding byte, a
+value in a row outside every group) must be caught. The GPU run has no second chance, so the checker is validated
+here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
+import mxfp8_checks as g
 import numpy as np
 import pytest
-import test_mxfp8_gpu as g
 
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+from lab.forward_cases import kernel_fn
 
 E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
 
 
 def _p(op, epi, n=256, k=96, L=3, ab=E4M3):
-    return dataclasses.asdict(GroupedGemmProblem(op=op, m=1024, n=n, k=k, num_groups=L, ab_dtype=ab,
-                                                 sf_dtype=E8M0, sf_vec_size=32, epilogue=epi))
+    return GroupedGemmProblem(op=op, m=1024, n=n, k=k, num_groups=L, ab_dtype=ab, sf_dtype=E8M0, sf_vec_size=32,
+                              epilogue=epi)
 
 
 def _h(op, epi, n=256, k=96, L=3, ab="bfloat16"):
     """bf16 / fp16 inputs: the checker's other input path (FP8 epilogue from half-precision A / B)."""
-    return dataclasses.asdict(GroupedGemmProblem(op=op, m=1024, n=n, k=k, num_groups=L, ab_dtype=ab, epilogue=epi))
+    return GroupedGemmProblem(op=op, m=1024, n=n, k=k, num_groups=L, ab_dtype=ab, epilogue=epi)
 
 
 CASES = {
@@ -45,19 +45,19 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_reference_passes_the_gpu_checks(case, pattern, kind):
     p = CASES[case]
-    errs = g.run_case(case, pattern, 1024, kind, problem=p, fn=g.reference_call(p))
+    errs = g.run_case(case, p, pattern, 1024, kind, kernel_fn(p))
     assert not errs, "\n".join(errs)
 
 
 def test_checks_catch_corruption():
     p = CASES["geglu_fp8d_seg_e5m2"]
-    ref = g.reference_call(p)
-    m = 1024
+    ref = kernel_fn(p)
 
     def corrupt(which):
         def call(*args):
-            outs = [np.array(x) for x in ref(*args)]
-            c, d, d_col, sfd_row, sfd_col = outs
+            outs = {k: np.array(x) for k, x in ref(*args).items()}
+            d, d_col = outs["d_tensor"], outs["d_col_tensor"]
+            sfd_row, sfd_col = outs["sfd_row_tensor"].view(np.uint8), outs["sfd_col_tensor"].view(np.uint8)
             if which == "sf":
                 sfd_row.reshape(-1)[np.flatnonzero(sfd_row.reshape(-1))[5]] += 1
             elif which == "code":
@@ -72,5 +72,5 @@ def test_checks_catch_corruption():
         return call
 
     for which in ("sf", "code", "padding", "outside"):
-        errs = g.run_case("x", "m_gt_valid", m, "adversarial", problem=p, fn=corrupt(which))
+        errs = g.run_case("x", p, "m_gt_valid", 1024, "adversarial", corrupt(which))
         assert errs, f"corruption {which!r} not detected"

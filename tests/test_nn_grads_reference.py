@@ -1,5 +1,5 @@
 """The GPU gradient test's own check, run on the CPU: nn.moe_mlp / nn.moe_layer on the reference backend (the same
-bf16 stores as the kernels, fp32 math) against the plain float32 layer of tests/gpu/nn_grads_cases.py, within its
+bf16 stores as the kernels, fp32 math) against the plain float32 layer of tests/gpu/nn_grads_checks.py, within its
 bf16-derived bound. This validates the plain layer (GLU interleave, clamps, routing, loss) and shows the bound's
 room before a GPU run uses them; a deliberately wrong gradient is caught."""
 
@@ -11,7 +11,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-import nn_grads_cases as cases  # noqa: E402  (tests/conftest.py puts tests/gpu/ on sys.path)
+import nn_grads_checks as checks  # noqa: E402  (tests/conftest.py puts tests/gpu/ on sys.path)
+from lab import nn_grads_cases as cases  # noqa: E402
 
 FAST = ("moe_mlp_geglu_bias", "moe_layer_swiglu_bias", "moe_layer_srelu", "moe_mlp_gpt_oss_swiglu_bias",
         "moe_layer_deepseek_style", "moe_layer_gpt_oss_style", "moe_layer_qwen_style_fp16")
@@ -24,10 +25,10 @@ def test_plain_layer_matches_reference_backend_within_bound(case):
         pytest.skip("CPU check of the GPU test's reference and bound")
     x = cases.inputs(case)
     got = jax.jit(functools.partial(cases.call, case))(x)
-    want = cases.reference(case, x)
-    assert not cases.compare(case, got, want)
+    want = checks.reference(case, x)
+    assert not checks.compare(case, got, want)
     # measured worst 0.80 of the bound over the 12 cases: room for the kernels' other fp32 summation order
-    ratios = cases.worst_ratio(got, want)
+    ratios = checks.worst_ratio(got, want)
     print(case[0], "worst |err| / bound:", ratios)
     assert max(ratios.values()) < 0.9
     if case[1] == "moe_layer" and case[0] not in cases.OPTIONS:
@@ -37,4 +38,4 @@ def test_plain_layer_matches_reference_backend_within_bound(case):
     loss, aux, grads = got
     w2 = grads["w2"].astype(jnp.float32)
     bad = w2.at[0, 0, 0].add(jnp.max(jnp.abs(w2)) * 2 ** -3)
-    assert cases.compare(case, (loss, aux, {**grads, "w2": bad}), want)
+    assert checks.compare(case, (loss, aux, {**grads, "w2": bad}), want)

@@ -1,18 +1,20 @@
-"""CPU self-test of the padding-free GPU suite's checks (tests/gpu/padfree_cases.py): on the reference backend the
-cases pass them (the op against the float64 oracle, every element, rows outside every group zero), and an op run
-with the wrong group alignment fails them -- so a kernel that wrote a neighbouring expert's rows would too."""
+"""CPU self-test of the padding-free GPU suite's checks (tests/gpu/padfree_checks.py, the cases lab/padfree_cases.py):
+on the reference backend the cases pass them (the op against the float64 oracle, every element, rows outside every
+group zero), and an op run with the wrong group alignment fails them -- so a kernel that wrote a neighbouring
+expert's rows would too."""
 
 from __future__ import annotations
 
 import pytest
 
-import padfree_cases as cases  # noqa: E402  (tests/conftest.py puts tests/gpu/ on sys.path)
+import padfree_checks as checks  # noqa: E402  (tests/conftest.py puts tests/gpu/ on sys.path)
+from lab import padfree_cases as cases
 
 
 @pytest.mark.parametrize("index", [0, 13, 23, 26, 36])
 def test_cases_pass_on_the_reference(index):
     item = cases.ITEMS[index]
-    assert not cases.run_case(item), item
+    assert not checks.run_case(item), item
 
 
 def test_checks_catch_rows_of_the_wrong_group(monkeypatch):
@@ -25,5 +27,5 @@ def test_checks_catch_rows_of_the_wrong_group(monkeypatch):
         return original((item[0], "unsanitized"), x)   # the same ops with m_aligned=8
 
     monkeypatch.setattr(cases, "call", misaligned)
-    errs = cases.run_case(item)
+    errs = checks.run_case(item)
     assert any("out of bounds" in e for e in errs), errs

@@ -12,8 +12,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
-import importlib.util
-import inspect
+import importlib
 import json
 import lzma
 import os
@@ -28,104 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from runtime_helpers import (HAVE_CUTLASS, REPO, TINY_SHAPES, _BLOCK_CUTLASS, _python, _tiny_launcher, custom_calls,
+                             needs_cutlass, small_quant, small_quant_problem, tiny_program, tiny_spec)
 
 from cudnn_moe_jax import _compile, _lowering, _modules, _runtime, operands
 from cudnn_moe_jax._problem import GroupedGemmProblem
-
-REPO = Path(__file__).resolve().parent.parent
-try:
-    HAVE_CUTLASS = importlib.util.find_spec("cutlass") is not None
-except ImportError:  # blocked (the no-compiler subprocess below)
-    HAVE_CUTLASS = False
-needs_cutlass = pytest.mark.skipif(not HAVE_CUTLASS, reason="needs the CuTe DSL compiler (nvidia-cutlass-dsl)")
-TINY_SHAPES = ((64, 128), (3, 1000))
-
-
-# ------------------------------------------------------------------------------------------------ the tiny kernel
-
-def _tiny_launcher():
-    global cute  # CuTe DSL re-parses the kernels' source and resolves names in module globals, not closures
-    import cutlass.cute as cute
-
-    @cute.kernel
-    def add_kernel(gA: cute.Tensor, gB: cute.Tensor, gC: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        bdim, _, _ = cute.arch.block_dim()
-        i = bidx * bdim + tidx
-        m, n = gA.shape
-        if i < m * n:
-            gC[i // n, i % n] = gA[i // n, i % n] + gB[i // n, i % n]
-
-    @cute.jit
-    def add(stream, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
-        m, n = a.shape
-        add_kernel(a, b, c).launch(grid=((m * n + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream)
-
-    return add
-
-
-def tiny_spec(shape) -> _runtime.KernelSpec:
-    aval = jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
-    fp = _runtime.fingerprint("test/tiny_add", inspect.getsource(_tiny_launcher), _runtime.DEFAULT_ARCH,
-                              _runtime.cutlass_dsl_version(), [aval, aval], [aval])
-    return _runtime.KernelSpec("test/tiny_add", fp, (aval, aval), (aval,), lambda: (_tiny_launcher(), {}))
-
-
-def tiny_variants():
-    return [tiny_spec(s) for s in TINY_SHAPES]
-
-
-def small_quant_problem():
-    """The real kernel's smallest default problem: bf16 quant (m 2048, N 512, K 256, L 4) with amax."""
-    pkg = _runtime.kernels_package()
-    p = pkg.variants.problems()[0]
-    assert p.op == "quant" and p.ab_dtype == "bfloat16" and p.epilogue.compute_amax
-    return p, pkg.variants.input_avals(p)
-
-
-def small_quant_variants():
-    p, ins = small_quant_problem()
-    return [(p, None, ins)]
-
-
-def small_quant(a, b, offsets, alpha, prob):
-    import cudnn_moe_jax as cmj
-    return cmj.grouped_gemm_quant(a_tensor=a, b_tensor=b, padded_offsets=offsets, alpha_tensor=alpha,
-                                  prob_tensor=prob, compute_amax=True)
-
-
-tiny_add_p = Primitive("cudnn_moe_test_tiny_add")
-tiny_add_p.def_abstract_eval(lambda a, b: a)
-tiny_add_p.def_impl(lambda a, b: jax.jit(tiny_add_p.bind)(a, b))
-mlir.register_lowering(tiny_add_p, mlir.lower_fun(lambda a, b: a + b, multiple_results=False))
-mlir.register_lowering(tiny_add_p, mlir.lower_fun(  # the same shape of rule as the real primitive's
-    lambda a, b: _runtime.call_spec(tiny_spec(a.shape), [a, b], [a])[0], multiple_results=False), platform="cuda")
-
-
-def tiny_program(a, b):
-    return tiny_add_p.bind(a, b) * 2.0 + 1.0
-
-
-def assert_lowers_to_one_kernel(fn, x) -> None:
-    """jax.jit(fn)(x) lowered for CUDA is one kernel custom call, with no fallback to the reference (its
-    RuntimeWarning an error)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        text = jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(custom_calls(text)) == 1, "expected one kernel custom call"
-
-
-def custom_calls(text: str) -> list[dict]:
-    """Each CuTe DSL stablehlo.custom_call's target, attributes (verbatim text) and types; operand names left out.
-    (Others, e.g. jax.export's shape assertions, are left out.)"""
-    found = re.findall(r"stablehlo\.custom_call @(CuteDSLRT\w+)\([^)]*\) \{(.*)\} : (.*)$", text, re.M)
-    string = lambda name, a: re.search(name + r' = "((?:[^"\\]|\\.)*)"', a).group(1)  # noqa: E731
-    return [{"target": t, "attributes": a, "types": ty, "key": string("key", a), "module": string("module", a)}
-            for t, a, ty in found]
-
+from lab.sass import fatbins
 
 # ------------------------------------------------------------------------------------------------ CPU tests
 
@@ -304,24 +211,6 @@ def test_lowering_checks_support_config_and_digest_once(tmp_path, monkeypatch):
         assert counts == {"supports": 1, "default_config": 1, "resolve_config": 1, "kernels_source_digest": 1}
 
 
-_BLOCK_CUTLASS = """
-import importlib.abc, sys
-class _Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("cutlass", "cuda"):
-            raise ModuleNotFoundError(f"{name} is blocked in this test")
-sys.meta_path.insert(0, _Block())
-"""
-
-
-def _python(code: str, env: dict, cwd=REPO) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), **env}
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=cwd,
-                       env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
-
-
 @needs_cutlass
 def test_aot_build_says_which_modules_it_compiled_and_which_came_from_the_cache(tmp_path, monkeypatch, capsys):
     """A second build takes the modules from the on-disk module cache: every line and the summary say so, and how
@@ -333,7 +222,7 @@ def test_aot_build_says_which_modules_it_compiled_and_which_came_from_the_cache(
 
     def build(out, *flags):
         monkeypatch.setattr(_modules, "_MEMORY", {})              # a fresh process: nothing in memory
-        assert aot.main(["build", "--out", str(tmp_path / out), "--variants", "test_runtime:tiny_variants",
+        assert aot.main(["build", "--out", str(tmp_path / out), "--variants", "runtime_helpers:tiny_variants",
                          *flags]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert len(lines) == len(TINY_SHAPES) + 1 and all(line.startswith("ok ") for line in lines[:-1]), lines
@@ -359,7 +248,7 @@ def test_bundle_lowering_without_cutlass_matches_cutlass_call(tmp_path):
     bundle = tmp_path / "bundle"
     env = {"CUDNN_MOE_JAX_BUNDLE": str(bundle), "CUDNN_MOE_JAX_CACHE": str(tmp_path / "cache")}
     out = _python(f"import sys; from cudnn_moe_jax import aot; sys.exit(aot.main(['build', '--arch', 'sm_90a', "
-                  f"'--out', {str(bundle)!r}, '--variants', 'test_runtime:tiny_variants']))", env)
+                  f"'--out', {str(bundle)!r}, '--variants', 'runtime_helpers:tiny_variants']))", env)
     assert out.count("ok ") == len(TINY_SHAPES), out
     listing = _python(f"from cudnn_moe_jax import aot; aot.main(['list', {str(bundle)!r}])", env)
     assert listing.count("test/tiny_add") == len(TINY_SHAPES)
@@ -368,7 +257,7 @@ def test_bundle_lowering_without_cutlass_matches_cutlass_call(tmp_path):
     export_path = tmp_path / "tiny.jax_export"
     ours = json.loads(_python(_BLOCK_CUTLASS + textwrap.dedent(f"""
         import json, sys, jax, jax.numpy as jnp
-        import test_runtime as t
+        import runtime_helpers as t
         from cudnn_moe_jax import _compile, _lowering, _modules, _runtime, operands
         a = jax.ShapeDtypeStruct((64, 128), jnp.float32)
         lowered = jax.jit(t.tiny_program).trace(a, a).lower(lowering_platforms=("cuda",))
@@ -387,7 +276,7 @@ def test_bundle_lowering_without_cutlass_matches_cutlass_call(tmp_path):
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"
         import jax, jax.numpy as jnp
         import cutlass.jax
-        import test_runtime as t
+        import runtime_helpers as t
         def f(a, b):
             out = jax.ShapeDtypeStruct(a.shape, a.dtype)
             return cutlass.jax.cutlass_call(t._tiny_launcher(), output_shape_dtype=out)(a, b) * 2.0 + 1.0
@@ -416,12 +305,12 @@ def test_real_primitive_bundle_built_at_one_m_serves_every_m(tmp_path):
     bundle = tmp_path / "bundle"
     env = {"CUDNN_MOE_JAX_BUNDLE": str(bundle), "CUDNN_MOE_JAX_MODULE_CACHE": "off"}
     _python(f"import sys; from cudnn_moe_jax import aot; sys.exit(aot.main(['build', '--out', {str(bundle)!r}, "
-            f"'--variants', 'test_runtime:small_quant_variants']))", env)
+            f"'--variants', 'runtime_helpers:small_quant_variants']))", env)
     ((entry),) = _runtime.read_manifest(bundle)["entries"].values()
     assert entry["in_avals"][0]["shape"] == ["256*m_blocks", 256] and entry["meta"]["problem"]["m"] == "256*m_blocks"
     ours = json.loads(_python(_BLOCK_CUTLASS + textwrap.dedent("""
         import dataclasses, json, sys, warnings, jax
-        import test_runtime as t
+        import runtime_helpers as t
         from cudnn_moe_jax import _compile, _lowering, _modules, _runtime, operands
         warnings.simplefilter("error", RuntimeWarning)  # a reference fallback would warn
         p, _ = t.small_quant_problem()
@@ -435,7 +324,7 @@ def test_real_primitive_bundle_built_at_one_m_serves_every_m(tmp_path):
         """), {**env, "CUDNN_MOE_JAX_NO_COMPILE": "1"}))
     theirs = json.loads(_python("""
         import importlib, json, jax
-        import test_runtime as t
+        import runtime_helpers as t
         from cudnn_moe_jax import _compile, _lowering, _modules, _runtime, operands
         _runtime.import_cutlass()
         p, ins = t.small_quant_problem()
@@ -460,8 +349,6 @@ def test_module_bytes_are_the_same_for_every_m(monkeypatch):
     """Measured: compiled by cutlass_call for a concrete m, the device code (fatbin) is the same for every m, but
     the host object mangles the launcher's argument shapes into its symbol names, so its bytes differ per m.
     `_runtime` compiles for the symbolic m: every m gets the very same bytes."""
-    from test_kernels_compile import fatbins
-
     _runtime.import_cutlass()
     from cutlass.jax import compile as cc
 

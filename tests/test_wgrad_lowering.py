@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import cudnn_moe_jax as cmj  # noqa: E402
 from cudnn_moe_jax import _compile, _modules, _runtime  # noqa: E402
-from test_runtime import custom_calls, needs_cutlass  # noqa: E402
+from runtime_helpers import assert_lowers_to_one_kernel, custom_calls, needs_cutlass  # noqa: E402
 
 MW, NW, L = 384, 320, 5
 sds = jax.ShapeDtypeStruct
@@ -125,18 +125,14 @@ def test_supports_routes_block_scaled_wgrad(fmt):
 @needs_cutlass
 @pytest.mark.parametrize("name", ["bs_mxfp8_c1", "bs_mxfp4_c2", "bs_nvfp4_c1_gs", "bs_mxfp8e5_tok_c1_gs_acc"])
 def test_blockscaled_wgrad_lowers_to_the_kernel(name):
-    """The public op with block-scaled A / B (tests/gpu/wgrad_cases.py: its GPU cases) lowers for CUDA to one kernel
+    """The public op with block-scaled A / B (lab/wgrad_cases.py: its GPU cases) lowers for CUDA to one kernel
     custom call, the fallback-to-the-reference warning an error."""
     import functools
 
-    import wgrad_cases
+    from lab import wgrad_cases
 
     case = next(c for c in wgrad_cases.BS_CASES if c[0] == name)
-    fn = jax.jit(functools.partial(wgrad_cases.bs_call, case))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        text = fn.trace(wgrad_cases.bs_inputs(case)).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(custom_calls(text)) == 1, "expected one kernel custom call"
+    assert_lowers_to_one_kernel(functools.partial(wgrad_cases.bs_call, case), wgrad_cases.bs_inputs(case))
 
 
 def _bs_avals(tokens, vec=32):

@@ -2,7 +2,7 @@
 
     python tools/runtime_smoke.py prepare [DIR]      # here, with nvidia-cutlass-dsl: default DIR = .out/rt
 
-writes DIR/bundle (`python -m cudnn_moe_jax.aot build` of tests/test_runtime.py's tiny kernel and of the real
+writes DIR/bundle (`python -m cudnn_moe_jax.aot build` of tests/runtime_helpers.py's tiny kernel and of the real
 kernel's small quant problem) and DIR/tiny.jax_export (a jax.export of the tiny program for platform cuda, made by
 this machine's jax), then prints the command to run on the GPU machine (which also needs `.runtime/`, see
 tools/fetch_runtime.py).
@@ -22,8 +22,8 @@ def prepare(out: Path) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
            "CUDNN_MOE_JAX_BUNDLE": str(out / "bundle")}
     build = [sys.executable, "-m", "cudnn_moe_jax.aot", "build", "--arch", "sm_90a", "--out", str(out / "bundle"),
-             "--variants", "test_runtime:tiny_variants", "test_runtime:small_quant_variants"]
-    export = ("import jax, jax.numpy as jnp, test_runtime as t; from cudnn_moe_jax import _runtime; "
+             "--variants", "runtime_helpers:tiny_variants", "runtime_helpers:small_quant_variants"]
+    export = ("import jax, jax.numpy as jnp, runtime_helpers as t; from cudnn_moe_jax import _runtime; "
               "a = jax.ShapeDtypeStruct((64, 128), jnp.float32); "
               "e = jax.export.export(jax.jit(t.tiny_program), platforms=['cuda'], "
               "disabled_checks=_runtime.export_disabled_checks())(a, a); "

@@ -2,9 +2,9 @@
 dequantizing kernel, against the float64 oracle (tests/np_ops.py), every output element, outputs poisoned first,
 two calls bit-identical; on "exact" inputs the accumulator-level outputs bit-identical to the exact result (issue 19
 item 6); adversarial scales, zero blocks, NaN / inf codes and scales, empty experts, m > valid_m, K and N tails
-(tests/gpu/blockscaled_cases.py says which case covers what).
+(lab/blockscaled_cases.py says which case covers what; the inputs and checks: tests/gpu/blockscaled_checks.py).
 
-Needs a Hopper GPU and a bundle with the cases' modules (tests/gpu/blockscaled_cases.py); skipped otherwise.
+Needs a Hopper GPU and a bundle with the cases' modules (tools/gpu/build_bundle.sh); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -13,15 +13,16 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-import blockscaled_cases as cases  # noqa: E402  (tests/conftest.py puts tests/ and tests/gpu/ on sys.path)
-import harness  # noqa: E402
+import blockscaled_checks as checks  # noqa: E402  (tests/conftest.py puts tests/ and tests/gpu/ on sys.path)
+from lab import blockscaled_cases as cases  # noqa: E402
+from lab import harness  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-harness.skip_without_gpu_or_bundle("blockscaled_cases")
+harness.skip_without_gpu_or_bundle("lab.blockscaled_cases")
 
 
 @pytest.mark.parametrize("pattern,mode", cases.RUNS)
 @pytest.mark.parametrize("case", cases.ALL_CASES, ids=[c[0] for c in cases.ALL_CASES])
 def test_blockscaled_op_matches_float64(case, pattern, mode):
-    errs = cases.run_case(case, pattern, mode)
+    errs = checks.run_case(case, pattern, mode)
     assert not errs, errs

@@ -1,7 +1,8 @@
 """GPU: the public ops end to end (primitive -> runtime -> bundled kernel module -> FFI custom call) against the
 same ops lowered to the reference on the same GPU, and the main job on the GPU.
 
-Needs a Hopper GPU and a bundle holding the cases' modules (see public_ops_cases.py); skipped otherwise.
+The cases are lab/public_ops_cases.py's. Needs a Hopper GPU and a bundle holding their modules
+(tools/gpu/build_bundle.sh); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import functools
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -19,23 +19,22 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import cudnn_moe_jax as cmj  # noqa: E402
-import harness  # noqa: E402
-import public_ops_cases as cases  # noqa: E402
 from cudnn_moe_jax import formats  # noqa: E402
+from lab import harness  # noqa: E402
+from lab import public_ops_cases as cases  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
 
 
-harness.skip_without_gpu_or_bundle("public_ops_cases")
+harness.skip_without_gpu_or_bundle("lab.public_ops_cases")
 
 
 def _run(op, options, x, kernels: bool):
     cmj.set_kernels_enabled(kernels)
     try:
         fn = jax.jit(functools.partial(cases.call, op, options))  # a fresh jit: lowered with this setting
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # a fallback to the reference would warn
+        with harness.kernels_only():   # a fallback to the reference would warn: an error here
             return jax.block_until_ready(fn(x))
     finally:
         cmj.set_kernels_enabled(True)
@@ -90,7 +89,7 @@ def test_public_op_kernel_matches_reference_on_gpu(name, op, options):
 def test_main_job_runs_on_gpu():
     # This pytest process already holds most of the GPU memory (XLA preallocates): the child allocates on demand.
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "moe_layer.py")], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "examples.moe_layer"], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=env)
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0

@@ -2,58 +2,206 @@
 poisoned first, on unaligned / empty / unsanitized token offsets; repeated calls bit-identical. Also
 accumulate_on_output (bf16 / fp32 W, random or NaN old W, empty experts) and global scales at two token counts, on
 one module per case. Block-scaled A / B (the dequantizing K-grouped kernel): exact, adversarial and NaN / inf inputs,
-tails, empty experts, unaligned offsets, accumulation and global scales (tests/gpu/wgrad_cases.py: BS_CASES).
+tails, empty experts, unaligned offsets, accumulation and global scales (BS_CASES). The cases are
+lab/wgrad_cases.py's (the public op); `pytest -m sanitize` selects the compute-sanitizer subset.
 
-Needs a Hopper GPU and a bundle with the cases' modules (tests/gpu/wgrad_cases.py); skipped otherwise.
+Needs a Hopper GPU and a bundle with the cases' modules (tools/gpu/build_bundle.sh); skipped otherwise.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+import zlib
+
+import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
 
-import harness  # noqa: E402
-import wgrad_cases as cases  # noqa: E402  (tests/conftest.py puts tests/ and tests/gpu/ on sys.path)
+import jax.numpy as jnp  # noqa: E402
+import np_ops  # noqa: E402
+from lab import harness  # noqa: E402
+from lab import wgrad_cases as cases  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-harness.skip_without_gpu_or_bundle("wgrad_cases")
+harness.skip_without_gpu_or_bundle("lab.wgrad_cases")
+
+# the compute-sanitizer subset (memcheck / racecheck)
+SANITIZE = {"c2_bf16_tokmajor-empty_and_tail",   # 2x1 clusters, token-major, 3 empty experts
+            "c1_bf16-unaligned",                 # ranges ending inside k-tiles, a 33-token one
+            "acc_c1_bf16_gs-random-1024",        # accumulate_on_output: the epilogue reads the old W (columns
+                                                 # past n_w masked), global scales
+            # block-scaled: scale words by cp.async, token masks and split scale blocks
+            "bs_mxfp8_c1-unaligned-exact", "bs_nvfp4_c1_gs-empty_and_tail-adversarial",
+            "bs_mxfp8e5_tok_c1_gs_acc-a8-specials"}
 
 
-@pytest.mark.parametrize("pattern", list(cases.PATTERNS))
-@pytest.mark.parametrize("case", cases.CASES, ids=[c[0] for c in cases.CASES])
+def _run_twice(fn, x):
+    """W of two jitted calls (lab.harness.run_twice): (the first W as numpy, ["two calls differ"] unless both are
+    bit-identical)."""
+    got, again = (np.asarray(r.wgrad_tensor) for r in harness.run_twice(jax.jit(fn), x))
+    return got, ([] if np.array_equal(got.view(np.uint8), again.view(np.uint8)) else ["two calls differ"])
+
+
+def run_case(case, pattern: str) -> list[str]:
+    """Run one case on the GPU (W poisoned first, twice) and check every element against the float64 oracle
+    (tests/np_ops.py); the problems found ([] = ok)."""
+    x = cases.inputs(case, pattern, seed=zlib.crc32(f"{case[0]}/{pattern}".encode()) % 1000)
+    got, errs = _run_twice(functools.partial(cases.call, case), x)
+    a, b = (np.asarray(v.astype(jnp.float32)) for v in cases.operands(case, x))
+    want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), ab_dtype=case[1], wgrad_dtype=case[2])
+    gv = got.astype(np.float32).astype(np.float64)
+    if not np.all(np.isfinite(gv)):
+        return errs + ["non-finite output (poison left in W?)"]
+    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
+    bound = harness.ULP[case[2]] * np.abs(pre) + 1e-5 * mag + 1e-30
+    err = np.abs(gv - pre)
+    if not np.all(err <= bound):
+        errs.append(f"worst {np.max(err / bound):.2f} x the bound")
+    for e, (s, t) in enumerate(want["_groups"]):
+        if t <= s and gv[e].any():
+            errs.append(f"expert {e} has no token: W[e] must be zero")
+    return errs
+
+
+def _empty_experts(offsets, tokens):
+    ends = np.maximum.accumulate(np.clip(np.asarray(offsets), 0, tokens))
+    starts = np.concatenate([[0], ends[:-1]])
+    return [e for e in range(len(ends)) if ends[e] <= starts[e]]
+
+
+def run_accum_case(case, old: str, tokens: int) -> list[str]:
+    """One ACCUM_CASES case on the GPU at `tokens` tokens (module recorded at T = 2000), twice (allocator poisoned
+    first): W_out = W + gsa[e] gsb[e] A B^T (fp32 add, one rounding) vs the float64 oracle, every element; experts
+    without tokens keep their W bit for bit (or are zero without accumulation); a NaN old W must come out NaN
+    everywhere (the add reads every element; none is replaced by the fresh gradient). The problems ([] = ok)."""
+    _, ab, wd, _, _, _, acc = case
+    pattern = "empty_and_tail" if tokens == cases.T else "unaligned"
+    x = cases.accum_inputs(case, pattern, tokens, old, seed=zlib.crc32(f"{case[0]}/{old}/{tokens}".encode()) % 1000)
+    got, errs = _run_twice(functools.partial(cases.accum_call, case), x)
+    gv = got.astype(np.float32).astype(np.float64)
+    if old == "nan":
+        lost = int(np.sum(~np.isnan(gv)))
+        return errs + ([f"{lost} elements lost the old W's NaN"] if lost else [])
+    a, b = (np.asarray(v.astype(jnp.float32)) for v in cases.operands(case, x))
+    w_old = np.asarray(x["w"].astype(jnp.float32)) if acc else None
+    want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), global_scale_a=x.get("gsa"),
+                                     global_scale_b=x.get("gsb"), wgrad_tensor=w_old, ab_dtype=ab, wgrad_dtype=wd)
+    if not np.all(np.isfinite(gv)):
+        return errs + ["non-finite output"]
+    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
+    bound = harness.ULP[wd] * np.abs(pre) + 1e-5 * mag + 1e-30
+    err = np.abs(gv - pre)
+    if not np.all(err <= bound):
+        errs.append(f"worst {np.max(err / bound):.2f} x the bound")
+    empty = _empty_experts(x["offsets"], tokens)
+    if not empty:
+        errs.append("the pattern must leave an expert without tokens")
+    for e in empty:
+        if acc and not np.array_equal(got[e].view(np.uint8), np.asarray(x["w"])[e].view(np.uint8)):
+            errs.append(f"expert {e} has no token: its W must be unchanged")   # old + (+-0.0) is old
+        if not acc and gv[e].any():
+            errs.append(f"expert {e} has no token: W[e] must be zero")
+    return errs
+
+
+def run_bs_case(case, pattern: str, mode: str, tokens: int = None) -> list[str]:
+    """One block-scaled case on the GPU (W poisoned first, twice): every element against the float64 oracle
+    (NaN / inf exactly where the oracle has them; "exact" inputs: bit for bit), experts without tokens zero (or their
+    old W unchanged), two calls bit-identical. `tokens`: run at another token count (the offsets clip to it) on the
+    module recorded at T. The problems ([] = ok)."""
+    name, fmt, wd, mw, token_major, gs, acc = case
+    data, sf, vec = cases.BS_FORMATS[fmt]
+    x = cases.bs_inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
+    if tokens is not None:   # the first `tokens` tokens (the SF buffers as the op's shape rule wants them)
+        from cudnn_moe_jax.formats import sf_segment_bytes
+
+        per = 2 if data == cases.E2M1 else 1
+        cut = {"a": (slice(None), slice(0, tokens // per)), "b": (slice(None), slice(0, tokens // per)),
+               "a_tok": (slice(0, tokens // per),), "b_tok": (slice(0, tokens // per),)}
+        x = {k: v[cut[k]] if k in cut else v for k, v in x.items()}
+        x["sfa"] = x["sfa"][:sf_segment_bytes(mw, tokens, vec)]
+        x["sfb"] = x["sfb"][:sf_segment_bytes(cases.NW, tokens, vec)]
+    got, errs = _run_twice(functools.partial(cases.bs_call, case), x)
+    a, b = (np.asarray(v) for v in cases.operands(case, x))
+    n_tok = a.shape[1] * (2 if data == cases.E2M1 else 1)
+    w_old = np.asarray(x["w"].astype(jnp.float32)) if acc else None
+    with np.errstate(invalid="ignore"):   # NaN / inf inputs
+        want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), np.asarray(x["sfa"]).view(np.uint8),
+                                         np.asarray(x["sfb"]).view(np.uint8), global_scale_a=x.get("gsa"),
+                                         global_scale_b=x.get("gsb"), wgrad_tensor=w_old, ab_dtype=data,
+                                         sf_dtype=sf, sf_vec_size=vec, wgrad_dtype=wd)
+    gv = got.astype(np.float32).astype(np.float64)
+    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
+    special = ~np.isfinite(pre)
+    if not np.array_equal(np.isnan(gv), np.isnan(pre)) or not np.array_equal(gv[np.isinf(pre)], pre[np.isinf(pre)]):
+        errs.append(f"NaN at {int(np.isnan(gv).sum())} elements, the oracle at {int(np.isnan(pre).sum())}; inf "
+                    f"{int(np.isinf(gv).sum())} / {int(np.isinf(pre).sum())}")
+    if mode == "specials" and not special.any():
+        errs.append("the specials reached no output")
+    if mode == "exact" and not np.array_equal(got.view(np.uint8), np.asarray(want["wgrad_tensor"]).view(np.uint8)):
+        bad = int(np.sum(got.astype(np.float64) != want["wgrad_tensor"].astype(np.float64)))
+        errs.append(f"not bit-identical to the exact result ({bad} elements differ)")
+    with np.errstate(invalid="ignore"):
+        bound = harness.ULP[wd] * np.abs(pre) + (n_tok * 2.0 ** -24 + 2.0 ** -20) * mag + 2.0 ** -126
+        err = np.where(special, 0.0, np.abs(gv - pre))
+    if not np.all(err <= np.where(special, 1.0, bound)):
+        errs.append(f"worst {np.nanmax(err / bound):.2f} x the bound")
+    for e in _empty_experts(x["offsets"], n_tok):
+        if acc and not np.array_equal(got[e].view(np.uint8), np.asarray(x["w"])[e].view(np.uint8)):
+            errs.append(f"expert {e} has no token: its W must be unchanged")
+        if not acc and gv[e].any():
+            errs.append(f"expert {e} has no token: W[e] must be zero")
+    return errs
+
+
+def module_keys(case) -> set:
+    """The kernel module keys the case's lowerings at every T of T_VALUES ask for (one module serves them all)."""
+    keys = set()
+    for tokens in cases.T_VALUES:
+        with harness.kernels_only():
+            text = jax.jit(functools.partial(cases.accum_call, case)).lower(
+                cases.accum_inputs(case, tokens=tokens)).as_text()
+        calls = [line for line in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall" in line]
+        keys |= {re.search(r'key = "((?:[^"\\]|\\.)*)"', c).group(1) for c in calls}
+    return keys
+
+
+@pytest.mark.parametrize("case,pattern", harness.sanitize_params(
+    [(f"{c[0]}-{p}", (c, p)) for c in cases.CASES for p in cases.PATTERNS], SANITIZE))
 def test_wgrad_kernel_matches_float64(case, pattern):
-    errs = cases.run_case(case, pattern)   # every element vs the float64 oracle, two calls bit-identical
+    errs = run_case(case, pattern)   # every element vs the float64 oracle, two calls bit-identical
     assert not errs, errs
 
 
-@pytest.mark.parametrize("tokens", cases.T_VALUES)
-@pytest.mark.parametrize("old", ["random", "nan"])
-@pytest.mark.parametrize("case", cases.ACCUM_CASES, ids=[c[0] for c in cases.ACCUM_CASES])
+@pytest.mark.parametrize("case,old,tokens", harness.sanitize_params(
+    [(f"{c[0]}-{old}-{t}", (c, old, t)) for c in cases.ACCUM_CASES for old in ("random", "nan")
+     for t in cases.T_VALUES], SANITIZE))
 def test_wgrad_accumulate_and_global_scales_match_float64(case, old, tokens):
     if old == "nan" and not case[6]:
         pytest.skip("no old W without accumulate_on_output")
-    errs = cases.run_accum_case(case, old, tokens)
+    errs = run_accum_case(case, old, tokens)
     assert not errs, errs
 
 
 @pytest.mark.parametrize("case", cases.ACCUM_CASES, ids=[c[0] for c in cases.ACCUM_CASES])
 def test_wgrad_one_module_serves_both_token_counts(case):
-    keys = cases.module_keys(case)
+    keys = module_keys(case)
     assert len(keys) == 1, f"{len(keys)} kernel modules for T in {cases.T_VALUES}"
 
 
-@pytest.mark.parametrize("pattern,mode", cases.BS_RUNS)
-@pytest.mark.parametrize("case", cases.BS_CASES, ids=[c[0] for c in cases.BS_CASES])
+@pytest.mark.parametrize("case,pattern,mode", harness.sanitize_params(
+    [(f"{c[0]}-{p}-{m}", (c, p, m)) for c in cases.BS_CASES for p, m in cases.BS_RUNS], SANITIZE))
 def test_blockscaled_wgrad_matches_float64(case, pattern, mode):
     """Block-scaled A / B (MXFP8 e4m3 / e5m2, MXFP4, NVFP4 with e4m3 or e8m0 scales; token-contiguous or token-major
     FP8) with per-expert SF segments: every element vs the float64 oracle, bit-identical on exact inputs."""
-    errs = cases.run_bs_case(case, pattern, mode)
+    errs = run_bs_case(case, pattern, mode)
     assert not errs, errs
 
 
 @pytest.mark.parametrize("case", [cases.BS_CASES[0], cases.BS_CASES[4]], ids=lambda c: c[0])
 def test_blockscaled_wgrad_module_serves_another_token_count(case):
     """The module recorded at T runs T = 1024 (A / B and the SF segment buffers shorter): no fallback."""
-    errs = cases.run_bs_case(case, "unaligned", "exact", tokens=1024)
+    errs = run_bs_case(case, "unaligned", "exact", tokens=1024)
     assert not errs, errs

@@ -2,7 +2,9 @@
 `aot build` items, e.g. the jitted functions a test or example runs) lowered for CUDA with compiling disabled and
 no module cache must find every module in the bundle (a miss would be a reference fallback on the GPU).
 
-    python tools/gpu/check_bundle.py .bundle tests.gpu.nn_grads_cases:bundle_items examples.moe_expert_parallel:bundle_items
+    python -m tools.gpu.check_bundle .bundle lab.nn_grads_cases:bundle_items examples.moe_expert_parallel:bundle_items
+
+(from the checkout's root: the variant sets are modules of the checkout, imported as `aot build` imports them).
 
 Exit status 1 if any item misses a module (each miss is printed with the op and fingerprint).
 """
@@ -22,7 +24,6 @@ def main(argv) -> int:
     os.environ.update(CUDNN_MOE_JAX_BUNDLE=os.path.abspath(argv[0]), CUDNN_MOE_JAX_NO_COMPILE="1",
                       CUDNN_MOE_JAX_MODULE_CACHE="off")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
     from cudnn_moe_jax import _primitive, aot
 
     bad = 0

@@ -2,14 +2,12 @@
 or sReLU, bf16 or NVFP4 D, rowwise / colwise Hadamard outputs, user matrix, amax) and the MXFP4 D of quant / srelu /
 glu (kernels/sm90/epilogue_fp4d.py: D packed, D_col transposed and packed along the tokens, SFD_row / SFD_col in both
 layouts), against the float64 oracle (tests/np_ops.py), every output byte, outputs poisoned first, two calls
-bit-identical. Shared by tests/gpu/test_fp4_out_gpu.py and the bundle that records the kernel modules on the CPU
-machine:
-
-    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.fp4_out_cases:bundle_items
+bit-identical: the inputs and checks of tests/gpu/test_fp4_out_gpu.py (the cases, calls and bundle items:
+lab/fp4_out_cases.py).
 
 Input modes (`inputs`):
-  "exact"   issue 19 item 6's inputs (blockscaled_cases: codes on a coarse grid, scales in {1, 2}, bf16 k/8;
-            alpha in {1/2, 1, 2}, prob k/8, bias k/8): the accumulator is exact, so outputs computed from it without
+  "exact"   issue 19 item 6's inputs (tests/gpu/blockscaled_checks.py: codes on a coarse grid, scales in {1, 2},
+            bf16 k/8; alpha in {1/2, 1, 2}, prob k/8, bias k/8): the accumulator is exact, so outputs computed from it without
             a transcendental are the oracle's correctly rounded values bit for bit -- all of quant's (FP4 D, D_col,
             SFD_row, SFD_col) and C. Cases marked "pm1" take A, B in {-1, 0, 1}, K = 16, alpha 1/4, prob in
             {1/2, 1}, act sReLU: then D = prob * relu(C)^2 has <= 8 significant bits (exact in bf16) and every
@@ -19,9 +17,9 @@ Input modes (`inputs`):
 Quantized outputs are compared byte for byte against the oracle's quantization of its float64 values, except where
 that value lies within the error bound of a rounding boundary (the oracle's quantization of the value shrunk and
 grown by the bound differs there: a "near tie", excluded; at most 1% of a tensor). The bound: the accumulator's fp32
-summation order and the epilogue's fp32 / approximate math (blockscaled_cases._error_bound); the Hadamard output's
+summation order and the epilogue's fp32 / approximate math (blockscaled_checks._error_bound); the Hadamard output's
 input is the kernel's own bf16 D (with NVFP4 D: a second call of the same op with bf16 D, which computes the same fp32
-D), plus the fp32 error of a 16-term sum. Floating outputs (C, bf16 D / RHT, amax) as blockscaled_cases.
+D), plus the fp32 error of a 16-term sum. Floating outputs (C, bf16 D / RHT, amax) as blockscaled_checks.
 """
 
 from __future__ import annotations
@@ -29,51 +27,18 @@ from __future__ import annotations
 import functools
 import zlib
 
+import blockscaled_checks as bcc
+import jax
 import jax.numpy as jnp
 import ml_dtypes
+import np_formats as nf
+import np_ops
 import numpy as np
+from mxfp8_checks import check_values
 
-import cudnn_moe_jax as cmj
-
-try:
-    import blockscaled_cases as bc
-except ImportError:   # imported by `aot build` as tests.gpu.fp4_out_cases
-    from tests.gpu import blockscaled_cases as bc
-
-E4M3, E2M1, BF, F32 = bc.E4M3, bc.E2M1, bc.BF, bc.F32
-M, L = bc.M, bc.L
-NC, RHT_NC = 0.01, 0.37            # norm_const of D, of the Hadamard output
-MAX_TIES = 0.01
-PATTERNS = bc.PATTERNS
-RUNS = (("empty_and_tail", "exact"), ("unsanitized", "random"))
-
-# (name, op, input format ("bf16" or blockscaled_cases.FORMATS), K, N, options); op "hadamard" is
-# grouped_gemm_glu_hadamard_quant. N tails: N_out 384 (srelu, N 384) leaves half a 256-column tile.
-CASES = [
-    ("h_srelu_pm1_bf16d_row4", "hadamard", "bf16", 16, 256,
-     dict(act_func="srelu", d_dtype=BF, rht_mode="rowwise", rht_dtype=E2M1, pm1=True)),
-    ("h_srelu_pm1_d4_col", "hadamard", "bf16", 16, 384,
-     dict(act_func="srelu", d_dtype=E2M1, rht_mode="colwise", compute_amax=True, pm1=True)),
-    ("h_srelu_pm1_d4_rowbf16", "hadamard", "bf16", 16, 256,
-     dict(act_func="srelu", d_dtype=E2M1, rht_mode="rowwise", rht_dtype=BF, pm1=True)),
-    ("h_nvfp4_swiglu_d4_row4", "hadamard", "nvfp4", 256, 512,
-     dict(act_func="swiglu", d_dtype=E2M1, rht_mode="rowwise", rht_dtype=E2M1)),
-    ("h_bf16_geglu_bias_rowbf16", "hadamard", "bf16", 256, 512,
-     dict(act_func="geglu", bias=F32, glu_limit=3.0, d_dtype=BF, rht_mode="rowwise")),
-    ("h_mxfp8_swiglu_d4_col", "hadamard", "mxfp8", 256, 512,
-     dict(act_func="swiglu", glu_alpha=1.2, d_dtype=E2M1, rht_mode="colwise")),
-    ("h_nvfp4_srelu_user_col_n384", "hadamard", "nvfp4", 256, 384,
-     dict(act_func="srelu", tanh_clamp_scale=2.0, d_dtype=BF, rht_mode="colwise", user_matrix=True)),
-    ("h_bf16_gptoss_d4_user_row4", "hadamard", "bf16", 256, 512,
-     dict(act_func="gpt_oss_swiglu", d_dtype=E2M1, rht_mode="rowwise", rht_dtype=E2M1, user_matrix=True,
-          no_prob=True)),
-    ("h_w_nvfp4_swiglu_bf16d", "hadamard", "w_nvfp4", 256, 512, dict(act_func="swiglu", d_dtype=BF)),
-    ("quant_bf16_mxfp4d_bias", "quant", "bf16", 256, 512, dict(bias=BF, d_dtype=E2M1)),
-    ("glu_nvfp4_swiglu_mxfp4d_seg", "glu", "nvfp4", 256, 512,
-     dict(act_func="swiglu", c_dtype=BF, d_dtype=E2M1, discrete_col_sfd=True)),
-    ("srelu_mxfp8_mxfp4d_n384", "srelu", "mxfp8", 256, 384, dict(c_dtype=F32, d_dtype=E2M1)),
-]
-OPS = {"hadamard": cmj.grouped_gemm_glu_hadamard_quant, **bc.OPS}
+from lab import blockscaled_cases as bc
+from lab import harness
+from lab.fp4_out_cases import BF, E2M1, E4M3, F32, MAX_TIES, NC, PATTERNS, RHT_NC, L, M, call, companion
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -82,17 +47,13 @@ OPS = {"hadamard": cmj.grouped_gemm_glu_hadamard_quant, **bc.OPS}
 def _user_matrix(rng):
     """A random orthogonal-ish 16 x 16 matrix (bf16-exact entries): (H16 / 4) with random signs per row and a
     random column permutation."""
-    import np_ops
-
     h = np_ops.np_hadamard16()
     return (h[:, rng.permutation(16)] * rng.choice([-1.0, 1.0], (16, 1))).astype(np.float32)
 
 
 def _operand(v, fmt, bf16=False):
-    """(data, physical scales) of float64 values in format `fmt` ("bf16", or blockscaled_cases.FORMATS): bf16, or
+    """(data, physical scales) of float64 values in format `fmt` ("bf16", or lab.blockscaled_cases.FORMATS): bf16, or
     quantized by the numpy quantizer per row block (e4m3 scales travel typed)."""
-    import np_formats as nf
-
     if fmt == "bf16" or bf16:
         return v.astype(np.float32).astype(ml_dtypes.bfloat16), None
     data, sf, vec = bc.FORMATS[fmt]
@@ -115,10 +76,10 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "random", seed: in
                  prob=rng.choice([0.5, 1.0], M).astype(np.float32), bias=np.zeros((L, n), np.float32))
     elif mode == "exact":        # issue 19 item 6's operands (blockscaled_cases)
         if fmt == "bf16":
-            x = dict(a=bc._bf16_operand(rng, M, k, "exact")[0], sfa=None, sfb=None,
-                     b=np.stack([bc._bf16_operand(rng, n, k, "exact")[0] for _ in range(L)]))
+            x = dict(a=bcc._bf16_operand(rng, M, k, "exact")[0], sfa=None, sfb=None,
+                     b=np.stack([bcc._bf16_operand(rng, n, k, "exact")[0] for _ in range(L)]))
         else:
-            full = bc.inputs((None, "glu", fmt, k, n, {}), pattern, "exact", seed)
+            full = bcc.inputs((None, "glu", fmt, k, n, {}), pattern, "exact", seed)
             x = {key: (None if full[key] is None else np.asarray(full[key])) for key in ("a", "b", "sfa", "sfb")}
     else:                        # N(0, 1) data (A scaled so that C is O(1)), quantized with norm_const 1
         x = dict(a=_operand(rng.standard_normal((M, k)) * (2.0 / np.sqrt(k)), fmt, fmt in bc.WEIGHT_ONLY),
@@ -138,51 +99,6 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "random", seed: in
     return {key: None if v is None else jnp.asarray(v) for key, v in x.items()}
 
 
-def call(case, x):
-    _, op, fmt, _, _, options = case
-    options = {key: v for key, v in options.items() if key not in ("pm1",)}
-    bias = x["bias"] if options.pop("bias", None) else None
-    prob = None if options.pop("no_prob", False) else x["prob"]
-    kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], prob_tensor=prob, bias_tensor=bias)
-    if fmt != "bf16":
-        kw["sf_vec_size"] = bc.FORMATS[fmt][2]
-    if op == "hadamard":
-        if options.pop("user_matrix", False):
-            kw["hadamard_tensor"] = x["hadamard"]
-        if options["d_dtype"] == E2M1:
-            kw["norm_const_tensor"] = x["norm_const"]
-        if options.get("rht_mode") and options.get("rht_dtype", E2M1 if options["rht_mode"] == "colwise" else BF) \
-                == E2M1:
-            kw["rht_norm_const_tensor"] = x["rht_norm_const"]
-    elif options["d_dtype"] == E2M1:
-        kw["norm_const_tensor"] = x["norm_const"]
-    return OPS[op](x["a"], x["b"], x["sfa"], x["sfb"], **kw, **options)
-
-
-def companion(case):
-    """The same Hadamard call with bf16 D: its D is the transform's input (the kernel's fp32 D does not depend on
-    D's format), the only way to see it when D is NVFP4."""
-    name, op, fmt, k, n, options = case
-    return (name + "+bf16d", op, fmt, k, n, dict(options, d_dtype=BF, compute_amax=False))
-
-
-def _needs_companion(case) -> bool:
-    return case[1] == "hadamard" and case[5]["d_dtype"] == E2M1 and case[5].get("rht_mode") is not None
-
-
-ALL_CASES = CASES + [companion(c) for c in CASES if _needs_companion(c)]
-
-
-def bundle_items():
-    import sys
-    from pathlib import Path
-
-    tests = str(Path(__file__).resolve().parents[1])   # the numpy quantizer (np_formats) makes the inputs
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    return bc.aot.lowering_items(ALL_CASES, inputs, call)
-
-
 # ------------------------------------------------------------------------------------------------ oracle + checks
 
 
@@ -191,15 +107,13 @@ def _host(x):
 
 
 def oracle(case, x, d_bf16=None):
-    import np_ops
-
     _, op, fmt, _, _, options = case
     h = _host(x)
     data, sf, vec = bc.FORMATS[fmt] if fmt != "bf16" else ("bfloat16", None, None)
     opts = {key: v for key, v in options.items() if key not in ("pm1", "bias", "no_prob", "user_matrix")}
     prob = None if options.get("no_prob") else h["prob"]
     bias = h["bias"].astype(np.float64) if options.get("bias") else None
-    sfa, sfb = bc._sf_bytes(h["sfa"]), bc._sf_bytes(h["sfb"])
+    sfa, sfb = bcc._sf_bytes(h["sfa"]), bcc._sf_bytes(h["sfb"])
     d_dtype = opts.pop("d_dtype")
     kw = dict(ab_dtype=data, sf_dtype=sf, sf_vec_size=vec, d_dtype=d_dtype)
     if op == "hadamard":
@@ -216,8 +130,6 @@ def oracle(case, x, d_bf16=None):
 
 
 def _nibbles(a):
-    import np_formats as nf
-
     return nf.np_unpack_fp4(np.asarray(a).view(np.uint8)).astype(np.int64)
 
 
@@ -254,9 +166,7 @@ def check_quantized(name, got: dict, pre, err, quantize) -> list:
 def _d_bound(want, k, options):
     """blockscaled_cases._error_bound of D, with the GLUs' sigmoid underflow for every GLU of the table: where the
     sigmoid's argument k * clamp(gate) is below -87 the kernel's sigmoid is 0 (docs/numerics.md), D may be 0."""
-    import np_ops
-
-    err = bc._error_bound(want, "d", k)
+    err = bcc._error_bound(want, "d", k)
     act = options.get("act_func")
     if act in np_ops.NP_GLU:
         glu = np_ops.np_glu(act, glu_limit=options.get("glu_limit"), glu_alpha=options.get("glu_alpha"))
@@ -275,19 +185,16 @@ def _rht_bound(want):
 
 def run_case(case, pattern: str, mode: str) -> list[str]:
     """One case, outputs poisoned first, twice; every output against the oracle ([] = ok)."""
-    import harness
-    import np_ops
-
     name, op, fmt, k, _, options = case
     x = inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
-    got, again = harness.run_poisoned_twice(functools.partial(call, case), x)
+    got, again = harness.run_twice(jax.jit(functools.partial(call, case)), x)
     errs = [f"{key}: two calls differ" for key, g in got.items() if g is not None
             and not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8))]
     exact = options.get("pm1") or (mode == "exact" and op == "quant")
     d_bf16 = None
     if op == "hadamard" and options.get("rht_mode") is not None:
-        src = got if options["d_dtype"] == BF else harness.run_poisoned_twice(
-            functools.partial(call, companion(case)), x)[0]
+        src = got if options["d_dtype"] == BF else harness.run_twice(
+            jax.jit(functools.partial(call, companion(case))), x)[0]
         d_bf16 = np.asarray(src["d_tensor"])
     want = oracle(case, x, d_bf16)
     valid = np.zeros(M, bool)
@@ -296,7 +203,7 @@ def run_case(case, pattern: str, mode: str) -> list[str]:
     err_d = 0.0 if exact else _d_bound(want, k, options)
     if op != "quant" and got.get("c_tensor") is not None:
         errs += _check_float(name, "c_tensor", got, want, "c", 0.0 if mode == "exact" else
-                             bc._error_bound(want, "c", k), valid)
+                             bcc._error_bound(want, "c", k), valid)
     if options["d_dtype"] == E2M1 and op == "hadamard":
         errs += check_quantized(name, {"d_tensor": got["d_tensor"], "sfd": got["sfd_tensor"]}, want["_pre"]["d"],
                                 err_d, lambda v: _nvfp4_d(v))
@@ -319,36 +226,26 @@ def run_case(case, pattern: str, mode: str) -> list[str]:
 
 
 def _check_float(name, key, got, want, out, err, valid):
-    from test_mxfp8_gpu import check_values
-
     gv = np.asarray(got[key].astype(jnp.float32)).astype(np.float64)
     pre = want["_pre"][out]
     return check_values(f"{name} {key}", gv, pre, np.broadcast_to(err, pre.shape), str(got[key].dtype), valid)
 
 
 def _nvfp4_d(v):
-    import np_ops
-
     codes, s = np_ops.np_nvfp4(v, NC)
     return {"d_tensor": codes, "sfd": np_ops._phys(s)}
 
 
 def _mxfp4_d(v, groups, discrete_col_sfd):
-    import np_ops
-
     o = np_ops.np_quant_d_outputs(v, groups, E2M1, NC, discrete_col_sfd)
     return {"d_tensor": o["d"], "d_col": o["d_col"], "sfd_row": o["sfd_row"], "sfd_col": o["sfd_col"]}
 
 
 def _check_rht(name, case, got, want, err, valid):
-    import np_ops
-
     options = case[5]
     y = want["_pre"]["rht"]
     rht_dtype = options.get("rht_dtype", E2M1 if options["rht_mode"] == "colwise" else BF)
     if rht_dtype == BF:
-        from test_mxfp8_gpu import check_values
-
         gv = np.asarray(got["rht_tensor"].astype(jnp.float32)).astype(np.float64)
         return check_values(f"{name} rht_tensor", gv, y, np.broadcast_to(err, y.shape), "bfloat16", valid)
     if options["rht_mode"] == "rowwise":

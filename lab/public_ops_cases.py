@@ -1,7 +1,8 @@
 """Cases that run the PUBLIC ops (cudnn_moe_jax.grouped_gemm_*) end to end on CUDA: primitive -> _runtime ->
-kernel module from a bundle -> XLA FFI custom call. Shared by the CPU bundle build and the GPU test.
+kernel module from a bundle -> XLA FFI custom call. Shared by the CPU bundle build and the GPU test
+(tests/gpu/test_public_ops_gpu.py).
 
-    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.public_ops_cases:bundle_items
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.public_ops_cases:bundle_items
 
 (`.bundle` is git-ignored and is where `_runtime` looks by default in a checkout.)
 """
@@ -9,8 +10,6 @@ kernel module from a bundle -> XLA FFI custom call. Shared by the CPU bundle bui
 from __future__ import annotations
 
 import functools
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -65,12 +64,9 @@ def call(op, options, x):
 
 def example_step():
     """The main job's jitted forward+backward step (examples/moe_layer.py defaults)."""
-    path = Path(__file__).resolve().parents[2] / "examples" / "moe_layer.py"
-    spec = importlib.util.spec_from_file_location("moe_layer_example", path)
-    moe_layer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(moe_layer)
-    args = moe_layer.parse_args([])
-    return moe_layer, args
+    from examples import moe_layer
+
+    return moe_layer, moe_layer.parse_args([])
 
 
 def bundle_items():

@@ -1,9 +1,6 @@
-"""Forward ops with block-scaled inputs (NVFP4, MXFP4, NVFP4 with e8m0 scales, MXFP8 e4m3 / e5m2) through the
-public ops: the dequantizing kernel (kernels/sm90/mainloop_dequant.py) against the float64 oracle (tests/np_ops.py),
-every output element, outputs poisoned first, two calls bit-identical. Shared by tests/gpu/test_blockscaled_gpu.py
-and the bundle that records the kernel modules on the CPU machine:
-
-    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.blockscaled_cases:bundle_items
+"""The inputs and checks of the block-scaled GPU suite (tests/gpu/test_blockscaled_gpu.py; the cases, calls and
+bundle items: lab/blockscaled_cases.py): operands quantized by the independent numpy quantizer (tests/np_formats.py),
+the float64 oracle (tests/np_ops.py), every output element, outputs poisoned first, two calls bit-identical.
 
 Input modes (`inputs`):
   "exact"        codes on a coarse grid (FP4: any code; e4m3: k/8, e5m2: k/4, |v| <= 2) with scales in {1, 2},
@@ -19,7 +16,7 @@ Input modes (`inputs`):
                  one B block, and for e5m2 +inf / -inf codes in B: NaN / inf must land exactly where the oracle's do.
 Tolerance (non-exact outputs): the accumulator may differ from the float64 value by fp32 summation order,
 (K 2^-24 + 2^-20) sum|a b|, pushed through the epilogue by the oracle's first-order magnitudes, plus half an output
-ulp (tests/gpu/test_mxfp8_gpu.py: check_values / check_fp8_outputs).
+ulp (tests/gpu/mxfp8_checks.py: check_values / check_fp8_outputs).
 """
 
 from __future__ import annotations
@@ -30,73 +27,14 @@ import zlib
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import np_formats as nf
+import np_ops
 import numpy as np
+from mxfp8_checks import check_fp8_outputs, check_values
 
-import cudnn_moe_jax as cmj
-from cudnn_moe_jax import aot
-
-E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
-FP8 = (E4M3, E5M2)
-FORMATS = {"nvfp4": (E2M1, E4M3, 16), "nvfp4e8": (E2M1, E8M0, 16), "mxfp4": (E2M1, E8M0, 32),
-           "mxfp8": (E4M3, E8M0, 32), "mxfp8e5": (E5M2, E8M0, 32)}
-# weight-only quantization: bf16 A (no sfa) with block-scaled B of the named format
-WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp4": "mxfp4", "w_mxfp8": "mxfp8"}
-FORMATS.update({w: FORMATS[f] for w, f in WEIGHT_ONLY.items()})
-HALF = "bf16"   # bf16 A and B (the bf16 A of weight-only for both; no scale factors): the discrete-weights cases
-FORMATS[HALF] = ("bfloat16", None, None)
-M, L = 2048, 4
-PATTERNS = {
-    "empty_and_tail": (512, 512, 1024, 1792),   # expert 1 empty, rows 1792.. outside every group (m > valid_m)
-    "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048
-    # 300 experts (the pattern sets L), four of them non-empty, rows 1792.. outside (tests/gpu/discrete_cases.py)
-    "many_experts": tuple(256 * ((e >= 7) + 2 * (e >= 100) + (e >= 257) + 3 * (e >= 299)) for e in range(300)),
-}
-MODES = ("exact", "adversarial", "specials")
-# (pattern, mode) each case runs in the GPU test: every mode, both routing patterns (~3 s a run)
-RUNS = (("empty_and_tail", "exact"), ("unsanitized", "adversarial"), ("empty_and_tail", "specials"))
-NORM_CONST = 0.01   # FP8 D's norm_const (tests/gpu/test_mxfp8_gpu.py's checks assume it)
-OPS = {"quant": cmj.grouped_gemm_quant, "srelu": cmj.grouped_gemm_srelu, "glu": cmj.grouped_gemm_glu}
-BF, F16, F32 = "bfloat16", "float16", "float32"
-
-# (name, op, format, K, N, options): every forward epilogue kind over the formats; K / N tails (K 208 / 224: a
-# partial k-tile and SF atom, N 384 / 320: a partial 256-column tile whose B rows past N are masked)
-CASES = [
-    ("nvfp4_quant_bias", "quant", "nvfp4", 256, 512, dict(bias=BF, d_dtype=BF)),
-    ("nvfp4_swiglu_bias", "glu", "nvfp4", 256, 512, dict(bias=F32, act_func="swiglu", c_dtype=BF, d_dtype=BF)),
-    ("nvfp4_geglu_fp8_seg", "glu", "nvfp4", 256, 512, dict(act_func="geglu", glu_limit=3.0, glu_alpha=1.702,
-                                                           c_dtype=E4M3, d_dtype=E4M3, discrete_col_sfd=True)),
-    ("mxfp4_srelu_tanh_k224", "srelu", "mxfp4", 224, 512, dict(tanh_clamp_scale=2.0, c_dtype=F32, d_dtype=BF,
-                                                               no_prob=True)),
-    ("mxfp4_quant_e5m2d_n384", "quant", "mxfp4", 256, 384, dict(bias=BF, d_dtype=E5M2)),
-    ("nvfp4e8_swiglu_n320", "glu", "nvfp4e8", 256, 320, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF)),
-    ("mxfp8_swiglu", "glu", "mxfp8", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF)),
-    ("mxfp8_quant_f32_k208_n384", "quant", "mxfp8", 208, 384, dict(d_dtype=F32)),
-    ("mxfp8_srelu_fp8_bias", "srelu", "mxfp8", 256, 512, dict(bias=BF, c_dtype=E4M3, d_dtype=E4M3)),
-    ("mxfp8e5_geglu_f16", "glu", "mxfp8e5", 256, 512, dict(act_func="geglu", bias=F16, c_dtype=F32, d_dtype=F16)),
-    ("mxfp8e5_quant_fp8_seg", "quant", "mxfp8e5", 256, 512, dict(d_dtype=E4M3, discrete_col_sfd=True)),
-    # weight-only: bf16 A, block-scaled B
-    ("w_nvfp4_swiglu", "glu", "w_nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF)),
-    ("w_mxfp8_quant_fp8d_k208_n384", "quant", "w_mxfp8", 208, 384, dict(bias=BF, d_dtype=E4M3)),
-    ("w_mxfp4_srelu_f32c", "srelu", "w_mxfp4", 256, 512, dict(c_dtype=F32, d_dtype=BF)),
-]
-# (name, op, format, K, N, options) of the backward ops with block-scaled dY (M, K) and W2^T (L, N, K): the dgrad
-# epilogue as for bf16 inputs (saved C (M, 2N) / (M, N) in c_dtype, beta, dprob, dbias, amax, FP8 D_row)
-DGRAD_CASES = [
-    ("nvfp4_dswiglu_bias_amax", "dglu", "nvfp4", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF,
-                                                                generate_dbias=True, dbias_dtype=F32)),
-    ("mxfp8_dgeglu_f32", "dglu", "mxfp8", 256, 512, dict(act_func="dgeglu", glu_limit=3.0, glu_alpha=1.702,
-                                                         c_dtype=F32, d_dtype=F32)),
-    ("mxfp4_dsrelu_e4m3d_k224", "dsrelu", "mxfp4", 224, 512, dict(c_dtype=BF, d_dtype=E4M3, generate_dbias=True,
-                                                                  dbias_dtype=BF)),
-    ("mxfp8e5_dsrelu_tanh_seg", "dsrelu", "mxfp8e5", 256, 384, dict(tanh_clamp_scale=2.0, c_dtype=E4M3,
-                                                                    d_dtype=E5M2, discrete_col_sfd=True,
-                                                                    no_prob=True)),
-    ("w_nvfp4_dswiglu", "dglu", "w_nvfp4", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF)),
-]
-DGRAD_OPS = {"dglu": cmj.grouped_gemm_dglu, "dsrelu": cmj.grouped_gemm_dsrelu}
-# outputs computed from the accumulator without an activation: exact on "exact" inputs
-EXACT_KEYS = {"quant": ("d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tensor", "sfd_col_tensor"),
-              "srelu": ("c_tensor",), "glu": ("c_tensor",)}
+from lab import harness
+from lab.blockscaled_cases import (BF, DGRAD_OPS, E2M1, E4M3, E5M2, EXACT_KEYS, F16, F32, FORMATS, FP8, HALF,
+                                   L, M, NORM_CONST, PATTERNS, WEIGHT_ONLY, call, expert_lists)
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -108,8 +46,6 @@ def _exact_operand(rng, rows, k, fmt):
     nkb = -(-k // vec)
     s = np.where(rng.random((rows, nkb)) < 0.5, *((0x38, 0x40) if sf == E4M3 else (127, 128))).astype(np.uint8)
     if data == E2M1:
-        import np_formats as nf
-
         return nf.np_pack_fp4(rng.integers(0, 16, (rows, k)).astype(np.uint8)), s
     step = 8 if data == E4M3 else 4
     vals = rng.integers(-2 * step, 2 * step + 1, (rows, k)) / step
@@ -126,8 +62,6 @@ def _bf16_operand(rng, rows, k, mode):
 
 def _random_operand(rng, rows, k, fmt):
     """N(0, 1) data, per-(row, block) magnitudes over the format's scale range, 5% zero blocks, quantized."""
-    import np_formats as nf
-
     data, sf, vec = FORMATS[fmt]
     nkb = -(-k // vec)
     lo, hi = (-6, 10) if sf == E4M3 else (-20, 20)
@@ -154,8 +88,6 @@ def _inject_specials(fmt, a, sa, b, sb):
 
 
 def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", seed: int = 0):
-    import np_formats as nf
-
     _, op, fmt, k, n, options = case
     data, sf, vec = FORMATS[fmt]
     L = len(PATTERNS[pattern])   # experts
@@ -191,54 +123,6 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", see
     return {key: None if v is None else jnp.asarray(v) for key, v in x.items()}
 
 
-def expert_lists(x):
-    """x with every expert's weight (and SF buffer) as its own array, for a discrete-weights call."""
-    sfb = x["sfb"]
-    return dict(x, bs=[x["b"][e] for e in range(x["b"].shape[0])],
-                sfbs=None if sfb is None else [sfb[e:e + 1] for e in range(sfb.shape[0])])
-
-
-def call(case, x, discrete: bool = False):
-    """The case's public op call; `discrete`: the weights as per-expert arrays (b_tensors / sfb_tensors, from
-    `expert_lists`) instead of the stacked b_tensor / sfb_tensor."""
-    _, op, fmt, _, _, options = case
-    options = dict(options)
-    weights = (dict(b_tensors=x["bs"], sfb_tensors=x["sfbs"]) if discrete
-               else dict(b_tensor=x["b"], sfb_tensor=x["sfb"]))
-    if op in DGRAD_OPS:
-        prob = None if options.pop("no_prob", False) else x["prob"]
-        options.pop("c_dtype")
-        kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], beta_tensor=x["beta"], prob_tensor=prob,
-                  sf_vec_size=FORMATS[fmt][2], **options)
-        if options.get("d_dtype") in FP8:
-            kw["norm_const_tensor"] = x["norm_const"]
-        return DGRAD_OPS[op](x["a"], c_tensor=x["c"], sfa_tensor=x["sfa"], **weights, **kw)
-    bias = x["bias"] if options.pop("bias", None) else None
-    prob = None if options.pop("no_prob", False) else x["prob"]
-    kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], prob_tensor=prob, bias_tensor=bias,
-              sf_vec_size=FORMATS[fmt][2], **options)
-    if options.get("d_dtype") in FP8:
-        kw["norm_const_tensor"] = x["norm_const"]
-    return OPS[op](x["a"], sfa_tensor=x["sfa"], **weights, **kw)
-
-
-def bundle_items_for(cases):
-    return aot.lowering_items(cases, inputs, call)
-
-
-ALL_CASES = CASES + DGRAD_CASES
-
-
-def bundle_items():
-    import sys
-    from pathlib import Path
-
-    tests = str(Path(__file__).resolve().parents[1])   # the numpy quantizer (np_formats) makes the inputs
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    return bundle_items_for(ALL_CASES)
-
-
 # ------------------------------------------------------------------------------------------------ GPU run + checks
 
 
@@ -251,10 +135,8 @@ def case_inputs(case, pattern: str, mode: str, discrete: bool = False):
 def _run_checked(case, pattern: str, mode: str, discrete: bool = False):
     """Run one case (outputs poisoned first, twice): (inputs, outputs, the oracle's, rows inside groups, ["two calls
     differ" per output that is not bit-identical])."""
-    import harness
-
     x = case_inputs(case, pattern, mode, discrete)
-    got, again = harness.run_poisoned_twice(functools.partial(call, case, discrete=discrete), x)
+    got, again = harness.run_twice(jax.jit(functools.partial(call, case, discrete=discrete)), x)
     want = _oracle(case, x)
     valid = np.zeros(M, bool)
     for s, e in want["_groups"]:
@@ -265,8 +147,6 @@ def _run_checked(case, pattern: str, mode: str, discrete: bool = False):
 
 
 def _oracle(case, x):
-    import np_ops
-
     _, op, fmt, _, _, options = case
     data, sf, vec = FORMATS[fmt]
     options = dict(options)
@@ -288,8 +168,6 @@ def _oracle(case, x):
 
 
 def _dgrad_oracle(case, x):
-    import np_ops
-
     _, op, fmt, _, _, options = case
     data, sf, vec = FORMATS[fmt]
     options = dict(options)
@@ -308,8 +186,6 @@ def _dgrad_oracle(case, x):
 
 def run_dgrad_case(case, pattern: str, mode: str, discrete: bool = False) -> list[str]:
     """A backward case: D_row (FP8: codes and SF bytes), dprob, dbias, amax vs the float64 oracle."""
-    from test_mxfp8_gpu import check_fp8_outputs, check_values
-
     name, op, fmt, k, _, options = case
     x, got, want, valid, errs = _run_checked(case, pattern, mode, discrete)
     fp8_d = options.get("d_dtype") in FP8
@@ -362,8 +238,6 @@ def _error_bound(want, out: str, k: int, act=None):
     epilogue's fp32 math 2^-20 relative, and 2^-126: values below fp32's normal range are not part of the contract
     (docs/numerics.md#subnormals). Where a NaN input meets an op that maps it to a number (relu, clamps) the
     magnitude is NaN: no allowance there."""
-    import np_ops
-
     pre, mag = want["_pre"][out], want["_mag"][out]
     with np.errstate(invalid="ignore"):
         err = (k * 2.0 ** -24 + 2.0 ** -20) * mag + 2.0 ** -20 * np.abs(pre) + 2.0 ** -126
@@ -394,8 +268,6 @@ def _activation_bound(case, x, want, k: int):
     where cancellation makes e_C large next to C, the interval crosses the relu kink or the sigmoid's knee and the
     derivative there is 0 (an oracle gate of -15201 with e_C 8e7: silu(gate) * up may be 3e15, nvfp4e8_swiglu_n320;
     an oracle C of -56 with e_C 5e5: srelu(C) may be 4, mxfp4_srelu_tanh_k224). None for other ops."""
-    import np_ops
-
     _, op, _, _, _, options = case
     if op not in ("srelu", "glu"):
         return None
@@ -446,8 +318,6 @@ def _d_error_bound(case, x, want, k: int):
 def run_case(case, pattern: str, mode: str, discrete: bool = False) -> list[str]:
     """Run one case (outputs poisoned first, twice) and check every output element against the float64 oracle;
     the problems found ([] = ok). `discrete`: the weights passed as per-expert arrays (b_tensors / sfb_tensors)."""
-    from test_mxfp8_gpu import check_fp8_outputs, check_values
-
     name, op, fmt, k, _, options = case
     if op in DGRAD_OPS:
         return run_dgrad_case(case, pattern, mode, discrete)

@@ -1,7 +1,7 @@
 """Where does the back-to-back time go? A CUPTI kernel timeline (through torch.profiler, which records every
 kernel of the process, JAX's included) of the 20-call jitted program of probe_launch_overhead.py.
 
-    python benchmarks/trace_launch_gaps.py [artifact ...]  # GPU machine with torch; artifacts as for the probe
+    python -m lab.trace_launch_gaps [KERNEL ...]   # checkout root, GPU machine with torch; kernels as for the probe
 
 Prints, for the last profiled program: each kernel's name, start offset, duration and the idle gap before it,
 then the medians (GEMM duration, gap between consecutive GEMMs, zeroing-kernel duration) and the wall time per
@@ -14,10 +14,10 @@ import statistics
 import sys
 import time
 
-import probe_launch_overhead as probe
+from lab import probe_launch_overhead as probe
 
 
-def main(name: str = "bench_small_t256c21") -> None:
+def main(name: str = "small_t256c21") -> None:
     import jax
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -56,5 +56,5 @@ def main(name: str = "bench_small_t256c21") -> None:
 
 
 if __name__ == "__main__":
-    for artifact in sys.argv[1:] or ["bench_small_t256c21"]:
-        main(artifact)
+    for kernel in sys.argv[1:] or ["small_t256c21"]:
+        main(kernel)

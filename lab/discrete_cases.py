@@ -1,31 +1,25 @@
 """Discrete per-expert weights (`b_tensors=[...]`, `sfb_tensors=[...]`) through the public ops on the kernels
 (kernels/sm90/experts.py: each expert's B / SFB read through its own TMA descriptor): every forward and backward
-op, bf16 and block-scaled B (the dequantizing mainloop), weight-only, an N-major B. Each run checks the discrete
-call against the float64 oracle (tests/gpu/blockscaled_cases.py: every output element, outputs poisoned first, two
-calls bit-identical, exact outputs bit for bit on "exact" inputs) and against the same call with the stacked
-`b_tensor` / `sfb_tensor`: identical bytes in every output. Shared by tests/gpu/test_discrete_gpu.py and the bundle
-(both calls of every case):
+op, bf16 and block-scaled B (the dequantizing mainloop), weight-only, an N-major B. The GPU suite
+(tests/gpu/test_discrete_gpu.py) checks each discrete call against the float64 oracle (tests/gpu/blockscaled_checks.py:
+every output element, outputs poisoned first, two calls bit-identical, exact outputs bit for bit on "exact" inputs)
+and against the same call with the stacked `b_tensor` / `sfb_tensor`: identical bytes in every output. The cases
+are in lab/blockscaled_cases.py's shape (its `call(case, x, discrete)` and `input_avals`); the bundle items record
+both calls of every case:
 
-    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.discrete_cases:bundle_items
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.discrete_cases:bundle_items
 
-Routing patterns (blockscaled_cases.PATTERNS): an empty expert and rows past the last group, unsanitized offsets,
-300 experts of which 296 are empty.
+Routing patterns (lab.blockscaled_cases.PATTERNS): an empty expert and rows past the last group, unsanitized
+offsets, 300 experts of which 296 are empty.
 """
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
-
-try:
-    import blockscaled_cases as bc   # tests/gpu on sys.path (pytest: tests/conftest.py)
-except ImportError:                  # imported as tests.gpu.discrete_cases (the bundle build)
-    from . import blockscaled_cases as bc
+from lab import blockscaled_cases as bc
 
 BF, F16, F32, E4M3, E5M2 = bc.BF, bc.F16, bc.F32, bc.E4M3, bc.E5M2
 
-# (name, op, format, K, N, options): the blockscaled_cases shape (bc.inputs / bc.call / the oracle read it)
+# (name, op, format, K, N, options): the blockscaled_cases shape (bc.call / bc.input_avals and the checks read it)
 CASES = [
     ("bf16_quant_bias", "quant", bc.HALF, 256, 512, dict(bias=BF, d_dtype=BF)),
     ("bf16_swiglu_bias_n384", "glu", bc.HALF, 256, 384, dict(bias=F32, act_func="swiglu", c_dtype=BF, d_dtype=BF)),
@@ -57,31 +51,7 @@ def runs(case):
 
 
 def bundle_items():
-    """Both calls (stacked, discrete) of every case, lowered for CUDA: the modules the GPU test needs."""
-    from cudnn_moe_jax import aot
-
-    bc.bundle_items()   # puts tests/ on sys.path (the inputs' numpy quantizer)
-    items = []
-    for discrete in (False, True):
-        items += aot.lowering_items(CASES, lambda case: bc.case_inputs(case, *runs(case)[0], discrete=True),
-                                    functools.partial(bc.call, discrete=discrete))
-    return items
-
-
-def stacked_vs_discrete(case, pattern: str, mode: str) -> list[str]:
-    """The same call with stacked and with per-expert weights (outputs poisoned first): identical bytes in every
-    output ([] = ok)."""
-    import harness
-
-    x = bc.case_inputs(case, pattern, mode, discrete=True)
-    got = {}
-    for discrete in (False, True):
-        got[discrete], _ = harness.run_poisoned_twice(functools.partial(bc.call, case, discrete=discrete), x)
-    errs = []
-    for key, stacked in got[False].items():
-        if stacked is None:
-            continue
-        a, b = np.asarray(stacked), np.asarray(got[True][key])
-        if a.shape != b.shape or not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
-            errs.append(f"{key}: discrete weights differ from stacked")
-    return errs
+    """Both calls (stacked, discrete) of every case, lowered for CUDA at the inputs of its first run: the modules
+    the GPU test needs (one module per case and weight layout serves every pattern of the same expert count)."""
+    return [item for discrete in (False, True) for case in CASES
+            for item in bc.bundle_items_for([case], runs(case)[0][0], discrete)]

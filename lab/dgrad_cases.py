@@ -1,14 +1,11 @@
-"""Backward-op cases (grouped_gemm_dglu / grouped_gemm_dsrelu through the public ops) for the GPU suite and the
-sanitizer (`run_case`: the run and every check), and the bundle items that record their kernel modules on the CPU
-machine:
+"""Backward-op cases (grouped_gemm_dglu / grouped_gemm_dsrelu through the public ops) of the GPU suite
+(tests/gpu/test_dgrad_gpu.py: the run and every check against the float64 oracle), and the bundle items that
+record their kernel modules on the CPU machine:
 
-    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.dgrad_cases:bundle_items
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.dgrad_cases:bundle_items
 """
 
 from __future__ import annotations
-
-import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +22,7 @@ PATTERNS = {
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 FP8 = (E4M3, E5M2)
-NORM_CONST = 0.01   # FP8 D's norm_const (as float32; tests/gpu/test_mxfp8_gpu.py's checks assume it)
+NORM_CONST = 0.01   # FP8 D's norm_const (as float32; tests/gpu/mxfp8_checks.py's checks assume it)
 
 # (name, op, act, options, ab dtype, C dtype)
 CASES = [
@@ -99,105 +96,5 @@ def call(case, x):
     return cmj.grouped_gemm_dsrelu(x["a"], x["b"], x["c"], **kw)
 
 
-def bundle_items_for(cases):
-    return aot.lowering_items(cases, inputs, call)
-
-
 def bundle_items():
-    return bundle_items_for(CASES)
-
-
-# ------------------------------------------------------------------------------------------------ GPU run + checks
-# (tests/gpu/test_dgrad_gpu.py, tools/gpu/sanitize_backward.py; need tests/ and tests/gpu/ on sys.path)
-
-def _run(case, x):
-    import harness
-
-    return harness.run_poisoned_twice(functools.partial(call, case), x)
-
-
-def _oracle(case, x):
-    import np_ops
-    import numpy as np
-
-    _, op, act, options, ab, c_dtype = case
-    options = dict(options)
-    options.pop("clamp_edges", None)
-    no_prob = options.pop("no_prob", False)
-    h = {k: np.asarray(v.astype(jnp.float32)) if v.dtype != jnp.int32 else np.asarray(v) for k, v in x.items()}
-    d_dtype = options.pop("d_dtype", "bfloat16")
-    kw = dict(ab_dtype=ab, d_dtype=d_dtype, c_dtype=c_dtype, dbias_dtype=options.pop("dbias_dtype", None),
-              # the ops' default: amax for a 16-bit D
-              compute_amax=options.pop("compute_amax", d_dtype in ("bfloat16", "float16")))
-    options.pop("generate_dbias", None)
-    fn = np_ops.grouped_gemm_dglu if op == "dglu" else np_ops.grouped_gemm_dsrelu
-    if op == "dglu":
-        kw["act_func"] = act
-    if d_dtype in FP8:
-        kw["norm_const"] = h["norm_const"]
-    return fn(h["a"], h["b"], h["c"], None, None, h["offsets"], h["alpha"], h["beta"],
-              None if no_prob else h["prob"], **kw, **options)
-
-
-def run_case(case, pattern: str) -> list[str]:
-    """Run one case on the GPU (outputs poisoned first, twice) and check every output element against the float64
-    oracle (tests/np_ops.py); the problems found ([] = ok)."""
-    import harness
-    import numpy as np
-
-    x = inputs(case, pattern, seed=zlib.crc32(f"{case[0]}/{pattern}".encode()) % 1000)
-    got, again = _run(case, x)
-    want = _oracle(case, x)
-    valid = want["_groups"][-1][1]
-    fp8 = case[3].get("d_dtype") in FP8
-    errs = []
-    for key, g in got.items():
-        if g is None:
-            continue
-        if not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8)):
-            errs.append(f"{key}: two calls differ")
-        if fp8 and key in FP8_KEYS:   # codes and SF bytes: _check_fp8 below
-            continue
-        gv = np.asarray(g.astype(jnp.float32))
-        if not np.all(np.isfinite(gv)):
-            errs.append(f"{key}: non-finite (poison left in an output?)")
-            continue
-        if key == "amax_tensor":
-            ref = np.asarray(want[key], np.float32)
-            if not np.all(np.abs(gv - ref) <= 2 ** -7 * np.abs(ref)):
-                errs.append(f"{key}: {gv.ravel().tolist()} vs {ref.ravel().tolist()}")
-            continue
-        name = {"d_row_tensor": "d", "dprob_tensor": "dprob", "dbias_tensor": "dbias"}[key]
-        pre, mag = want["_pre"][name], want["_mag"][name]
-        out_dtype = str(g.dtype)
-        # one rounding to the output dtype + fp32 accumulation error (K = H terms, bounded by the magnitude sum)
-        bound = harness.ULP[out_dtype] * np.abs(pre) + 1e-5 * mag + harness.SUBNORMAL_STEP[out_dtype]
-        err = np.abs(gv.astype(np.float64) - pre)
-        if not np.all(err <= bound):
-            errs.append(f"{key}: worst {np.max(err / bound):.2f} x the bound")
-        if key in ("d_row_tensor", "dprob_tensor") and np.any(gv[valid:]):
-            errs.append(f"{key}: rows past valid_m must be zero")
-    if fp8:
-        missing = [k for k in FP8_KEYS if got[k] is None]
-        errs += [f"{k}: missing" for k in missing] or _check_fp8(case, x, got, want)
-    return errs
-
-
-FP8_KEYS = {"d_row_tensor": "d", "d_col_tensor": "d_col", "sfd_row_tensor": "sfd_row", "sfd_col_tensor": "sfd_col"}
-
-
-def _check_fp8(case, x, got, want) -> list[str]:
-    """D_row, D_col codes and the SFD_row / SFD_col bytes of an FP8-D case against the float64 oracle's
-    pre-quantization values (tests/gpu/test_mxfp8_gpu.check_fp8_outputs: each SF byte equals the oracle's, or its
-    neighbour where a power of two lies inside the value's error interval; codes likewise)."""
-    import numpy as np
-    from test_mxfp8_gpu import check_fp8_outputs   # its NORM_CONST is this module's
-
-    options = case[3]
-    p = {"num_groups": L, "epilogue": {"d_dtype": options["d_dtype"],
-                                       "discrete_col_sfd": options.get("discrete_col_sfd", False)}}
-    outs = {FP8_KEYS[k]: np.asarray(got[k]) for k in FP8_KEYS}
-    outs["sfd_row"], outs["sfd_col"] = (outs[k].view(np.uint8) for k in ("sfd_row", "sfd_col"))
-    pre, mag = want["_pre"]["d"], want["_mag"]["d"]
-    err = 1e-5 * mag + 2.0 ** -20 * np.abs(pre) + 1e-30
-    return check_fp8_outputs(p, outs, {"d": pre}, err, np.asarray(x["offsets"]), pre.shape[0])
+    return aot.lowering_items(CASES, inputs, call)

@@ -1,16 +1,12 @@
-"""Weight-gradient cases (grouped_gemm_wgrad through the public op) for the GPU suite and the sanitizer (`run_case`:
-the run and every check; `run_accum_case`: accumulate_on_output / global scales), and the bundle items that record
-their kernel modules on the CPU machine (each module is recorded at T = 2000 only: it serves every T):
+"""Weight-gradient cases (grouped_gemm_wgrad through the public op) of the GPU suite (tests/gpu/test_wgrad_gpu.py:
+the runs and every check against the float64 oracle; also accumulate_on_output / global scales and block-scaled
+A / B: BS_CASES), and the bundle items that record their kernel modules on the CPU machine (each module is
+recorded at T = 2000 only: it serves every T):
 
-    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants tests.gpu.wgrad_cases:bundle_items
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.wgrad_cases:bundle_items
 """
 
 from __future__ import annotations
-
-import functools
-import re
-import warnings
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +48,6 @@ def call(case, x):
     return cmj.grouped_gemm_wgrad(a, b, x["offsets"], wgrad_dtype=case[2], **majors)
 
 
-def bundle_items_for(cases):
-    return aot.lowering_items(cases, inputs, call)
-
-
 # accumulate_on_output / global scales: (name, ab dtype, W dtype, MW, token-major, global scales, accumulate). The
 # GPU test runs each at both token counts of T_VALUES on the one module recorded at T.
 ACCUM_CASES = [("acc_c1_bf16_gs", "bfloat16", "bfloat16", 384, False, True, True),
@@ -90,111 +82,8 @@ def accum_call(case, x):
 
 
 def bundle_items():
-    return (bundle_items_for(CASES) + aot.lowering_items(ACCUM_CASES, accum_inputs, accum_call)
+    return (aot.lowering_items(CASES, inputs, call) + aot.lowering_items(ACCUM_CASES, accum_inputs, accum_call)
             + bs_bundle_items())
-
-
-# ------------------------------------------------------------------------------------------------ GPU run + checks
-# (tests/gpu/test_wgrad_gpu.py, tools/gpu/sanitize_backward.py; need tests/ and tests/gpu/ on sys.path)
-
-def _run_twice(fn, x):
-    """W of two jitted calls (the allocator poisoned before each, a fallback to the reference an error): (the first
-    W as numpy, ["two calls differ"] unless both are bit-identical)."""
-    import harness
-    import numpy as np
-
-    fn = jax.jit(fn)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
-        harness.poison_allocator()
-        got = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
-        harness.poison_allocator()
-        again = np.asarray(jax.block_until_ready(fn(x)).wgrad_tensor)
-    return got, ([] if np.array_equal(got.view(np.uint8), again.view(np.uint8)) else ["two calls differ"])
-
-
-def run_case(case, pattern: str) -> list[str]:
-    """Run one case on the GPU (W poisoned first, twice) and check every element against the float64 oracle
-    (tests/np_ops.py); the problems found ([] = ok)."""
-    import harness
-    import np_ops
-    import numpy as np
-
-    x = inputs(case, pattern, seed=zlib.crc32(f"{case[0]}/{pattern}".encode()) % 1000)
-    got, errs = _run_twice(functools.partial(call, case), x)
-    a, b = (np.asarray(v.astype(jnp.float32)) for v in operands(case, x))
-    want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), ab_dtype=case[1], wgrad_dtype=case[2])
-    gv = got.astype(np.float32).astype(np.float64)
-    if not np.all(np.isfinite(gv)):
-        return errs + ["non-finite output (poison left in W?)"]
-    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
-    bound = harness.ULP[case[2]] * np.abs(pre) + 1e-5 * mag + 1e-30
-    err = np.abs(gv - pre)
-    if not np.all(err <= bound):
-        errs.append(f"worst {np.max(err / bound):.2f} x the bound")
-    for e, (s, t) in enumerate(want["_groups"]):
-        if t <= s and gv[e].any():
-            errs.append(f"expert {e} has no token: W[e] must be zero")
-    return errs
-
-
-def _empty_experts(offsets, tokens):
-    import numpy as np
-
-    ends = np.maximum.accumulate(np.clip(np.asarray(offsets), 0, tokens))
-    starts = np.concatenate([[0], ends[:-1]])
-    return [e for e in range(len(ends)) if ends[e] <= starts[e]]
-
-
-def run_accum_case(case, old: str, tokens: int) -> list[str]:
-    """One ACCUM_CASES case on the GPU at `tokens` tokens (module recorded at T = 2000), twice (allocator poisoned
-    first): W_out = W + gsa[e] gsb[e] A B^T (fp32 add, one rounding) vs the float64 oracle, every element; experts
-    without tokens keep their W bit for bit (or are zero without accumulation); a NaN old W must come out NaN
-    everywhere (the add reads every element; none is replaced by the fresh gradient). The problems ([] = ok)."""
-    import harness
-    import np_ops
-    import numpy as np
-
-    _, ab, wd, _, _, _, acc = case
-    pattern = "empty_and_tail" if tokens == T else "unaligned"
-    x = accum_inputs(case, pattern, tokens, old, seed=zlib.crc32(f"{case[0]}/{old}/{tokens}".encode()) % 1000)
-    got, errs = _run_twice(functools.partial(accum_call, case), x)
-    gv = got.astype(np.float32).astype(np.float64)
-    if old == "nan":
-        lost = int(np.sum(~np.isnan(gv)))
-        return errs + ([f"{lost} elements lost the old W's NaN"] if lost else [])
-    a, b = (np.asarray(v.astype(jnp.float32)) for v in operands(case, x))
-    w_old = np.asarray(x["w"].astype(jnp.float32)) if acc else None
-    want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), global_scale_a=x.get("gsa"),
-                                     global_scale_b=x.get("gsb"), wgrad_tensor=w_old, ab_dtype=ab, wgrad_dtype=wd)
-    if not np.all(np.isfinite(gv)):
-        return errs + ["non-finite output"]
-    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
-    bound = harness.ULP[wd] * np.abs(pre) + 1e-5 * mag + 1e-30
-    err = np.abs(gv - pre)
-    if not np.all(err <= bound):
-        errs.append(f"worst {np.max(err / bound):.2f} x the bound")
-    empty = _empty_experts(x["offsets"], tokens)
-    if not empty:
-        errs.append("the pattern must leave an expert without tokens")
-    for e in empty:
-        if acc and not np.array_equal(got[e].view(np.uint8), np.asarray(x["w"])[e].view(np.uint8)):
-            errs.append(f"expert {e} has no token: its W must be unchanged")   # old + (+-0.0) is old
-        if not acc and gv[e].any():
-            errs.append(f"expert {e} has no token: W[e] must be zero")
-    return errs
-
-
-def module_keys(case) -> set:
-    """The kernel module keys the case's lowerings at every T of T_VALUES ask for (one module serves them all)."""
-    keys = set()
-    for tokens in T_VALUES:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)   # a fallback to the reference would warn
-            text = jax.jit(functools.partial(accum_call, case)).lower(accum_inputs(case, tokens=tokens)).as_text()
-        calls = [line for line in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall" in line]
-        keys |= {re.search(r'key = "((?:[^"\\]|\\.)*)"', c).group(1) for c in calls}
-    return keys
 
 
 # ------------------------------------------------------------------------------------------------ block-scaled
@@ -253,13 +142,19 @@ def _bs_scales(rng, size, sf, mode):
     return rng.integers(107, 148, size, dtype=np.uint8)               # 2^-20 .. 2^20
 
 
+def sanitized_token_ends(offsets, tokens: int):
+    """The experts' token ends as the op sanitizes them (clipped to [0, tokens], non-decreasing; numpy)."""
+    import numpy as np
+
+    return np.maximum.accumulate(np.clip(np.asarray(offsets), 0, tokens))
+
+
 def bs_sf_byte(rows, tokens, vec, offsets, e, r, j):
     """Byte of row r, local block j of expert e's segment (docs/formats.md#segmented-layout)."""
-    import np_ops
-
     from cudnn_moe_jax import formats
 
-    start, end = np_ops.np_groups(offsets, tokens, align=1)[e]
+    ends = sanitized_token_ends(offsets, tokens).tolist()
+    start, end = ([0] + ends)[e], ends[e]
     base = -(-rows // 128) * 128 * start // vec
     return base + formats.sf_offset(r, j, 0, rows, -(-(end - start) // vec))
 
@@ -283,13 +178,13 @@ def bs_inputs(case, pattern: str = "unaligned", mode: str = "exact", seed: int =
         if data == E2M1:      # no NaN code: a NaN scale of A row 3 in expert 1
             sfa[bs_sf_byte(mw, tokens, vec, offsets, 1, 3, 0)] = nan_sf
         else:                 # NaN codes: A row 3 in expert 1 (its first token); row 5 / column 9 in no expert
-            first = int(np.maximum.accumulate(np.clip(offsets, 0, tokens))[0])
+            first = int(sanitized_token_ends(offsets, tokens)[0])
             a.view(np.uint8)[3, first] = 0x7F
             a.view(np.uint8)[5, tokens - 4] = 0x7F
             b.view(np.uint8)[9, tokens - 3] = 0xFF
         sfb[bs_sf_byte(NW, tokens, vec, offsets, 2, 7, 1)] = nan_sf     # B row 7 (W column 7) of expert 2
         if data == E5M2:      # +inf / -inf codes in expert 3
-            end2 = int(np.maximum.accumulate(np.clip(offsets, 0, tokens))[2])
+            end2 = int(sanitized_token_ends(offsets, tokens)[2])
             b.view(np.uint8)[100, end2] = 0x7C
             b.view(np.uint8)[101, end2 + 1] = 0xFC
     x = {"a_tok": a.T, "b_tok": b.T} if token_major else {"a": a, "b": b}
@@ -315,57 +210,3 @@ def bs_call(case, x):
 
 def bs_bundle_items():
     return aot.lowering_items(BS_CASES, bs_inputs, bs_call)
-
-
-def run_bs_case(case, pattern: str, mode: str, tokens: int = None) -> list[str]:
-    """One block-scaled case on the GPU (W poisoned first, twice): every element against the float64 oracle
-    (NaN / inf exactly where the oracle has them; "exact" inputs: bit for bit), experts without tokens zero (or their
-    old W unchanged), two calls bit-identical. `tokens`: run at another token count (the offsets clip to it) on the
-    module recorded at T. The problems ([] = ok)."""
-    import harness
-    import np_ops
-    import numpy as np
-
-    name, fmt, wd, mw, token_major, gs, acc = case
-    data, sf, vec = BS_FORMATS[fmt]
-    x = bs_inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
-    if tokens is not None:   # the first `tokens` tokens (the SF buffers as the op's shape rule wants them)
-        from cudnn_moe_jax.formats import sf_segment_bytes
-
-        per = 2 if data == E2M1 else 1
-        cut = {"a": (slice(None), slice(0, tokens // per)), "b": (slice(None), slice(0, tokens // per)),
-               "a_tok": (slice(0, tokens // per),), "b_tok": (slice(0, tokens // per),)}
-        x = {k: v[cut[k]] if k in cut else v for k, v in x.items()}
-        x["sfa"] = x["sfa"][:sf_segment_bytes(mw, tokens, vec)]
-        x["sfb"] = x["sfb"][:sf_segment_bytes(NW, tokens, vec)]
-    got, errs = _run_twice(functools.partial(bs_call, case), x)
-    a, b = (np.asarray(v) for v in operands(case, x))
-    n_tok = a.shape[1] * (2 if data == E2M1 else 1)
-    w_old = np.asarray(x["w"].astype(jnp.float32)) if acc else None
-    with np.errstate(invalid="ignore"):   # NaN / inf inputs
-        want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), np.asarray(x["sfa"]).view(np.uint8),
-                                         np.asarray(x["sfb"]).view(np.uint8), global_scale_a=x.get("gsa"),
-                                         global_scale_b=x.get("gsb"), wgrad_tensor=w_old, ab_dtype=data,
-                                         sf_dtype=sf, sf_vec_size=vec, wgrad_dtype=wd)
-    gv = got.astype(np.float32).astype(np.float64)
-    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
-    special = ~np.isfinite(pre)
-    if not np.array_equal(np.isnan(gv), np.isnan(pre)) or not np.array_equal(gv[np.isinf(pre)], pre[np.isinf(pre)]):
-        errs.append(f"NaN at {int(np.isnan(gv).sum())} elements, the oracle at {int(np.isnan(pre).sum())}; inf "
-                    f"{int(np.isinf(gv).sum())} / {int(np.isinf(pre).sum())}")
-    if mode == "specials" and not special.any():
-        errs.append("the specials reached no output")
-    if mode == "exact" and not np.array_equal(got.view(np.uint8), np.asarray(want["wgrad_tensor"]).view(np.uint8)):
-        bad = int(np.sum(got.astype(np.float64) != want["wgrad_tensor"].astype(np.float64)))
-        errs.append(f"not bit-identical to the exact result ({bad} elements differ)")
-    with np.errstate(invalid="ignore"):
-        bound = harness.ULP[wd] * np.abs(pre) + (n_tok * 2.0 ** -24 + 2.0 ** -20) * mag + 2.0 ** -126
-        err = np.where(special, 0.0, np.abs(gv - pre))
-    if not np.all(err <= np.where(special, 1.0, bound)):
-        errs.append(f"worst {np.nanmax(err / bound):.2f} x the bound")
-    for e in _empty_experts(x["offsets"], n_tok):
-        if acc and not np.array_equal(got[e].view(np.uint8), np.asarray(x["w"])[e].view(np.uint8)):
-            errs.append(f"expert {e} has no token: its W must be unchanged")
-        if not acc and gv[e].any():
-            errs.append(f"expert {e} has no token: W[e] must be zero")
-    return errs

@@ -6,7 +6,7 @@ completion to the kernels: on the H200 that is ~1-2 ms per 20-call program outsi
 process, JAX's included, with GPU timestamps, so (end of the last device event - start of the first) over one
 profiled program execution is the device time of that program: profiler start/stop, dispatch and the host's
 wait are outside it, and the ~1 us gaps between the program's kernels are inside it (they are part of running
-the program back to back). torch is only the CUPTI front end here; benchmarks/trace_launch_gaps.py reads the
+the program back to back). torch is only the CUPTI front end here; lab/trace_launch_gaps.py reads the
 same trace the same way. Without torch or CUPTI, `cupti_timer()` says why and callers time on the host.
 
 A program over several GPUs of one process (a jitted shard_map): CUPTI stamps every device's events on one

@@ -1,0 +1,66 @@
+"""Run one kernel a few times for `ncu` (GPU machine, from the checkout's root): a lab benchmark kernel through the
+primitive (lab/bench_kernels.py: `ours` a bf16 one, `mx` an MXFP8 one, operands quantized from N(0,1) per 32; its
+module from the bundle) or torch._grouped_mm on a named shape.
+
+    ncu --clock-control none --kernel-name regex:^kernel_cutlass_kernel_ --launch-skip 2 --launch-count 1 \\
+        --section SpeedOfLight python3 -m lab.profile_one ours fc1_t256c21
+    ncu ... python3 -m lab.profile_one mx fc1_bf16d
+    ncu ... python3 -m lab.profile_one torch fc2
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from cudnn_moe_jax.shapes import SHAPES
+
+
+def kernel_args(problem):
+    """Inputs of a benchmark kernel in its call order: bf16 (a, b, offsets, alpha, prob), MXFP8 (a, b, sfa, sfb,
+    offsets, alpha, prob[, norm_const]); experts of equal size."""
+    import jax
+    import jax.numpy as jnp
+
+    from cudnn_moe_jax import formats
+
+    m, n, k, L = problem.m, problem.n, problem.k, problem.num_groups
+    a = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(1), (L, n, k), jnp.float32)
+    if problem.block_scaled:
+        (a, sfa), (b, sfb) = (formats.to_block_scaled(x, formats.E4M3) for x in (a, b))
+        head = (a, b, sfa, sfb)
+    else:
+        head = (a.astype(jnp.bfloat16), (b / np.sqrt(k)).astype(jnp.bfloat16))
+    tail = (jnp.ones((1,), jnp.float32),) if problem.epilogue.generate_sfd else ()
+    return head + (jnp.asarray(np.arange(1, L + 1) * (m // L), jnp.int32), jnp.ones((L,), jnp.float32),
+                   jnp.ones((m,), jnp.float32)) + tail
+
+
+def main(kind: str, what: str) -> None:
+    if kind in ("ours", "mx"):
+        import jax
+
+        from lab import bench_kernels, harness
+        from lab.forward_cases import kernel_fn
+
+        problem, config = bench_kernels.case(what)
+        f, args = kernel_fn(problem, config), kernel_args(problem)
+        with harness.kernels_only():
+            for _ in range(4):
+                jax.block_until_ready(f(*args))
+    else:
+        import torch
+
+        m, n, k, L = SHAPES[what]
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(L, n, k, device="cuda", dtype=torch.bfloat16)
+        offs = torch.tensor(np.arange(1, L + 1) * (m // L), device="cuda", dtype=torch.int32)
+        for _ in range(4):
+            torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
