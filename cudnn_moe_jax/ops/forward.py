@@ -93,7 +93,8 @@ def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_
                                     padded_offsets, sf_vec_size, m_aligned)
     d_dtype = ck.out_dtype(d_dtype, "d_dtype", FORWARD_D_DTYPES)
     if d_dtype in QUANT_D_DTYPES:
-        ck.check_sf_alignment(m_aligned, f"a quantized d_dtype ({d_dtype}: SFD_row, D_col, SFD_col)")
+        kind = "FP4" if d_dtype == FP4 else "FP8"
+        ck.check_sf_alignment(m_aligned, f"an {kind} d_dtype ({d_dtype}: SFD_row, D_col, SFD_col)")
     if op != "quant":                      # srelu/glu always produce C (docs/ops.md): None is not "no C"
         c_dtype = ck.out_dtype(c_dtype, "c_dtype", OUT_DTYPES, "C is stored unscaled (bf16 / fp16 / fp32 / FP8): "
                                "an FP4 C would have no scale factors")
