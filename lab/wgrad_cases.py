@@ -104,7 +104,8 @@ BS_CASES = [("bs_mxfp8_c1", "mxfp8", "bfloat16", 384, False, False, False),
             ("bs_mxfp8e5_tok_c1_gs_acc", "mxfp8e5", "float32", 384, True, True, True)]
 # (pattern, input mode) of each case's GPU runs. "exact": codes on a coarse grid (FP8: k/8 (e4m3), k/4 (e5m2) in
 # [-2, 2]; FP4: any code), scales in {1, 2}, global scales in {1, 2}: every product and partial sum is exact in
-# fp32, so W must equal the correctly rounded exact result bit for bit (issue 19 item 6). "adversarial": any finite
+# fp32, so W must equal the correctly rounded exact result bit for bit (issue 19 item 6), but for the sums of
+# 2^-127-scaled products alone (SF bytes past the buffer: tests/gpu/wgrad_checks.py). "adversarial": any finite
 # code (subnormals included), e8m0 scales 2^-20..2^20, e4m3 scales over their whole range. "specials":
 # adversarial plus NaN codes (FP4: a NaN scale) of expert 1 and of tokens in no expert, a NaN scale of a B block,
 # e5m2 +-inf codes: NaN / inf land exactly where the oracle's do, and nowhere else.

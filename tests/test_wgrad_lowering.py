@@ -123,6 +123,28 @@ def test_supports_routes_block_scaled_wgrad(fmt):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("fmt", [("bfloat16", None, None)] + BS_FORMATS, ids=lambda f: f"{f[0]}-{f[1]}-{f[2]}")
+def test_wgrad_kernel_clips_offsets_to_the_token_count(fmt):
+    """The K-grouped kernel reads the token count T (which it clips the offsets to) from A's launcher shape
+    (`scheduler.group_extent`): T for every A storage, packed FP4's (m_w, T / 2) bytes included. It read the byte
+    columns, T / 2: FP4 experts lost their tokens past T / 2 (the FP4 GPU cases, exact inputs included)."""
+    import types
+
+    from cudnn_moe_jax import operands as table
+    from cudnn_moe_jax._problem import GroupedGemmProblem
+    from cudnn_moe_jax.kernels.sm90.config import Config
+    from cudnn_moe_jax.kernels.sm90.kernel import GroupedGemmSm90
+
+    data, sf, vec = fmt
+    for m, cluster_m in ((384, 1), (512, 2)):
+        p = GroupedGemmProblem(op="wgrad", m=m, n=320, k=2016, num_groups=5, ab_dtype=data, sf_dtype=sf,
+                               sf_vec_size=vec, wgrad_dtype="bfloat16")
+        kernel = GroupedGemmSm90(p, Config(cluster_m=cluster_m))
+        (a,) = [x for x in table.inputs(p) if x.name == "a"]
+        assert kernel.sched.group_extent(types.SimpleNamespace(shape=a.shape)) == p.k, (a.shape, p.k)
+
+
+@needs_cutlass
 @pytest.mark.parametrize("name", ["bs_mxfp8_c1", "bs_mxfp4_c2", "bs_nvfp4_c1_gs", "bs_mxfp8e5_tok_c1_gs_acc"])
 def test_blockscaled_wgrad_lowers_to_the_kernel(name):
     """The public op with block-scaled A / B (lab/wgrad_cases.py: its GPU cases) lowers for CUDA to one kernel

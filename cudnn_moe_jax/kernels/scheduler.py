@@ -89,12 +89,13 @@ class GroupedTileScheduler:
     tile_m, tile_n: CTA tile; cluster_m, cluster_n: CTAs per cluster along M / N; num_groups: L (static);
     n_blocks: cluster tiles along N; tile_k: K of one k-tile. M-grouped: k_tiles (the static K's k-tiles), group_m
     (M blocks per swizzle group), m_aligned (the ends' alignment: row blocks when block_m divides it, else tile
-    lists). K-grouped: m_blocks (cluster tiles along W's m_w).
+    lists). K-grouped: m_blocks (cluster tiles along W's m_w), tokens_per_unit (tokens per element of A's storage
+    along T: packed FP4 holds two a byte, so A (m_w, T / 2) bytes spans T tokens).
     """
 
     def __init__(self, grouping: str, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, num_groups: int,
                  n_blocks: int, tile_k: int, *, k_tiles: int = None, group_m: int = 8, m_blocks: int = None,
-                 m_aligned: int = GROUP_ALIGN):
+                 m_aligned: int = GROUP_ALIGN, tokens_per_unit: int = 1):
         if grouping not in (M_GROUPED, K_GROUPED):
             raise ValueError(f"grouping must be {M_GROUPED!r} or {K_GROUPED!r}")
         self.grouping = grouping
@@ -115,6 +116,7 @@ class GroupedTileScheduler:
         else:
             self.align = 1  # token ends: any alignment
             self.m_blocks = m_blocks
+        self.tokens_per_unit = tokens_per_unit
         # ends are scanned by one warp: each lane owns a contiguous chunk of ceil(L/32) groups
         self.chunk = (num_groups + 31) // 32
         self.search_steps = [1 << s for s in reversed(range(max(1, math.ceil(math.log2(num_groups + 1)))))]
@@ -136,8 +138,11 @@ class GroupedTileScheduler:
         return self.num_groups * (2 if self.by_tiles else 1)
 
     def group_extent(self, mA: cute.Tensor):
-        """The extent the offsets index: A's rows (M-grouped) or its tokens (K-grouped: A is (m_w, T))."""
-        return mA.shape[1] if self.grouping == K_GROUPED else mA.shape[0]
+        """The extent the offsets index: A's rows (M-grouped) or its tokens (K-grouped: A is (m_w, T), packed FP4
+        (m_w, T / 2) bytes: the token count is its columns times `tokens_per_unit`)."""
+        if self.grouping == K_GROUPED:
+            return mA.shape[1] * self.tokens_per_unit if self.tokens_per_unit != 1 else mA.shape[1]
+        return mA.shape[0]
 
     # ---------------------------------------------------------------------------------------- setup
     @cute.jit
