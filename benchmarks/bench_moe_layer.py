@@ -1,8 +1,10 @@
-"""The whole routed MoE layer, forward + backward, on real (uneven, unaligned) routing: ours (`nn.moe_layer`, its
-padding-free layout) vs ours on cuDNN's 256-padded layout (`ours_pad256`: the same pieces with m_aligned=256) vs the
-same layer written with `jax.lax.ragged_dot`, with tokamax's ragged_dot, and with torch `_grouped_mm`.
+"""The whole routed MoE layer, forward + backward, on real (uneven, unaligned) routing: ours (`nn.moe_layer` with
+its default group alignment) and the same pieces at other group alignments (`ours_m<A>`, `--aligns`: m_aligned=1
+is padding-free, 256 cuDNN's padded layout) vs the same layer written with `jax.lax.ragged_dot`, with tokamax's
+ragged_dot, and with torch `_grouped_mm`.
 
-    python -m benchmarks.bench_moe_layer [--configs 8e,64e,128e,decode] [--out DIR] [--no-breakdown]
+    python -m benchmarks.bench_moe_layer [--configs 8e,64e,128e,decode] [--aligns 1,64,128] [--out DIR]
+                                         [--no-breakdown]
 
 Every implementation has the same routing semantics: router logits x @ Wr (bf16 operands, fp32 sums; ours as
 `nn.moe_layer` does it), softmax over the experts, top-k, the k weights renormalized, SwiGLU experts (W1 gate /
@@ -72,8 +74,9 @@ def routed_floor_bytes(name) -> int:
 
 
 def ours_step(top_k, m_aligned=None):
-    """Our layer's step: `nn.moe_layer` (padding-free), or with m_aligned the same pieces (router, route, permute,
-    moe_mlp, unpermute) on that group alignment (256: cuDNN's padded layout, the buffer sized for the worst case)."""
+    """Our layer's step: `nn.moe_layer` (its default alignment), or with m_aligned the same pieces (router, route,
+    permute, moe_mlp, unpermute) on that group alignment (1: padding-free; 256: cuDNN's padded layout, the buffer
+    sized for the worst case)."""
     import jax
     import jax.numpy as jnp
 
@@ -122,13 +125,21 @@ def plain_step(top_k, ragged_dot):
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
 
 
-def bundle_items(configs=tuple(CONFIGS)):
-    """Lowerings of our steps (padding-free and 256-padded) for CUDA at every config (`python -m cudnn_moe_jax.aot
-    build --variants benchmarks.bench_moe_layer:bundle_items` records their modules)."""
+ALIGNS = (1, 256)   # the alignments timed beside the default one unless --aligns says otherwise
+
+
+def bundle_items(configs=tuple(CONFIGS), aligns=ALIGNS):
+    """Lowerings of our steps (the default alignment and `aligns`) for CUDA at every config (`python -m
+    cudnn_moe_jax.aot build --variants benchmarks.bench_moe_layer:bundle_items` records their modules)."""
     import jax
 
     return [lambda n=n, a=a: jax.jit(ours_step(CONFIGS[n][4], a)).trace(*_avals(n)).lower(
-        lowering_platforms=("cuda",)) for n in configs for a in (None, 256)]
+        lowering_platforms=("cuda",)) for n in configs for a in (None,) + tuple(aligns)]
+
+
+def all_aligns_bundle_items():
+    """The alignment study's lowerings (1, 64, 128 beside the default) at every config."""
+    return bundle_items(aligns=(1, 64, 128))
 
 
 def _memory_bytes(step, avals):
@@ -251,7 +262,8 @@ def run(args):
     for name in args.configs.split(","):
         t, h, i, e, k = CONFIGS[name]
         avals = _avals(name)
-        impls = {"ours": ours_step(k), "ours_pad256": ours_step(k, 256)}
+        impls = {"ours": ours_step(k)}
+        impls.update({f"ours_m{a}": ours_step(k, a) for a in args.aligns})
         notes, memory, runners = {}, {}, {}
         # jax.lax.ragged_dot has no grouped kernel on the GPU: XLA runs it dense over the experts
         if e * t * k * max(h, 2 * i) * 2 <= args.dense_limit_gb * 2 ** 30:
@@ -292,10 +304,11 @@ def run(args):
         if notes:
             print(f"{name:7s} notes: {notes}", flush=True)
         if not args.no_breakdown and timer is not None:
-            gemm, total = kernel_share(impls["ours"], avals)
-            row["ours_gemm_share"] = gemm / total if total else None
-            print(f"{name:7s} ours: GEMM kernels {gemm:.0f} us of {total:.0f} us device time "
-                  f"({100 * gemm / max(total, 1e-9):.1f}%)", flush=True)
+            for key in [k for k in impls if k.startswith("ours")]:
+                gemm, total = kernel_share(impls[key], avals)
+                row[f"{key}_gemm_share"] = gemm / total if total else None
+                print(f"{name:7s} {key}: GEMM kernels {gemm:.0f} us of {total:.0f} us device time "
+                      f"({100 * gemm / max(total, 1e-9):.1f}%)", flush=True)
         results.append(row)
     if args.out:
         out = Path(args.out)
@@ -309,8 +322,8 @@ def plot(results, path: Path):
     from benchmarks.bench_grouped_gemm import plot as bars
 
     rows = [dict(r, shape=r["config"]) for r in results]
-    impls = [k for k in ("ours", "ours_pad256", "torch", "tokamax", "ragged_dot")
-             if any(k in r["tflops"] for r in rows)]
+    ours = sorted({k for r in rows for k in r["tflops"] if k.startswith("ours")}, key=lambda k: (k != "ours", k))
+    impls = ours + [k for k in ("torch", "tokamax", "ragged_dot") if any(k in r["tflops"] for r in rows)]
     bars(rows, impls, "Routed MoE layer, fwd + bwd, bf16 SwiGLU (useful TFLOP/s), H200", path)
 
 
@@ -318,10 +331,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--aligns", default=",".join(map(str, ALIGNS)),
+                    help="group alignments (m_aligned) timed beside the layer's default, comma-separated")
     ap.add_argument("--no-breakdown", action="store_true", help="ours: no device time per kernel / GEMM share")
     ap.add_argument("--dense-limit-gb", type=float, default=16.0,
                     help="skip jax.lax.ragged_dot where its dense (experts x rows x width) operand exceeds this")
-    run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    args.aligns = [int(a) for a in args.aligns.split(",") if a]
+    run(args)
 
 
 if __name__ == "__main__":

@@ -33,12 +33,13 @@ def test_route_builds_contiguous_groups(m_aligned, ends, rows):
     assert np.sum(row_token < 4) == 8  # every assignment placed exactly once, the rest are padding
 
 
-def test_default_layout_is_padding_free():
-    """The layer's buffer holds the routed rows only (rounded up to 8): 512 tokens, top-2, 64 experts -> 1024 rows
-    (cuDNN's 256-padded worst case would be 17408)."""
-    assert nn.permuted_rows(512, 2, 64) == 1024
+def test_default_layout_pads_groups_to_64_rows():
+    """The layer's buffer holds the routed rows plus at most 63 per expert: 512 tokens, top-2, 64 experts -> 5056
+    rows (padding-free: 1024; cuDNN's 256-padded worst case: 17408)."""
+    assert nn.permuted_rows(512, 2, 64) == 5056
+    assert nn.permuted_rows(512, 2, 64, m_aligned=1) == 1024
     assert nn.permuted_rows(512, 2, 64, m_aligned=256) == 17408
-    assert nn.permuted_rows(1001, 3, 8) == 3008
+    assert nn.permuted_rows(1001, 3, 8, m_aligned=1) == 3008
 
 
 def test_permute_unpermute_roundtrip():

@@ -6,7 +6,7 @@ device of the expert axis (size D) owns L/D consecutive experts and T/S of the t
 the product of the `data_axes` sizes and D). Per device:
 
     router (local tokens)  ->  ep_dispatch: each (token, choice) copied into a fixed slot for the device that owns
-    its expert, one all_to_all  ->  route/permute into padding-free groups of the local experts  ->  nn.moe_mlp (the
+    its expert, one all_to_all  ->  route/permute into aligned groups of the local experts  ->  nn.moe_mlp (the
     fused custom_vjp MLP; the gate weight travels with the row and is applied inside it, as in nn.moe_layer)  ->
     unpermute  ->  ep_combine: the reverse all_to_all and the sum of each token's k expert outputs  ->  the
     token-side terms of nn.block (FC2 bias, shared expert; their parameters replicated) on the local tokens.
@@ -126,7 +126,7 @@ def ep_combine(y, dispatch: Dispatch, *, axis_name: str):
 
 def local_expert_mlp(dispatch: Dispatch, w1, w2, b1=None, *, act: str = "swiglu",
                      glu_limit: Optional[float] = None):
-    """The received rows through this device's experts: route into padding-free groups, `nn.moe_mlp`, back to the
+    """The received rows through this device's experts: route into 64-row-aligned groups, `nn.moe_mlp`, back to the
     received-slot order. w1 (Ll, 2I or I, H), w2 (Ll, H, I), b1 (Ll, 2I or I) or None. Returns (R, H)."""
     num_local = w1.shape[0]
     rows = dispatch.x.shape[0]

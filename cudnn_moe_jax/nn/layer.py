@@ -2,7 +2,7 @@
 
     x (..., H) -> flatten to (T, H), cast to the compute dtype
     router (nn.router: RouterConfig) or a precomputed gating=(experts, weights)
-    -> route / permute into padding-free expert groups -> nn.moe_mlp (fused ops; float32: jnp reference)
+    -> route / permute into 64-row-aligned expert groups -> nn.moe_mlp (fused ops; float32: jnp reference)
     -> unpermute (each token's k outputs, gate-weighted, summed in fp32)
     (+ gate-weighted FC2 bias, + shared expert: nn.block) -> y (..., H) in the compute dtype, aux
 """

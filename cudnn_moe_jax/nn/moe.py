@@ -122,7 +122,7 @@ def moe_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act: str = "swiglu", glu_l
             m_aligned: int = M_ALIGNED):
     """Expert MLP on permuted rows. x_perm (m, H); w1 (L, 2I or I, H); w2 (L, H, I); prob (m,) f32;
     b1 (L, 2I or I) or None; padded_offsets (L,) int32 (static-shaped, device values), multiples of `m_aligned`
-    (static; default padding-free, 1: any group ends; m a multiple of it and of 8). Returns y_perm (m, H) in
+    (static; default `routing.M_ALIGNED`, 1: any group ends; m a multiple of it and of 8). Returns y_perm (m, H) in
     x_perm's dtype, which is the compute dtype:
 
     - bfloat16 / float16: the fused ops (custom_vjp). w1 / w2 in x_perm's dtype, or float32 master weights: cast
