@@ -9,11 +9,10 @@ and the bf16 / MXFP8 mainloop choice are the defaults, which wgrad overrides).
 
 Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
   warpgroup 0, warp 0   `producer`: TMA loads of A (128 x 64) and B[g] (tile_n x 64, multicast to the cluster)
-                        into an `ab_stages`-deep mbarrier pipeline (MXFP8: 128 x 128 B of fp8 + the SF atoms);
-  warpgroup 0, warps 1-3 `stage_worker`s of the mainloop: MXFP8 scale decoders (e8m0 bytes of each stage -> bf16
-                        scale operands, mainloop_mxfp8), the wgrad token masker (warp 1);
-  warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n; MXFP8: per 32-K block
-                        a data and a scale-product wgmma, folded with one FFMA per element), then the epilogue
+                        and their SF atoms into an `ab_stages`-deep mbarrier pipeline;
+  warpgroup 0, warps 1-3 `stage_worker`s of the mainloop: the dequantizing converters (narrow B -> bf16 stage,
+                        mainloop_dequant), MXFP8 scale decoders (mainloop_mxfp8), the wgrad token masker (warp 1);
+  warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n), then the epilogue
                         (`run_epilogue` with the op's hooks): fused math per 32-column subtile -> swizzled smem ->
                         TMA store (the first consumer warp issues the stores; `epi_stages` buffers keep stores in
                         flight under the next subtile). FP8 D: row/column quantization of each subtile, e8m0 bytes
@@ -24,9 +23,8 @@ zeros by the epilogue ("zero tiles"): XLA outputs are uninitialised. amax, when 
 kernel launched just before the GEMM in the same call, then merged with per-warp `atomicMax` on the bit patterns of
 |D| (exact, so deterministic).
 
-Launcher arguments: what `cutlass.jax.cutlass_call` passes, the stream first, then the inputs and outputs of
-`operands.launcher_operands` (the one table; `_unpack` names them). `m` is dynamic (one module serves every
-m % m_aligned == 0, 256 by default: every routing of that alignment); wgrad's T likewise (T % 8 == 0).
+Launcher arguments: the stream, then `operands.launcher_operands` (the one table; `_unpack` names them). `m` is
+dynamic (one module serves every m % m_aligned == 0: every routing of that alignment); wgrad's T likewise.
 """
 
 from __future__ import annotations
