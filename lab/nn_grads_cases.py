@@ -4,7 +4,7 @@ modules of exactly those jitted functions:
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.nn_grads_cases:bundle_items
 
-The layers run the padding-free layout (nn.route's default m_aligned=1): moe_layer's 384 tokens x top-2 are 768
+The layers run the padding-free layout (m_aligned=1, passed explicitly; nn's default is 64): moe_layer's 384 tokens x top-2 are 768
 permuted rows, its group ends wherever the router puts them; moe_mlp's ends are set inside 128-row tiles (tiles
 clipped at group ends in every GEMM, wgrad on unaligned token ranges). Kernel modules serve every m (and wgrad every
 token count), so the swiglu modules also serve the one-device run of examples/moe_expert_parallel.py.
@@ -119,18 +119,19 @@ def _loss_options(name, params, x):
     y, aux = nn.moe_layer(params["x"], params["router"], (params["w_gate"], params["w_up"]), params["w2"], b1,
                           act=o["act"], router_config=nn.RouterConfig(top_k=TOP_K, **o["router"]),
                           router_bias=params.get("router_bias"), b2=params.get("b2"), shared=shared,
-                          weight_layout=o.get("layout", "out_in"), dtype=o["dtype"])
+                          weight_layout=o.get("layout", "out_in"), dtype=o["dtype"], m_aligned=1)
     return jnp.sum(y.astype(jnp.float32) * x["target"]), {"expert_load": aux["expert_load"]}
 
 
 def _loss_mlp(act, params, x):
-    y = nn.moe_mlp(params["x"], params["w1"], params["w2"], params["prob"], params.get("b1"), x["offsets"], act)
+    y = nn.moe_mlp(params["x"], params["w1"], params["w2"], params["prob"], params.get("b1"), x["offsets"], act,
+                   m_aligned=1)
     return jnp.sum(y.astype(jnp.float32) * x["target"]), {}
 
 
 def _loss_layer(act, params, x):
     y, aux = nn.moe_layer(params["x"], params["router"], params["w1"], params["w2"], params.get("b1"), top_k=TOP_K,
-                          act=act)
+                          act=act, m_aligned=1)
     return jnp.sum(y.astype(jnp.float32) * x["target"]), {"expert_load": aux["expert_load"]}
 
 

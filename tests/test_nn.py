@@ -153,7 +153,7 @@ def test_moe_layer_router_gradient_matches_plain_jnp():
         return jnp.sum(y.astype(jnp.float32) * cot)
 
     def plain(router, w1):
-        with_plain = lambda xp, a, b, p, bias, off, act, lim: _plain_mlp(xp, a, b, p, bias, off, act, lim)
+        with_plain = lambda xp, a, b, p, bias, off, act, lim, m_aligned: _plain_mlp(xp, a, b, p, bias, off, act, lim)
         original = moe_module.moe_mlp
         moe_module.moe_mlp = with_plain
         try:
@@ -295,7 +295,7 @@ def test_moe_mlp_errors_name_its_arguments():
     x = jnp.zeros((512, 64), jnp.bfloat16)
     prob, offsets = jnp.ones((512,)), jnp.array([256, 256, 512, 512], jnp.int32)
     for args, fragment in (((x[:300], w1, w2, prob[:300], None, offsets), "x_perm must have shape (m, H) with m a "
-                                                                           "multiple of 8"),
+                                                                           "multiple of 64"),
                            ((x, w1, w2, prob[:256], None, offsets), "prob must have shape (m,) = (512,)"),
                            ((x, w1, w2, prob, None, offsets[:2]), "padded_offsets must have shape (L,) = (4,)"),
                            ((x, w1[:, :, :32], w2, prob, None, offsets), "x_perm's last dimension")):

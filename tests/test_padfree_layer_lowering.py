@@ -1,4 +1,4 @@
-"""The routed layer's training step on the padding-free layout (nn.moe_layer's default, m_aligned=1), lowered for
+"""The routed layer's training step on the padding-free layout (nn.moe_layer(..., m_aligned=1)), lowered for
 CUDA on this CPU machine: value_and_grad of nn.moe_layer (router, permutation, the fused expert MLP, its backward)
 lowers every GEMM to a kernel module of the padding-free schedule (a fallback to the reference would warn, and the
 warning is an error here), and the permuted buffer holds the routed rows only.
@@ -30,7 +30,7 @@ def test_moe_layer_value_and_grad_lowers_to_padfree_kernels(act, bias):
                  w2=sd((L, H, I), jnp.bfloat16), b1=sd((L, n1), jnp.bfloat16) if bias else None)
 
     def loss(p):
-        y, aux = nn.moe_layer(p["x"], p["router"], p["w1"], p["w2"], p["b1"], top_k=k, act=act)
+        y, aux = nn.moe_layer(p["x"], p["router"], p["w1"], p["w2"], p["b1"], top_k=k, act=act, m_aligned=1)
         return jnp.sum(y.astype(jnp.float32) ** 2), aux["padded_offsets"]
 
     with warnings.catch_warnings():
@@ -39,7 +39,7 @@ def test_moe_layer_value_and_grad_lowers_to_padfree_kernels(act, bias):
     text = lowered.as_text()
     calls = [line for line in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall" in line]
     assert len(calls) == 6, f"expected the six GEMMs as kernel custom calls, found {len(calls)}"
-    rows = nn.permuted_rows(T, k, L)
+    rows = nn.permuted_rows(T, k, L, m_aligned=1)
     assert rows == T * k   # padding-free: the routed rows (a multiple of 8 here)
     # the GEMMs read the (rows, .) permuted activations, not cuDNN's worst-case 256-padded buffer
     dims = set(re.findall(r"tensor<(\d+)x\d+xbf16>", " ".join(calls)))

@@ -80,17 +80,18 @@ def fc2_bias_term(experts, weights, b2, dtype: str):
 
 
 def shared_expert_output(x, w1, w2, b1, gate, act: str, glu_limit):
-    """The shared MLP on tokens x (T, H) in the compute dtype: one expert group over every token (padded to a
-    multiple of 8 rows, the wgrad ops' token count; padding rows have prob 0). Returns (T, H) in x's dtype."""
+    """The shared MLP on tokens x (T, H) in the compute dtype: one expert group over every token, starting at row 0
+    and ending at T (m_aligned 1; padded to a multiple of 8 rows, the wgrad ops' token count; padding rows have
+    prob 0). Returns (T, H) in x's dtype."""
     tokens = x.shape[0]
-    rows = permuted_rows(tokens, 1, 1)
+    rows = permuted_rows(tokens, 1, 1, m_aligned=1)
     if gate is None:
         prob = jnp.ones((tokens,), jnp.float32)
     else:
         prob = jax.nn.sigmoid(matmul_f32_acc(x, gate[:, None], x.dtype.name, _precision(x.dtype.name))[:, 0])
     x_rows = jnp.pad(x, ((0, rows - tokens), (0, 0)))
     prob = jnp.pad(prob, (0, rows - tokens))
-    y = moe_mlp(x_rows, w1, w2, prob, b1, jnp.full((1,), tokens, jnp.int32), act, glu_limit)
+    y = moe_mlp(x_rows, w1, w2, prob, b1, jnp.full((1,), tokens, jnp.int32), act, glu_limit, m_aligned=1)
     return y[:tokens]
 
 

@@ -110,7 +110,7 @@ def token_aux(gating: Gating, batch_shape) -> dict:
 def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: Optional[int] = None, act: str = "swiglu",
               glu_limit: Optional[float] = None, router_config: Optional[RouterConfig] = None, router_bias=None,
               gating=None, b2=None, shared: Optional[block.SharedExpert] = None, weight_layout: str = "out_in",
-              dtype=None):
+              dtype=None, m_aligned: int = _routing.M_ALIGNED):
     """A full MoE FFN on tokens x (..., H), e.g. (T, H) or (batch, seq, H) (docs/nn.md has every rule).
 
     Router: router_weight (H, L) with `router_config` (`nn.RouterConfig`: softmax / sigmoid, top-k first or not,
@@ -122,6 +122,8 @@ def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: Optional[int] = None,
     (L, H, 2I) / (L, I, H) instead. b2 (L, H): FC2 bias, weighted by the gate. `shared`: an `nn.SharedExpert`.
     Precision: `dtype` (default x's) is the compute dtype: bf16 / fp16 run the fused kernels, weights in it or
     float32 (master weights, cast inside, float32 gradients); float32 runs the jnp reference path.
+    `m_aligned`: the permuted rows' group alignment (static): 64 by default (measured fastest), 1 padding-free (the
+    least memory), 256 cuDNN's layout.
 
     Returns (y with x's shape in the compute dtype, aux): aux["expert_load"] (L,) int32 assignments per expert,
     aux["padded_offsets"] (L,) group ends of the permuted rows, aux["experts"] / aux["weights"] (..., k), and
@@ -133,15 +135,15 @@ def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: Optional[int] = None,
                                 glu_limit=glu_limit, weight_layout=weight_layout, dtype=dtype)
     num_experts = params["w1"].shape[0]
     gating = gating_of(x2d, params, spec, num_experts)
-    plan = _routing.route(gating.experts, num_experts)
+    plan = _routing.route(gating.experts, num_experts, m_aligned)
     x_perm, prob = _routing.permute(x2d, gating.weights, plan)
     y_perm = _moe.moe_mlp(x_perm, params["w1"], params["w2"], prob, params.get("b1"), plan.padded_offsets, act,
-                          glu_limit)
+                          glu_limit, m_aligned)
     y = _routing.unpermute(y_perm, plan, x2d.shape[0])
     y = block.add_token_terms(y, x2d, gating.experts, gating.weights, params.get("b2"), shared_of(params), act,
                               glu_limit)
     # padding-free groups: a group's rows are its assignments (no scatter-add of T*k ones for the load)
-    load = (jnp.diff(plan.padded_offsets, prepend=0) if _routing.M_ALIGNED == 1
+    load = (jnp.diff(plan.padded_offsets, prepend=0) if m_aligned == 1
             else expert_load(gating.experts, num_experts))
     aux = {"padded_offsets": plan.padded_offsets, "expert_load": load,
            **token_aux(gating, batch_shape)}
