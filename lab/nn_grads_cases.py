@@ -4,9 +4,9 @@ modules of exactly those jitted functions:
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.nn_grads_cases:bundle_items
 
-The layers run the padding-free layout (m_aligned=1, passed explicitly; nn's default is 64): moe_layer's 384 tokens x top-2 are 768
-permuted rows, its group ends wherever the router puts them; moe_mlp's ends are set inside 128-row tiles (tiles
-clipped at group ends in every GEMM, wgrad on unaligned token ranges). Kernel modules serve every m (and wgrad every
+The layers run the padding-free layout (m_aligned=1, passed explicitly; nn's default is 64): moe_layer's 384
+tokens x top-2 are 768 permuted rows, its group ends wherever the router puts them; moe_mlp's ends are set inside
+128-row tiles (tiles clipped at group ends in every GEMM, wgrad on unaligned token ranges). Kernel modules serve every m (and wgrad every
 token count), so the swiglu modules also serve the one-device run of examples/moe_expert_parallel.py.
 
 OPTIONS adds moe_layer cases for the router variants and expert-block pieces (docs/nn.md): a sigmoid,
