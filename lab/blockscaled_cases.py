@@ -6,21 +6,7 @@ machine (lowered at the inputs' shapes and dtypes, `input_avals`):
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.blockscaled_cases:bundle_items
 
-Input modes (`inputs`):
-  "exact"        codes on a coarse grid (FP4: any code; e4m3: k/8, e5m2: k/4, |v| <= 2) with scales in {1, 2},
-                 alpha in {1/2, 1, 2}, prob k/8, bias k/8 (cuDNN's generators are such inputs): every product and
-                 every partial sum is exact in fp32, in any order, so the accumulator-level outputs (all of quant's,
-                 C of srelu / glu) must equal the oracle's correctly rounded values bit for bit: codes, SF bytes,
-                 bf16 / fp32 / FP8 values, amax (issue 19 item 6). Activation outputs: within the tolerance below.
-  "adversarial"  N(0, 1) data with per-(row, block) magnitudes 2^U(-20, 20) (MXFP: e8m0 scales over that range;
-                 NVFP4: 2^U(-6, 10), e4m3 scales over their whole range, subnormal scale codes included) and 5%
-                 all-zero blocks (scale code 0x00 = 2^-127 for e8m0), quantized by the independent numpy quantizer;
-                 e4m3 / e2m1 subnormal codes occur in every block.
-  "specials"     adversarial plus a NaN code in one A row (FP4 has none: a NaN scale of one A block), a NaN scale of
-                 one B block, and for e5m2 +inf / -inf codes in B: NaN / inf must land exactly where the oracle's do.
-Tolerance (non-exact outputs): the accumulator may differ from the float64 value by fp32 summation order,
-(K 2^-24 + 2^-20) sum|a b|, pushed through the epilogue by the oracle's first-order magnitudes, plus half an output
-ulp (tests/gpu/mxfp8_checks.py: check_values / check_fp8_outputs).
+Input modes ("exact", "adversarial", "specials") and the tolerance: tests/gpu/blockscaled_checks.py.
 """
 
 from __future__ import annotations

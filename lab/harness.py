@@ -75,6 +75,14 @@ def run_twice(fn, *args):
     return first, second
 
 
+def repeat_differences(first: dict, second: dict) -> list:
+    """["<key>: two calls differ"] for each output of `run_twice`'s two results whose bytes differ (None: absent)."""
+    import numpy as np
+
+    return [f"{key}: two calls differ" for key, g in first.items() if g is not None
+            and not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(second[key]).view(np.uint8))]
+
+
 def sanitize_params(params, sanitize) -> list:
     """pytest params from (id, values) pairs; those whose id is in `sanitize` carry the `sanitize` mark: the small
     subset run under compute-sanitizer (`pytest -m sanitize`, tools/gpu/run_all.sh)."""

@@ -160,6 +160,27 @@ def bs_sf_byte(rows, tokens, vec, offsets, e, r, j):
     return base + formats.sf_offset(r, j, 0, rows, -(-(end - start) // vec))
 
 
+def bs_run_inputs(case, pattern: str, mode: str, tokens=None) -> dict:
+    """The inputs of one suite run: `bs_inputs` seeded by (case, pattern, mode); `tokens`: only the first `tokens`
+    tokens (A / B and the SF segment buffers as the op's shape rule wants them at that count)."""
+    import zlib
+
+    from cudnn_moe_jax.formats import sf_segment_bytes
+
+    name, fmt, _, mw = case[:4]
+    x = bs_inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
+    if tokens is None:
+        return x
+    data, _, vec = BS_FORMATS[fmt]
+    per = 2 if data == E2M1 else 1
+    cut = {"a": (slice(None), slice(0, tokens // per)), "b": (slice(None), slice(0, tokens // per)),
+           "a_tok": (slice(0, tokens // per),), "b_tok": (slice(0, tokens // per),)}
+    x = {k: v[cut[k]] if k in cut else v for k, v in x.items()}
+    x["sfa"] = x["sfa"][:sf_segment_bytes(mw, tokens, vec)]
+    x["sfb"] = x["sfb"][:sf_segment_bytes(NW, tokens, vec)]
+    return x
+
+
 def bs_inputs(case, pattern: str = "unaligned", mode: str = "exact", seed: int = 0):
     import ml_dtypes
     import numpy as np

@@ -141,8 +141,7 @@ def _run_checked(case, pattern: str, mode: str, discrete: bool = False):
     valid = np.zeros(M, bool)
     for s, e in want["_groups"]:
         valid[s:e] = True
-    errs = [f"{key}: two calls differ" for key, g in got.items() if g is not None
-            and not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8))]
+    errs = harness.repeat_differences(got, again)
     return x, got, want, valid, errs
 
 

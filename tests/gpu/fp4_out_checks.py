@@ -188,8 +188,7 @@ def run_case(case, pattern: str, mode: str) -> list[str]:
     name, op, fmt, k, _, options = case
     x = inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
     got, again = harness.run_twice(jax.jit(functools.partial(call, case)), x)
-    errs = [f"{key}: two calls differ" for key, g in got.items() if g is not None
-            and not np.array_equal(np.asarray(g).view(np.uint8), np.asarray(again[key]).view(np.uint8))]
+    errs = harness.repeat_differences(got, again)
     exact = options.get("pm1") or (mode == "exact" and op == "quant")
     d_bf16 = None
     if op == "hadamard" and options.get("rht_mode") is not None:

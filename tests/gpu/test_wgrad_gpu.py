@@ -114,16 +114,7 @@ def run_bs_case(case, pattern: str, mode: str, tokens: int = None) -> list[str]:
     module recorded at T. The problems ([] = ok)."""
     name, fmt, wd, mw, token_major, gs, acc = case
     data, sf, vec = cases.BS_FORMATS[fmt]
-    x = cases.bs_inputs(case, pattern, mode, seed=zlib.crc32(f"{name}/{pattern}/{mode}".encode()) % 1000)
-    if tokens is not None:   # the first `tokens` tokens (the SF buffers as the op's shape rule wants them)
-        from cudnn_moe_jax.formats import sf_segment_bytes
-
-        per = 2 if data == cases.E2M1 else 1
-        cut = {"a": (slice(None), slice(0, tokens // per)), "b": (slice(None), slice(0, tokens // per)),
-               "a_tok": (slice(0, tokens // per),), "b_tok": (slice(0, tokens // per),)}
-        x = {k: v[cut[k]] if k in cut else v for k, v in x.items()}
-        x["sfa"] = x["sfa"][:sf_segment_bytes(mw, tokens, vec)]
-        x["sfb"] = x["sfb"][:sf_segment_bytes(cases.NW, tokens, vec)]
+    x = cases.bs_run_inputs(case, pattern, mode, tokens)
     got, errs = _run_twice(functools.partial(cases.bs_call, case), x)
     a, b = (np.asarray(v) for v in cases.operands(case, x))
     n_tok = a.shape[1] * (2 if data == cases.E2M1 else 1)
