@@ -95,7 +95,9 @@ class WgmmaMainloop:
                                                   schedule's tile); `load_tile` takes the tile's B partition (of
                                                   its expert) and, with discrete weights, the expert's TMA
                                                   descriptors (`experts.ExpertDescriptors`, which the B and SFB
-                                                  loads go through, the expert index then 0; else None)."""
+                                                  loads go through, the expert index then 0; else None);
+                                                  it runs `produce_stages`, which calls the mainloop's
+      `load_stage_scales`                         per stage after the A / B TMA (block-scaled: scale loads)."""
 
     TILE_K = TILE_K
     STAGE_WORKERS = ()
@@ -153,6 +155,41 @@ class WgmmaMainloop:
                 tiled_mma.make_fragment_B(thr_mma.partition_B(sB)))
 
     @cute.jit
+    def produce_stages(self, ab_pipeline, prod_state, ab_copies, a_mcast_mask, b_mcast_mask, k_count: Int32,
+                       scales=None, descriptors=None, b_own=None):
+        """The producer's k-loop of one tile (every mainloop's `load_tile`): per stage acquire it, TMA its A and B
+        (`ab_copies` = (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB)), then the mainloop's scale loads of the stage
+        (`self.load_stage_scales(scales, bar, k, s, ...)` where `scales` is not None: the per-tile state its
+        `load_tile` set up), commit (Mxfp8Mainloop calls it as `WgmmaMainloop.produce_stages(self, ...)`).
+        `b_own`: WgmmaMainloop.load_tile's (2-CTA blocks over two experts' B)."""
+        tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB = ab_copies
+        prod_state.reset_count()
+        for _k in cutlass.range(k_count, unroll=1):
+            ab_pipeline.producer_acquire(prod_state)
+            bar = ab_pipeline.producer_get_barrier(prod_state)
+            k = prod_state.count
+            s = prod_state.index
+            if const_expr(b_own is None):
+                copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask,
+                              descriptors)
+            else:
+                tBgB_other, tBsB_other, multicast, own_mask = b_own
+                if multicast:
+                    copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
+                                  b_mcast_mask, descriptors)
+                else:
+                    copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
+                                  own_mask, descriptors)
+                    cute.copy(tma_atom_b, tBgB_other[(None, k)], tBsB_other[(None, s)], tma_bar_ptr=bar,
+                              mcast_mask=own_mask,
+                              tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.b)
+            if const_expr(scales is not None):
+                self.load_stage_scales(scales, bar, k, s, a_mcast_mask, b_mcast_mask, descriptors)
+            ab_pipeline.producer_commit(prod_state)
+            prod_state.advance()
+        return prod_state
+
+    @cute.jit
     def load_tile(
         self,
         ab_pipeline,
@@ -175,28 +212,8 @@ class WgmmaMainloop:
         `b_own` = (the other CTA's half of this tile's B, its smem partition, multicast, this CTA's own mask):
         a 2-CTA cluster whose tiles may use two experts' B (tile lists) multicasts B only when `multicast`; else
         each CTA loads both halves to itself (the same bytes arrive per stage either way)."""
-        prod_state.reset_count()
-        for _k in cutlass.range(k_count, unroll=1):
-            ab_pipeline.producer_acquire(prod_state)
-            bar = ab_pipeline.producer_get_barrier(prod_state)
-            if const_expr(b_own is None):
-                copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, prod_state.count,
-                              prod_state.index, a_mcast_mask, b_mcast_mask, descriptors)
-            else:
-                tBgB_other, tBsB_other, multicast, own_mask = b_own
-                k, s = prod_state.count, prod_state.index
-                if multicast:
-                    copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
-                                  b_mcast_mask, descriptors)
-                else:
-                    copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask,
-                                  own_mask, descriptors)
-                    cute.copy(tma_atom_b, tBgB_other[(None, k)], tBsB_other[(None, s)], tma_bar_ptr=bar,
-                              mcast_mask=own_mask,
-                              tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.b)
-            ab_pipeline.producer_commit(prod_state)
-            prod_state.advance()
-        return prod_state
+        return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
+                              a_mcast_mask, b_mcast_mask, k_count, None, descriptors, b_own)
 
     @cute.jit
     def publish_stage(self, worker: cutlass.Constexpr, smem, stage_mbar, idx: Int32, lane: Int32):

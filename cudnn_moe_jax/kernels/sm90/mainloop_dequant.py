@@ -70,7 +70,7 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_KBLOCKS, SF_ATOM_ROWS, 
 
 from .. import dequant as dq
 from .. import quantize as q8
-from .mainloop import WgmmaMainloop, copy_ab_stage, make_ab_smem_layouts
+from .mainloop import WgmmaMainloop, make_ab_smem_layouts
 from .mainloop_mxfp8 import sf_atom_tma
 
 TILE_K = 64
@@ -289,30 +289,25 @@ class DequantMainloop(WgmmaMainloop):
         (k-block quad k // stages_per_atom). SFA atoms are (m / 128, Kb), SFB atoms (L, cdiv(N, 128), Kb); a B
         row block past N loads the expert's last one (its rows are masked by the workers). Discrete weights: B and
         SFB through the expert's `descriptors`, g = 0."""
-        tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs = scale_loads
-        m_tile, n_tile = tile.m_tile, tile.n_tile
         g = 0 if const_expr(descriptors is not None) else tile.group
+        return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
+                              a_mcast_mask, b_mcast_mask, k_count, (scale_loads, tile.m_tile, tile.n_tile, g),
+                              descriptors)
+
+    @cute.jit
+    def load_stage_scales(self, scales, bar, k: Int32, s: Int32, a_mcast_mask, b_mcast_mask, descriptors):
+        """The SF atoms of stage k (load_tile's per-tile `scales`) on the stage's barrier."""
+        (tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs), m_tile, n_tile, g = scales
         b_blocks = self.tile_n // SF_ATOM_ROWS
-        prod_state.reset_count()
-        for _k in cutlass.range(k_count, unroll=1):
-            ab_pipeline.producer_acquire(prod_state)
-            bar = ab_pipeline.producer_get_barrier(prod_state)
-            k = prod_state.count
-            s = prod_state.index
-            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask,
-                          descriptors)
-            kq = k // self.stages_per_atom
-            if const_expr(not self.FORMAT.a_bf16):
-                cute.copy(tma_atom_sfa, tSAg[(None, 0, m_tile * self.k_blocks4 + kq)], tSAs[(None, s)],
-                          tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-            for i in cutlass.range_constexpr(b_blocks):
-                rb = cutlass.min(n_tile * b_blocks + i, Int32(self.sfb_row_blocks - 1))
-                cute.copy(tma_atom_sfb, tSBg[(None, 0, (g * self.sfb_row_blocks + rb) * self.k_blocks4 + kq)],
-                          tSBs[i][(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask,
-                          tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.sfb)
-            ab_pipeline.producer_commit(prod_state)
-            prod_state.advance()
-        return prod_state
+        kq = k // self.stages_per_atom
+        if const_expr(not self.FORMAT.a_bf16):
+            cute.copy(tma_atom_sfa, tSAg[(None, 0, m_tile * self.k_blocks4 + kq)], tSAs[(None, s)],
+                      tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+        for i in cutlass.range_constexpr(b_blocks):
+            rb = cutlass.min(n_tile * b_blocks + i, Int32(self.sfb_row_blocks - 1))
+            cute.copy(tma_atom_sfb, tSBg[(None, 0, (g * self.sfb_row_blocks + rb) * self.k_blocks4 + kq)],
+                      tSBs[i][(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask,
+                      tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.sfb)
 
     # ------------------------------------------------------------------------------------------ workers
     def _units(self):
@@ -530,11 +525,7 @@ class DequantMainloop(WgmmaMainloop):
                 else:
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
-        warpgroup.wait_group(0)
-        for _k in cutlass.range(cutlass.min(k_count, Int32(1)), unroll=1):
-            ab_pipeline.consumer_release(release_state)
-            release_state.advance()
-        return read_state, release_state
+        return read_state, release_last(ab_pipeline, release_state, k_count)
 
     @cute.jit
     def _stage(self, ab_pipeline, read_state, tiled_mma, acc, frag, tCrB, a_thread, k: Int32, stage_mbar):
@@ -563,6 +554,16 @@ def bulk_copy_to_cluster(dst: Int32, src: Int32, size: cutlass.Constexpr, mbar: 
     llvm.inline_asm(None, [Int32(dst).ir_value(), Int32(src).ir_value(), Int32(mbar).ir_value()],
                     f"cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [$0], [$1], {size}, [$2];",
                     "r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@cute.jit
+def release_last(ab_pipeline, release_state, k_count: Int32):
+    """After a tile's RS k-loop: wait for its last wgmmas and release its last stage (a zero tile has none)."""
+    warpgroup.wait_group(0)
+    for _k in cutlass.range(cutlass.min(k_count, Int32(1)), unroll=1):
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
+    return release_state
 
 
 def advanced_if(state, cond):

@@ -44,8 +44,8 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_row_byte
 
 from .. import dequant as dq
 from .. import quantize as q8
-from .mainloop import WgmmaMainloop, copy_ab_stage
-from .mainloop_dequant import TILE_K, WORKERS, DequantFormat, DequantMainloop, advanced_if, bf16_stage_layout
+from .mainloop import WgmmaMainloop
+from .mainloop_dequant import TILE_K, WORKERS, DequantFormat, DequantMainloop, advanced_if, release_last
 
 SF_SLOTS = 2          # 4-block quads of a segment a stage's tokens can touch
 MN_RUN = 32           # tokens of a token-major lane run (one 32-token half of a stage)
@@ -246,39 +246,37 @@ class KGroupedDequantMainloop(DequantMainloop):
         lane = cute.arch.lane_idx()
         fmt = self.FORMAT
         kb_n = (((seg.end - seg.start + fmt.vec - 1) >> self.log_vec) + 3) >> 2     # the segment's quads
-        prod_state.reset_count()
-        for _k in cutlass.range(k_count, unroll=1):
-            ab_pipeline.producer_acquire(prod_state)
-            bar = ab_pipeline.producer_get_barrier(prod_state)
-            k = prod_state.count
-            s = prod_state.index
-            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask)
-            st = self.stage(seg, k)
-            last = cutlass.min((st.tb + TILE_K - 1 - seg.start) >> self.log_vec, seg.last_block)
-            slots = 1 + Int32((last >> 2) > st.q0)
-            for operand in cutlass.range_constexpr(2):
-                mSF = mSFA if const_expr(operand == 0) else mSFB
-                rows = self.m if const_expr(operand == 0) else self.n
-                tile_rows = self.tile_m if const_expr(operand == 0) else self.tile_n
-                first_row = (tile.m_tile if const_expr(operand == 0) else tile.n_tile) * tile_rows
-                base = ((rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS >> self.log_vec) * seg.start
-                size = cute.size(mSF)
-                src0 = mSF.iterator.toint()
-                for i in cutlass.range_constexpr(tile_rows // 32):
-                    r = first_row + lane + 32 * i
-                    row_off = base + (r >> 7) * kb_n * SF_ATOM_BYTES + sf_row_byte(r, 0)
-                    trow = (0 if const_expr(operand == 0) else self.tile_m) + lane + 32 * i
-                    for w in cutlass.range(slots, unroll=1):
-                        quad = st.q0 + w
-                        off = row_off + quad * SF_ATOM_BYTES
-                        ok = (r < rows) & (quad < kb_n) & (off + 4 <= size)
-                        dst = sWords.iterator + ((s * SF_SLOTS + w) * self.rows + trow)
-                        cp_async_4(dst.toint(), src0 + Int64(cutlass.select_(ok, off, Int32(0))),
-                                   cutlass.select_(ok, Int32(4), Int32(0)))
-            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
-            ab_pipeline.producer_commit(prod_state)
-            prod_state.advance()
-        return prod_state
+        return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
+                              a_mcast_mask, b_mcast_mask, k_count, (scale_loads, tile, seg, lane, kb_n))
+
+    @cute.jit
+    def load_stage_scales(self, scales, bar, k: Int32, s: Int32, a_mcast_mask, b_mcast_mask, descriptors):
+        """Stage k's scale words by cp.async (load_tile's docstring; its per-tile `scales`), then every lane's
+        arrival on the stage's full barrier."""
+        (mSFA, mSFB, sWords), tile, seg, lane, kb_n = scales
+        st = self.stage(seg, k)
+        last = cutlass.min((st.tb + TILE_K - 1 - seg.start) >> self.log_vec, seg.last_block)
+        slots = 1 + Int32((last >> 2) > st.q0)
+        for operand in cutlass.range_constexpr(2):
+            mSF = mSFA if const_expr(operand == 0) else mSFB
+            rows = self.m if const_expr(operand == 0) else self.n
+            tile_rows = self.tile_m if const_expr(operand == 0) else self.tile_n
+            first_row = (tile.m_tile if const_expr(operand == 0) else tile.n_tile) * tile_rows
+            base = ((rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS >> self.log_vec) * seg.start
+            size = cute.size(mSF)
+            src0 = mSF.iterator.toint()
+            for i in cutlass.range_constexpr(tile_rows // 32):
+                r = first_row + lane + 32 * i
+                row_off = base + (r >> 7) * kb_n * SF_ATOM_BYTES + sf_row_byte(r, 0)
+                trow = (0 if const_expr(operand == 0) else self.tile_m) + lane + 32 * i
+                for w in cutlass.range(slots, unroll=1):
+                    quad = st.q0 + w
+                    off = row_off + quad * SF_ATOM_BYTES
+                    ok = (r < rows) & (quad < kb_n) & (off + 4 <= size)
+                    dst = sWords.iterator + ((s * SF_SLOTS + w) * self.rows + trow)
+                    cp_async_4(dst.toint(), src0 + Int64(cutlass.select_(ok, off, Int32(0))),
+                               cutlass.select_(ok, Int32(4), Int32(0)))
+        cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     # ------------------------------------------------------------------------------------------ converters
     @cute.jit
@@ -458,11 +456,7 @@ class KGroupedDequantMainloop(DequantMainloop):
             if k_count > 1:
                 ab_pipeline.consumer_release(release_state)
             release_state = advanced_if(release_state, k_count > 1)
-        warpgroup.wait_group(0)
-        for _k in cutlass.range(cutlass.min(k_count, Int32(1)), unroll=1):
-            ab_pipeline.consumer_release(release_state)
-            release_state.advance()
-        return read_state, release_state
+        return read_state, release_last(ab_pipeline, release_state, k_count)
 
     @cute.jit
     def _convert_a(self, frag: cute.Tensor, a_thread, idx: Int32, k: Int32):

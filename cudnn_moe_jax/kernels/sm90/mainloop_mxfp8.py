@@ -58,7 +58,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS  # one SF atom: 128 rows x 4 k-blocks
 
-from .mainloop import WgmmaMainloop, copy_ab_stage
+from .mainloop import WgmmaMainloop
 
 TILE_K = 128  # fp8: 128 B per row = one SW128 atom = 4 scale blocks
 SF_VEC = 32
@@ -233,27 +233,22 @@ class Mxfp8Mainloop:
         """k_count stages of one tile (m_tile, n_tile, expert g of the schedule's tile); SF atom of stage k: the
         tile's first atom + k (one atom per 128 rows per stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb)
         atoms. Discrete weights: B and SFB through the expert's `descriptors`, g = 0."""
-        tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs = scale_loads
-        m_tile, n_tile = tile.m_tile, tile.n_tile
         g = 0 if const_expr(descriptors is not None) else tile.group
-        sfa_atom0 = m_tile * self.k_tiles
-        sfb_atom0 = (g * self.sfb_row_blocks + n_tile) * self.k_tiles
-        prod_state.reset_count()
-        for _k in cutlass.range(k_count, unroll=1):
-            ab_pipeline.producer_acquire(prod_state)
-            bar = ab_pipeline.producer_get_barrier(prod_state)
-            k = prod_state.count
-            s = prod_state.index
-            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, s, a_mcast_mask, b_mcast_mask,
-                          descriptors)
-            cute.copy(tma_atom_sfa, tSAg[(None, 0, sfa_atom0 + k)], tSAs[(None, s)], tma_bar_ptr=bar,
-                      mcast_mask=a_mcast_mask)
-            cute.copy(tma_atom_sfb, tSBg[(None, 0, sfb_atom0 + k)], tSBs[(None, s)], tma_bar_ptr=bar,
-                      mcast_mask=b_mcast_mask,
-                      tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.sfb)
-            ab_pipeline.producer_commit(prod_state)
-            prod_state.advance()
-        return prod_state
+        sfa_atom0 = tile.m_tile * self.k_tiles
+        sfb_atom0 = (g * self.sfb_row_blocks + tile.n_tile) * self.k_tiles
+        ab_copies = (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB)
+        return WgmmaMainloop.produce_stages(self, ab_pipeline, prod_state, ab_copies, a_mcast_mask, b_mcast_mask,
+                                            k_count, (scale_loads, sfa_atom0, sfb_atom0), descriptors)
+
+    @cute.jit
+    def load_stage_scales(self, scales, bar, k: Int32, s: Int32, a_mcast_mask, b_mcast_mask, descriptors):
+        """The SF atoms of stage k (load_tile's per-tile `scales`) on the stage's barrier."""
+        (tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs), sfa_atom0, sfb_atom0 = scales
+        cute.copy(tma_atom_sfa, tSAg[(None, 0, sfa_atom0 + k)], tSAs[(None, s)], tma_bar_ptr=bar,
+                  mcast_mask=a_mcast_mask)
+        cute.copy(tma_atom_sfb, tSBg[(None, 0, sfb_atom0 + k)], tSBs[(None, s)], tma_bar_ptr=bar,
+                  mcast_mask=b_mcast_mask,
+                  tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.sfb)
 
     # ------------------------------------------------------------------------------------------ decoder
     @staticmethod
