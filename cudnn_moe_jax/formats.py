@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .limits import FP8_DTYPES, SF_DTYPES
+from .limits import FP8_DTYPES, SF_DTYPES, values_per_byte
 
 E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
 BF16, F16, F32 = "bfloat16", "float16", "float32"
@@ -659,7 +659,7 @@ def from_block_scaled(codes, sf_physical, data_dtype, sf_dtype=None, vec=None):
         raise TypeError(f"from_block_scaled: {data} codes are stored as {want_codes}, got {codes.dtype.name}")
     if codes.ndim not in (2, 3):
         raise ValueError(f"from_block_scaled: codes must be (R, K) or (L, N, K), got shape {codes.shape}")
-    k = codes.shape[-1] * (2 if data == E2M1 else 1)
+    k = codes.shape[-1] * values_per_byte(data)
     num_groups = codes.shape[0] if codes.ndim == 3 else 1
     want = sf_physical_shape(codes.shape[-2], k, vec, num_groups)
     size = sf_physical.size
@@ -674,6 +674,6 @@ def from_block_scaled(codes, sf_physical, data_dtype, sf_dtype=None, vec=None):
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _from_block_scaled(codes, sf_physical, data_dtype, sf_dtype, vec):
-    k = codes.shape[-1] * (2 if data_dtype == E2M1 else 1)
+    k = codes.shape[-1] * values_per_byte(data_dtype)
     s = unpack_sf(sf_physical, codes.shape[-2], cdiv(k, vec), codes.shape[0] if codes.ndim == 3 else 1)
     return dequantize(codes, s if codes.ndim == 3 else s[0], data_dtype, sf_dtype, vec)

@@ -25,6 +25,11 @@ SF_GROUP_ALIGN = 128
 TOKEN_ALIGN = 8
 
 
+def values_per_byte(dtype: str) -> int:
+    """Values one byte of a stored operand holds along its contiguous axis: 2 for packed FP4, else 1."""
+    return 2 if dtype == FP4 else 1
+
+
 def k_align(ab_dtype: str) -> int:
     """What K (wgrad: T) must be a multiple of for 16-byte operand rows: 8 for 16-bit data, 16 for FP8, 32 for
     packed FP4 (docs/ops.md#errors); a wgrad module is compiled for T = k_align * t_blocks."""

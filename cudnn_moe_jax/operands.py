@@ -35,7 +35,7 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 from .formats import SF_ATOM_ROWS, cdiv, sf_physical_shape, sf_segment_bytes
-from .limits import FP4
+from .limits import FP4, values_per_byte
 
 Rule = Callable[[Any], Any]
 
@@ -108,7 +108,7 @@ def _storage(dtype: Optional[str]) -> Optional[str]:
 
 def _per_byte(p, dtype=None) -> int:
     """Logical elements per byte of the A/B storage along K (T for wgrad): packed FP4 holds two."""
-    return 2 if (dtype or p.ab_dtype) == FP4 else 1
+    return values_per_byte(dtype or p.ab_dtype)
 
 
 def _a_dtype(p) -> str:

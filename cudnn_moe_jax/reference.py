@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from . import activations
 from .activations import GLU_BLOCK
 from . import formats as F
-from .limits import FLOAT_OUT_DTYPES, GROUP_ALIGN, QUANT_D_DTYPES
+from .limits import FLOAT_OUT_DTYPES, GROUP_ALIGN, QUANT_D_DTYPES, values_per_byte
 from .offsets import group_starts, row_groups, sanitize_offsets, sanitize_token_offsets  # noqa: F401 (API)
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -89,7 +89,7 @@ def dequantize_a(a, sfa, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size:
     if sfa is None or not _is_block_scaled(ab_dtype):
         return jnp.asarray(a).astype(F32)
     m = a.shape[0]
-    k = a.shape[1] * (2 if ab_dtype == F.E2M1 else 1)
+    k = a.shape[1] * values_per_byte(ab_dtype)
     s = F.unpack_sf(sfa, m, F.cdiv(k, sf_vec_size))[0]
     return _dequant_rows(a, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
 
@@ -104,7 +104,7 @@ def dequantize_b(b, sfb, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size:
     if not _is_block_scaled(ab_dtype):
         return jnp.asarray(b).astype(F32)
     num_groups, n = b.shape[0], b.shape[1]
-    k = b.shape[2] * (2 if ab_dtype == F.E2M1 else 1)
+    k = b.shape[2] * values_per_byte(ab_dtype)
     s = F.unpack_sf(sfb, n, F.cdiv(k, sf_vec_size), num_groups)
     return _dequant_rows(b, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..formats import dtype_name  # noqa: F401 (re-exported: the one dtype normaliser of the ops and of formats)
 from ..formats import sf_physical_shape
 from ..limits import (FLOAT_OUT_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES, M_ALIGNED_CHOICES, MAX_GROUPS,
-                      SF_DTYPES, SF_GROUP_ALIGN, k_align)
+                      SF_DTYPES, SF_GROUP_ALIGN, k_align, values_per_byte)
 
 
 def check_choice(value, allowed, arg: str, why: str = ""):
@@ -58,7 +58,7 @@ def operand_dtype(x, arg: str) -> str:
 
 
 def logical_k(x, ab_dtype: str) -> int:
-    return x.shape[-1] * 2 if ab_dtype == FP4 else x.shape[-1]
+    return x.shape[-1] * values_per_byte(ab_dtype)
 
 
 def check_k_alignment(k: int, ab_dtype: str, arg: str):

@@ -16,7 +16,7 @@ from cutlass.jax import TensorSpec, cutlass_call
 
 from cudnn_moe_jax import operands as table
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS
-from cudnn_moe_jax.limits import FP4, k_align
+from cudnn_moe_jax.limits import k_align, values_per_byte
 
 from .config import supports
 from .kernel import GroupedGemmSm90
@@ -27,9 +27,8 @@ def _spec(problem, operand: table.Bound) -> TensorSpec:
     align = problem.m_aligned   # m's divisibility; scale factors along M need align % 128 == 0 (ops/_checks)
     if kind == "tokens":  # wgrad (rows, T), T dynamic; token-major ("m" / "n"): rows contiguous, as stored
         token_major = (problem.a_major, problem.b_major)[name == "b"] != "k"
-        per_byte = 2 if problem.ab_dtype == FP4 else 1   # packed FP4: (rows, T / 2) bytes
-        return TensorSpec(layout=(0, 1) if token_major else None,
-                          divisibility=(shape[0], k_align(problem.ab_dtype) // per_byte))
+        return TensorSpec(layout=(0, 1) if token_major else None,   # packed FP4: (rows, T / 2) bytes
+                          divisibility=(shape[0], k_align(problem.ab_dtype) // values_per_byte(problem.ab_dtype)))
     if kind == "weights" and len(shape) == 2:  # discrete: one expert's (N, K) (N contiguous for b_major "n")
         return TensorSpec(static=True, layout=(0, 1) if problem.b_major == "n" else None)
     if kind == "weights" and problem.b_major == "n":

@@ -20,7 +20,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from cudnn_moe_jax._problem import Epilogue
-from cudnn_moe_jax.limits import FP4
+from cudnn_moe_jax.limits import values_per_byte
 
 from ..scheduler import K_GROUPED, GroupedTileScheduler
 from .forward import GroupedGemmSm90Forward
@@ -49,7 +49,7 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
         return GroupedTileScheduler(K_GROUPED, self.tile_m, self.tile_n, self.cluster_m, self.cluster_n,
                                     self.num_groups, self.n_blocks, self.tile_k,
                                     m_blocks=problem.m // (self.tile_m * self.cluster_m),
-                                    tokens_per_unit=2 if problem.ab_dtype == FP4 else 1)
+                                    tokens_per_unit=values_per_byte(problem.ab_dtype))
 
     def output_operands(self, t):
         """W (L, m_w, n_w) as (L * m_w, n_w): expert e's rows start at e * m_w; the global scales in the alpha /
