@@ -41,12 +41,13 @@ BLOCK_FORMATS = {"mxfp8": (E4M3, "float8_e8m0fnu", 32), "nvfp4": ("float4_e2m1fn
 WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp8": "mxfp8"}
 FORMAT_LABELS = ("bf16",) + tuple(BLOCK_FORMATS) + tuple(WEIGHT_ONLY)
 # Shapes of the format comparison besides fc1 / fc2 / small (= FC1 of the first memory-bound layer of issue 19:
-# 64 experts x 256 rows, H 2048, I 768): that layer's FC2 and the second layer (128 experts, H 4096, I 1024; its
-# 128 tokens per expert padded to the 256-row groups the kernels take) -> ((m, N, K, L), (op, act), rows/expert)
+# 64 experts x 256 rows, H 2048, I 768): that layer's FC2 and the second layer (128 experts x 128 rows, H 4096,
+# I 1024: groups end on multiples of 128, so the calls pass m_aligned=128) -> ((m, N, K, L), (op, act),
+# rows/expert)
 MEMORY_BOUND = {
     "small_fc2": ((16384, 2048, 768, 64), ("quant", None), 256),
-    "e128_fc1": ((32768, 2048, 4096, 128), ("glu", "swiglu"), 256),
-    "e128_fc2": ((32768, 4096, 1024, 128), ("quant", None), 256),
+    "e128_fc1": ((16384, 2048, 4096, 128), ("glu", "swiglu"), 128),
+    "e128_fc2": ((16384, 4096, 1024, 128), ("quant", None), 128),
 }
 
 
@@ -105,10 +106,12 @@ def block_call(shape: str, fmt: str):
     """fn(a, b, sfa, sfb, padded_offsets, alpha, prob) -> OpResult: the shape's fused op (bf16 D, + C for SwiGLU)
     on inputs of format `fmt` (FORMAT_LABELS): "bf16" (sfa, sfb ignored), block-scaled A and B (BLOCK_FORMATS),
     or bf16 A with block-scaled B (WEIGHT_ONLY; sfa ignored)."""
-    _, (op, act), _ = format_shape(shape)
+    _, (op, act), rows = format_shape(shape)
 
     def fn(a, b, sfa, sfb, padded_offsets, alpha, prob):
         kw = dict(a_tensor=a, b_tensor=b, padded_offsets=padded_offsets, alpha_tensor=alpha, prob_tensor=prob)
+        if rows % 256:
+            kw["m_aligned"] = rows
         if fmt != "bf16":
             kw.update(sfa_tensor=None if fmt in WEIGHT_ONLY else sfa, sfb_tensor=sfb,
                       sf_vec_size=BLOCK_FORMATS[WEIGHT_ONLY.get(fmt, fmt)][2])
@@ -200,9 +203,13 @@ def bundle_items() -> list:
     items = [functools.partial(_lower_for_cuda, bf16_call(s), bf16_avals(s)) for s in SHAPES]
     items += [functools.partial(_lower_for_cuda, mxfp8_call(s, fp8), mxfp8_avals(s, fp8))
               for s in SHAPES for fp8 in MXFP8_OUTPUTS.values()]
-    items += [functools.partial(_lower_for_cuda, block_call(s, f), block_avals(s, f))
-              for s in FORMAT_SHAPES for f in FORMAT_LABELS]
-    return items + discrete_bundle_items()[len(DISCRETE_SHAPES):] + hadamard_bundle_items()
+    return items + format_bundle_items() + discrete_bundle_items()[len(DISCRETE_SHAPES):] + hadamard_bundle_items()
+
+
+def format_bundle_items(shapes=None, labels=FORMAT_LABELS) -> list:
+    """The format comparison's calls (`--formats`) on `shapes` (default FORMAT_SHAPES) in formats `labels`."""
+    return [functools.partial(_lower_for_cuda, block_call(s, f), block_avals(s, f))
+            for s in shapes or FORMAT_SHAPES for f in labels]
 
 
 def discrete_bundle_items() -> list:

@@ -479,7 +479,8 @@ def plot_mxfp8(results, device, path: Path):
 def run_formats(args):
     """Format comparison (`--formats`): per shape (bench_cases.FORMAT_SHAPES), the public op on bf16 inputs and on
     each block-scaled format (bench_cases.BLOCK_FORMATS, dequantized exactly to bf16 on chip), bf16 D (+ C for
-    SwiGLU), operands quantized from N(0, 1) data on the GPU. Rows: TFLOP/s and the time ratio bf16 / format."""
+    SwiGLU), operands quantized from N(0, 1) data on the GPU, and torch's grouped GEMMs (bf16, rowwise FP8) on the
+    same shape. Rows: TFLOP/s and the time ratio bf16 / format."""
     import jax
     import jax.numpy as jnp
 
@@ -513,6 +514,17 @@ def run_formats(args):
             sets = [(a, b, sa, sfb, offsets, alpha, prob) for a, sa in a_sets]
             f = public_op(bench_cases.block_call(shape_name, fmt), sets[0], f"ours[{fmt}] on {shape_name}")
             runners[f"ours[{fmt}]"] = _jax_runner(f, sets, timer)
+            if args.lab and fmt != "bf16":  # the lab: other schedules of the format (lab/bench_kernels.py)
+                from lab import bench_kernels
+
+                for label, (problem, fk) in lab_kernels(bench_kernels.format_cases(), f"{shape_name}_{fmt}_",
+                                                        args.configs).items():
+                    u8 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731 (the kernel's SF bytes)
+                    ksets = [(a, b, u8(sa), u8(sfb), offsets, alpha, prob) if sa is not None
+                             else (a, b, u8(sfb), offsets, alpha, prob) for a, sa in a_sets]
+                    checked = public_op(fk, ksets[0], f"kernel[{fmt},{label}] on {shape_name}")
+                    runners[f"kernel[{fmt},{label}]"] = _jax_runner(checked, ksets, timer)
+        runners.update(_torch_format_runners(row, m, n, k, L, rows))
         _record(row, time_interleaved(runners, row), flops, 16)
         base = row["ms"].get("ours[bf16]")
         row["speedup_over_bf16"] = {key: base / t for key, t in row["ms"].items() if base}
@@ -521,6 +533,27 @@ def run_formats(args):
         results.append(row)
         runners.clear()
     return results, str(dev.device_kind)
+
+
+def _torch_format_runners(row: dict, m: int, n: int, k: int, L: int, rows: int) -> dict:
+    """The format comparison's torch rows on the shape's grouped GEMM alone (no fused epilogue): `_grouped_mm` on
+    bf16 and `_scaled_grouped_mm` on e4m3 with rowwise fp32 scales (the coarse-scaling reference point)."""
+    try:
+        import torch
+
+        offs = torch.tensor(np.arange(1, L + 1, dtype=np.int32) * rows, device="cuda")
+        xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(3)]
+        w = torch.randn(L, n, k, device="cuda").to(torch.bfloat16)
+        x8, w8 = [x.to(torch.float8_e4m3fn) for x in xs], w.to(torch.float8_e4m3fn)
+        sa, sb = torch.ones(m, device="cuda"), torch.ones(L, n, device="cuda")
+        return {"torch._grouped_mm(bf16)": _torch_runner(lambda a, b, o: torch._grouped_mm(a, b, offs=o),
+                                                         [(x, w.transpose(-2, -1), offs) for x in xs]),
+                "torch._scaled_grouped_mm(fp8,rowwise)": _torch_runner(
+                    lambda a, b, o: torch._scaled_grouped_mm(a, b, sa, sb, offs=o, out_dtype=torch.bfloat16),
+                    [(x, w8.transpose(-2, -1), offs) for x in x8])}
+    except Exception as e:  # noqa: BLE001
+        row["torch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return {}
 
 
 def run_discrete(args):
@@ -576,10 +609,11 @@ def write_discrete(results, device, out: Path):
 
 def write_formats(results, device, out: Path):
     _, lines = table(results, device, out, "formats_results.json", "time bf16 / format",
-                     lambda r: " ".join(f"{k[5:-1]} {v:.2f}x" for k, v in r["speedup_over_bf16"].items()
-                                        if k != "ours[bf16]"))
-    lines += ["", f"TFLOP/s (2*m*N*K / median time), block-scaled inputs dequantized exactly to bf16 on chip. "
-              f"{timing_note(results)}"]
+                     lambda r: " ".join(f"{k[k.index('[') + 1:-1]} {v:.2f}x" for k, v in
+                                        r["speedup_over_bf16"].items() if k.startswith(("ours[", "kernel["))
+                                        and k != "ours[bf16]"))
+    lines += ["", f"TFLOP/s (2*m*N*K / median time), block-scaled inputs dequantized exactly to bf16 on chip; the "
+              f"torch rows are the grouped GEMM alone (no fused epilogue). {timing_note(results)}"]
     (out / "formats_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     keep = [f"ours[{f}]" for f in bench_cases.FORMAT_LABELS]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import numpy as np
+
 from benchmarks import bench_moe_step as step
 
 REPS = 5
@@ -132,6 +134,58 @@ def _bs_wgrad(shape: str, name: str):
     return fn, tuple(avals), 2.0 * sum(sizes) * rows[0] * rows[1], inputs
 
 
+# The forward and dgrad GEMMs with block-scaled inputs (the dequantizing kernel), beside their bf16 rows: name ->
+# (format, GEMM): fc1 glu x (m, H) by W1 (2I, H), fc2 quant h (m, I) by W2 (H, I), the fc2 dgrad dglu dY (m, H)
+# by W2^T (I, H) (block-scaled weights are K-major: a quantized W2^T)
+BS_OPS = {f"{gemm} {fmt}": (fmt, gemm) for fmt in ("mxfp8", "nvfp4") for gemm in ("fc1 glu", "fc2 quant", "dglu")}
+
+
+def _bs_op(shape: str, name: str):
+    """(fn(a, b, sfa, sfb, c, prob), flops, inputs(seed)) of a BS_OPS row; operands quantized from N(0, 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    import cudnn_moe_jax as cmj
+    from cudnn_moe_jax import formats
+
+    fmt, gemm = BS_OPS[name]
+    data, sf, vec = BS_FORMATS[fmt]
+    sizes, h, i = step.SHAPES[shape]
+    m, offsets, _ = step._problem(shape, "swiglu")
+    off = jnp.asarray(offsets)
+    valid = sum(sizes)
+    (k, n) = {"fc1 glu": (h, 2 * i), "fc2 quant": (i, h), "dglu": (h, i)}[gemm]
+    kw = dict(padded_offsets=off, sf_vec_size=vec)
+
+    def fn(a, b, sfa, sfb, c, prob):
+        if gemm == "fc1 glu":
+            return cmj.grouped_gemm_glu(a, b, sfa_tensor=sfa, sfb_tensor=sfb, prob_tensor=prob, act_func="swiglu",
+                                        c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=False, **kw).d_tensor
+        if gemm == "fc2 quant":
+            return cmj.grouped_gemm_quant(a, b, sfa_tensor=sfa, sfb_tensor=sfb, d_dtype="bfloat16",
+                                          compute_amax=False, **kw).d_tensor
+        return cmj.grouped_gemm_dglu(a, b, c, sfa_tensor=sfa, sfb_tensor=sfb, prob_tensor=prob, act_func="dswiglu",
+                                     d_dtype="bfloat16", compute_amax=False, **kw).d_row_tensor
+
+    quant = jax.jit(lambda x: formats.to_block_scaled(x, data, sf, vec))
+
+    def inputs(seed):
+        keys = jax.random.split(jax.random.PRNGKey(2000 + seed), 4)
+        a, sfa = quant(jax.random.normal(keys[0], (m, k), jnp.float32))
+        b, sfb = quant(jax.random.normal(keys[1], (len(sizes), n, k), jnp.float32) / np.sqrt(k))
+        c = jax.random.normal(keys[2], (m, 2 * i), jnp.float32).astype(jnp.bfloat16)
+        return [a, b, sfa, sfb, c, jax.random.uniform(keys[3], (m,), jnp.float32, 0.1, 1.0)]
+
+    return fn, 2.0 * valid * n * k, inputs
+
+
+def _bs_op_avals(shape: str, name: str):
+    import jax
+
+    _, _, inputs = _bs_op(shape, name)
+    return tuple(jax.eval_shape(lambda: inputs(0)))
+
+
 def bundle_items(shapes=("fc",)):
     """Lowerings for CUDA of every op this benchmark times (`python -m cudnn_moe_jax.aot build --variants
     benchmarks.bench_moe_ops:bundle_items` records their modules)."""
@@ -145,6 +199,10 @@ def bundle_items(shapes=("fc",)):
         for name in BS_WGRAD:
             fn, bs_avals, _, _ = _bs_wgrad(shape, name)
             items.append(lambda fn=fn, avals=bs_avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
+        for name in BS_OPS:
+            fn, _, _ = _bs_op(shape, name)
+            items.append(lambda fn=fn, shape=shape, name=name: jax.jit(fn).trace(*_bs_op_avals(shape, name)).lower(
+                lowering_platforms=("cuda",)))
     return items
 
 
@@ -169,7 +227,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from lab import device_timer
 
@@ -188,6 +245,9 @@ def main(argv=None):
     rows = [(name, fn, fl, lambda: sets) for name, (fn, fl) in ops.items()]
     for name in BS_WGRAD:   # beside "wgrad w1" / "wgrad w2" (bf16, token-major)
         fn, _, fl, make = _bs_wgrad(args.shape, name)
+        rows.append((name, fn, fl, lambda make=make: [make(s) for s in range(REPS)]))
+    for name in BS_OPS:     # beside "fc1 glu (fwd)" / "fc2 quant (fwd)" / "dglu (fc2 dgrad)"
+        fn, fl, make = _bs_op(args.shape, name)
         rows.append((name, fn, fl, lambda make=make: [make(s) for s in range(REPS)]))
     for name, fn, fl, make_sets in rows:
         if args.only not in name:

@@ -54,6 +54,15 @@ MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default:
 }
 
 
+# Block-scaled schedules (`--formats ... --lab`): label -> Config (None: the default), timed per format on
+# FORMAT_LAB_SHAPES beside the public op; "e1": one epilogue buffer (more A/B stages); "c<n>": the consumer warps
+# convert n of a stage's 16 B passes (mainloop_dequant; the default takes 8)
+FORMAT_CONFIGS = {"default": None, "e1": Config(epi_stages=1), "c10": Config(consumer_b_passes=10),
+                  "c12": Config(consumer_b_passes=12), "c12e1": Config(consumer_b_passes=12, epi_stages=1)}
+FORMAT_LAB_SHAPES = ("fc1", "small")
+FORMAT_LAB_FORMATS = ("mxfp8", "nvfp4", "w_nvfp4")
+
+
 def bf16_problem(shape: str) -> GroupedGemmProblem:
     """The benchmark's bf16 problem of a named shape (its fusion; bf16 D + amax, C for GLU)."""
     m, n, k, groups = shapes.SHAPES[shape]
@@ -70,6 +79,32 @@ def mxfp8_problem(name: str) -> GroupedGemmProblem:
                               sf_dtype=E8M0, sf_vec_size=32, epilogue=epi)
 
 
+def format_problem(shape: str, fmt: str) -> GroupedGemmProblem:
+    """The format comparison's problem of a shape (benchmarks.bench_cases.block_call: SwiGLU with bf16 C + D, or
+    bf16 D) on inputs of format `fmt` (bench_cases.BLOCK_FORMATS / WEIGHT_ONLY), D with amax."""
+    from benchmarks import bench_cases
+
+    (m, n, k, groups), (op, act), _ = bench_cases.format_shape(shape)
+    data, sf, vec = bench_cases.BLOCK_FORMATS[bench_cases.WEIGHT_ONLY.get(fmt, fmt)]
+    epi = Epilogue(act=act, c_dtype="bfloat16" if op == "glu" else None, d_dtype="bfloat16", compute_amax=True)
+    return GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype=data, sf_dtype=sf, sf_vec_size=vec,
+                              a_dtype="bfloat16" if fmt in bench_cases.WEIGHT_ONLY else None, epilogue=epi)
+
+
+def format_cases() -> dict:
+    """{"<shape>_<format>_<label>": (problem, config)}: FORMAT_CONFIGS on FORMAT_LAB_SHAPES x FORMAT_LAB_FORMATS."""
+    from cudnn_moe_jax.kernels.sm90.config import default_config
+
+    out = {}
+    for s in FORMAT_LAB_SHAPES:
+        for f in FORMAT_LAB_FORMATS:
+            p = format_problem(s, f)
+            for label, cfg in FORMAT_CONFIGS.items():
+                if cfg is None or cfg != default_config(p):   # (a label equal to the default is left out)
+                    out[f"{s}_{f}_{label}"] = (p, cfg)
+    return out
+
+
 def bf16_cases(shape_names=None) -> dict:
     """{"<shape>_<label>": (problem, config)}: every BENCH_CONFIGS entry on each named shape (default: all)."""
     return {f"{s}_{label}": (bf16_problem(s), cfg) for s in (shape_names or shapes.SHAPES)
@@ -83,11 +118,27 @@ def mxfp8_cases() -> dict:
 
 def case(name: str):
     """(problem, config) of a bf16 or MXFP8 benchmark kernel by name."""
-    found = {**bf16_cases(), **mxfp8_cases()}
+    found = {**bf16_cases(), **mxfp8_cases(), **format_cases()}
     if name not in found:
         raise SystemExit(f"unknown lab kernel {name!r}; known: {sorted(found)}")
     return found[name]
 
 
 def bundle_items() -> list:
-    return [lowering_item(p, cfg) for p, cfg in {**bf16_cases(), **mxfp8_cases()}.values()]
+    return [lowering_item(p, cfg) for p, cfg in {**bf16_cases(), **mxfp8_cases()}.values()] + format_bundle_items()
+
+
+def format_bundle_items() -> list:
+    """The block-scaled schedules (`--formats ... --lab`, lab.profile_one fmt ...) and the public calls they are
+    timed beside (`--formats ... --lab --shapes fc1,small`)."""
+    return format_lab_items() + format_public_items()
+
+
+def format_lab_items() -> list:
+    return [lowering_item(p, cfg) for p, cfg in format_cases().values()]
+
+
+def format_public_items() -> list:
+    from benchmarks import bench_cases
+
+    return bench_cases.format_bundle_items(FORMAT_LAB_SHAPES, ("bf16",) + FORMAT_LAB_FORMATS)

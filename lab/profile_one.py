@@ -1,10 +1,12 @@
 """Run one kernel a few times for `ncu` (GPU machine, from the checkout's root): a lab benchmark kernel through the
-primitive (lab/bench_kernels.py: `ours` a bf16 one, `mx` an MXFP8 one, operands quantized from N(0,1) per 32; its
-module from the bundle) or torch._grouped_mm on a named shape.
+primitive (lab/bench_kernels.py: `ours` a bf16 one, `mx` an MXFP8 one, `fmt` a block-scaled schedule of the format
+comparison; operands quantized from N(0,1) in the problem's format; its module from the bundle) or
+torch._grouped_mm on a named shape.
 
     ncu --clock-control none --kernel-name regex:^kernel_cutlass_kernel_ --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight python3 -m lab.profile_one ours fc1_t256c21
     ncu ... python3 -m lab.profile_one mx fc1_bf16d
+    ncu ... python3 -m lab.profile_one fmt fc1_nvfp4_default
     ncu ... python3 -m lab.profile_one torch fc2
 """
 
@@ -29,8 +31,14 @@ def kernel_args(problem):
     a = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32)
     b = jax.random.normal(jax.random.PRNGKey(1), (L, n, k), jnp.float32)
     if problem.block_scaled:
-        (a, sfa), (b, sfb) = (formats.to_block_scaled(x, formats.E4M3) for x in (a, b))
-        head = (a, b, sfa, sfb)
+        fmt = (problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size)
+        u8 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731 (the kernel's SF bytes)
+        b, sfb = formats.to_block_scaled(b / np.sqrt(k), *fmt)
+        if problem.a_dtype == "bfloat16":   # weight-only: bf16 A, no SFA
+            head = (a.astype(jnp.bfloat16), b, u8(sfb))
+        else:
+            a, sfa = formats.to_block_scaled(a, *fmt)
+            head = (a, b, u8(sfa), u8(sfb))
     else:
         head = (a.astype(jnp.bfloat16), (b / np.sqrt(k)).astype(jnp.bfloat16))
     tail = (jnp.ones((1,), jnp.float32),) if problem.epilogue.generate_sfd else ()
@@ -39,7 +47,7 @@ def kernel_args(problem):
 
 
 def main(kind: str, what: str) -> None:
-    if kind in ("ours", "mx"):
+    if kind in ("ours", "mx", "fmt"):
         import jax
 
         from lab import bench_kernels, harness

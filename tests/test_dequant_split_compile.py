@@ -1,6 +1,6 @@
 """CPU checks of the dequantizing mainloop's cluster-split B conversion (kernels/sm90/mainloop_dequant.py, module
 docstring): where B is multicast to a 2-CTA cluster along M, each CTA's stage workers convert half of B's rows and
-bulk-copy them into the other CTA's bf16 stage (`cp.async.bulk.shared::cluster.shared::cta ... complete_tx`, SASS
+bulk-copy them into the other CTA's bf16 stage (the consumer warps convert and copy some passes too) (`cp.async.bulk.shared::cluster.shared::cta ... complete_tx`, SASS
 `UBLKCP.S.S`), warp 1 expects the other CTA's bytes on the stage's worker barrier (an arrive-less tx expect, SASS
 `SYNCS.ARRIVE.TRANS64.RED.A0TR`); no GPU-scope fence appears (no `MEMBAR.ALL.GPU`: the copy is async-proxy and
 signals the barrier itself; discrete weights have the descriptors' own), no local memory, the HGMMAs stay unserialized. Off (no bulk copy) where B is not
@@ -78,9 +78,10 @@ def _check_split(sass: str, split: bool, gpu_fences: bool = False) -> None:
     copies = re.findall(r"UBLKCP\.S\.S\b", sass)
     expects = re.findall(r"SYNCS\.ARRIVE\.TRANS64\.RED\.A0TR\b", sass)
     if split:
-        # one bulk-copy site per stage worker (lanes issue their passes' copies in one waterfall loop) and one
-        # tx expect (warp 1) on the worker barrier
-        assert len(copies) == 3, f"expected one shared::cluster bulk copy per stage worker, got {len(copies)}"
+        # one bulk-copy site per stage worker (lanes issue their passes' copies in one waterfall loop) and per
+        # stage of the consumers' two-stage k-loop (their B passes: Config.consumer_b_passes; k = 256 is 4 k-tiles,
+        # no odd stage), and one tx expect (warp 1) on the worker barrier
+        assert len(copies) == 3 + 2, f"expected 3 + 2 shared::cluster bulk copy sites, got {len(copies)}"
         assert len(expects) == 1, f"expected one arrive-less tx expect (warp 1), got {len(expects)}"
         assert gpu_fences or "MEMBAR.ALL.GPU" not in sass, "a GPU-scope fence in the split kernel"
     else:
@@ -101,3 +102,21 @@ def test_split_kernel_copies_half_of_b_to_the_other_cta(name):
 def test_no_split_without_multicast():
     _check_split(_sass(_problem("mxfp8"), sm90_config.Config(cluster_m=1)), False)
 
+
+def test_consumer_passes_split_b_rows():
+    """The consumer warps take B's first Config.consumer_b_passes passes (default: 8 of a CTA's 16 with the split,
+    16 of 32 without), the stage workers the rest; 0 leaves every pass to the workers; the worker barrier counts
+    one arrival per converting consumer warp."""
+    from cudnn_moe_jax.kernels.sm90.mainloop_dequant import CONSUMER_WARPS, WORKERS
+
+    p = _problem("nvfp4")
+    for cfg, consumer, split in ((None, 8, True), (sm90_config.Config(cluster_m=1), 16, False),
+                                 (sm90_config.Config(consumer_b_passes=0), 0, True),
+                                 (sm90_config.Config(consumer_b_passes=12), 12, True),
+                                 (sm90_config.Config(consumer_b_passes=3), 3, True)):
+        ml = _kernel(p, cfg).mainloop
+        assert (ml.consumer_b, ml.split_b) == (consumer, split)
+        b_passes = (128 if split else 256) // 8
+        rows = [r for w in WORKERS for _, r in ml._units()[w[0] - 1::len(WORKERS)]]
+        assert sorted(rows) == list(range(8 * consumer, 8 * b_passes, 8))
+        assert ml.stage_arrivals() == 32 * len(WORKERS) + min(consumer, CONSUMER_WARPS)

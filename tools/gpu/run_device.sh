@@ -55,11 +55,12 @@ for s in $steps; do
       grep -E "Duration|Throughput|SM Frequency|Pipe|Stall|Issue|Executed Ipc|Warp Cycles|Eligible|Active" \
         "$OUT/ncu_mx.log" | cut -c1-140 | head -45
       grep -E "Shared|Bank|L1|L2" "$OUT/ncu_mx.log" | cut -c1-140 | head -25 ;;
-    mxsrc)  # per-instruction warp stalls (PC sampling) of one MXFP8 kernel: which SASS line the warps wait on
+    mxsrc)  # per-instruction warp stalls (PC sampling) of one kernel: which SASS line the warps wait on
+            # (MXNCU_KIND=fmt MXNCU_TARGET=fc1_nvfp4_default: a block-scaled schedule of lab.bench_kernels)
       setsid ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" --launch-skip 2 --launch-count 1 \
         --section SourceCounters --section WarpStateStats --import-source no \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -o "$OUT/mxsrc" -f \
-        python3 -m lab.profile_one mx ${MXNCU_TARGET:-fc1_bf16d} > "$OUT/ncu_mxsrc.log" 2>&1 &
+        python3 -m lab.profile_one ${MXNCU_KIND:-mx} ${MXNCU_TARGET:-fc1_bf16d} > "$OUT/ncu_mxsrc.log" 2>&1 &
       pid=$!; ( sleep ${MXNCU_TIMEOUT:-100}; kill -KILL -$pid 2>/dev/null ) & killer=$!
       wait $pid; echo "mxsrc rc=$?"; kill $killer 2>/dev/null
       ncu -i "$OUT/mxsrc.ncu-rep" --page raw --csv --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \

@@ -46,6 +46,9 @@ class Config:
     mxfp8_wgmma: MXFP8 inputs through the FP8-wgmma mainloop (mainloop_mxfp8; tile_n 128) instead of exact
       dequantization to bf16 (mainloop_dequant, the default). Opt-in: the FP8 wgmma does not sum a 32-K block's
       products at fp32 precision (docs/numerics.md);
+    consumer_b_passes: block-scaled inputs with A converted in registers: 8-row passes of B (of this CTA's half
+      where the 2-CTA cluster splits B's conversion) the 8 consumer warps convert per stage beside the stage
+      workers, warp w passes w, w + 8, ... (mainloop_dequant); None: 8 with the split, else 16;
     mx_n_parts: with mxfp8_wgmma: run each 32-K block's data and scale wgmmas per column part (1, 2 or 4 parts of
       the 128-column tile) so a part is folded while the others compute (Mxfp8Mainloop.mma_tile_parts);
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. 2 x 2 clusters use at most H200_4CTA_CLUSTERS
@@ -63,6 +66,7 @@ class Config:
     dequant_a: str = "registers"
     mxfp8_wgmma: bool = False
     mx_n_parts: int = 1
+    consumer_b_passes: Optional[int] = None
 
     def __post_init__(self):
         if self.tile_m != 128:
@@ -75,6 +79,8 @@ class Config:
             raise ValueError("cluster_n must be 1 or 2")
         if self.epi_stages not in (None, 1, 2, 4):
             raise ValueError("epi_stages must be None, 1, 2 or 4")
+        if self.consumer_b_passes is not None and not 0 <= self.consumer_b_passes <= 32:
+            raise ValueError("consumer_b_passes must be None or 0..32")
         if self.mx_n_parts not in (1, 2, 4):
             raise ValueError("mx_n_parts must be 1, 2 or 4")
         if self.group_m < 1:

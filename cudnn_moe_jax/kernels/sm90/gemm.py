@@ -265,8 +265,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
                                       "(the MXFP8 mainloop multicasts B and its scales to both tiles of a block)")
         self.epi_stages, self.ab_stages = self._choose_stages(cfg)
         self.mainloop = self.mainloop_class.from_problem(problem, cfg, self.ab_dtype, self.ab_stages)
-        # lanes arriving on a stage's worker barrier (every lane of every stage worker), besides the TMA's
-        self.stage_arrivals = 32 * len(self.mainloop_class.STAGE_WORKERS)
+        self.stage_arrivals = self.mainloop.stage_arrivals()   # on a stage's worker barrier, besides the TMA's
 
     # ------------------------------------------------------------------------------------------ composition
     # What an op kind's class defines (the first group has no default).

@@ -215,6 +215,10 @@ class WgmmaMainloop:
         return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
                               a_mcast_mask, b_mcast_mask, k_count, None, descriptors, b_own)
 
+    def stage_arrivals(self) -> int:
+        """Arrivals that complete a stage's worker barrier (every lane of every stage worker), besides the TMA's."""
+        return 32 * len(self.STAGE_WORKERS)
+
     @cute.jit
     def publish_stage(self, worker: cutlass.Constexpr, smem, stage_mbar, idx: Int32, lane: Int32):
         """Stage worker `worker`'s lanes after their stores into stage idx (`smem`: the mainloop's views): fence the

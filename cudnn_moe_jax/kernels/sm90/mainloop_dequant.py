@@ -10,12 +10,24 @@ Per A/B stage (TILE_K = 64 logical K):
                  K-major layout the bf16 SS wgmma reads (`bf16_stage_layout`), fence it for the async proxy and arrive on the
                  stage's worker barrier. A lane converts one group (16 K elements) of one row: 4 lanes a row,
                  8 rows a pass; one 16- (FP8) or 8-byte (FP4) load, the SF byte, 8 bf16x2 words out;
-  consumers      the bf16 mainloop (WgmmaMainloop.mma_tile) on the bf16 stage.
+  consumers      the bf16 mainloop (WgmmaMainloop.mma_tile) on the bf16 stage; with A in registers (the default)
+                 they also convert B's first `consumer_b` passes (Config.consumer_b_passes), below.
 
 K order: group q of a row holds K 16q..16q+15 of the stage; its pair p (dequant.pair_k) is stored at the bf16
 stage's K slots 8p + 2q, 8p + 2q + 1 (K chunk p, word q: one conflict-free 32-bit store per pair). A and B are permuted alike, so the dot products are the reference's up to summation order. The slot map
 is also the wgmma A-fragment order (thread q of a quad holds slots 2q, 2q + 1, 2q + 8, 2q + 9 of each k16), so a
 consumer thread that converts A in registers reads one group per row.
+
+Consumer B passes (A in registers). The stage workers alone were the bound (RESULTS run 52: PC sampling of fc1
+NVFP4 / MXFP8: the consumers waited on the worker barrier ~65% of their samples while the busiest worker, 6 passes
+a stage, issued at a fraction of its slots, mostly stalled on dependent instructions), and the consumers have issue
+slots to spare while their previous stage's wgmmas run. So per stage a consumer warp, after the stage's TMA
+landed, converts its B passes (the first `consumer_b` ones, warp w: w, w + 8, ...; the workers take the passes
+after them), fences them for the async proxy, syncs the warp, (split B: its lanes bulk-copy them to the other CTA like
+the workers') and its lane 0 arrives on the stage's worker barrier (init count: 32 per worker + 1 per converting
+consumer warp; the fence-sync-arrive order is a TMA store's). Then it converts its A groups and only then waits for the
+worker barrier: A needs only the TMA's data. No cycle: a consumer warp's passes of stage k depend only on stage k's
+TMA, which depends on releases of earlier stages.
 
 Valid data only: K past K is zero-filled by the TMA and its scale forced to 0.0; B rows past N likewise (their
 SF bytes may be padding or the next expert's), so a NaN padding byte cannot reach a stored output or amax.
@@ -30,8 +42,8 @@ Each CTA's worker barrier thus completes when its own workers' lanes arrived (as
 CTA's 16 KiB (tile_n / 2 rows x 128 B) landed: warp 1's first lane adds them with `mbarrier.expect_tx` before it
 arrives. The consumers wait on it as before. Why it is safe (the persistent schedule is the same on both CTAs:
 same tiles, same k_count, same stage sequence):
-  * no write-after-read race: CTA r's workers copy into stage s of use i only after their own full barrier for
-    use i completed, i.e. after CTA r's producer acquired stage s for use i. That acquire waits on CTA r's empty
+  * no write-after-read race: CTA r's workers (and consumer warps) copy into stage s of use i only after their own
+    full barrier for use i completed, i.e. after CTA r's producer acquired stage s for use i. That acquire waits on CTA r's empty
     barrier, which counts the releases of the consumer warps of *both* CTAs (gemm.py: consumer_group =
     (cluster_m + cluster_n - 1) * 8 warps; PipelineTmaAsync.consumer_release arrives on every CTA that multicasts
     into the stage), and a consumer releases stage s of use i - 1 only after `wait_group` retired the wgmmas that
@@ -77,6 +89,7 @@ TILE_K = 64
 GROUPS = TILE_K // dq.GROUP     # groups per stage row
 ROWS_PER_PASS = 32 // GROUPS    # rows a warp converts per pass
 WORKERS = ((1,), (2,), (3,))    # (warp of the producer warpgroup,)
+CONSUMER_WARPS = 8              # warps of the two consumer warpgroups
 _CUTLASS = {dq.E4M3: cutlass.Float8E4M3FN, dq.E5M2: cutlass.Float8E5M2, dq.E2M1: cutlass.Uint8}
 
 
@@ -149,9 +162,11 @@ class DequantMainloop(WgmmaMainloop):
     A_IN_REGISTERS = True
 
     split_b = False   # cluster-split B conversion (module docstring); the K-grouped subclass never splits
+    consumer_b = 0    # B passes the consumer warps convert per stage (A in registers; module docstring); K-grouped:
+    #                   none
 
     def __init__(self, tile_m: int, tile_n: int, stages: int, k: int, n: int, cluster_m: int, cluster_n: int,
-                 split_b: bool = False):
+                 split_b: bool = False, consumer_b: int = 0):
         super().__init__(BFloat16, tile_m, tile_n, stages)   # the bf16 wgmma and its swizzled stage layouts
         fmt = self.FORMAT
         self.k, self.n = k, n
@@ -160,11 +175,17 @@ class DequantMainloop(WgmmaMainloop):
         self.sfb_row_blocks = -(-n // SF_ATOM_ROWS)
         self.cluster_m, self.cluster_n = cluster_m, cluster_n
         self.split_b = split_b and cluster_m == 2
+        b_passes = (self.tile_n // 2 if self.split_b else self.tile_n) // ROWS_PER_PASS
+        self.consumer_b = min(consumer_b, b_passes) if self.A_IN_REGISTERS else 0
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
+        split = cls.splits_b(problem, config)
+        consumer_b = config.consumer_b_passes
+        if consumer_b is None:
+            consumer_b = CONSUMER_WARPS if split else 2 * CONSUMER_WARPS
         return cls(config.tile_m, config.tile_n, stages, problem.k, problem.n, config.cluster_m, config.cluster_n,
-                   cls.splits_b(problem, config))
+                   split, consumer_b)
 
     @staticmethod
     def splits_b(problem, config) -> bool:
@@ -310,12 +331,21 @@ class DequantMainloop(WgmmaMainloop):
                       tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.sfb)
 
     # ------------------------------------------------------------------------------------------ workers
+    def stage_arrivals(self) -> int:
+        """Every lane of the stage workers, and one per consumer warp that converts B passes."""
+        return 32 * len(WORKERS) + min(self.consumer_b, CONSUMER_WARPS)
+
+    def consumer_warp_passes(self) -> int:
+        """B passes of the consumer warp that converts the most (warp w: passes w, w + 8, ... < consumer_b)."""
+        return -(-self.consumer_b // CONSUMER_WARPS)
+
     def _units(self):
-        """Static list of (operand, first row) passes of one stage: A's rows (unless A is converted in the
-        consumers' registers), then B's (split B: the first half's; a CTA adds its half's first row)."""
+        """Static list of the stage workers' (operand, first row) passes of one stage: A's rows (unless A is
+        converted in the consumers' registers), then B's after the consumers' (split B: the first half's; a CTA
+        adds its half's first row)."""
         a = [] if self.A_IN_REGISTERS else [(0, r) for r in range(0, self.tile_m, ROWS_PER_PASS)]
         b_rows = self.tile_n // 2 if self.split_b else self.tile_n
-        return a + [(1, r) for r in range(0, b_rows, ROWS_PER_PASS)]
+        return a + [(1, r) for r in range(self.consumer_b * ROWS_PER_PASS, b_rows, ROWS_PER_PASS)]
 
     @cute.jit
     def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
@@ -357,12 +387,13 @@ class DequantMainloop(WgmmaMainloop):
         else:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
-            passes = self.b_passes(worker)
+            passes = self.b_passes(worker)   # (a worker may have none: the consumers' can cover the half)
+            first = passes[0] if passes else 0
             if lane < len(passes):
                 # the warp's passes step by len(WORKERS) * ROWS_PER_PASS rows (B units are consecutive)
                 half = self.b_half()
                 peer = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) ^ 1
-                row = half * (self.tile_n // 2) + passes[0] + lane * (len(WORKERS) * ROWS_PER_PASS)
+                row = half * (self.tile_n // 2) + first + lane * (len(WORKERS) * ROWS_PER_PASS)
                 src = smem[6].iterator.toint() + (idx * self.tile_n + row) * (2 * TILE_K)
                 bulk_copy_to_cluster(mapa_shared(src, peer), src, ROWS_PER_PASS * 2 * TILE_K,
                                      mapa_shared((stage_mbar + idx).toint(), peer))
@@ -441,7 +472,7 @@ class DequantMainloop(WgmmaMainloop):
         # loop they would be loop-carried, i.e. held (32 registers) through the epilogue
         frags = (cute.make_rmem_tensor(tCrA, BFloat16), cute.make_rmem_tensor(tCrA, BFloat16))
         return self.mma_tile_rs(ab_pipeline, read_state, release_state, tiled_mma, frags, tCrB, self.a_thread(smem),
-                                acc, k_count, stage_mbar)
+                                acc, k_count, stage_mbar, self.b_thread(smem, tile))
 
     @staticmethod
     @cute.jit
@@ -452,6 +483,42 @@ class DequantMainloop(WgmmaMainloop):
         tidx, _, _ = cute.arch.thread_idx()
         t = q8.opaque(tidx - 128)               # consumer thread: warpgroup, warp, lane
         return smem, (t & 0x80) // 2 + (t & 0x60) // 2 + ((t & 31) >> 2), t & 3
+
+    @staticmethod
+    @cute.jit
+    def b_thread(smem, tile):
+        """(smem, consumer warp, lane, the tile's N tile) of this thread for its B passes (`_convert_b_share`), from an
+        opaque thread index per tile like `a_thread`."""
+        tidx, _, _ = cute.arch.thread_idx()
+        t = q8.opaque(tidx - 128)
+        return smem, t >> 5, t & 31, tile.n_tile
+
+    @cute.jit
+    def _convert_b_share(self, b_thread, idx: Int32, k: Int32, stage_mbar):
+        """The consumer warp's B passes of stage idx (warp w: passes w, w + 8, ... < consumer_b of B's, or of this
+        CTA's half), converted as a stage worker converts its passes and published like theirs: each lane fences
+        its stores for the async proxy, the warp syncs, split B: lane j bulk-copies the warp's j-th pass to the
+        other CTA (`publish_stage`), and lane 0 of each converting warp arrives on the stage's worker barrier (the
+        fence-sync-arrive order of a TMA store)."""
+        smem, warp, lane, n_tile = b_thread
+        b0 = Int32(0)
+        if const_expr(self.split_b):
+            b0 = self.b_half() * (self.tile_n // 2)
+        for i in cutlass.range_constexpr(self.consumer_warp_passes()):
+            unit = warp + i * CONSUMER_WARPS
+            if unit < self.consumer_b:
+                self.convert_row_group(smem, 1, b0 + unit * ROWS_PER_PASS + (lane >> 2), lane & 3, idx, k, n_tile)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        if const_expr(self.split_b):
+            unit = warp + lane * CONSUMER_WARPS
+            if lane < self.consumer_warp_passes() and unit < self.consumer_b:
+                peer = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) ^ 1
+                src = smem[6].iterator.toint() + (idx * self.tile_n + b0 + unit * ROWS_PER_PASS) * (2 * TILE_K)
+                bulk_copy_to_cluster(mapa_shared(src, peer), src, ROWS_PER_PASS * 2 * TILE_K,
+                                     mapa_shared((stage_mbar + idx).toint(), peer))
+        if lane == 0 and warp < self.consumer_b:
+            cute.arch.mbarrier_arrive(stage_mbar + idx)
 
     @cute.jit
     def _convert_a(self, frag: cute.Tensor, a_thread, idx: Int32, k: Int32):
@@ -499,7 +566,7 @@ class DequantMainloop(WgmmaMainloop):
 
     @cute.jit
     def mma_tile_rs(self, ab_pipeline, read_state, release_state, tiled_mma, frags, tCrB, a_thread,
-                    acc: cute.Tensor, k_count: Int32, stage_mbar):
+                    acc: cute.Tensor, k_count: Int32, stage_mbar, b_thread=None):
         """acc = sum over k_count k-tiles with A converted into registers: per stage wait for its TMA and the
         workers' B, convert the thread's A groups into the free fragment, issue the stage's RS wgmmas, then
         retire the previous stage (one batch stays in flight; its fragment is the other one). k_count is the
@@ -510,12 +577,13 @@ class DequantMainloop(WgmmaMainloop):
         odd = -(-self.k // TILE_K) % 2
         if const_expr(odd):
             for _k in cutlass.range(cutlass.min(k_count, Int32(1)), unroll=1):
-                self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[0], tCrB, a_thread, Int32(0), stage_mbar)
+                self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[0], tCrB, a_thread, Int32(0), stage_mbar,
+                            b_thread)
                 read_state.advance()
         for j in cutlass.range(k_count // 2, unroll=1):
             for b in cutlass.range_constexpr(2):
                 self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[(b + odd) % 2], tCrB, a_thread,
-                            2 * j + b + odd, stage_mbar)
+                            2 * j + b + odd, stage_mbar, b_thread)
                 read_state.advance()
                 warpgroup.wait_group(1)           # the previous stage's wgmmas are done: release it
                 if const_expr(b == 0 and not odd):
@@ -528,10 +596,16 @@ class DequantMainloop(WgmmaMainloop):
         return read_state, release_last(ab_pipeline, release_state, k_count)
 
     @cute.jit
-    def _stage(self, ab_pipeline, read_state, tiled_mma, acc, frag, tCrB, a_thread, k: Int32, stage_mbar):
-        """Wait for stage k, convert the thread's A groups into `frag`, issue the stage's RS wgmmas."""
-        self.wait_stage(ab_pipeline, read_state, stage_mbar, k)
+    def _stage(self, ab_pipeline, read_state, tiled_mma, acc, frag, tCrB, a_thread, k: Int32, stage_mbar,
+               b_thread=None):
+        """Wait for stage k's TMA, convert the warp's B passes (`consumer_b`) and the thread's A groups into
+        `frag` (A needs only the TMA's data: it converts while the workers finish B), wait for the stage's bf16 B
+        (its worker barrier), issue the stage's RS wgmmas."""
+        ab_pipeline.consumer_wait(read_state)
+        if const_expr(self.consumer_b > 0):
+            self._convert_b_share(b_thread, read_state.index, k, stage_mbar)
         self._convert_a(frag, a_thread, read_state.index, k)
+        cute.arch.mbarrier_wait(stage_mbar + read_state.index, read_state.phase)
         self._issue(tiled_mma, acc, frag, tCrB, read_state.index)
 
 

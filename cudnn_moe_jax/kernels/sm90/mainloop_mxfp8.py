@@ -160,6 +160,7 @@ class Mxfp8Mainloop:
     STAGE_WORKERS = DECODER_WARPS
     REGISTER_TIGHT = True  # acc + the data and scale-product partials: 192 of the consumers' 232 registers
     publish_stage = WgmmaMainloop.publish_stage   # fence the decoded scales, arrive
+    stage_arrivals = WgmmaMainloop.stage_arrivals
 
     def smem_fields(self):
         """Raw SF atoms of each stage, then the bf16 scale operands A' / B'."""
