@@ -120,3 +120,17 @@ def test_consumer_passes_split_b_rows():
         rows = [r for w in WORKERS for _, r in ml._units()[w[0] - 1::len(WORKERS)]]
         assert sorted(rows) == list(range(8 * consumer, 8 * b_passes, 8))
         assert ml.stage_arrivals() == 32 * len(WORKERS) + min(consumer, CONSUMER_WARPS)
+
+
+def test_wgrad_consumer_passes():
+    """The block-scaled wgrad (never split): the consumers take 16 of B's 32 passes with token-contiguous operands,
+    none with token-major ones (other units) or with A converted by the workers."""
+    def wgrad(**kw):
+        return GroupedGemmProblem(op="wgrad", m=512, n=320, k=2048, num_groups=5, ab_dtype="float8_e4m3fn",
+                                  sf_dtype=E8M0, sf_vec_size=32, wgrad_dtype="bfloat16", **kw)
+
+    assert _kernel(wgrad()).mainloop.consumer_b == 16
+    assert _kernel(wgrad(), sm90_config.Config(consumer_b_passes=8)).mainloop.consumer_b == 8
+    assert _kernel(wgrad(a_major="m", b_major="n")).mainloop.consumer_b == 0
+    assert _kernel(wgrad(), sm90_config.Config(dequant_a="workers")).mainloop.consumer_b == 0
+

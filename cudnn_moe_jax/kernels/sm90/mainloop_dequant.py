@@ -500,14 +500,14 @@ class DequantMainloop(WgmmaMainloop):
         its stores for the async proxy, the warp syncs, split B: lane j bulk-copies the warp's j-th pass to the
         other CTA (`publish_stage`), and lane 0 of each converting warp arrives on the stage's worker barrier (the
         fence-sync-arrive order of a TMA store)."""
-        smem, warp, lane, n_tile = b_thread
+        smem, warp, lane = b_thread[:3]
         b0 = Int32(0)
         if const_expr(self.split_b):
             b0 = self.b_half() * (self.tile_n // 2)
         for i in cutlass.range_constexpr(self.consumer_warp_passes()):
             unit = warp + i * CONSUMER_WARPS
             if unit < self.consumer_b:
-                self.convert_row_group(smem, 1, b0 + unit * ROWS_PER_PASS + (lane >> 2), lane & 3, idx, k, n_tile)
+                self.consumer_b_group(b_thread, b0 + unit * ROWS_PER_PASS + (lane >> 2), lane & 3, idx, k)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
         if const_expr(self.split_b):
@@ -519,6 +519,11 @@ class DequantMainloop(WgmmaMainloop):
                                      mapa_shared((stage_mbar + idx).toint(), peer))
         if lane == 0 and warp < self.consumer_b:
             cute.arch.mbarrier_arrive(stage_mbar + idx)
+
+    @cute.jit
+    def consumer_b_group(self, b_thread, row: Int32, q: Int32, idx: Int32, k: Int32):
+        """A consumer's B group q of row `row` in stage idx (tile-local k-tile k), as a worker converts it."""
+        self.convert_row_group(b_thread[0], 1, row, q, idx, k, b_thread[3])
 
     @cute.jit
     def _convert_a(self, frag: cute.Tensor, a_thread, idx: Int32, k: Int32):

@@ -27,6 +27,9 @@ What differs from the forward's dequantizing mainloop:
             per 32-token run; K in its natural order. A goes into the RS fragment (`_convert_a_tokens`: a thread's
             rows r, r + 8 share a 16-byte chunk of each token's line) or, with Config(dequant_a="workers"), into an
             MN-major bf16 stage like B.
+  B passes  token-contiguous operands with A in registers: the consumer warps convert B's first passes of each
+            stage beside the stage workers (mainloop_dequant's consumer passes; B is never split across the cluster
+            here, so half of its 32 passes by default, Config.consumer_b_passes), through `consumer_b_group`.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_row_byte
 from .. import dequant as dq
 from .. import quantize as q8
 from .mainloop import WgmmaMainloop
-from .mainloop_dequant import TILE_K, WORKERS, DequantFormat, DequantMainloop, advanced_if, release_last
+from .mainloop_dequant import (CONSUMER_WARPS, ROWS_PER_PASS, TILE_K, WORKERS, DequantFormat, DequantMainloop,
+                               advanced_if, release_last)
 
 SF_SLOTS = 2          # 4-block quads of a segment a stage's tokens can touch
 MN_RUN = 32           # tokens of a token-major lane run (one 32-token half of a stage)
@@ -117,8 +121,13 @@ class KGroupedDequantMainloop(DequantMainloop):
     PRODUCER_ARRIVALS = 1 + 32   # the TMA's arrive-and-expect-tx, warp 0's lanes' cp.async arrivals
     TOKEN_MAJOR = False
 
-    def __init__(self, tile_m: int, tile_n: int, stages: int, m: int, n: int, cluster_m: int, cluster_n: int):
+    def __init__(self, tile_m: int, tile_n: int, stages: int, m: int, n: int, cluster_m: int, cluster_n: int,
+                 consumer_b: int = 0):
         WgmmaMainloop.__init__(self, BFloat16, tile_m, tile_n, stages, self.TOKEN_MAJOR, self.TOKEN_MAJOR)
+        # the consumers' B passes (mainloop_dequant): token-contiguous operands with A in registers only (the
+        # token-major units are 16-row chunks of 32 tokens)
+        if self.A_IN_REGISTERS and not self.TOKEN_MAJOR:
+            self.consumer_b = min(consumer_b, tile_n // ROWS_PER_PASS)
         self.m, self.n = m, n      # W's rows (A's) and columns (B's rows)
         self.cluster_m, self.cluster_n = cluster_m, cluster_n
         self.rows = tile_m + tile_n   # word-table rows: A's, then B's
@@ -126,7 +135,11 @@ class KGroupedDequantMainloop(DequantMainloop):
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
-        return cls(config.tile_m, config.tile_n, stages, problem.m, problem.n, config.cluster_m, config.cluster_n)
+        consumer_b = config.consumer_b_passes
+        if consumer_b is None:   # B is never split here: half of its 32 passes, as the forward's 1x1 clusters
+            consumer_b = 2 * CONSUMER_WARPS
+        return cls(config.tile_m, config.tile_n, stages, problem.m, problem.n, config.cluster_m, config.cluster_n,
+                   consumer_b)
 
     # ------------------------------------------------------------------------------------------ sizes
     @classmethod
@@ -435,11 +448,13 @@ class KGroupedDequantMainloop(DequantMainloop):
                                           acc, k_count, stage_mbar)
         frags = (cute.make_rmem_tensor(tCrA, BFloat16), cute.make_rmem_tensor(tCrA, BFloat16))
         a_thread = self.a_thread(smem) + (self.segment(tile),)
+        b_thread = self.b_thread(smem, tile) + (a_thread[3],)
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         for j in cutlass.range(k_count // 2, unroll=1):
             for b in cutlass.range_constexpr(2):
-                self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[b], tCrB, a_thread, 2 * j + b, stage_mbar)
+                self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[b], tCrB, a_thread, 2 * j + b, stage_mbar,
+                            b_thread)
                 read_state.advance()
                 warpgroup.wait_group(1)           # the previous stage's wgmmas are done: release it
                 if const_expr(b == 0):
@@ -450,13 +465,25 @@ class KGroupedDequantMainloop(DequantMainloop):
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
         for _k in cutlass.range(k_count % 2, unroll=1):
-            self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[0], tCrB, a_thread, k_count - 1, stage_mbar)
+            self._stage(ab_pipeline, read_state, tiled_mma, acc, frags[0], tCrB, a_thread, k_count - 1, stage_mbar,
+                        b_thread)
             read_state.advance()
             warpgroup.wait_group(1)
             if k_count > 1:
                 ab_pipeline.consumer_release(release_state)
             release_state = advanced_if(release_state, k_count > 1)
         return read_state, release_last(ab_pipeline, release_state, k_count)
+
+    @cute.jit
+    def consumer_b_group(self, b_thread, row: Int32, q: Int32, idx: Int32, k: Int32):
+        """A consumer's B group (mainloop_dequant's consumer passes) as `convert_k_stage` converts it."""
+        smem, _, _, n_tile, seg = b_thread
+        st = self.stage(seg, k)
+        valid, store = self.row_group_store(smem, 1, row, q, idx, n_tile)
+        if st.general:
+            self.convert_kgroup(smem, st, 1, row, q, idx, valid, store, True)
+        else:
+            self.convert_kgroup(smem, st, 1, row, q, idx, valid, store, False)
 
     @cute.jit
     def _convert_a(self, frag: cute.Tensor, a_thread, idx: Int32, k: Int32):
