@@ -77,11 +77,13 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
         return epi
 
     def epilogue_smem_bytes(self, epi_stages: int) -> int:
-        """D_row (FP8: + D_col) subtiles per step, C load buffers, dbias column partials (+ alignment), FP8 D's
-        per-warp column maxima of each subtile."""
+        """D_row (FP8: + D_col) subtiles per step, C load buffers, the dbias column partials (only with dbias: an
+        MXFP8 dglu then fits 3 A/B stages beside one D buffer, not 2), alignment, FP8 D's per-warp column maxima of
+        each subtile."""
         epi = self.tile_m * EPI_N * self.d_per_step * (epi_stages * self._d_bytes()
-                                                       + C_LOAD_BUFFERS * self.cin_dtype.width // 8)
-        epi += 4 * EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS + 2048
+                                                       + C_LOAD_BUFFERS * self.cin_dtype.width // 8) + 2048
+        if self.recipe.has_dbias:
+            epi += 4 * EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS
         if self.quant_d:
             epi += 4 * EPI_N * 8 * self.d_per_step + 1024
         return epi
@@ -97,12 +99,14 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
 
     def epilogue_smem_fields(self, args):
         """After sD: the mainloop's own shared memory, FP8 D's column maxima, C's load ring and its mbarriers, the
-        dbias column sums, FP8 D's zero word."""
+        dbias column sums (with dbias), FP8 D's zero word."""
         Align, MemRange = cute.struct.Align, cute.struct.MemRange
         fields = self.mainloop.smem_fields() + self.col_max_field()
         fields += [("cin_mbar", MemRange[cutlass.Int64, C_LOAD_BUFFERS]),
-                   ("sCin", Align[MemRange[self.cin_dtype, cute.cosize(args.cin_layout)], 1024]),
-                   ("col_sum", Align[MemRange[Float32, EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS], 16])]
+                   ("sCin", Align[MemRange[self.cin_dtype, cute.cosize(args.cin_layout)], 1024])]
+        if self.recipe.has_dbias:
+            fields.append(("col_sum", Align[MemRange[Float32, EPI_N * EPI_WARPS * self.d_per_step * C_LOAD_BUFFERS],
+                                            16]))
         if self.quant_d:
             fields.append(("zero", MemRange[Int32, 4]))  # 0, read per step by q8.fresh
         return fields
@@ -136,7 +140,10 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
         storage = cta.storage
         cin_layout = args.cin_layout
         sCin = storage.sCin.get_tensor(cin_layout.outer, swizzle=cin_layout.inner)
-        sColSum = storage.col_sum.get_tensor(cute.make_layout((EPI_N, EPI_WARPS, self.d_per_step, C_LOAD_BUFFERS)))
+        sColSum = None
+        if const_expr(self.recipe.has_dbias):
+            sColSum = storage.col_sum.get_tensor(cute.make_layout((EPI_N, EPI_WARPS, self.d_per_step,
+                                                                   C_LOAD_BUFFERS)))
         cin_copy = cute.make_tiled_copy_S(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.cin_dtype),
                                           tiled_copy_acc)
         bSG_sCin, bSG_gCin = cpasync.tma_partition(
