@@ -116,23 +116,34 @@ def test_lab_configs_are_timed_beside_the_public_op(tiny, tmp_path):
 
 
 def test_lab_kernels_cover_every_shape_and_bundle(monkeypatch):
-    """lab/bench_kernels.py: a bf16 kernel per (shape, config) and the MXFP8 table, each a problem the sm90 kernels
-    implement, named as run_device.sh's ncu steps name them; its bundle items lower one kernel each (recorded)."""
+    """lab/bench_kernels.py: a bf16 kernel per (shape, config), the MXFP8 table and the block-scaled format
+    schedules, each a problem the sm90 kernels implement, named as run_device.sh's ncu steps name them; its bundle
+    items lower one kernel each (recorded)."""
+    from cudnn_moe_jax.kernels.sm90.config import default_config
     from lab import bench_kernels
 
-    cases = {**bench_kernels.bf16_cases(), **bench_kernels.mxfp8_cases()}
+    formats = bench_kernels.format_cases()
+    assert {"fc1_nvfp4_default", "fc1_mxfp8_e1", "small_w_nvfp4_c10"} <= set(formats)
+    assert "small_nvfp4_e1" not in formats   # = small's default schedule
+    cases = {**bench_kernels.bf16_cases(), **bench_kernels.mxfp8_cases(), **formats}
     assert {"fc1_t256c21", "fc2_t256c21", "small_t256c21", "fc1_bf16d"} <= set(cases)
-    assert len(cases) == len(shapes.SHAPES) * len(bench_kernels.BENCH_CONFIGS) + len(bench_kernels.MXFP8_BENCH)
+    assert len(cases) == (len(shapes.SHAPES) * len(bench_kernels.BENCH_CONFIGS) + len(bench_kernels.MXFP8_BENCH)
+                          + len(formats))
     kernels = _runtime.kernels_package()
     for p, _ in cases.values():
         assert kernels.supports(p) is None, p
     asked = []
-    monkeypatch.setattr(_lowering, "kernel_lowering", lambda problem, names, config, *avals: asked.append(config))
+    monkeypatch.setattr(_lowering, "kernel_lowering",
+                        lambda problem, names, config, *avals: asked.append(config or default_config(problem)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for item in bench_kernels.bundle_items():
             item()
-    assert asked == [cfg for _, cfg in cases.values()]
+    # one lowering per distinct (problem, config) (the MXFP8 table's fc1_bf16d / small_bf16d are the format cases'
+    # MXFP8 defaults); config None: the problem's default schedule
+    distinct = {(p, cfg) for p, cfg in cases.values()}
+    assert len(asked) == len(distinct) == len(cases) - 2
+    assert set(asked) == {cfg or default_config(p) for p, cfg in distinct}
 
 
 def test_moe_ops_table_traces_every_op():
