@@ -1,11 +1,12 @@
 """CPU checks of the dequantizing mainloop's cluster-split B conversion (kernels/sm90/mainloop_dequant.py, module
 docstring): where B is multicast to a 2-CTA cluster along M, each CTA's stage workers convert half of B's rows and
-bulk-copy them into the other CTA's bf16 stage (the consumer warps convert and copy some passes too) (`cp.async.bulk.shared::cluster.shared::cta ... complete_tx`, SASS
-`UBLKCP.S.S`), warp 1 expects the other CTA's bytes on the stage's worker barrier (an arrive-less tx expect, SASS
-`SYNCS.ARRIVE.TRANS64.RED.A0TR`); no GPU-scope fence appears (no `MEMBAR.ALL.GPU`: the copy is async-proxy and
-signals the barrier itself; discrete weights have the descriptors' own), no local memory, the HGMMAs stay unserialized. Off (no bulk copy) where B is not
-multicast (1x1 clusters) and in the K-grouped wgrad mainloop. ~10 s a module on 2 cores; skipped without the CuTe
-DSL compiler."""
+bulk-copy them into the other CTA's bf16 stage (the consumer warps convert and copy some passes too)
+(`cp.async.bulk.shared::cluster.shared::cta ... complete_tx`, SASS `UBLKCP.S.S`), warp 1 expects the other CTA's
+bytes on the stage's worker barrier (an arrive-less tx expect, SASS `SYNCS.ARRIVE.TRANS64.RED.A0TR`); no GPU-scope
+fence appears (no `MEMBAR.ALL.GPU`: the copy is async-proxy and signals the barrier itself; discrete weights have
+the descriptors' own), no local memory, the HGMMAs stay unserialized. Off (no bulk copy) where B is not multicast
+(1x1 clusters) and in the K-grouped wgrad mainloop. ~10 s a module on 2 cores; skipped without the CuTe DSL
+compiler."""
 
 from __future__ import annotations
 

@@ -7,27 +7,28 @@ Per A/B stage (TILE_K = 64 logical K):
                  4 k-blocks (docs/formats.md#scale-factor-layout; vec 32: two stages share an atom, both load it);
                  SFA travels with A (multicast along the cluster's N), SFB with B;
   stage workers  warps 1-3 of the producer warpgroup convert the stage (A's and B's rows) into a bf16 stage in a
-                 K-major layout the bf16 SS wgmma reads (`bf16_stage_layout`), fence it for the async proxy and arrive on the
-                 stage's worker barrier. A lane converts one group (16 K elements) of one row: 4 lanes a row,
-                 8 rows a pass; one 16- (FP8) or 8-byte (FP4) load, the SF byte, 8 bf16x2 words out;
+                 K-major layout the bf16 SS wgmma reads (`bf16_stage_layout`), fence it for the async proxy and
+                 arrive on the stage's worker barrier. A lane converts one group (16 K elements) of one row: 4
+                 lanes a row, 8 rows a pass; one 16- (FP8) or 8-byte (FP4) load, the SF byte, 8 bf16x2 words out;
   consumers      the bf16 mainloop (WgmmaMainloop.mma_tile) on the bf16 stage; with A in registers (the default)
                  they also convert B's first `consumer_b` passes (Config.consumer_b_passes), below.
 
 K order: group q of a row holds K 16q..16q+15 of the stage; its pair p (dequant.pair_k) is stored at the bf16
-stage's K slots 8p + 2q, 8p + 2q + 1 (K chunk p, word q: one conflict-free 32-bit store per pair). A and B are permuted alike, so the dot products are the reference's up to summation order. The slot map
-is also the wgmma A-fragment order (thread q of a quad holds slots 2q, 2q + 1, 2q + 8, 2q + 9 of each k16), so a
-consumer thread that converts A in registers reads one group per row.
+stage's K slots 8p + 2q, 8p + 2q + 1 (K chunk p, word q: one conflict-free 32-bit store per pair). A and B are
+permuted alike, so the dot products are the reference's up to summation order. The slot map is also the wgmma
+A-fragment order (thread q of a quad holds slots 2q, 2q + 1, 2q + 8, 2q + 9 of each k16), so a consumer thread that
+converts A in registers reads one group per row.
 
-Consumer B passes (A in registers). The stage workers alone were the bound (RESULTS run 52: PC sampling of fc1
-NVFP4 / MXFP8: the consumers waited on the worker barrier ~65% of their samples while the busiest worker, 6 passes
-a stage, issued at a fraction of its slots, mostly stalled on dependent instructions), and the consumers have issue
-slots to spare while their previous stage's wgmmas run. So per stage a consumer warp, after the stage's TMA
-landed, converts its B passes (the first `consumer_b` ones, warp w: w, w + 8, ...; the workers take the passes
-after them), fences them for the async proxy, syncs the warp, (split B: its lanes bulk-copy them to the other CTA like
-the workers') and its lane 0 arrives on the stage's worker barrier (init count: 32 per worker + 1 per converting
-consumer warp; the fence-sync-arrive order is a TMA store's). Then it converts its A groups and only then waits for the
-worker barrier: A needs only the TMA's data. No cycle: a consumer warp's passes of stage k depend only on stage k's
-TMA, which depends on releases of earlier stages.
+Consumer B passes (A in registers). The stage workers alone were the bound (RESULTS run 52: PC sampling of fc1 NVFP4
+/ MXFP8: the consumers waited on the worker barrier ~65% of their samples while the busiest worker, 6 passes a
+stage, issued at a fraction of its slots, mostly stalled on dependent instructions), and the consumers have issue
+slots to spare while their previous stage's wgmmas run. So per stage a consumer warp, after the stage's TMA landed,
+converts its B passes (the first `consumer_b` ones, warp w: w, w + 8, ...; the workers take the passes after them),
+fences them for the async proxy, syncs the warp, (split B: its lanes bulk-copy them to the other CTA like the
+workers') and its lane 0 arrives on the stage's worker barrier (init count: 32 per worker + 1 per converting
+consumer warp; the fence-sync-arrive order is a TMA store's). Then it converts its A groups and only then waits for
+the worker barrier: A needs only the TMA's data. No cycle: a consumer warp's passes of stage k depend only on stage
+k's TMA, which depends on releases of earlier stages.
 
 Valid data only: K past K is zero-filled by the TMA and its scale forced to 0.0; B rows past N likewise (their
 SF bytes may be padding or the next expert's), so a NaN padding byte cannot reach a stored output or amax.
@@ -43,8 +44,8 @@ CTA's 16 KiB (tile_n / 2 rows x 128 B) landed: warp 1's first lane adds them wit
 arrives. The consumers wait on it as before. Why it is safe (the persistent schedule is the same on both CTAs:
 same tiles, same k_count, same stage sequence):
   * no write-after-read race: CTA r's workers (and consumer warps) copy into stage s of use i only after their own
-    full barrier for use i completed, i.e. after CTA r's producer acquired stage s for use i. That acquire waits on CTA r's empty
-    barrier, which counts the releases of the consumer warps of *both* CTAs (gemm.py: consumer_group =
+    full barrier for use i completed, i.e. after CTA r's producer acquired stage s for use i. That acquire waits on
+    CTA r's empty barrier, which counts the releases of the consumer warps of *both* CTAs (gemm.py: consumer_group =
     (cluster_m + cluster_n - 1) * 8 warps; PipelineTmaAsync.consumer_release arrives on every CTA that multicasts
     into the stage), and a consumer releases stage s of use i - 1 only after `wait_group` retired the wgmmas that
     read it (mma_tile_rs). So the other CTA's consumers are done with use i - 1 before the copies of use i start:
