@@ -519,9 +519,8 @@ def run_formats(args):
 
                 for label, (problem, fk) in lab_kernels(bench_kernels.format_cases(), f"{shape_name}_{fmt}_",
                                                         args.configs).items():
-                    u8 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731 (the kernel's SF bytes)
-                    ksets = [(a, b, u8(sa), u8(sfb), offsets, alpha, prob) if sa is not None
-                             else (a, b, u8(sfb), offsets, alpha, prob) for a, sa in a_sets]
+                    ksets = [(a, b, sa, sfb, offsets, alpha, prob) if sa is not None
+                             else (a, b, sfb, offsets, alpha, prob) for a, sa in a_sets]
                     checked = public_op(fk, ksets[0], f"kernel[{fmt},{label}] on {shape_name}")
                     runners[f"kernel[{fmt},{label}]"] = _jax_runner(checked, ksets, timer)
         runners.update(_torch_format_runners(row, m, n, k, L, rows))

@@ -29,16 +29,23 @@ SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", None: "none", E
 def kernel_fn(problem: GroupedGemmProblem, config: Config | None = None):
     """Jitted fn(*arrays in the operand table's order) -> {output key: array} of the present outputs: `problem`
     at the arrays' m, lowered with `config` (None: the default) -- on CUDA to that kernel module, elsewhere to the
-    reference (a fallback on CUDA warns: `lab.harness.kernels_only`). One jitted function per (problem, config)."""
+    reference (a fallback on CUDA warns: `lab.harness.kernels_only`). One jitted function per (problem, config).
+    Scale factors may come in their float8 dtype (as formats.to_block_scaled returns e4m3 scales): they are bound
+    as their bytes, as the public ops bind them."""
     import jax
+    import jax.numpy as jnp
 
     from cudnn_moe_jax import _primitive
 
-    names = tuple(operands.input_specs(problem))
+    specs = operands.input_specs(problem)
+
+    def stored(x, dtype):
+        return jax.lax.bitcast_convert_type(x, jnp.uint8) if dtype == "uint8" and x.dtype != jnp.uint8 else x
 
     def fn(*arrays):
         p = dataclasses.replace(problem, m=arrays[0].shape[0])
-        return {k: v for k, v in _primitive.bind(p, dict(zip(names, arrays)), config).items() if v is not None}
+        bound = {name: stored(x, specs[name][1]) for name, x in zip(specs, arrays)}
+        return {k: v for k, v in _primitive.bind(p, bound, config).items() if v is not None}
 
     return jax.jit(fn)
 

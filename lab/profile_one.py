@@ -32,13 +32,12 @@ def kernel_args(problem):
     b = jax.random.normal(jax.random.PRNGKey(1), (L, n, k), jnp.float32)
     if problem.block_scaled:
         fmt = (problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size)
-        u8 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731 (the kernel's SF bytes)
         b, sfb = formats.to_block_scaled(b / np.sqrt(k), *fmt)
         if problem.a_dtype == "bfloat16":   # weight-only: bf16 A, no SFA
-            head = (a.astype(jnp.bfloat16), b, u8(sfb))
+            head = (a.astype(jnp.bfloat16), b, sfb)
         else:
             a, sfa = formats.to_block_scaled(a, *fmt)
-            head = (a, b, u8(sfa), u8(sfb))
+            head = (a, b, sfa, sfb)
     else:
         head = (a.astype(jnp.bfloat16), (b / np.sqrt(k)).astype(jnp.bfloat16))
     tail = (jnp.ones((1,), jnp.float32),) if problem.epilogue.generate_sfd else ()

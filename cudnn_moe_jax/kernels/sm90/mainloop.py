@@ -213,7 +213,7 @@ class WgmmaMainloop:
         a 2-CTA cluster whose tiles may use two experts' B (tile lists) multicasts B only when `multicast`; else
         each CTA loads both halves to itself (the same bytes arrive per stage either way)."""
         return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
-                              a_mcast_mask, b_mcast_mask, k_count, None, descriptors, b_own)
+                                   a_mcast_mask, b_mcast_mask, k_count, None, descriptors, b_own)
 
     def stage_arrivals(self) -> int:
         """Arrivals that complete a stage's worker barrier (every lane of every stage worker), besides the TMA's."""

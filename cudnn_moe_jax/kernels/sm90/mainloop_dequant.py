@@ -70,6 +70,7 @@ Discrete weights multicast B through the expert's descriptor like stacked weight
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -167,7 +168,7 @@ class DequantMainloop(WgmmaMainloop):
     #                   none
 
     def __init__(self, tile_m: int, tile_n: int, stages: int, k: int, n: int, cluster_m: int, cluster_n: int,
-                 split_b: bool = False, consumer_b: int = 0):
+                 split_b: bool = False, consumer_b: Optional[int] = 0):
         super().__init__(BFloat16, tile_m, tile_n, stages)   # the bf16 wgmma and its swizzled stage layouts
         fmt = self.FORMAT
         self.k, self.n = k, n
@@ -176,17 +177,19 @@ class DequantMainloop(WgmmaMainloop):
         self.sfb_row_blocks = -(-n // SF_ATOM_ROWS)
         self.cluster_m, self.cluster_n = cluster_m, cluster_n
         self.split_b = split_b and cluster_m == 2
+        if self.A_IN_REGISTERS:
+            self.set_consumer_b(consumer_b)
+
+    def set_consumer_b(self, requested: Optional[int]) -> None:
+        """The consumers' B passes per stage: `requested` (Config.consumer_b_passes), at most every pass this CTA
+        converts; None: half of them (8 of 16 with the cluster split, 16 of 32 without)."""
         b_passes = (self.tile_n // 2 if self.split_b else self.tile_n) // ROWS_PER_PASS
-        self.consumer_b = min(consumer_b, b_passes) if self.A_IN_REGISTERS else 0
+        self.consumer_b = min(b_passes // 2 if requested is None else requested, b_passes)
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
-        split = cls.splits_b(problem, config)
-        consumer_b = config.consumer_b_passes
-        if consumer_b is None:
-            consumer_b = CONSUMER_WARPS if split else 2 * CONSUMER_WARPS
         return cls(config.tile_m, config.tile_n, stages, problem.k, problem.n, config.cluster_m, config.cluster_n,
-                   split, consumer_b)
+                   cls.splits_b(problem, config), config.consumer_b_passes)
 
     @staticmethod
     def splits_b(problem, config) -> bool:
@@ -313,8 +316,8 @@ class DequantMainloop(WgmmaMainloop):
         SFB through the expert's `descriptors`, g = 0."""
         g = 0 if const_expr(descriptors is not None) else tile.group
         return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
-                              a_mcast_mask, b_mcast_mask, k_count, (scale_loads, tile.m_tile, tile.n_tile, g),
-                              descriptors)
+                                   a_mcast_mask, b_mcast_mask, k_count, (scale_loads, tile.m_tile, tile.n_tile, g),
+                                   descriptors)
 
     @cute.jit
     def load_stage_scales(self, scales, bar, k: Int32, s: Int32, a_mcast_mask, b_mcast_mask, descriptors):
@@ -356,9 +359,7 @@ class DequantMainloop(WgmmaMainloop):
         half of B's rows (`publish_stage` copies them to the other CTA)."""
         slot = worker[0] - 1
         units = self._units()
-        b0 = Int32(0)
-        if const_expr(self.split_b):
-            b0 = self.b_half() * (self.tile_n // 2)
+        b0 = self.b_base()
         for u in cutlass.range_constexpr(slot, len(units), len(WORKERS)):
             operand, r0 = units[u]
             if const_expr(operand == 1):
@@ -366,11 +367,22 @@ class DequantMainloop(WgmmaMainloop):
             else:
                 self.convert_row_group(smem, operand, r0 + (lane >> 2), lane & 3, idx, k, tile_ctx.n_tile)
 
-    @staticmethod
     @cute.jit
-    def b_half() -> Int32:
-        """Split B: this CTA's half of B's rows, its rank_m (rank % cluster_m, cluster_m == 2)."""
-        return cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) & 1
+    def b_base(self) -> Int32:
+        """The first of B's rows this CTA converts: 0, or with split B its half's (rank_m = rank % cluster_m, 2)."""
+        b0 = Int32(0)
+        if const_expr(self.split_b):
+            b0 = (cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) & 1) * (self.tile_n // 2)
+        return b0
+
+    @cute.jit
+    def copy_to_peer(self, smem, stage_mbar, idx: Int32, row: Int32):
+        """Split B: the converted 8-row group at B row `row` of bf16 stage idx (1 KiB, contiguous) to the same place
+        in the other CTA's stage, completing its bytes on that CTA's worker barrier of the stage."""
+        peer = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) ^ 1
+        src = smem[6].iterator.toint() + (idx * self.tile_n + row) * (2 * TILE_K)
+        bulk_copy_to_cluster(mapa_shared(src, peer), src, ROWS_PER_PASS * 2 * TILE_K,
+                             mapa_shared((stage_mbar + idx).toint(), peer))
 
     def b_passes(self, worker) -> list:
         """Split B: the first rows (in this CTA's half) of `worker`'s B passes, in order."""
@@ -392,12 +404,7 @@ class DequantMainloop(WgmmaMainloop):
             first = passes[0] if passes else 0
             if lane < len(passes):
                 # the warp's passes step by len(WORKERS) * ROWS_PER_PASS rows (B units are consecutive)
-                half = self.b_half()
-                peer = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) ^ 1
-                row = half * (self.tile_n // 2) + first + lane * (len(WORKERS) * ROWS_PER_PASS)
-                src = smem[6].iterator.toint() + (idx * self.tile_n + row) * (2 * TILE_K)
-                bulk_copy_to_cluster(mapa_shared(src, peer), src, ROWS_PER_PASS * 2 * TILE_K,
-                                     mapa_shared((stage_mbar + idx).toint(), peer))
+                self.copy_to_peer(smem, stage_mbar, idx, self.b_base() + first + lane * (len(WORKERS) * ROWS_PER_PASS))
             if const_expr(worker[0] == WORKERS[0][0]):
                 if lane == 0:
                     cute.arch.mbarrier_expect_tx(stage_mbar + idx, self.tile_n // 2 * 2 * TILE_K)
@@ -502,9 +509,7 @@ class DequantMainloop(WgmmaMainloop):
         other CTA (`publish_stage`), and lane 0 of each converting warp arrives on the stage's worker barrier (the
         fence-sync-arrive order of a TMA store)."""
         smem, warp, lane = b_thread[:3]
-        b0 = Int32(0)
-        if const_expr(self.split_b):
-            b0 = self.b_half() * (self.tile_n // 2)
+        b0 = self.b_base()
         for i in cutlass.range_constexpr(self.consumer_warp_passes()):
             unit = warp + i * CONSUMER_WARPS
             if unit < self.consumer_b:
@@ -514,10 +519,7 @@ class DequantMainloop(WgmmaMainloop):
         if const_expr(self.split_b):
             unit = warp + lane * CONSUMER_WARPS
             if lane < self.consumer_warp_passes() and unit < self.consumer_b:
-                peer = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) ^ 1
-                src = smem[6].iterator.toint() + (idx * self.tile_n + b0 + unit * ROWS_PER_PASS) * (2 * TILE_K)
-                bulk_copy_to_cluster(mapa_shared(src, peer), src, ROWS_PER_PASS * 2 * TILE_K,
-                                     mapa_shared((stage_mbar + idx).toint(), peer))
+                self.copy_to_peer(smem, stage_mbar, idx, b0 + unit * ROWS_PER_PASS)
         if lane == 0 and warp < self.consumer_b:
             cute.arch.mbarrier_arrive(stage_mbar + idx)
 

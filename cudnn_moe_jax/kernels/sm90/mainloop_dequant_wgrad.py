@@ -34,7 +34,7 @@ What differs from the forward's dequantizing mainloop:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -48,8 +48,7 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_row_byte
 from .. import dequant as dq
 from .. import quantize as q8
 from .mainloop import WgmmaMainloop
-from .mainloop_dequant import (CONSUMER_WARPS, ROWS_PER_PASS, TILE_K, WORKERS, DequantFormat, DequantMainloop,
-                               advanced_if, release_last)
+from .mainloop_dequant import TILE_K, WORKERS, DequantFormat, DequantMainloop, advanced_if, release_last
 
 SF_SLOTS = 2          # 4-block quads of a segment a stage's tokens can touch
 MN_RUN = 32           # tokens of a token-major lane run (one 32-token half of a stage)
@@ -122,12 +121,12 @@ class KGroupedDequantMainloop(DequantMainloop):
     TOKEN_MAJOR = False
 
     def __init__(self, tile_m: int, tile_n: int, stages: int, m: int, n: int, cluster_m: int, cluster_n: int,
-                 consumer_b: int = 0):
+                 consumer_b: Optional[int] = 0):
         WgmmaMainloop.__init__(self, BFloat16, tile_m, tile_n, stages, self.TOKEN_MAJOR, self.TOKEN_MAJOR)
-        # the consumers' B passes (mainloop_dequant): token-contiguous operands with A in registers only (the
-        # token-major units are 16-row chunks of 32 tokens)
+        # the consumers' B passes (mainloop_dequant; B is never split here): token-contiguous operands with A in
+        # registers only (the token-major units are 16-row chunks of 32 tokens)
         if self.A_IN_REGISTERS and not self.TOKEN_MAJOR:
-            self.consumer_b = min(consumer_b, tile_n // ROWS_PER_PASS)
+            self.set_consumer_b(consumer_b)
         self.m, self.n = m, n      # W's rows (A's) and columns (B's rows)
         self.cluster_m, self.cluster_n = cluster_m, cluster_n
         self.rows = tile_m + tile_n   # word-table rows: A's, then B's
@@ -135,11 +134,8 @@ class KGroupedDequantMainloop(DequantMainloop):
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
-        consumer_b = config.consumer_b_passes
-        if consumer_b is None:   # B is never split here: half of its 32 passes, as the forward's 1x1 clusters
-            consumer_b = 2 * CONSUMER_WARPS
         return cls(config.tile_m, config.tile_n, stages, problem.m, problem.n, config.cluster_m, config.cluster_n,
-                   consumer_b)
+                   config.consumer_b_passes)
 
     # ------------------------------------------------------------------------------------------ sizes
     @classmethod
@@ -260,7 +256,7 @@ class KGroupedDequantMainloop(DequantMainloop):
         fmt = self.FORMAT
         kb_n = (((seg.end - seg.start + fmt.vec - 1) >> self.log_vec) + 3) >> 2     # the segment's quads
         return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
-                              a_mcast_mask, b_mcast_mask, k_count, (scale_loads, tile, seg, lane, kb_n))
+                                   a_mcast_mask, b_mcast_mask, k_count, (scale_loads, tile, seg, lane, kb_n))
 
     @cute.jit
     def load_stage_scales(self, scales, bar, k: Int32, s: Int32, a_mcast_mask, b_mcast_mask, descriptors):
@@ -479,7 +475,7 @@ class KGroupedDequantMainloop(DequantMainloop):
         """A consumer's B group (mainloop_dequant's consumer passes) as `convert_k_stage` converts it."""
         smem, _, _, n_tile, seg = b_thread
         st = self.stage(seg, k)
-        valid, store = self.row_group_store(smem, 1, row, q, idx, n_tile)
+        valid, store = self.row_group_store(smem, 1, row, q, idx, n_tile)   # (once, before the path split)
         if st.general:
             self.convert_kgroup(smem, st, 1, row, q, idx, valid, store, True)
         else:
