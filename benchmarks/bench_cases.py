@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import cudnn_moe_jax as cmj
+from cudnn_moe_jax import formats
 from cudnn_moe_jax.formats import E2M1 as FP4
 from cudnn_moe_jax.formats import E4M3, sf_physical_shape
 from cudnn_moe_jax.shapes import FUSION, SHAPES
@@ -34,9 +35,9 @@ from cudnn_moe_jax.shapes import FUSION, SHAPES
 # MXFP8 output variants: label -> FP8 D (else bf16 D)
 MXFP8_OUTPUTS = {"bf16d": False, "fp8d": True}
 
-# Block-scaled input formats of the format comparison (`--formats`): label -> (data dtype, SF dtype, vec)
-BLOCK_FORMATS = {"mxfp8": (E4M3, "float8_e8m0fnu", 32), "nvfp4": ("float4_e2m1fn", E4M3, 16),
-                 "mxfp4": ("float4_e2m1fn", "float8_e8m0fnu", 32)}
+# Block-scaled input formats of the format comparison (`--formats`): label -> (data dtype, SF dtype, vec), from
+# the library's table (formats.BLOCK_FORMATS)
+BLOCK_FORMATS = {f: formats.BLOCK_FORMATS[f] for f in ("mxfp8", "nvfp4", "mxfp4")}
 # weight-only quantization (bf16 A, block-scaled B): label -> B's format
 WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp8": "mxfp8"}
 FORMAT_LABELS = ("bf16",) + tuple(BLOCK_FORMATS) + tuple(WEIGHT_ONLY)

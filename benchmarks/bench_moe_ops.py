@@ -79,8 +79,6 @@ def _avals(shape: str):
 # The weight gradients with block-scaled A / B (the dequantizing K-grouped kernel; SF in per-expert segments along
 # the tokens): name -> (format, weight, token-major operands). "tok": dY / h / dC / x as a step stores them (T, rows)
 # with a_major="m", b_major="n" (FP8 only); otherwise token-contiguous (rows, T), cuDNN's layout.
-BS_FORMATS = {"mxfp8": ("float8_e4m3fn", "float8_e8m0fnu", 32), "mxfp4": ("float4_e2m1fn", "float8_e8m0fnu", 32),
-              "nvfp4": ("float4_e2m1fn", "float8_e4m3fn", 16)}
 BS_WGRAD = {"wgrad w2 mxfp8 tok": ("mxfp8", "w2", True), "wgrad w2 mxfp8": ("mxfp8", "w2", False),
             "wgrad w2 mxfp4": ("mxfp4", "w2", False), "wgrad w2 nvfp4": ("nvfp4", "w2", False),
             "wgrad w1 mxfp8 tok": ("mxfp8", "w1", True), "wgrad w1 nvfp4": ("nvfp4", "w1", False)}
@@ -93,17 +91,18 @@ def _bs_wgrad(shape: str, name: str):
     import jax.numpy as jnp
 
     import cudnn_moe_jax as cmj
-    from cudnn_moe_jax.formats import sf_segment_bytes
+    from cudnn_moe_jax.formats import BLOCK_FORMATS, sf_segment_bytes
+    from cudnn_moe_jax.limits import values_per_byte
 
     fmt, weight, token_major = BS_WGRAD[name]
-    data, sf, vec = BS_FORMATS[fmt]
+    data, sf, vec = BLOCK_FORMATS[fmt]
     sizes, h, i = step.SHAPES[shape]
     m, offsets, _ = step._problem(shape, "swiglu")
     off = jnp.asarray(offsets)
     rows = (h, i) if weight == "w2" else (2 * i, h)
     fp4 = data == "float4_e2m1fn"
     sd = jax.ShapeDtypeStruct
-    shapes = [(m, r) if token_major else (r, m // 2 if fp4 else m) for r in rows]
+    shapes = [(m, r) if token_major else (r, m // values_per_byte(data)) for r in rows]
     dtype = jnp.uint8 if fp4 else jnp.dtype(data)
     sf_dtype = jnp.float8_e4m3fn if sf == "float8_e4m3fn" else jnp.uint8
     avals = ([sd(s, dtype) for s in shapes] + [sd((sf_segment_bytes(r, m, vec),), sf_dtype) for r in rows]
@@ -149,7 +148,7 @@ def _bs_op(shape: str, name: str):
     from cudnn_moe_jax import formats
 
     fmt, gemm = BS_OPS[name]
-    data, sf, vec = BS_FORMATS[fmt]
+    data, sf, vec = formats.BLOCK_FORMATS[fmt]
     sizes, h, i = step.SHAPES[shape]
     m, offsets, _ = step._problem(shape, "swiglu")
     off = jnp.asarray(offsets)

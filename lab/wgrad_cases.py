@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 import cudnn_moe_jax as cmj
 from cudnn_moe_jax import aot
+from cudnn_moe_jax.limits import values_per_byte
 
 NW, T, L = 320, 2000, 5   # A (MW, T), B (NW, T) -> W (L, MW, NW); T % 8 == 0
 PATTERNS = {
@@ -172,7 +173,7 @@ def bs_run_inputs(case, pattern: str, mode: str, tokens=None) -> dict:
     if tokens is None:
         return x
     data, _, vec = BS_FORMATS[fmt]
-    per = 2 if data == E2M1 else 1
+    per = values_per_byte(data)
     cut = {"a": (slice(None), slice(0, tokens // per)), "b": (slice(None), slice(0, tokens // per)),
            "a_tok": (slice(0, tokens // per),), "b_tok": (slice(0, tokens // per),)}
     x = {k: v[cut[k]] if k in cut else v for k, v in x.items()}

@@ -22,6 +22,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 import np_ops  # noqa: E402
 import wgrad_checks  # noqa: E402
+from cudnn_moe_jax.limits import values_per_byte  # noqa: E402
 from lab import harness  # noqa: E402
 from lab import wgrad_cases as cases  # noqa: E402
 
@@ -117,7 +118,7 @@ def run_bs_case(case, pattern: str, mode: str, tokens: int = None) -> list[str]:
     x = cases.bs_run_inputs(case, pattern, mode, tokens)
     got, errs = _run_twice(functools.partial(cases.bs_call, case), x)
     a, b = (np.asarray(v) for v in cases.operands(case, x))
-    n_tok = a.shape[1] * (2 if data == cases.E2M1 else 1)
+    n_tok = a.shape[1] * values_per_byte(data)
     w_old = np.asarray(x["w"].astype(jnp.float32)) if acc else None
     with np.errstate(invalid="ignore"):   # NaN / inf inputs
         want = np_ops.grouped_gemm_wgrad(a, b, np.asarray(x["offsets"]), np.asarray(x["sfa"]).view(np.uint8),
