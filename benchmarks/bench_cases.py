@@ -39,7 +39,12 @@ MXFP8_OUTPUTS = {"bf16d": False, "fp8d": True}
 # the library's table (formats.BLOCK_FORMATS)
 BLOCK_FORMATS = {f: formats.BLOCK_FORMATS[f] for f in ("mxfp8", "nvfp4", "mxfp4")}
 # weight-only quantization (bf16 A, block-scaled B): label -> B's format
-WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp8": "mxfp8"}
+WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp8": "mxfp8", "w16_nvfp4": "nvfp4"}   # w16: an fp16 A
+
+
+def a_half(fmt: str):
+    """A's dtype for a weight-only label (`WEIGHT_ONLY`): fp16 for "w16_", else bf16."""
+    return jnp.float16 if fmt.startswith("w16_") else jnp.bfloat16
 FORMAT_LABELS = ("bf16",) + tuple(BLOCK_FORMATS) + tuple(WEIGHT_ONLY)
 # Shapes of the format comparison besides fc1 / fc2 / small (= FC1 of the first memory-bound layer of issue 19:
 # 64 experts x 256 rows, H 2048, I 768): that layer's FC2 and the second layer (128 experts x 128 rows, H 4096,
@@ -106,7 +111,7 @@ def mxfp8_call(shape: str, fp8_d: bool):
 def block_call(shape: str, fmt: str):
     """fn(a, b, sfa, sfb, padded_offsets, alpha, prob) -> OpResult: the shape's fused op (bf16 D, + C for SwiGLU)
     on inputs of format `fmt` (FORMAT_LABELS): "bf16" (sfa, sfb ignored), block-scaled A and B (BLOCK_FORMATS),
-    or bf16 A with block-scaled B (WEIGHT_ONLY; sfa ignored)."""
+    or a bf16 / fp16 A with block-scaled B (WEIGHT_ONLY; sfa ignored)."""
     _, (op, act), rows = format_shape(shape)
 
     def fn(a, b, sfa, sfb, padded_offsets, alpha, prob):
@@ -167,7 +172,7 @@ def block_avals(shape: str, fmt: str) -> tuple:
     dt, kk = (jnp.uint8, k // 2) if data == "float4_e2m1fn" else (jnp.dtype(data), k)
     kb = -(-(-(-k // vec)) // 4)
     sf_dt = jnp.dtype(sf) if sf == E4M3 else jnp.uint8
-    a = (sds((m, k), jnp.bfloat16), None) if fmt in WEIGHT_ONLY else (sds((m, kk), dt),
+    a = (sds((m, k), a_half(fmt)), None) if fmt in WEIGHT_ONLY else (sds((m, kk), dt),
                                                                        sds((1, m // 128, kb, 32, 4, 4), sf_dt))
     return (a[0], sds((groups, n, kk), dt), a[1], sds((groups, -(-n // 128), kb, 32, 4, 4), sf_dt)) + tail
 

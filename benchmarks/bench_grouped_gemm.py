@@ -508,7 +508,9 @@ def run_formats(args):
                 data, sf, vec = bench_cases.BLOCK_FORMATS[bench_cases.WEIGHT_ONLY.get(fmt, fmt)]
                 quant = jax.jit(lambda x, data=data, sf=sf, vec=vec: formats.to_block_scaled(x, data, sf, vec))
             b, sfb = quant(jax.random.normal(jax.random.fold_in(key, 1), (L, n, k), jnp.float32) / np.sqrt(k))
-            quant_a = half if fmt in bench_cases.WEIGHT_ONLY else quant
+            quant_a = quant
+            if fmt in bench_cases.WEIGHT_ONLY:
+                quant_a = jax.jit(lambda x, t=bench_cases.a_half(fmt): (x.astype(t), None))
             a_sets = [quant_a(jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32))
                       for i in range(ITERS)]
             sets = [(a, b, sa, sfb, offsets, alpha, prob) for a, sa in a_sets]

@@ -251,9 +251,22 @@ def _mma_operand(x, dequantized_f32, ab_dtype: str):
 
 def _gemm(a, b, sfa, sfb, ends, *, ab_dtype, sf_dtype, sf_vec_size, m_aligned):
     kw = dict(ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
-    a_op = _mma_operand(a, lambda: dequantize_a(a, sfa, **kw), ab_dtype)
     b_op = _mma_operand(b, lambda: dequantize_b(b, sfb, **kw), ab_dtype)
+    if _tensor_core_operands and _is_block_scaled(ab_dtype) and jnp.asarray(a).dtype == jnp.float16:
+        # an fp16 A beside a dequantized (bf16) B: the exact sum of two bf16 parts, one product each
+        hi, lo = split_f16(a)
+        return grouped_matmul(hi, b_op, ends, m_aligned) + grouped_matmul(lo, b_op, ends, m_aligned)
+    a_op = _mma_operand(a, lambda: dequantize_a(a, sfa, **kw), ab_dtype)
     return grouped_matmul(a_op, b_op, ends, m_aligned)
+
+
+def split_f16(a):
+    """fp16 a -> bf16 (hi, lo) with hi + lo = a exactly (hi: a rounded to bf16; lo: the rest, at most 4
+    significant bits); an infinite value's lo is 0 (inf - inf would be NaN)."""
+    f = jnp.asarray(a).astype(F32)
+    hi = f.astype(jnp.bfloat16)
+    lo = jnp.where(jnp.isinf(f), 0.0, f - hi.astype(F32)).astype(jnp.bfloat16)
+    return hi, lo
 
 
 def _prep(padded_offsets, m: int, m_aligned: int):

@@ -82,13 +82,16 @@ def mxfp8_problem(name: str) -> GroupedGemmProblem:
 def format_problem(shape: str, fmt: str) -> GroupedGemmProblem:
     """The format comparison's problem of a shape (benchmarks.bench_cases.block_call: SwiGLU with bf16 C + D, or
     bf16 D) on inputs of format `fmt` (bench_cases.BLOCK_FORMATS / WEIGHT_ONLY), D with amax."""
+    import jax.numpy as jnp
+
     from benchmarks import bench_cases
 
     (m, n, k, groups), (op, act), _ = bench_cases.format_shape(shape)
     data, sf, vec = bench_cases.BLOCK_FORMATS[bench_cases.WEIGHT_ONLY.get(fmt, fmt)]
     epi = Epilogue(act=act, c_dtype="bfloat16" if op == "glu" else None, d_dtype="bfloat16", compute_amax=True)
+    a_dtype = jnp.dtype(bench_cases.a_half(fmt)).name if fmt in bench_cases.WEIGHT_ONLY else None
     return GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype=data, sf_dtype=sf, sf_vec_size=vec,
-                              a_dtype="bfloat16" if fmt in bench_cases.WEIGHT_ONLY else None, epilogue=epi)
+                              a_dtype=a_dtype, epilogue=epi)
 
 
 def format_cases() -> dict:

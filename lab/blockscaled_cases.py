@@ -23,8 +23,9 @@ E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float
 FP8 = (E4M3, E5M2)
 FORMATS = {"nvfp4": (E2M1, E4M3, 16), "nvfp4e8": (E2M1, E8M0, 16), "mxfp4": (E2M1, E8M0, 32),
            "mxfp8": (E4M3, E8M0, 32), "mxfp8e5": (E5M2, E8M0, 32)}
-# weight-only quantization: bf16 A (no sfa) with block-scaled B of the named format
-WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp4": "mxfp4", "w_mxfp8": "mxfp8"}
+# weight-only quantization: a bf16 ("w_") or fp16 ("w16_") A (no sfa) with block-scaled B of the named format
+WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp4": "mxfp4", "w_mxfp8": "mxfp8",
+               "w16_nvfp4": "nvfp4", "w16_nvfp4e8": "nvfp4e8", "w16_mxfp4": "mxfp4", "w16_mxfp8": "mxfp8"}
 FORMATS.update({w: FORMATS[f] for w, f in WEIGHT_ONLY.items()})
 HALF = "bf16"   # bf16 A and B (the bf16 A of weight-only for both; no scale factors): the discrete-weights cases
 FORMATS[HALF] = ("bfloat16", None, None)
@@ -62,6 +63,10 @@ CASES = [
     ("w_nvfp4_swiglu", "glu", "w_nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF)),
     ("w_mxfp8_quant_fp8d_k208_n384", "quant", "w_mxfp8", 208, 384, dict(bias=BF, d_dtype=E4M3)),
     ("w_mxfp4_srelu_f32c", "srelu", "w_mxfp4", 256, 512, dict(c_dtype=F32, d_dtype=BF)),
+    # weight-only with an fp16 A (split into two exact bf16 parts in the kernel)
+    ("w16_nvfp4_swiglu", "glu", "w16_nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF)),
+    ("w16_mxfp8_quant_fp8d_k208_n384", "quant", "w16_mxfp8", 208, 384, dict(bias=BF, d_dtype=E4M3)),
+    ("w16_mxfp4_srelu_f32c", "srelu", "w16_mxfp4", 256, 512, dict(c_dtype=F32, d_dtype=F32)),
 ]
 # (name, op, format, K, N, options) of the backward ops with block-scaled dY (M, K) and W2^T (L, N, K): the dgrad
 # epilogue as for bf16 inputs (saved C (M, 2N) / (M, N) in c_dtype, beta, dprob, dbias, amax, FP8 D_row)
@@ -76,6 +81,8 @@ DGRAD_CASES = [
                                                                     d_dtype=E5M2, discrete_col_sfd=True,
                                                                     no_prob=True)),
     ("w_nvfp4_dswiglu", "dglu", "w_nvfp4", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF)),
+    ("w16_nvfp4e8_dswiglu", "dglu", "w16_nvfp4e8", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF,
+                                                                  generate_dbias=True, dbias_dtype=F32)),
 ]
 DGRAD_OPS = {"dglu": cmj.grouped_gemm_dglu, "dsrelu": cmj.grouped_gemm_dsrelu}
 # outputs computed from the accumulator without an activation: exact on "exact" inputs
@@ -83,11 +90,18 @@ EXACT_KEYS = {"quant": ("d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tens
               "srelu": ("c_tensor",), "glu": ("c_tensor",)}
 
 
+def a_half(fmt: str):
+    """The 16-bit dtype of a weight-only format's A (None: A is block-scaled like B)."""
+    if fmt not in WEIGHT_ONLY:
+        return None
+    return jnp.float16 if fmt.startswith("w16_") else jnp.bfloat16
+
+
 def input_avals(case, pattern: str = "empty_and_tail", discrete: bool = False) -> dict:
     """{input: ShapeDtypeStruct (None: absent)} of a case, as tests/gpu/blockscaled_checks.inputs makes them (the
-    pattern sets the expert count L): packed FP4 codes as uint8 (rows, K/2), FP8 codes typed, bf16 A for the
-    weight-only formats (bf16 A and B for HALF), the MMA-tiled scale bytes (e4m3 scales typed, e8m0 as uint8), the
-    saved C and beta of the backward ops; `discrete`: also the per-expert lists of `expert_lists`."""
+    pattern sets the expert count L): packed FP4 codes as uint8 (rows, K/2), FP8 codes typed, a 16-bit A for the
+    weight-only formats (`a_half`; bf16 A and B for HALF), the MMA-tiled scale bytes (e4m3 scales typed, e8m0 as
+    uint8), the saved C and beta of the backward ops; `discrete`: also the per-expert lists of `expert_lists`."""
     _, op, fmt, k, n, options = case
     data, sf, vec = FORMATS[fmt]
     L = len(PATTERNS[pattern])
@@ -95,7 +109,7 @@ def input_avals(case, pattern: str = "empty_and_tail", discrete: bool = False) -
     code = (lambda *s: sds(s[:-1] + (s[-1] // 2,), jnp.uint8)) if data == E2M1 else (lambda *s: sds(s, data))
     sf_type = jnp.float8_e4m3fn if sf == E4M3 else jnp.uint8
     scaled_a = sf is not None and fmt not in WEIGHT_ONLY
-    x = dict(a=sds((M, k), jnp.bfloat16) if fmt in WEIGHT_ONLY else code(M, k), b=code(L, n, k),
+    x = dict(a=sds((M, k), a_half(fmt)) if fmt in WEIGHT_ONLY else code(M, k), b=code(L, n, k),
              sfa=sds(sf_physical_shape(M, k, vec), sf_type) if scaled_a else None,
              sfb=None if sf is None else sds(sf_physical_shape(n, k, vec, L), sf_type), alpha=sds((L,), jnp.float32),
              prob=sds((M,), jnp.float32), offsets=sds((L,), jnp.int32), norm_const=sds((1,), jnp.float32),

@@ -112,6 +112,18 @@ FP4_OUT = {
 }
 
 
+# weight-only quantization with an fp16 A (each value split into two bf16 parts, two wgmmas per k16: the consumers
+# hold twice the A fragments): fc1-like SwiGLU, FP8 D (the register-heaviest epilogue), the dgrad
+F16_A = {
+    "w16_nvfp4_swiglu": _fwd("glu", fmt=NVFP4, a_dtype=F16, act="swiglu", c_dtype=BF, d_dtype=BF, k=1024),
+    "w16_mxfp8_quant_e4m3d": _fwd("quant", fmt=MXFP8E4, a_dtype=F16, d_dtype=E4M3, generate_sfd=True),
+    "w16_mxfp4_dswiglu": GroupedGemmProblem(op="dglu", m=2048, n=512, k=256, num_groups=4, a_dtype=F16,
+                                            ab_dtype=MXFP4[0], sf_dtype=MXFP4[1], sf_vec_size=MXFP4[2],
+                                            epilogue=Epilogue(act="dswiglu", c_dtype=BF, d_dtype=BF,
+                                                              compute_amax=True, dbias_dtype=F32)),
+}
+
+
 def forward_id(p) -> str:
     e = p.epilogue
     ab = _FP4[(p.sf_dtype, p.sf_vec_size)] if p.ab_dtype == "float4_e2m1fn" else _SHORT[p.ab_dtype]
@@ -136,4 +148,5 @@ def all_cases() -> dict:
         out[name] = p
     out.update(BACKWARD)
     out.update(FP4_OUT)
+    out.update(F16_A)
     return out

@@ -456,8 +456,8 @@ def test_scale_factor_errors_name_the_packer_that_fixes_them(mx, data):
 @pytest.mark.parametrize("data,sf,vec", [(formats.E2M1, formats.E4M3, 16), (formats.E2M1, formats.E8M0, 32),
                                          (formats.E4M3, formats.E8M0, 32)])
 def test_weight_only_bf16_a_with_block_scaled_b(data, sf, vec):
-    """A bf16 A, block-scaled weights, sfa_tensor=None: the weights dequantized exactly, A used as stored (forward
-    and dgrad); an fp16 A, or scales for the bf16 A, are errors naming the rule."""
+    """A bf16 (or fp16) A, block-scaled weights, sfa_tensor=None: the weights dequantized exactly, A used as stored
+    (forward and dgrad); an FP8 A without scales, or scales for the bf16 A, are errors naming the rule."""
     m, n, k, groups = 512, 128, 128, 2
     key = jax.random.PRNGKey(5)
     a = jax.random.normal(key, (m, k)).astype(jnp.bfloat16)
@@ -471,8 +471,13 @@ def test_weight_only_bf16_a_with_block_scaled_b(data, sf, vec):
     c = jax.random.normal(jax.random.fold_in(key, 2), (m, n)).astype(jnp.bfloat16)
     dgrad = cmj.grouped_gemm_dsrelu(a, b, c, None, sfb, offsets, sf_vec_size=vec, d_dtype="float32")
     assert dgrad.d_row_tensor.shape == (m, n)
+    a16 = a.astype(jnp.float16)                      # an fp16 A: the same math on its values
+    out16 = cmj.grouped_gemm_quant(a16, b, None, sfb, offsets, d_dtype="float32", sf_vec_size=vec)
+    a64 = np.asarray(a16, np.float64)
+    want = np.concatenate([a64[:256] @ w[0].T, a64[256:] @ w[1].T])
+    np.testing.assert_allclose(np.asarray(out16.d_tensor), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     with pytest.raises(TypeError, match="weight-only"):
-        cmj.grouped_gemm_quant(a.astype(jnp.float16), b, None, sfb, offsets, sf_vec_size=vec)
+        cmj.grouped_gemm_quant(a.astype(jnp.float8_e5m2), b, None, sfb, offsets, sf_vec_size=vec)
     _, sfa = formats.to_block_scaled(jnp.ones((m, k)), data, sf, vec)
     with pytest.raises(TypeError, match="weight-only"):
         cmj.grouped_gemm_quant(a, b, sfa, sfb, offsets, sf_vec_size=vec)

@@ -18,7 +18,7 @@ import pytest
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 from cudnn_moe_jax.kernels.sm90 import config as sm90_config
 from cudnn_moe_jax.kernels.sm90 import variants
-from lab.compile_cases import FP4_OUT, forward_id
+from lab.compile_cases import F16_A, FP4_OUT, forward_id
 from lab.sass import check_sass, compile_or_skip, cuobjdump, fatbins, require_compiler, sass_of
 
 VARIANTS = variants.problems()
@@ -96,14 +96,15 @@ GPT_OSS = {
 }
 
 
-EXTRA_CASES = {**GPT_OSS, **FP4_OUT}
+EXTRA_CASES = {**GPT_OSS, **FP4_OUT, **F16_A}
 
 
 @pytest.mark.parametrize("name", list(EXTRA_CASES))
 def test_extra_cases_compile_without_spills(name):
     """GPT-OSS SwiGLU, and the FP4 outputs (lab/compile_cases.py: FP4_OUT): grouped_gemm_glu_hadamard_quant (NVFP4 D,
     rowwise / colwise Hadamard outputs, user matrix) and the MXFP4 D of quant / srelu / glu over bf16 / fp16,
-    dequantized and weight-only inputs: bf16 HGMMA not serialized, no local memory."""
+    dequantized and weight-only inputs; weight-only with an fp16 A (F16_A): bf16 HGMMA not serialized, no local
+    memory."""
     problem = EXTRA_CASES[name]
     assert sm90_config.supports(problem) is None
     module = compile_or_skip(problem)
@@ -249,6 +250,10 @@ def test_supports_reasons():
                               epilogue=Epilogue(act="swiglu", c_dtype="bfloat16"))
     assert sm90_config.default_config(many).epi_stages == 1
     assert sm90_config.default_config(dataclasses.replace(many, num_groups=8)).epi_stages is None
+    fp4_glu = dataclasses.replace(many, num_groups=8, ab_dtype="float4_e2m1fn", sf_dtype="float8_e4m3fn",
+                                  sf_vec_size=16)
+    assert sm90_config.default_config(fp4_glu).epi_stages == 1      # FP4 A and B: a 4th A/B stage
+    assert sm90_config.default_config(dataclasses.replace(fp4_glu, a_dtype="bfloat16")).epi_stages is None
     assert sm90_config.config_from_hints(mx, mma_tiler_mn=(256, 128)).tile_n == 128
     for p in bad:
         reason = sm90_config.supports(p)

@@ -60,6 +60,32 @@ def test_tensor_core_operands_same_results():
     np.testing.assert_allclose(fast, plain, rtol=1e-6, atol=1e-5)
 
 
+def test_tensor_core_operands_fp16_a_with_block_scaled_b():
+    """An fp16 A beside block-scaled weights runs as two bf16 GEMMs (A's exact hi / lo split): on operands whose
+    products and sums are exact (11-bit A values, coarse FP4 / FP8 weights) bit for bit the f32 path's result,
+    with an inf in A giving inf (its lo part 0, not inf - inf) where the f32 path has it."""
+    rng = np.random.default_rng(3)
+    m, n, k, L = 512, 64, 128, 2
+    offsets = jnp.asarray([256, 512], jnp.int32)
+    a = jnp.asarray(rng.integers(-2048, 2049, (m, k)) / 1024, jnp.float16)    # 11 significant bits
+    a = a.at[5, 3].set(jnp.inf)
+    hi, lo = reference.split_f16(a)
+    f = np.asarray(a, np.float64)
+    np.testing.assert_array_equal(np.where(np.isinf(f), f, np.asarray(hi, np.float64) + np.asarray(lo, np.float64)),
+                                  f)
+    for fmt in ("nvfp4", "mxfp8", "mxfp4"):
+        data, sf, vec = formats.BLOCK_FORMATS[fmt]
+        w = jnp.asarray(rng.integers(-8, 9, (L, n, k)) / 4, jnp.float32)
+        b, sfb = formats.to_block_scaled(w, data, sf, vec)
+        call = lambda: cmj.grouped_gemm_quant(a, b, None, sfb, offsets, d_dtype="float32",  # noqa: E731
+                                              sf_vec_size=vec).d_tensor
+        plain = np.asarray(call())
+        with reference.tensor_core_operands():
+            fast = np.asarray(call())
+        np.testing.assert_array_equal(fast, plain)
+        assert np.isinf(fast[5]).any() or np.isnan(fast[5]).any()
+
+
 def _dots(hlo: str):
     """Operand element types of every dot / convolution in (stable)HLO text."""
     return re.findall(r"stablehlo\.dot_general[^\n]*:\s*\(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", hlo)

@@ -138,6 +138,33 @@ def splat_bf16(half: Int32) -> Int32:
     return _asm("prmt.b32 $0, $1, 0, 0x1010;", half)
 
 
+# ------------------------------------------------------------------------------------------------ fp16 A
+
+
+@cute.jit
+def f16_f32_bits(w: Int32, high: cutlass.Constexpr) -> Int32:
+    """fp32 bits of the fp16 in the low (high=False) or high half of w (exact)."""
+    half = "h" if high else "l"
+    return _asm("{\n.reg .b16 l, h;\n.reg .f32 f;\nmov.b32 {l, h}, $1;\n"
+                f"cvt.f32.f16 f, {half};\nmov.b32 $0, f;\n}}", w)
+
+
+@cute.jit
+def split_f16x2(w: Int32):
+    """fp16x2 w -> (hi, lo) bf16x2 with hi + lo = w exactly per half: hi keeps the top 8 significant bits
+    (round toward zero: the upper half of the fp32 bits; a NaN stays NaN, inf inf), lo the rest (at most 3
+    significant bits, exact in bf16). An infinite value's lo (inf - inf) becomes 2^16, finite, so hi * b + lo * b
+    is inf like the value's product (min.f32 returns the non-NaN operand)."""
+    f0, f1 = f16_f32_bits(w, False), f16_f32_bits(w, True)
+    hi = _asm("cvt.rz.bf16x2.f32 $0, $2, $1;", f0, f1)
+    lo = _asm("{\n.reg .b32 g0, g1;\n.reg .f32 r0, r1;\n"
+              "and.b32 g0, $1, 0xFFFF0000;\nand.b32 g1, $2, 0xFFFF0000;\n"
+              "sub.rn.f32 r0, $1, g0;\nsub.rn.f32 r1, $2, g1;\n"
+              "min.f32 r0, r0, 0f47800000;\nmin.f32 r1, r1, 0f47800000;\n"
+              "cvt.rn.bf16x2.f32 $0, r1, r0;\n}", f0, f1)
+    return hi, lo
+
+
 # ------------------------------------------------------------------------------------------------ scales
 
 

@@ -245,24 +245,24 @@ def quantize_cols(rVal: cute.Tensor, rQ: cute.Tensor, sColMax: cute.Tensor, warp
 
 
 # ---------------------------------------------------------------------------------------------------- FP4 (e2m1)
-# A value a >= 0 plus 2^22 / 2^23 / 2^24 rounds (RNE, one fp32 addition) to the e2m1 grid's spacing in [0, 2) (0.5),
-# [2, 4) (1) and [4, 8) (2); the sum's bits minus those of the constant count the steps: the code directly.
-_E2M1_RANGES = ((0x40000000, 4194304.0, 0x4A800000), (0x40800000, 8388608.0, 0x4B000000 - 2),
-                (None, 16777216.0, 0x4B800000 - 4))
+# Codes by one RNE fp32 addition: a = min(|y|, 8) plus C = 2^(22 + max(e, 0)) (e: a's exponent) rounds a to the e2m1
+# grid's spacing in its binade (0.5 below 2, 1 in [2, 4), 2 in [4, 8)); the sum's bits minus C's count the steps, and
+# the code is the step count plus 2 max(e, 0) (8 and above saturate to 7). C = 2^max(e, 0) * 2^22: the sum is one fma.
+_E2M1_ONE = 0x3F800000
+_E2M1_C_OFFSET = 22 << 23             # bits of C - bits of 2^max(e, 0)
 
 
 @cute.jit
 def e2m1_code(y: Float32) -> Int32:
-    """RNE-satfinite e2m1 nibble of y (formats.e2m1_encode): magnitude code 0..7 by `_E2M1_RANGES` (saturating at
-    7 = 6.0, inf too), sign bit 8 (-0 and negatives rounding to 0 keep it); NaN -> 7."""
+    """RNE-satfinite e2m1 nibble of y (formats.e2m1_encode): magnitude code 0..7 (above; saturating at 7 = 6.0, inf
+    too), sign bit 8 (-0 and negatives rounding to 0 keep it); NaN -> 7."""
     b = y.bitcast(Int32)
-    ab = b & Int32(0x7FFFFFFF)
-    a = ab.bitcast(Float32)
-    (lim0, c0, k0), (lim1, c1, k1), (_, c2, k2) = _E2M1_RANGES
-    mag = cutlass.min(add_rn(a, Float32(c2)).bitcast(Int32) - Int32(k2), Int32(7))
-    mag = Int32(cutlass.select_(ab < Int32(lim1), add_rn(a, Float32(c1)).bitcast(Int32) - Int32(k1), mag))
-    mag = Int32(cutlass.select_(ab < Int32(lim0), add_rn(a, Float32(c0)).bitcast(Int32) - Int32(k0), mag))
-    return Int32(cutlass.select_(ab > Int32(0x7F800000), Int32(7), mag | ((b >> 28) & Int32(8))))
+    a = _asm_f32("{\n.reg .f32 t;\nabs.f32 t, $1;\nmin.f32 $0, t, 0f41000000;\n}", y)   # min(|y|, 8); NaN -> 8
+    e_bits = cutlass.max(a.bitcast(Int32) & Int32(0x7F800000), Int32(_E2M1_ONE))       # 2^max(e, 0)
+    total = _asm_f32("fma.rn.f32 $0, $1, 0f4A800000, $2;", e_bits.bitcast(Float32), a)   # C + a, rounded once
+    steps = total.bitcast(Int32) - e_bits
+    mag = cutlass.min(steps + (e_bits >> 22) - Int32(_E2M1_C_OFFSET + (_E2M1_ONE >> 22)), Int32(7))
+    return Int32(cutlass.select_(y != y, Int32(7), mag | ((b >> 28) & Int32(8))))
 
 
 @cute.jit

@@ -215,7 +215,7 @@ def resolve_block_format(ab_dtype: str, sfa, sfb, sf_vec_size, sfb_arg: str = "s
     returns (sf_dtype, vec) or (None, None).
 
     `sfb` is one buffer, or (discrete weights, `sfb_arg="sfb_tensors"`) a sequence of per-expert buffers.
-    `weight_only`: A is bf16 and B block-scaled (`ab_dtype` is B's), so only B has scale factors.
+    `weight_only`: A is bf16 / fp16 and B block-scaled (`ab_dtype` is B's), so only B has scale factors.
     """
     sfbs = list(sfb) if sfb_arg == "sfb_tensors" and sfb is not None else None
     if ab_dtype in HALF_DTYPES:
@@ -344,7 +344,7 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                   sf_vec_size, m_aligned: int = GROUP_ALIGN, b_arg="b_tensor"):
     """Validate and canonicalise the grouped-GEMM operands shared by every forward and dgrad op.
 
-    Returns (inputs dict, dims dict) with dims = m, n, k, num_groups, ab_dtype, a_dtype (bf16 A with
+    Returns (inputs dict, dims dict) with dims = m, n, k, num_groups, ab_dtype, a_dtype (a bf16 / fp16 A with
     block-scaled B, else None), sf_dtype, vec, discrete, m_aligned.
     """
     a = squeeze_unit(array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, K) (or (m, K, 1))")
@@ -384,10 +384,10 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
             raise ValueError("sfb_tensors goes with b_tensors; with a dense b_tensor pass sfb_tensor")
     a_dtype = None
     if b_dtype != ab_dtype:
-        if not (ab_dtype == "bfloat16" and b_dtype not in HALF_DTYPES and sfa_tensor is None):
-            raise TypeError(f"a_tensor ({ab_dtype}) and {b_arg} ({b_dtype}) must have the same dtype (or bf16 "
-                            "a_tensor with block-scaled weights and sfa_tensor=None: weight-only quantization): "
-                            "cast one with .astype(...)")
+        if not (ab_dtype in HALF_DTYPES and b_dtype not in HALF_DTYPES and sfa_tensor is None):
+            raise TypeError(f"a_tensor ({ab_dtype}) and {b_arg} ({b_dtype}) must have the same dtype (or a bf16 / "
+                            "fp16 a_tensor with block-scaled weights and sfa_tensor=None: weight-only "
+                            "quantization): cast one with .astype(...)")
         a_dtype, ab_dtype = ab_dtype, b_dtype   # weight-only: the block format is B's
     if b_k != k:
         raise ValueError(f"{b_arg}: K={b_k} does not match a_tensor's K={k}"

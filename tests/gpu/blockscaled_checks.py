@@ -34,7 +34,7 @@ from mxfp8_checks import check_fp8_outputs, check_values
 
 from lab import harness
 from lab.blockscaled_cases import (BF, DGRAD_OPS, E2M1, E4M3, E5M2, EXACT_KEYS, F16, F32, FORMATS, FP8, HALF,
-                                   L, M, NORM_CONST, PATTERNS, WEIGHT_ONLY, call, expert_lists)
+                                   L, M, NORM_CONST, PATTERNS, WEIGHT_ONLY, a_half, call, expert_lists)
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -52,12 +52,19 @@ def _exact_operand(rng, rows, k, fmt):
     return vals.astype(ml_dtypes.float8_e4m3fn if data == E4M3 else ml_dtypes.float8_e5m2), s
 
 
-def _bf16_operand(rng, rows, k, mode):
-    """Weight-only A: bf16, coarse (k/8 in [-2, 2], "exact") or N(0, 1) with per-32-block magnitudes 2^U(-20, 20)."""
+def _bf16_operand(rng, rows, k, mode, dtype=ml_dtypes.bfloat16):
+    """Weight-only A: bf16, coarse (k/8 in [-2, 2], "exact") or N(0, 1) with per-32-block magnitudes 2^U(-20, 20).
+    fp16 (`dtype`): 11-bit values (k/1024 in [-2, 2]: the kernel's low bf16 part is nonzero) or magnitudes
+    2^U(-12, 4) (inside fp16's range, some subnormals)."""
+    if dtype == np.float16:
+        if mode == "exact":
+            return (rng.integers(-2048, 2049, (rows, k)) / 1024).astype(np.float16), None
+        mag = np.exp2(rng.integers(-12, 5, (rows, -(-k // 32))))
+        return (rng.standard_normal((rows, k)) * np.repeat(mag, 32, axis=1)[:, :k]).astype(np.float16), None
     if mode == "exact":
-        return (rng.integers(-16, 17, (rows, k)) / 8).astype(ml_dtypes.bfloat16), None
+        return (rng.integers(-16, 17, (rows, k)) / 8).astype(dtype), None
     mag = np.exp2(rng.integers(-20, 21, (rows, -(-k // 32))))
-    return (rng.standard_normal((rows, k)) * np.repeat(mag, 32, axis=1)[:, :k]).astype(ml_dtypes.bfloat16), None
+    return (rng.standard_normal((rows, k)) * np.repeat(mag, 32, axis=1)[:, :k]).astype(dtype), None
 
 
 def _random_operand(rng, rows, k, fmt):
@@ -77,6 +84,8 @@ def _inject_specials(fmt, a, sa, b, sb):
     nan_sf = 0x7F if sf == E4M3 else 0xFF
     if fmt in WEIGHT_ONLY:
         a[3, 5] = np.nan
+        if a.dtype == np.float16:
+            a[4, 6] = np.inf     # its low bf16 part must not turn inf * b into NaN
     elif data == E2M1:
         sa[3, 0] = nan_sf
     else:
@@ -95,7 +104,8 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", see
     make = _exact_operand if mode == "exact" else _random_operand
     if fmt == HALF:
         make = lambda rng, rows, k, fmt: _bf16_operand(rng, rows, k, mode)  # noqa: E731
-    a, sa = _bf16_operand(rng, M, k, mode) if fmt in WEIGHT_ONLY else make(rng, M, k, fmt)
+    a, sa = (_bf16_operand(rng, M, k, mode, np.dtype(a_half(fmt))) if fmt in WEIGHT_ONLY
+             else make(rng, M, k, fmt))
     bs = [make(rng, n, k, fmt) for _ in range(L)]
     b, sb = np.stack([x for x, _ in bs]), None if fmt == HALF else np.stack([s for _, s in bs])
     if mode == "specials":

@@ -46,7 +46,7 @@ for s in $steps; do
       timeout -s KILL ${BS_TIMEOUT:-420} python3 -m pytest tests/gpu/test_blockscaled_gpu.py -q -rf -p no:cacheprovider \
         --tb=line > "$OUT/blockscaled.log" 2>&1
       echo "== blockscaled rc=$?"; summary "$OUT/blockscaled.log"
-      timeout -s KILL ${FMT_TIMEOUT:-300} python3 -m benchmarks.bench_grouped_gemm --formats mxfp8,nvfp4,mxfp4,w_nvfp4,w_mxfp8 \
+      timeout -s KILL ${FMT_TIMEOUT:-300} python3 -m benchmarks.bench_grouped_gemm --formats mxfp8,nvfp4,mxfp4,w_nvfp4,w_mxfp8,w16_nvfp4 \
         --out "$OUT/formats" > "$OUT/formats.log" 2>&1
       echo "== formats rc=$?"; grep -E "TFLOP/s|time bf16" "$OUT/formats.log" | cut -c1-200 | tail -40 ;;
     discrete)  # discrete weights (b_tensors): every case vs the float64 oracle and bit-identical to stacked, the

@@ -96,9 +96,9 @@ def supports(problem) -> Optional[str]:
     epi = problem.epilogue
     if problem.op not in SUPPORTED_OPS:
         return f"op {problem.op!r} is not implemented by the sm90 kernel (only {SUPPORTED_OPS})"
-    if problem.a_dtype is not None and (not problem.block_scaled or problem.a_dtype != "bfloat16"):
-        return (f"A {problem.a_dtype} beside B {problem.ab_dtype}: only bf16 A with block-scaled B (weight-only) is "
-                "implemented (an fp16 A and a dequantized B have no exact common 16-bit tensor-core type)")
+    if problem.a_dtype is not None and (not problem.block_scaled or problem.a_dtype not in HALF_DTYPES):
+        return (f"A {problem.a_dtype} beside B {problem.ab_dtype}: only a bf16 / fp16 A with block-scaled B "
+                "(weight-only quantization) is implemented")
     if problem.block_scaled:
         if (problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size) not in BLOCK_FORMATS:
             return (f"block-scaled {problem.ab_dtype!r} with {problem.sf_dtype!r}/{problem.sf_vec_size}: not one of "
@@ -265,6 +265,11 @@ def default_config(problem) -> Config:
         return Config(cluster_m=1)
     if problem.op == "wgrad" and problem.m % 256:
         return Config(cluster_m=1)  # a 2-CTA cluster pairs two M tiles of one expert's W
+    if (problem.op == "glu" and problem.block_scaled and problem.ab_dtype == FP4 and problem.a_dtype is None
+            and problem.epilogue.c_dtype not in FP8_DTYPES):
+        # FP4 A and B with a 16 / 32-bit C: one epilogue buffer leaves room for a 4th A/B stage, which the
+        # conversion uses: NVFP4 fc1 550-551 vs 523-525 TFLOP/s (RESULTS runs 53-54; weight-only, MXFP8: no gain)
+        return Config(epi_stages=1)
     if problem.op == "glu" and problem.epilogue.c_dtype in HALF_DTYPES and problem.num_groups >= 64:
         # many experts (few rows each): B streams from DRAM, so 4 A/B stages (one epilogue buffer) beat 3 stages
         # with two: `small` (64 experts) 593 vs 546 and 571 vs 535 TFLOP/s (two runs); with 8 experts -3..-12%

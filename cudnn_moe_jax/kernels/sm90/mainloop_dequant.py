@@ -97,17 +97,29 @@ _CUTLASS = {dq.E4M3: cutlass.Float8E4M3FN, dq.E5M2: cutlass.Float8E5M2, dq.E2M1:
 
 @dataclasses.dataclass(frozen=True)
 class DequantFormat:
-    """The operands of a problem: B's (and A's) data dtype, SF dtype and vec size; `a_bf16`: A is bf16 without
-    scales (weight-only quantization)."""
+    """The operands of a problem: B's (and A's) data dtype, SF dtype and vec size; `a_half`: A's dtype where A is a
+    plain 16-bit operand without scales (weight-only quantization: "bfloat16" or "float16"), else None."""
 
     data: str
     sf: str
     vec: int
-    a_bf16: bool = False
+    a_half: Optional[str] = None
 
     @classmethod
     def of(cls, problem) -> "DequantFormat":
-        return cls(problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size, problem.a_dtype == "bfloat16")
+        return cls(problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size, problem.a_dtype)
+
+    @property
+    def a_bf16(self) -> bool:
+        """A is a plain 16-bit operand (bf16, or fp16 split into two bf16 parts): no scales, a swizzled stage."""
+        return self.a_half is not None
+
+    @property
+    def a_split(self) -> bool:
+        """fp16 A: each value is the exact sum of two bf16 parts (hi: its top 8 significant bits, lo: the other
+        3), each multiplied by the dequantized B in its own bf16 wgmma (no 16-bit MMA type holds both an fp16 A and
+        a dequantized B exactly)."""
+        return self.a_half == "float16"
 
     @property
     def row_bytes(self) -> int:
@@ -121,7 +133,7 @@ class DequantFormat:
     def tma(self, operand: int):
         """(element type of the operand's global / shared memory (packed FP4: bytes), TMA box extent along K)."""
         if operand == 0 and self.a_bf16:
-            return BFloat16, TILE_K
+            return (cutlass.Float16 if self.a_split else BFloat16), TILE_K
         return _CUTLASS[self.data], self.row_bytes
 
 
@@ -230,7 +242,7 @@ class DequantMainloop(WgmmaMainloop):
         out = []
         for operand, rows in enumerate((self.tile_m, self.tile_n)):
             if operand == 0 and self.FORMAT.a_bf16:
-                out.append(make_ab_smem_layouts(BFloat16, self.tile_m, self.tile_n, self.stages)[0])
+                out.append(make_ab_smem_layouts(self.FORMAT.tma(0)[0], self.tile_m, self.tile_n, self.stages)[0])
                 continue
             box = self.FORMAT.tma(operand)[1]
             layout = cute.make_layout((rows, box, self.stages), stride=(box, 1, rows * box))
@@ -476,9 +488,10 @@ class DequantMainloop(WgmmaMainloop):
         if const_expr(not self.A_IN_REGISTERS):
             return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, (tiled_mma, tCrA, tCrB),
                                           acc, k_count, stage_mbar)
-        # the two RS fragments (one per stage in flight) live in the tile's k-loop only: made outside the tile
-        # loop they would be loop-carried, i.e. held (32 registers) through the epilogue
-        frags = (cute.make_rmem_tensor(tCrA, BFloat16), cute.make_rmem_tensor(tCrA, BFloat16))
+        # the two RS fragments (one per stage in flight; an fp16 A: a hi and a lo fragment each) live in the tile's
+        # k-loop only: made outside the tile loop they would be loop-carried, i.e. held through the epilogue
+        parts = 2 if const_expr(self.FORMAT.a_split) else 1
+        frags = tuple(tuple(cute.make_rmem_tensor(tCrA, BFloat16) for _ in range(parts)) for _ in range(2))
         return self.mma_tile_rs(ab_pipeline, read_state, release_state, tiled_mma, frags, tCrB, self.a_thread(smem),
                                 acc, k_count, stage_mbar, self.b_thread(smem, tile))
 
@@ -529,14 +542,17 @@ class DequantMainloop(WgmmaMainloop):
         self.convert_row_group(b_thread[0], 1, row, q, idx, k, b_thread[3])
 
     @cute.jit
-    def _convert_a(self, frag: cute.Tensor, a_thread, idx: Int32, k: Int32):
-        """The thread's A groups of stage idx (rows r, r + 8, group q) -> its RS fragment: register word
-        2p + half holds pair p of row r + 8 half (the fragment's values run (row, k), (row, k+1), (row + 8, k),
-        (row + 8, k+1), then k + 8, per k16; pair p of group q sits at K slots 8p + 2q, 8p + 2q + 1)."""
+    def _convert_a(self, frag, a_thread, idx: Int32, k: Int32):
+        """The thread's A groups of stage idx (rows r, r + 8, group q) -> its RS fragment(s) `frag` (a tuple: one,
+        or an fp16 A's hi and lo): register word 2p + half holds pair p of row r + 8 half (the fragment's values
+        run (row, k), (row, k+1), (row + 8, k), (row + 8, k+1), then k + 8, per k16; pair p of group q sits at K
+        slots 8p + 2q, 8p + 2q + 1)."""
         smem, row, q = a_thread
-        words = cute.make_tensor(cute.recast_ptr(frag.iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
+        parts = [cute.make_tensor(cute.recast_ptr(f.iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
+                 for f in frag]
+        words = parts[0]
         if const_expr(self.FORMAT.a_bf16):
-            return self._load_bf16_a(words, smem, row, q, idx)
+            return self._load_plain_a(parts, smem, row, q, idx)
         for half in cutlass.range_constexpr(2):
             def store(p, pair, half=half):
                 words[2 * p + half] = pair
@@ -544,11 +560,12 @@ class DequantMainloop(WgmmaMainloop):
             self.convert_group(smem, 0, row + 8 * half, q, idx, k, cutlass.Boolean(True), store)
 
     @cute.jit
-    def _load_bf16_a(self, words: cute.Tensor, smem, row: Int32, q: Int32, idx: Int32):
-        """A bf16 A (weight-only quantization): group q of rows r, r + 8 from the swizzled bf16 stage (chunks 2q,
+    def _load_plain_a(self, parts: list, smem, row: Int32, q: Int32, idx: Int32):
+        """A 16-bit A (weight-only quantization): group q of rows r, r + 8 from the swizzled stage (chunks 2q,
         2q + 1 of a 128-byte row, 16-byte chunk c of row r at c ^ (r % 8)), rearranged into B's pairs: word w of a
         group holds elements 2w, 2w + 1; FP8 B pairs them so (pair p = word p), FP4 B pairs elements e, e + 4
-        (dequant.pair_k: the same halves of words w and w + 2)."""
+        (dequant.pair_k: the same halves of words w and w + 2). An fp16 A's pairs go to `parts` as their bf16 hi
+        and lo (dequant.split_f16x2)."""
         src = smem[3]
         for half in cutlass.range_constexpr(2):
             r = row + 8 * half
@@ -559,17 +576,22 @@ class DequantMainloop(WgmmaMainloop):
                 v = cute.make_tensor(src.iterator + base + chunk * 4, cute.make_layout(4)).load()
                 w += [v[i] for i in range(4)]
             for p in cutlass.range_constexpr(dq.PAIRS):
+                x = w[p]
                 if const_expr(self.FORMAT.data == dq.E2M1):
                     e = dq.pair_k(dq.E2M1, p, 0)
-                    words[2 * p + half] = dq.prmt2(w[e // 2], w[e // 2 + 2], 0x7632 if e % 2 else 0x5410)
+                    x = dq.prmt2(w[e // 2], w[e // 2 + 2], 0x7632 if e % 2 else 0x5410)
+                if const_expr(self.FORMAT.a_split):
+                    parts[0][2 * p + half], parts[1][2 * p + half] = dq.split_f16x2(x)
                 else:
-                    words[2 * p + half] = w[p]
+                    parts[0][2 * p + half] = x
 
     def _issue(self, tiled_mma, acc, frag, tCrB, idx: Int32):
-        """The k16 wgmmas of one stage with A from `frag`, one commit group."""
+        """The k16 wgmmas of one stage with A from the fragment(s) `frag` (an fp16 A: hi, then lo), one commit
+        group."""
         warpgroup.fence()
         for kb in range(TILE_K // 16):
-            cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrB[(None, None, kb, idx)], acc)
+            for part in frag:
+                cute.gemm(tiled_mma, acc, part[(None, None, kb)], tCrB[(None, None, kb, idx)], acc)
         warpgroup.commit_group()
 
     @cute.jit

@@ -442,7 +442,7 @@ class KGroupedDequantMainloop(DequantMainloop):
         if const_expr(not self.A_IN_REGISTERS):
             return WgmmaMainloop.mma_tile(self, ab_pipeline, read_state, release_state, (tiled_mma, tCrA, tCrB),
                                           acc, k_count, stage_mbar)
-        frags = (cute.make_rmem_tensor(tCrA, BFloat16), cute.make_rmem_tensor(tCrA, BFloat16))
+        frags = ((cute.make_rmem_tensor(tCrA, BFloat16),), (cute.make_rmem_tensor(tCrA, BFloat16),))   # 1 part each
         a_thread = self.a_thread(smem) + (self.segment(tile),)
         b_thread = self.b_thread(smem, tile) + (a_thread[3],)
         acc.fill(0.0)
@@ -482,11 +482,11 @@ class KGroupedDequantMainloop(DequantMainloop):
             self.convert_kgroup(smem, st, 1, row, q, idx, valid, store, False)
 
     @cute.jit
-    def _convert_a(self, frag: cute.Tensor, a_thread, idx: Int32, k: Int32):
-        """The thread's A groups of stage idx into its RS fragment (as the forward's), scales from the word
-        table; the general path for the first / last stage and unaligned experts."""
+    def _convert_a(self, frag, a_thread, idx: Int32, k: Int32):
+        """The thread's A groups of stage idx into its RS fragment (`frag`: a 1-tuple, as the forward's), scales
+        from the word table; the general path for the first / last stage and unaligned experts."""
         smem, row, q, seg = a_thread
-        words = cute.make_tensor(cute.recast_ptr(frag.iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
+        words = cute.make_tensor(cute.recast_ptr(frag[0].iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
         st = self.stage(seg, k)
         if const_expr(self.TOKEN_MAJOR):
             if st.partial | ((st.start & (self.FORMAT.vec - 1)) != 0):
