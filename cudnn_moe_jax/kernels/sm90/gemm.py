@@ -69,8 +69,14 @@ DTYPES = {
 
 EPI_BARRIER_ID = 1
 NUM_THREADS = 384
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
+LAUNCH_REGS = 168   # registers per thread at launch (65536 / NUM_THREADS, a multiple of 8)
+
+
+def consumer_regs(producer_regs: int) -> int:
+    """The consumer warpgroups' registers (setmaxnreg) beside a producer warpgroup of `producer_regs`: what the
+    producer gives up, shared by the two consumer warpgroups, a multiple of 8 (asking for more than the CTA's
+    launch registers would block setmaxnreg.inc forever); 40 -> 232, 56 -> 224."""
+    return LAUNCH_REGS + (LAUNCH_REGS - producer_regs) // 2 // 8 * 8
 
 
 class KernelArgs(NamedTuple):
@@ -564,14 +570,14 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
                        storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner),
                        storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner))
         if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.mainloop_class.PRODUCER_REGS)
             if warp_idx == 0:
                 self.producer(args, cta)
             for worker in self.mainloop_class.STAGE_WORKERS:
                 if warp_idx == worker[0]:
                     self.stage_worker(cta, worker)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(consumer_regs(self.mainloop_class.PRODUCER_REGS))
             self.consumer(args, cta, tidx - 128, warp_idx)
 
     def init_epilogue_barriers(self, storage, warp_idx):

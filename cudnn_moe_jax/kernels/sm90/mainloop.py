@@ -89,6 +89,8 @@ class WgmmaMainloop:
                                                   the dequantizing mainloop's cluster-split B also copies its half of
                                                   B to the other CTA of the cluster);
       `REGISTER_TIGHT`                            the k-loop keeps nearly every consumer register live;
+      `PRODUCER_REGS`                             registers of the producer warpgroup's threads (setmaxnreg; the
+                                                  consumers get the rest, `gemm.consumer_regs`);
       `PRODUCER_ARRIVALS`                         arrivals on a stage's full barrier besides the TMA bytes (the
                                                   producer warp's own copies, e.g. cp.async of scale words);
       `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops (both get the
@@ -102,6 +104,7 @@ class WgmmaMainloop:
     TILE_K = TILE_K
     STAGE_WORKERS = ()
     REGISTER_TIGHT = False
+    PRODUCER_REGS = 40
     PRODUCER_ARRIVALS = 1
 
     def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: bool = False, b_mn: bool = False):
