@@ -159,6 +159,7 @@ class Mxfp8Mainloop:
     # the decoder warps (stage workers): a stage's bf16 scale operands are ready once all their lanes arrived
     STAGE_WORKERS = DECODER_WARPS
     REGISTER_TIGHT = True  # acc + the data and scale-product partials: 192 of the consumers' 232 registers
+    PRODUCER_REGS = WgmmaMainloop.PRODUCER_REGS
     publish_stage = WgmmaMainloop.publish_stage   # fence the decoded scales, arrive
     stage_arrivals = WgmmaMainloop.stage_arrivals
 
