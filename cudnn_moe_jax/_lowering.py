@@ -41,6 +41,16 @@ def kernels_package():
     return sm90
 
 
+def read_problem(problem):
+    """The problem as the kernels read it (`supports` and the module use it): the kernel package's operand majors
+    (`kernels.sm90.config.read_problem`); unchanged where the kernel sources are not importable."""
+    try:
+        package = kernels_package()
+    except KernelUnavailable:
+        return problem
+    return package.read_problem(problem)
+
+
 def _check_supported(problem) -> None:
     verdict = kernels_package().supports(problem)  # None (or True): implemented; else the reason
     if verdict is not None and verdict is not True:
@@ -189,6 +199,7 @@ def _spec(problem, config, names: tuple, in_avals, out_avals, arch: str) -> _mod
 def grouped_gemm_spec(problem, config, input_names: Sequence[str], in_avals: Sequence[Any],
                       out_avals: Optional[Sequence[Any]] = None, arch: str = DEFAULT_ARCH) -> _modules.KernelSpec:
     """The KernelSpec of one launch: `out_avals` are what it writes (`launch_avals`; None: those)."""
+    problem = read_problem(problem)
     return _spec(problem, _checked_config(problem, config), tuple(input_names), in_avals, out_avals, arch)
 
 
@@ -197,6 +208,7 @@ def kernel_lowering(problem, input_names: Sequence[str], config, in_avals: Seque
     """A CUDA lowering `(ctx, *args) -> results` for this call (`out_avals`: the op's outputs), its module already
     found or compiled, so any failure raises here, where the primitive falls back (KernelUnavailable when there is
     no module). `supports`, the config and the fingerprint are computed once each."""
+    problem = read_problem(problem)
     names, config = tuple(input_names), _checked_config(problem, config)
     if tuple(sds(a) for a in out_avals) != _present_outputs(problem):
         raise KernelUnavailable(f"output avals {out_avals} are not the {problem.op} problem's")

@@ -59,6 +59,8 @@ CASES = [
     ("mxfp8_srelu_fp8_bias", "srelu", "mxfp8", 256, 512, dict(bias=BF, c_dtype=E4M3, d_dtype=E4M3)),
     ("mxfp8e5_geglu_f16", "glu", "mxfp8e5", 256, 512, dict(act_func="geglu", bias=F16, c_dtype=F32, d_dtype=F16)),
     ("mxfp8e5_quant_fp8_seg", "quant", "mxfp8e5", 256, 512, dict(d_dtype=E4M3, discrete_col_sfd=True)),
+    # an N-major block-scaled B (b_major="n"): read K-major after XLA's transpose (config.read_problem)
+    ("nvfp4_swiglu_nmajor", "glu", "nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF, b_major="n")),
     # weight-only: bf16 A, block-scaled B
     ("w_nvfp4_swiglu", "glu", "w_nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF)),
     ("w_mxfp8_quant_fp8d_k208_n384", "quant", "w_mxfp8", 208, 384, dict(bias=BF, d_dtype=E4M3)),

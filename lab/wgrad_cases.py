@@ -92,7 +92,8 @@ def bundle_items():
 # scales in per-expert segments (docs/formats.md#segmented-layout). The SF buffers are random scale bytes all
 # through, so every byte a segment reads (also of overlapping segments of unaligned offsets) is pinned; A / B
 # random codes. (name, format, W dtype, MW, token-major, global scales, accumulate): MW 384 runs 1x1 clusters,
-# 512 2x1; token-major = a_major="m", b_major="n" (FP8 only). T = 2000 (FP4 2016): a 16 (32)-token tail k-tile.
+# 512 2x1; token-major = a_major="m", b_major="n" (FP4: through a transpose). T = 2000 (FP4 2016): a 16 (32)-token
+# tail k-tile.
 E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
 BS_FORMATS = {"mxfp8": (E4M3, E8M0, 32), "mxfp8e5": (E5M2, E8M0, 32), "mxfp4": (E2M1, E8M0, 32),
               "nvfp4": (E2M1, E4M3, 16), "nvfp4e8": (E2M1, E8M0, 16)}
@@ -102,7 +103,9 @@ BS_CASES = [("bs_mxfp8_c1", "mxfp8", "bfloat16", 384, False, False, False),
             ("bs_nvfp4_c1_gs", "nvfp4", "bfloat16", 384, False, True, False),
             ("bs_nvfp4e8_c1_acc", "nvfp4e8", "bfloat16", 384, False, True, True),
             ("bs_mxfp8_tok_c2", "mxfp8", "bfloat16", 512, True, False, False),
-            ("bs_mxfp8e5_tok_c1_gs_acc", "mxfp8e5", "float32", 384, True, True, True)]
+            ("bs_mxfp8e5_tok_c1_gs_acc", "mxfp8e5", "float32", 384, True, True, True),
+            # packed FP4 stored token-major: read token-contiguous after XLA's transpose (config.read_problem)
+            ("bs_mxfp4_tok_c1", "mxfp4", "bfloat16", 384, True, False, False)]
 # (pattern, input mode) of each case's GPU runs. "exact": codes on a coarse grid (FP8: k/8 (e4m3), k/4 (e5m2) in
 # [-2, 2]; FP4: any code), scales in {1, 2}, global scales in {1, 2}: every product and partial sum is exact in
 # fp32, so W must equal the correctly rounded exact result bit for bit (issue 19 item 6), but for the sums of

@@ -31,7 +31,8 @@ def test_supports_routes_every_block_format_and_op():
                                sf_vec_size=vec, epilogue=epi)
         assert config.supports(p) is None, p
         assert "16-byte" in config.supports(dataclasses.replace(p, k=240 if data.startswith("float4") else 232))
-        assert "N-major" in config.supports(dataclasses.replace(p, b_major="n"))
+        nmajor = dataclasses.replace(p, b_major="n")     # not read by the kernel: K-major after XLA's transpose
+        assert "N-major" in config.supports(nmajor) and config.read_problem(nmajor) == p
         assert config.supports(dataclasses.replace(p, a_dtype="bfloat16")) is None    # weight-only
         assert config.supports(dataclasses.replace(p, a_dtype="float16")) is None    # fp16 A (split in two)
 

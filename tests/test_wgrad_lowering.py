@@ -102,11 +102,12 @@ BS_FORMATS = [("float8_e4m3fn", "float8_e8m0fnu", 32), ("float8_e5m2", "float8_e
 @pytest.mark.parametrize("fmt", BS_FORMATS, ids=lambda f: f"{f[0]}-{f[1]}-{f[2]}")
 def test_supports_routes_block_scaled_wgrad(fmt):
     """Every block format to the kernel, token-contiguous (cuDNN's layout) or, FP8, token-major; with the symbolic
-    T of its module; mixed majors and token-major FP4 are refused with the reason."""
+    T of its module; mixed majors and token-major FP4, which the kernel does not read, are refused with the reason
+    and mapped by `read_problem` to token-contiguous operands (XLA transposes them)."""
     import dataclasses
 
     from cudnn_moe_jax._problem import GroupedGemmProblem
-    from cudnn_moe_jax.kernels.sm90.config import supports
+    from cudnn_moe_jax.kernels.sm90.config import read_problem, supports
 
     data, sf, vec = fmt
     p = GroupedGemmProblem(op="wgrad", m=384, n=320, k=2048, num_groups=5, ab_dtype=data, sf_dtype=sf,
@@ -119,6 +120,11 @@ def test_supports_routes_block_scaled_wgrad(fmt):
     assert "16-byte TMA rows" in supports(dataclasses.replace(p, k=2048 + 8))
     if data.startswith("float8"):
         assert "n_w % 16" in supports(dataclasses.replace(tok, n=328))
+    for q in (tok, dataclasses.replace(p, a_major="m"), dataclasses.replace(p, b_major="n"),
+              dataclasses.replace(tok, n=328)):
+        r = read_problem(q)
+        assert supports(r) is None, r
+        assert (r.a_major, r.b_major) == (("m", "n") if q == tok and data.startswith("float8") else ("k", "k"))
     assert str(_runtime.canonical_problem(p).k) == f"{16 if data.startswith('float8') else 32}*t_blocks"
 
 
@@ -145,7 +151,8 @@ def test_wgrad_kernel_clips_offsets_to_the_token_count(fmt):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("name", ["bs_mxfp8_c1", "bs_mxfp4_c2", "bs_nvfp4_c1_gs", "bs_mxfp8e5_tok_c1_gs_acc"])
+@pytest.mark.parametrize("name", ["bs_mxfp8_c1", "bs_mxfp4_c2", "bs_nvfp4_c1_gs", "bs_mxfp8e5_tok_c1_gs_acc",
+                                  "bs_mxfp4_tok_c1"])
 def test_blockscaled_wgrad_lowers_to_the_kernel(name):
     """The public op with block-scaled A / B (lab/wgrad_cases.py: its GPU cases) lowers for CUDA to one kernel
     custom call, the fallback-to-the-reference warning an error."""
@@ -155,6 +162,21 @@ def test_blockscaled_wgrad_lowers_to_the_kernel(name):
 
     case = next(c for c in wgrad_cases.BS_CASES if c[0] == name)
     assert_lowers_to_one_kernel(functools.partial(wgrad_cases.bs_call, case), wgrad_cases.bs_inputs(case))
+
+
+@needs_cutlass
+@pytest.mark.parametrize("majors", [dict(a_major="m"), dict(b_major="n")])
+def test_mixed_major_blockscaled_wgrad_lowers_to_the_kernel(majors):
+    """MXFP8 wgrad with one operand token-major and the other token-contiguous: one kernel custom call (the
+    token-major operand transposed by XLA first), no fallback to the reference."""
+    tokens = 512
+    offsets = jnp.asarray([128, 256, 384, 512, 512], jnp.int32)
+
+    def fn(a, b, sfa, sfb):
+        return cmj.grouped_gemm_wgrad(a, b, offsets, sfa, sfb, wgrad_dtype="float32", **majors).wgrad_tensor
+
+    avals = _bs_avals(tokens)
+    assert_lowers_to_one_kernel(lambda x: fn(*x), (avals[0], avals[1], avals[3], avals[4]))
 
 
 def _bs_avals(tokens, vec=32):

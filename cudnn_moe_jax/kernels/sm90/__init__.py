@@ -1,6 +1,8 @@
 """Hopper (sm_90a) CuTe DSL kernels of cudnn_moe_jax.
 
 Entry points used by the JAX layer:
+  read_problem(problem) -> problem      the operand majors the kernels read (the lowering applies it first; XLA
+                                        transposes an operand whose hinted major a kernel does not read)
   supports(problem) -> None | str       None when implemented here, else the reason (pure Python, no cutlass)
   default_config(problem) -> Config     measured default schedule
   GroupedGemmSm90(problem, config=None) kernel object; its `@cute.jit` `launch(stream, *tensors)` (also
@@ -12,11 +14,11 @@ Importing `GroupedGemmSm90` or `cutlass_call_kwargs` imports cutlass (set CUTE_D
 `import cutlass`).
 """
 
-from .config import Config, config_from_hints, default_config, supports
+from .config import Config, config_from_hints, default_config, read_problem, supports
 from .variants import default_variants
 
 __all__ = ["Config", "config_from_hints", "GroupedGemmSm90", "cutlass_call_kwargs", "default_config",
-           "default_variants", "supports", "tensor_specs"]
+           "default_variants", "read_problem", "supports", "tensor_specs"]
 
 
 def __getattr__(name):

@@ -214,6 +214,24 @@ def _dgrad_support(problem) -> Optional[str]:
     return _block_k_reason(problem)
 
 
+def read_problem(problem):
+    """`problem` with the operand majors the kernels read it in (the lowering calls this before `supports`): its
+    own where a kernel reads that memory order directly; else K-major, which XLA then provides by transposing the
+    operand (a copy of its FP8 / FP4 bytes) -- a kernel call instead of the reference. The dequantizing mainloop
+    reads block-scaled B K-major only (an N-major block-scaled B would need N-major converter passes), and the
+    block-scaled wgrad reads both operands token-contiguous or, FP8 with n_w % 16 == 0, both token-major; packed
+    FP4 stored token-major, one operand of each kind, or token-major B rows of other than 16 bytes are read after
+    such a copy."""
+    if not problem.block_scaled:
+        return problem
+    if problem.op != "wgrad":
+        return dataclasses.replace(problem, b_major="k") if problem.b_major != "k" else problem
+    majors = (problem.a_major, problem.b_major)
+    if majors == ("m", "n") and problem.ab_dtype in FP8_DTYPES and problem.n % 16 == 0:
+        return problem
+    return dataclasses.replace(problem, a_major="k", b_major="k") if majors != ("k", "k") else problem
+
+
 def _wgrad_support(problem) -> Optional[str]:
     """The K-grouped weight gradient (scheduler.K_GROUPED): A (m_w, T), B (n_w, T), W 16/32-bit; global scales
     (alpha = gsa[e] * gsb[e]) and accumulate_on_output (W += ..., in place) included. T is dynamic (the problem's k
