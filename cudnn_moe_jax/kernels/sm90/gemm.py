@@ -55,7 +55,7 @@ from .epilogue_fp4d import Fp4DOutput
 from .epilogue_fp8d import EPI_N, Fp8DOutput
 from .experts import BUILD_THREADS, DescriptorTable
 from .experts import templates as expert_templates
-from .mainloop import WgmmaMainloop
+from .mainloop import WgmmaMainloop, consumer_regs
 from .operands import unpack
 
 DTYPES = {
@@ -69,14 +69,6 @@ DTYPES = {
 
 EPI_BARRIER_ID = 1
 NUM_THREADS = 384
-LAUNCH_REGS = 168   # registers per thread at launch (65536 / NUM_THREADS, a multiple of 8)
-
-
-def consumer_regs(producer_regs: int) -> int:
-    """The consumer warpgroups' registers (setmaxnreg) beside a producer warpgroup of `producer_regs`: what the
-    producer gives up, shared by the two consumer warpgroups, a multiple of 8 (asking for more than the CTA's
-    launch registers would block setmaxnreg.inc forever); 40 -> 232, 56 -> 224."""
-    return LAUNCH_REGS + (LAUNCH_REGS - producer_regs) // 2 // 8 * 8
 
 
 class KernelArgs(NamedTuple):

@@ -72,6 +72,16 @@ def copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k: Int32,
     cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask,
               tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.b)
 
+LAUNCH_REGS = 168   # registers per thread at launch (65536 / 384 threads, a multiple of 8)
+
+
+def consumer_regs(producer_regs: int) -> int:
+    """The consumer warpgroups' registers (setmaxnreg) beside a producer warpgroup of `producer_regs`: what the
+    producer gives up, shared by the two consumer warpgroups, a multiple of 8 (asking for more than the CTA's
+    launch registers would block setmaxnreg.inc forever); 40 -> 232, 56 -> 224."""
+    return LAUNCH_REGS + (LAUNCH_REGS - producer_regs) // 2 // 8 * 8
+
+
 class WgmmaMainloop:
     """Producer and consumer k-loops over one tile. Pipeline states are returned (loop-carried by the caller).
 
@@ -90,7 +100,7 @@ class WgmmaMainloop:
                                                   B to the other CTA of the cluster);
       `REGISTER_TIGHT`                            the k-loop keeps nearly every consumer register live;
       `PRODUCER_REGS`                             registers of the producer warpgroup's threads (setmaxnreg; the
-                                                  consumers get the rest, `gemm.consumer_regs`);
+                                                  consumers get the rest, `consumer_regs`);
       `PRODUCER_ARRIVALS`                         arrivals on a stage's full barrier besides the TMA bytes (the
                                                   producer warp's own copies, e.g. cp.async of scale words);
       `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops (both get the
