@@ -110,7 +110,7 @@ class DequantFormat:
         return cls(problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size, problem.a_dtype)
 
     @property
-    def a_bf16(self) -> bool:
+    def a_plain(self) -> bool:
         """A is a plain 16-bit operand (bf16, or fp16 split into two bf16 parts): no scales, a swizzled stage."""
         return self.a_half is not None
 
@@ -128,11 +128,11 @@ class DequantFormat:
 
     @property
     def a_row_bytes(self) -> int:
-        return 2 * TILE_K if self.a_bf16 else self.row_bytes
+        return 2 * TILE_K if self.a_plain else self.row_bytes
 
     def tma(self, operand: int):
         """(element type of the operand's global / shared memory (packed FP4: bytes), TMA box extent along K)."""
-        if operand == 0 and self.a_bf16:
+        if operand == 0 and self.a_plain:
             return (cutlass.Float16 if self.a_split else BFloat16), TILE_K
         return _CUTLASS[self.data], self.row_bytes
 
@@ -157,9 +157,9 @@ def mainloop_class(problem, config):
     kernel class reads the stage sizes from the class before it picks the stage count)."""
     fmt = DequantFormat.of(problem)
     a_regs = config.dequant_a == "registers"
-    if fmt.a_bf16 and not a_regs:
-        raise NotImplementedError("bf16 A with block-scaled B needs Config(dequant_a='registers') (the workers' "
-                                  "bf16 stage permutes K; a bf16 A stage is read as TMA stored it)")
+    if fmt.a_plain and not a_regs:
+        raise NotImplementedError("a 16-bit A with block-scaled B needs Config(dequant_a='registers') (the "
+                                  "workers' bf16 stage permutes K; a 16-bit A stage is read as TMA stored it)")
     # FP8 B: the stage workers' e4m3 / e5m2 conversion runs faster with 56 registers than with 40 (fc1 MXFP8 485 vs
     # 466 TFLOP/s, RESULTS run 62; FP4 and weight-only NVFP4 unchanged), the consumers keeping 224
     regs = 56 if fmt.data in (dq.E4M3, dq.E5M2) else WgmmaMainloop.PRODUCER_REGS
@@ -217,14 +217,14 @@ class DequantMainloop(WgmmaMainloop):
     def tx_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
         """TMA bytes per stage: the A and B tiles and their SF atoms."""
         fmt = cls.FORMAT
-        atoms = sf_atoms(tile_m, tile_n) - (tile_m // SF_ATOM_ROWS if fmt.a_bf16 else 0)
+        atoms = sf_atoms(tile_m, tile_n) - (tile_m // SF_ATOM_ROWS if fmt.a_plain else 0)
         return tile_m * fmt.a_row_bytes + tile_n * fmt.row_bytes + atoms * SF_ATOM_BYTES
 
     @classmethod
     def smem_stage_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
         """Shared memory per stage: the TMA bytes, the bf16 stage(s), the worker barrier."""
         bf16_rows = tile_n if cls.A_IN_REGISTERS else tile_m + tile_n
-        unused_sf = tile_m // SF_ATOM_ROWS * SF_ATOM_BYTES if cls.FORMAT.a_bf16 else 0   # A's SF slot
+        unused_sf = tile_m // SF_ATOM_ROWS * SF_ATOM_BYTES if cls.FORMAT.a_plain else 0   # A's SF slot
         return cls.tx_bytes(ab_dtype, tile_m, tile_n) + unused_sf + bf16_rows * TILE_K * 2 + 8
 
     def tiled_mma(self) -> cute.TiledMma:
@@ -244,7 +244,7 @@ class DequantMainloop(WgmmaMainloop):
         consumers read 32 bytes of a row, 8 rows apart)."""
         out = []
         for operand, rows in enumerate((self.tile_m, self.tile_n)):
-            if operand == 0 and self.FORMAT.a_bf16:
+            if operand == 0 and self.FORMAT.a_plain:
                 out.append(make_ab_smem_layouts(self.FORMAT.tma(0)[0], self.tile_m, self.tile_n, self.stages)[0])
                 continue
             box = self.FORMAT.tma(operand)[1]
@@ -299,7 +299,7 @@ class DequantMainloop(WgmmaMainloop):
     def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
         """(atom, tensor) of the SFA TMA (multicast with A along the cluster's N; none for a bf16 A) and the SFB
         TMA (with B)."""
-        sfa = (None, None) if self.FORMAT.a_bf16 else sf_atom_tma(tensors["sfa"], cluster_n)
+        sfa = (None, None) if self.FORMAT.a_plain else sf_atom_tma(tensors["sfa"], cluster_n)
         return (*sfa, *sf_atom_tma(tensors["sfb"], cluster_m))
 
     @cute.jit
@@ -308,7 +308,7 @@ class DequantMainloop(WgmmaMainloop):
         sSF = smem[0]
         tile = (SF_ATOM_ROWS, SF_ATOM_KBLOCKS)
         tSAs = tSAg = None
-        if const_expr(not self.FORMAT.a_bf16):
+        if const_expr(not self.FORMAT.a_plain):
             tSAs, tSAg = cpasync.tma_partition(
                 tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n),
                 cute.group_modes(sSF[(None, None, 0, None)], 0, 2),
@@ -340,7 +340,7 @@ class DequantMainloop(WgmmaMainloop):
         (tma_atom_sfa, tSAg, tSAs, tma_atom_sfb, tSBg, tSBs), m_tile, n_tile, g = scales
         b_blocks = self.tile_n // SF_ATOM_ROWS
         kq = k // self.stages_per_atom
-        if const_expr(not self.FORMAT.a_bf16):
+        if const_expr(not self.FORMAT.a_plain):
             cute.copy(tma_atom_sfa, tSAg[(None, 0, m_tile * self.k_blocks4 + kq)], tSAs[(None, s)],
                       tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
         for i in cutlass.range_constexpr(b_blocks):
@@ -554,7 +554,7 @@ class DequantMainloop(WgmmaMainloop):
         parts = [cute.make_tensor(cute.recast_ptr(f.iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
                  for f in frag]
         words = parts[0]
-        if const_expr(self.FORMAT.a_bf16):
+        if const_expr(self.FORMAT.a_plain):
             return self._load_plain_a(parts, smem, row, q, idx)
         for half in cutlass.range_constexpr(2):
             def store(p, pair, half=half):
