@@ -101,7 +101,7 @@ def test_forward_ops_reach_a_kernel(fmt, monkeypatch):
         for rht, rht_dtype in ((None, None), ("rowwise", BF), ("rowwise", FP4), ("colwise", FP4)):
             calls.append(functools.partial(
                 cmj.grouped_gemm_glu_hadamard_quant, d_dtype=d, rht_mode=rht, rht_dtype=rht_dtype,
-                norm_const_tensor=_norm(d), rht_norm_const_tensor=jnp.ones(1) if rht_dtype == FP4 or rht else None,
+                norm_const_tensor=_norm(d), rht_norm_const_tensor=jnp.ones(1) if rht else None,
                 **common))
     b_n = dict(common, b_major="n")
     calls.append(functools.partial(cmj.grouped_gemm_quant, d_dtype=BF, **b_n))

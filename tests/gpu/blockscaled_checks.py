@@ -52,8 +52,8 @@ def _exact_operand(rng, rows, k, fmt):
     return vals.astype(ml_dtypes.float8_e4m3fn if data == E4M3 else ml_dtypes.float8_e5m2), s
 
 
-def _bf16_operand(rng, rows, k, mode, dtype=ml_dtypes.bfloat16):
-    """Weight-only A: bf16, coarse (k/8 in [-2, 2], "exact") or N(0, 1) with per-32-block magnitudes 2^U(-20, 20).
+def _half_operand(rng, rows, k, mode, dtype=ml_dtypes.bfloat16):
+    """Weight-only A (or HALF's A and B): bf16, coarse (k/8 in [-2, 2], "exact") or N(0, 1) with per-32-block magnitudes 2^U(-20, 20).
     fp16 (`dtype`): 11-bit values (k/1024 in [-2, 2]: the kernel's low bf16 part is nonzero) or magnitudes
     2^U(-12, 4) (inside fp16's range, some subnormals)."""
     if dtype == np.float16:
@@ -103,8 +103,8 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "adversarial", see
     rng = np.random.default_rng(seed)
     make = _exact_operand if mode == "exact" else _random_operand
     if fmt == HALF:
-        make = lambda rng, rows, k, fmt: _bf16_operand(rng, rows, k, mode)  # noqa: E731
-    a, sa = (_bf16_operand(rng, M, k, mode, np.dtype(a_half(fmt))) if fmt in WEIGHT_ONLY
+        make = lambda rng, rows, k, fmt: _half_operand(rng, rows, k, mode)  # noqa: E731
+    a, sa = (_half_operand(rng, M, k, mode, np.dtype(a_half(fmt))) if fmt in WEIGHT_ONLY
              else make(rng, M, k, fmt))
     bs = [make(rng, n, k, fmt) for _ in range(L)]
     b, sb = np.stack([x for x, _ in bs]), None if fmt == HALF else np.stack([s for _, s in bs])

@@ -76,8 +76,8 @@ def inputs(case, pattern: str = "empty_and_tail", mode: str = "random", seed: in
                  prob=rng.choice([0.5, 1.0], M).astype(np.float32), bias=np.zeros((L, n), np.float32))
     elif mode == "exact":        # issue 19 item 6's operands (blockscaled_cases)
         if fmt == "bf16":
-            x = dict(a=bcc._bf16_operand(rng, M, k, "exact")[0], sfa=None, sfb=None,
-                     b=np.stack([bcc._bf16_operand(rng, n, k, "exact")[0] for _ in range(L)]))
+            x = dict(a=bcc._half_operand(rng, M, k, "exact")[0], sfa=None, sfb=None,
+                     b=np.stack([bcc._half_operand(rng, n, k, "exact")[0] for _ in range(L)]))
         else:
             full = bcc.inputs((None, "glu", fmt, k, n, {}), pattern, "exact", seed)
             x = {key: (None if full[key] is None else np.asarray(full[key])) for key in ("a", "b", "sfa", "sfb")}

@@ -113,9 +113,9 @@ def supports(problem) -> Optional[str]:
         reason = _alignment_support(problem)
         if reason is not None:
             return reason
-    if problem.op != "wgrad" and problem.b_major != "k" and (problem.block_scaled
-                                                            or problem.ab_dtype not in HALF_DTYPES):
-        return "an N-major B needs bf16/fp16 operands (FP8 wgmma reads K-major tiles only)"
+    reason = _block_scaled_majors_reason(problem)
+    if reason is not None:
+        return reason
     if problem.op in DGRAD_ACTS:
         return _dgrad_support(problem)
     if problem.op == "wgrad":
@@ -222,14 +222,29 @@ def read_problem(problem):
     block-scaled wgrad reads both operands token-contiguous or, FP8 with n_w % 16 == 0, both token-major; packed
     FP4 stored token-major, one operand of each kind, or token-major B rows of other than 16 bytes are read after
     such a copy."""
+    if _block_scaled_majors_reason(problem) is None:
+        return problem
+    return dataclasses.replace(problem, a_major="k", b_major="k")
+
+
+def _block_scaled_majors_reason(problem) -> Optional[str]:
+    """Why no kernel reads the block-scaled operands of `problem` in their hinted majors, or None (`supports`
+    refuses these; `read_problem` maps them to K-major)."""
     if not problem.block_scaled:
-        return problem
+        return None
     if problem.op != "wgrad":
-        return dataclasses.replace(problem, b_major="k") if problem.b_major != "k" else problem
+        if problem.b_major != "k":
+            return "an N-major B needs bf16/fp16 operands (FP8 wgmma reads K-major tiles only)"
+        return None
     majors = (problem.a_major, problem.b_major)
-    if majors == ("m", "n") and problem.ab_dtype in FP8_DTYPES and problem.n % 16 == 0:
-        return problem
-    return dataclasses.replace(problem, a_major="k", b_major="k") if majors != ("k", "k") else problem
+    if majors not in (("k", "k"), ("m", "n")):
+        return ("block-scaled wgrad reads A and B both token-contiguous (a_major='k', b_major='k') or both "
+                "token-major (a_major='m', b_major='n')")
+    if majors == ("m", "n") and problem.ab_dtype not in FP8_DTYPES:
+        return "packed FP4 wgrad operands are token-contiguous only (their bytes pack two tokens)"
+    if majors == ("m", "n") and problem.n % 16:
+        return "token-major FP8 wgrad needs n_w % 16 == 0 (16-byte rows of B's (T, n_w) storage)"
+    return None
 
 
 def _wgrad_support(problem) -> Optional[str]:
@@ -238,16 +253,7 @@ def _wgrad_support(problem) -> Optional[str]:
     may be symbolic: `_runtime.symbolic_t()`). bf16/fp16 A / B in any majors; block-scaled A / B (per-expert SF
     segments, the dequantizing mainloop) both token-contiguous (cuDNN's layout) or, FP8, both token-major
     (`a_major="m"`, `b_major="n"`: dY / D_col as a training step stores them)."""
-    if problem.block_scaled:
-        majors = (problem.a_major, problem.b_major)
-        if majors not in (("k", "k"), ("m", "n")):
-            return ("block-scaled wgrad reads A and B both token-contiguous (a_major='k', b_major='k') or both "
-                    "token-major (a_major='m', b_major='n')")
-        if majors == ("m", "n") and problem.ab_dtype not in FP8_DTYPES:
-            return "packed FP4 wgrad operands are token-contiguous only (their bytes pack two tokens)"
-        if majors == ("m", "n") and problem.n % 16:
-            return "token-major FP8 wgrad needs n_w % 16 == 0 (16-byte rows of B's (T, n_w) storage)"
-    elif problem.ab_dtype not in HALF_DTYPES:
+    if not problem.block_scaled and problem.ab_dtype not in HALF_DTYPES:
         return f"wgrad with {problem.ab_dtype} inputs: A/B must be bf16/fp16 or block-scaled"
     if problem.wgrad_dtype not in FLOAT_OUT_DTYPES:
         return f"wgrad_dtype {problem.wgrad_dtype!r} not in {FLOAT_OUT_DTYPES}"
