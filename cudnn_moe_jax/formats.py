@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .limits import FP8_DTYPES, SF_DTYPES, values_per_byte
+from .offsets import search_sorted
 
 E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
 BF16, F16, F32 = "bfloat16", "float16", "float32"
@@ -389,7 +390,7 @@ def pack_sf_segments(s, ends, vec):
     n_groups = base.shape[0]
 
     p = jnp.arange(total, dtype=jnp.int32)
-    g_last = jnp.searchsorted(base, p, side="right").astype(jnp.int32) - 1     # base[0] == 0, so >= 0
+    g_last = search_sorted(base, p, side="right") - 1     # base[0] == 0, so >= 0
     last_nonempty = lax.cummax(jnp.where(nkb > 0, jnp.arange(n_groups, dtype=jnp.int32), -1), axis=0)
     owner = last_nonempty[g_last]
     g = jnp.maximum(owner, 0)
@@ -415,7 +416,7 @@ def unpack_sf_segments(flat, rows, ends, total_tokens, vec):
     starts, ends, nkb, kb_n, base = _segments(ends, total_tokens, rows, vec)
     n_groups = ends.shape[0]
     t = jnp.arange(n_tok_blocks, dtype=jnp.int32)
-    g_raw = jnp.searchsorted(ends, t * vec, side="right").astype(jnp.int32)   # first g with end_g > token
+    g_raw = search_sorted(ends, t * vec, side="right")   # first g with end_g > token
     g = jnp.minimum(g_raw, n_groups - 1)
     j = t - starts[g] // vec
     valid = (g_raw < n_groups) & (j >= 0) & (j < nkb[g])
@@ -438,14 +439,14 @@ def segment_token_scales(flat, rows, ends, total_tokens, vec):
     # every (segment, local block) once: block b of the list is local block b - first[g] of segment g
     first = jnp.cumsum(nkb) - nkb
     b = jnp.arange(cdiv(total_tokens, vec) + n_groups, dtype=jnp.int32)       # >= sum(nkb)
-    bg = jnp.minimum(jnp.searchsorted(first + nkb, b, side="right").astype(jnp.int32), n_groups - 1)
+    bg = jnp.minimum(search_sorted(first + nkb, b, side="right"), n_groups - 1)
     j = b - first[bg]
     r = jnp.arange(rows, dtype=jnp.int32)[:, None]
     off = base[bg] + sf_atom_start(r >> 7, j >> 2, kb_n[bg]) + sf_row_byte(r, j)          # (rows, blocks)
     blocks = jnp.where((j < nkb[bg]) & (off < flat.shape[0]), flat[jnp.clip(off, 0, flat.shape[0] - 1)],
                        jnp.uint8(0))
     t = jnp.arange(total_tokens, dtype=jnp.int32)
-    g_raw = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)        # first g with end_g > t
+    g_raw = search_sorted(ends, t, side="right")        # first g with end_g > t
     g = jnp.minimum(g_raw, n_groups - 1)
     val = blocks[:, jnp.clip(first[g] + (t - starts[g]) // vec, 0, b.shape[0] - 1)]
     return jnp.where((g_raw < n_groups)[None, :], val, jnp.uint8(0))

@@ -179,11 +179,11 @@ def _group_sums(p, parts, inputs):
     group's NaN / inf partial into NaN in every group's dbias (0 * NaN), where the reference keeps it in its own."""
     import jax.numpy as jnp
 
-    from .offsets import group_starts, sanitize_offsets
+    from .offsets import group_starts, sanitize_offsets, search_sorted
 
     ends = sanitize_offsets(inputs["padded_offsets"], p.m, p.m_aligned)
     tile_end = jnp.cumsum((ends - group_starts(ends) + ROW_TILE - 1) // ROW_TILE)
-    group = jnp.searchsorted(tile_end, jnp.arange(parts.shape[0], dtype=tile_end.dtype), side="right")
+    group = search_sorted(tile_end, jnp.arange(parts.shape[0], dtype=tile_end.dtype), side="right")
     member = group[None, :, None] == jnp.arange(p.num_groups, dtype=group.dtype)[:, None, None]   # (L, tiles, 1)
     dbias = jnp.sum(jnp.where(member, parts[None].astype(jnp.float32), 0.0), axis=1)   # fused: no (L, tiles, N)
     return dbias.astype(p.epilogue.dbias_dtype)

@@ -31,6 +31,7 @@ from .activations import GLU_BLOCK
 from . import formats as F
 from .limits import FLOAT_OUT_DTYPES, GROUP_ALIGN, QUANT_D_DTYPES, values_per_byte
 from .offsets import group_starts, row_groups, sanitize_offsets, sanitize_token_offsets  # noqa: F401 (API)
+from .offsets import search_sorted
 
 HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
@@ -138,7 +139,7 @@ def grouped_matmul(a_op, b_op, ends, m_aligned: int = GROUP_ALIGN):
     first = tile_end - count
     steps = F.cdiv(m, tile) + (0 if aligned else num_groups - 1)
     step = jnp.arange(steps, dtype=jnp.int32)
-    group = jnp.searchsorted(tile_end, step, side="right").astype(jnp.int32)   # L: an unused step
+    group = search_sorted(tile_end, step, side="right")   # L: an unused step
     used = group < num_groups
     gc = jnp.minimum(group, num_groups - 1)
     row0 = jnp.where(used, starts[gc] + (step - first[gc]) * tile, 0)
@@ -196,7 +197,7 @@ def expert_token_matmul(a_op, b_op, ends):
     count = jnp.where(ends > starts, (ends + step_tokens - 1) // step_tokens - first, 0)
     cum = jnp.cumsum(count)                                 # inclusive: pairs of experts 0..e
     pair = jnp.arange(n_tiles + num_groups - 1, dtype=jnp.int32)
-    expert = jnp.searchsorted(cum, pair, side="right").astype(jnp.int32)   # L for unused pairs
+    expert = search_sorted(cum, pair, side="right")   # L for unused pairs
     used = expert < num_groups
     expert = jnp.minimum(expert, num_groups - 1)
     tile = jnp.where(used, first[expert] + pair - (cum[expert] - count[expert]), 0)
@@ -482,7 +483,7 @@ def pack_token_segments(packed, ends):
     starts = group_starts(ends)
     p = jnp.arange(rows * half_t, dtype=jnp.int32)
     seg_end = ends * rows // 2
-    g = jnp.searchsorted(seg_end, p, side="right").astype(jnp.int32)
+    g = search_sorted(seg_end, p, side="right")
     gc = jnp.minimum(g, num_groups - 1)
     local = p - starts[gc] * rows // 2
     width = jnp.maximum((ends[gc] - starts[gc]) // 2, 1)

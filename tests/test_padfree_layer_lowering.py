@@ -1,7 +1,9 @@
-"""The routed layer's training step on the padding-free layout (nn.moe_layer(..., m_aligned=1)), lowered for
-CUDA on this CPU machine: value_and_grad of nn.moe_layer (router, permutation, the fused expert MLP, its backward)
-lowers every GEMM to a kernel module of the padding-free schedule (a fallback to the reference would warn, and the
-warning is an error here), and the permuted buffer holds the routed rows only.
+"""The routed layer's training step on the padding-free layout (nn.moe_layer(..., m_aligned=1)) and on its
+default one, lowered for CUDA on this CPU machine: value_and_grad of nn.moe_layer (router, permutation, the fused
+expert MLP, its backward) lowers every GEMM to a kernel module of the padding-free schedule (a fallback to the
+reference would warn, and the warning is an error here), the permuted buffer holds the routed rows only, and the
+step holds no device loop (XLA:GPU runs a while loop with a host round trip per iteration: the searchsorted of
+the routing once left the GPU idle ~0.5 ms a step, benchmarks/RESULTS.md run 65).
 
 Compiles ~6 small kernel modules for sm_90a (skipped without the CuTe DSL compiler).
 """
@@ -20,8 +22,8 @@ from cudnn_moe_jax import nn  # noqa: E402
 from lab.sass import require_compiler  # noqa: E402
 
 
-@pytest.mark.parametrize("act,bias", [("swiglu", True), ("srelu", False)])
-def test_moe_layer_value_and_grad_lowers_to_padfree_kernels(act, bias):
+@pytest.mark.parametrize("act,bias,m_aligned", [("swiglu", True, 1), ("srelu", False, 1), ("swiglu", False, None)])
+def test_moe_layer_value_and_grad_lowers_to_padfree_kernels(act, bias, m_aligned):
     require_compiler()   # cutlass imported for sm_90a, or skip
     T, H, I, L, k = 200, 256, 128, 6, 2
     n1 = I if act == "srelu" else 2 * I
@@ -30,7 +32,8 @@ def test_moe_layer_value_and_grad_lowers_to_padfree_kernels(act, bias):
                  w2=sd((L, H, I), jnp.bfloat16), b1=sd((L, n1), jnp.bfloat16) if bias else None)
 
     def loss(p):
-        y, aux = nn.moe_layer(p["x"], p["router"], p["w1"], p["w2"], p["b1"], top_k=k, act=act, m_aligned=1)
+        align = {} if m_aligned is None else dict(m_aligned=m_aligned)
+        y, aux = nn.moe_layer(p["x"], p["router"], p["w1"], p["w2"], p["b1"], top_k=k, act=act, **align)
         return jnp.sum(y.astype(jnp.float32) ** 2), aux["padded_offsets"]
 
     with warnings.catch_warnings():
@@ -39,6 +42,9 @@ def test_moe_layer_value_and_grad_lowers_to_padfree_kernels(act, bias):
     text = lowered.as_text()
     calls = [line for line in text.splitlines() if "CuteDSLRT_NvJaxCutlassCall" in line]
     assert len(calls) == 6, f"expected the six GEMMs as kernel custom calls, found {len(calls)}"
+    assert "stablehlo.while" not in text, "a device loop in the layer's step (a host round trip per iteration)"
+    if m_aligned is None:
+        return
     rows = nn.permuted_rows(T, k, L, m_aligned=1)
     assert rows == T * k   # padding-free: the routed rows (a multiple of 8 here)
     # the GEMMs read the (rows, .) permuted activations, not cuDNN's worst-case 256-padded buffer

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ..limits import TOKEN_ALIGN
+from ..offsets import search_sorted
 
 # The group alignment of the layers' permuted rows (measured: the module docstring).
 M_ALIGNED = 64
@@ -51,8 +52,7 @@ def route(experts: jax.Array, num_experts: int, m_aligned: int = M_ALIGNED) -> R
     order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
     sorted_expert = flat_expert[order]
     # each expert's first pair in sorted order: a binary search per expert (no scatter-add of T*k ones)
-    first = jnp.searchsorted(sorted_expert, jnp.arange(num_experts, dtype=sorted_expert.dtype), side="left")
-    first = first.astype(jnp.int32)
+    first = search_sorted(sorted_expert, jnp.arange(num_experts, dtype=sorted_expert.dtype), side="left")
     counts = jnp.diff(first, append=jnp.full((1,), pairs, jnp.int32))
     padded = (counts + m_aligned - 1) // m_aligned * m_aligned
     padded_offsets = jnp.cumsum(padded).astype(jnp.int32)
