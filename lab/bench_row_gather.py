@@ -11,11 +11,9 @@ equals the current `nn.routing` version bit for bit.
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
-CALLS = 5
+CALLS = 4
 
 
 def _u32(x):
@@ -88,22 +86,24 @@ def run(name: str, timer) -> None:
     experts = jax.lax.top_k(jax.random.normal(key, (t, e)), k)[1].astype(jnp.int32)
     plan = nn.route(experts, e)
     m = plan.row_token.shape[0]
-    x = jax.random.normal(key, (t, h), jnp.float32).astype(jnp.bfloat16)
-    y = jax.random.normal(key, (m, h), jnp.float32).astype(jnp.bfloat16)
+    # distinct inputs per call: XLA would merge identical calls into one
+    xs = [jax.random.normal(jax.random.PRNGKey(j), (t, h), jnp.float32).astype(jnp.bfloat16) for j in range(CALLS)]
+    ys = [jax.random.normal(jax.random.PRNGKey(j), (m, h), jnp.float32).astype(jnp.bfloat16) for j in range(CALLS)]
 
-    def timed(fn, *args):
-        f = jax.jit(lambda *a: [fn(*a) for _ in range(CALLS)])
-        out = f(*args)
+    def timed(fn, arrays, *args):
+        f = jax.jit(lambda arrs, *a: [fn(x, *a) for x in arrs])
+        out = f(arrays, *args)
         jax.block_until_ready(out)
-        best = min(timer.time(lambda: jax.block_until_ready(f(*args)), CALLS).device for _ in range(3))
+        best = min(timer.time(lambda: jax.block_until_ready(f(arrays, *args)), CALLS).device for _ in range(3))
         return out[0], best
 
-    copy_out, copy_s = timed(lambda a: a * jnp.bfloat16(1), y)
+    y = ys[0]
+    copy_out, copy_s = timed(lambda a: a + jnp.bfloat16(1), ys)
     print(f"{name}: copy of ({m}, {h}) bf16: {copy_s * 1e6:8.1f} us  {2 * y.nbytes / copy_s / 1e9:7.0f} GB/s",
           flush=True)
     moved = {"gather": 2 * m * h * 2, "sum": (t * k * h + t * h) * 2}   # bytes read + written once
-    for kind, variants, args in (("gather", gather_variants(), (x, plan.row_token)),
-                                 ("sum", sum_variants(), (y, plan.dest_row))):
+    for kind, variants, args in (("gather", gather_variants(), (xs, plan.row_token)),
+                                 ("sum", sum_variants(), (ys, plan.dest_row))):
         ref = None
         for vname, fn in variants.items():
             out, s = timed(fn, *args)
@@ -116,14 +116,7 @@ def run(name: str, timer) -> None:
 def main(argv=None):
     from lab import device_timer
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="8e,64e,128e")
-    args = ap.parse_args(argv)
-    timer, why = device_timer.cupti_timer()
-    if timer is None:
-        raise SystemExit(f"no CUPTI timer: {why}")
-    for name in args.configs.split(","):
-        run(name, timer)
+    device_timer.config_main(run, __doc__, "8e,64e,128e", argv)
 
 
 if __name__ == "__main__":

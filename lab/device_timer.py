@@ -126,3 +126,18 @@ def cupti_timer() -> tuple[Optional[CuptiTimer], str]:
         return CuptiTimer(), ""
     except Exception as e:  # noqa: BLE001 -- any failure here only means: time on the host
         return None, f"{type(e).__name__}: {e}"
+
+
+def config_main(run: Callable, doc: str, default_configs: str, argv=None) -> None:
+    """The command line of the lab's microbenchmarks over benchmark configs: `--configs a,b,...`, then
+    run(name, timer) per config with a CUPTI timer (exits without one)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=default_configs)
+    args = ap.parse_args(argv)
+    timer, why = cupti_timer()
+    if timer is None:
+        raise SystemExit(f"no CUPTI timer: {why}")
+    for name in args.configs.split(","):
+        run(name, timer)

@@ -1,17 +1,19 @@
 """Where does the routed layer's step go outside the GEMM kernels? A CUPTI timeline (through torch.profiler) of one
 jitted step of `benchmarks.bench_moe_layer` (ours, its default alignment), with the idle time between kernels.
 
-    python -m lab.trace_layer [--configs 8e,64e,128e] [--full]     # checkout root, GPU machine with torch
+    python -m lab.trace_layer [--configs 8e,64e,128e] [--full] [--hlo DIR]   # checkout root, GPU machine, torch
 
 Prints per config: the step's span, the kernels' summed time, the idle time (span - busy), the kernel count; the
 largest gaps with the kernels on either side; every non-GEMM kernel of >= 5 us with the JAX source op of its
-fusion (from the compiled HLO's metadata); with --full the whole timeline.
+fusion (from the compiled HLO's metadata); with --full the whole timeline; with --hlo the compiled HLO of each
+step as DIR/<config>.hlo.txt.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 
 def _op_names(hlo_text: str) -> dict:
@@ -22,7 +24,7 @@ def _op_names(hlo_text: str) -> dict:
     return names
 
 
-def trace(name: str, full: bool) -> None:
+def trace(name: str, full: bool, hlo_dir=None) -> None:
     import jax
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -35,6 +37,9 @@ def trace(name: str, full: bool) -> None:
     f = jax.jit(layer.ours_step(k))
     compiled = f.lower(*avals).compile()
     ops = _op_names(compiled.as_text())
+    if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        (Path(hlo_dir) / f"{name}.hlo.txt").write_text(compiled.as_text())
     for _ in range(3):
         jax.block_until_ready(f(*x))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -76,9 +81,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="8e,64e,128e")
     ap.add_argument("--full", action="store_true", help="print every device event")
+    ap.add_argument("--hlo", default=None, help="write each step's compiled HLO here")
     args = ap.parse_args(argv)
     for name in args.configs.split(","):
-        trace(name, args.full)
+        trace(name, args.full, args.hlo)
 
 
 if __name__ == "__main__":

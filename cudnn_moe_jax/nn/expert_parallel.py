@@ -92,8 +92,7 @@ def ep_dispatch(x, experts, weights, *, axis_name: str, num_local_experts: int, 
     flat_expert = experts.T.reshape(-1)
     flat_token = jnp.tile(jnp.arange(num_tokens, dtype=jnp.int32), top_k)
     dest = flat_expert // num_local_experts
-    one_hot = (dest[:, None] == jnp.arange(num_devices, dtype=jnp.int32)[None, :]).astype(jnp.int32)
-    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0), dest[:, None], axis=1)[:, 0] - 1
+    rank = _routing.rank_in_group(dest, num_devices)[0]
     kept = rank < capacity
     slot = jnp.where(kept, dest * capacity + rank, slots)
     filler = jnp.full((slots,), num_tokens * top_k, jnp.int32).at[slot].set(

@@ -1,0 +1,122 @@
+"""The routed layer's selection and grouping glue, written two ways each, at the layer configs' shapes, device-timed
+(CUPTI span): top-k of the router key (`jax.lax.top_k`, which XLA:GPU runs as a sort in several launches, vs k
+fused row reductions over (taken, total-order key, index)), and the grouping order of the T*k expert ids (a
+stable two-operand argsort vs one sort of unique int32 keys expert << s | pair).
+
+    python -m lab.bench_routing [--configs 8e,64e,128e,decode]   # checkout root, GPU machine with torch
+
+Prints microseconds per call and whether each candidate equals the current one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CALLS = 10
+
+
+def top_k_by_reductions(key, k):
+    """lax.top_k(key, k)[1] (float key, last axis): k variadic row reductions, each picking the not-yet-taken
+    entry that is largest in IEEE total order (-NaN < -inf < -0 < +0 < inf < NaN), the lower index on ties."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    bits = lax.bitcast_convert_type(key.astype(jnp.float32), jnp.int32)
+    ordered = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))        # the float total order as int32 order
+    idx = lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
+
+    def pick(a, b):
+        (ta, va, ia), (tb, vb, ib) = a, b
+        a_wins = (ta < tb) | ((ta == tb) & ((va > vb) | ((va == vb) & (ia < ib))))
+        return tuple(jnp.where(a_wins, x, y) for x, y in ((ta, tb), (va, vb), (ia, ib)))
+
+    init = (jnp.int32(1), jnp.int32(np.iinfo(np.int32).min), jnp.int32(np.iinfo(np.int32).max))
+    taken = jnp.zeros(key.shape, jnp.int32)
+    out = []
+    for _ in range(k):
+        best = lax.reduce((taken, ordered, idx), init, pick, (key.ndim - 1,))[2]
+        out.append(best)
+        taken = jnp.where(idx == best[..., None], 1, taken)
+    return jnp.stack(out, axis=-1)
+
+
+def order_by_unique_keys(flat_expert):
+    """(order, sorted ids) of jnp.argsort(flat_expert, stable=True): one sort of expert << s | pair (unique)."""
+    import jax.numpy as jnp
+
+    pairs = flat_expert.shape[0]
+    shift = max(1, (pairs - 1).bit_length())
+    keys = jnp.sort((flat_expert << shift) | jnp.arange(pairs, dtype=jnp.int32))
+    return keys & ((1 << shift) - 1), keys >> shift
+
+
+def order_by_counting(flat_expert, num_experts):
+    """(stable rank of each pair among its expert's pairs, counts per expert) by a cumsum of one-hot rows: no sort
+    (the caller adds each expert's group start to the rank)."""
+    import jax.numpy as jnp
+
+    onehot = (flat_expert[:, None] == jnp.arange(num_experts, dtype=jnp.int32)).astype(jnp.int32)
+    csum = jnp.cumsum(onehot, axis=0)
+    rank = jnp.take_along_axis(csum, flat_expert[:, None], axis=1)[:, 0] - 1
+    return rank, csum[-1]
+
+
+def run(name, timer):
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench_moe_layer import CONFIGS
+
+    t, _, _, e, k = CONFIGS[name]
+    # distinct inputs per call: XLA would merge identical calls into one
+    keys = [jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(j), (t, e), jnp.float32), axis=-1)
+            for j in range(CALLS)]
+    experts = [jax.lax.top_k(x, k)[1].astype(jnp.int32).reshape(-1) for x in keys]
+
+    def timed(fn, args):
+        f = jax.jit(lambda xs: [fn(x) for x in xs])
+        out = f(args)
+        jax.block_until_ready(out)
+        best = min(timer.time(lambda: jax.block_until_ready(f(args)), CALLS).device for _ in range(3))
+        return out[0], best
+
+    cases = {
+        "top_k": (keys, {"lax.top_k": lambda x: jax.lax.top_k(x, k)[1],
+                        "reductions": lambda x: top_k_by_reductions(x, k)}),
+        "group order": (experts, {"argsort stable": lambda f: (lambda o: (o, f[o]))(
+                                      jnp.argsort(f, stable=True).astype(jnp.int32)),
+                                  "unique keys": order_by_unique_keys}),
+        "group rank": (experts, {"argsort stable": lambda f: _rank_by_sort(f, e),
+                                 "counting": lambda f: order_by_counting(f, e)}),
+    }
+    for what, (arg, variants) in cases.items():
+        ref = None
+        for vname, fn in variants.items():
+            out, s = timed(fn, arg)
+            ref = out if ref is None else ref
+            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+            print(f"{name}: {what:12s} {vname:15s} {s * 1e6:8.1f} us  same={same}", flush=True)
+
+
+def _rank_by_sort(flat_expert, num_experts):
+    """order_by_counting's result the way nn.route gets it: stable argsort, first pair of each expert by search."""
+    import jax.numpy as jnp
+
+    from cudnn_moe_jax.offsets import search_sorted
+
+    order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
+    sorted_expert = flat_expert[order]
+    first = search_sorted(sorted_expert, jnp.arange(num_experts, dtype=jnp.int32))
+    counts = jnp.diff(first, append=jnp.full((1,), flat_expert.shape[0], jnp.int32))
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32) - first[sorted_expert])
+    return rank, counts
+
+
+def main(argv=None):
+    from lab import device_timer
+
+    device_timer.config_main(run, __doc__, "8e,64e,128e,decode", argv)
+
+
+if __name__ == "__main__":
+    main()
