@@ -92,11 +92,15 @@ EXACT_KEYS = {"quant": ("d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tens
               "srelu": ("c_tensor",), "glu": ("c_tensor",)}
 
 
+def half_a(label: str):
+    """A's 16-bit dtype under a weight-only label: fp16 for "w16_...", else bf16 (the one home of that rule; the
+    benchmarks' labels follow it too)."""
+    return jnp.float16 if label.startswith("w16_") else jnp.bfloat16
+
+
 def a_half(fmt: str):
     """The 16-bit dtype of a weight-only format's A (None: A is block-scaled like B)."""
-    if fmt not in WEIGHT_ONLY:
-        return None
-    return jnp.float16 if fmt.startswith("w16_") else jnp.bfloat16
+    return half_a(fmt) if fmt in WEIGHT_ONLY else None
 
 
 def input_avals(case, pattern: str = "empty_and_tail", discrete: bool = False) -> dict:
