@@ -33,6 +33,28 @@ def test_route_builds_contiguous_groups(m_aligned, ends, rows):
     assert np.sum(row_token < 4) == 8  # every assignment placed exactly once, the rest are padding
 
 
+@pytest.mark.parametrize("tokens,top_k,num_experts,m_aligned", [(300, 4, 64, 64), (97, 2, 8, 1), (50, 8, 128, 16),
+                                                                  (1, 1, 3, 256)])
+def test_route_matches_a_stable_sort(tokens, top_k, num_experts, m_aligned):
+    """route's sort-free grouping (a cumsum of one-hot rows) against numpy's stable argsort of the expert ids, on
+    random ids (repeats inside a token, empty experts)."""
+    rng = np.random.default_rng(tokens)
+    experts = rng.integers(0, num_experts, (tokens, top_k)).astype(np.int32)
+    plan = nn.route(jnp.asarray(experts), num_experts, m_aligned=m_aligned)
+    flat = experts.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=num_experts)
+    padded = -(-counts // m_aligned) * m_aligned
+    ends = np.cumsum(padded)
+    dest = np.empty_like(flat)
+    dest[order] = (ends - padded)[flat[order]] + np.arange(flat.size) - (np.cumsum(counts) - counts)[flat[order]]
+    row_token = np.full(nn.permuted_rows(tokens, top_k, num_experts, m_aligned), tokens, np.int32)
+    row_token[dest] = np.arange(flat.size) // top_k
+    np.testing.assert_array_equal(np.asarray(plan.padded_offsets), ends)
+    np.testing.assert_array_equal(np.asarray(plan.dest_row), dest.reshape(tokens, top_k))
+    np.testing.assert_array_equal(np.asarray(plan.row_token), row_token)
+
+
 def test_default_layout_pads_groups_to_64_rows():
     """The layer's buffer holds the routed rows plus at most 63 per expert: 512 tokens, top-2, 64 experts -> 5056
     rows (padding-free: 1024; cuDNN's 256-padded worst case: 17408)."""
