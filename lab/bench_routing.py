@@ -1,7 +1,8 @@
 """The routed layer's selection and grouping glue, written two ways each, at the layer configs' shapes, device-timed
-(CUPTI span): top-k of the router key (`jax.lax.top_k`, which XLA:GPU runs as a sort in several launches, vs k
-fused row reductions over (taken, total-order key, index)), and the grouping order of the T*k expert ids (a
-stable two-operand argsort vs one sort of unique int32 keys expert << s | pair).
+(CUPTI span): top-k of the router key (`jax.lax.top_k`, which XLA:GPU runs as a sort of each row, vs k fused row
+reductions: `nn.router.top_k_indices`), the grouping order of the T*k expert ids (a stable two-operand argsort vs
+one sort of unique int32 keys expert << s | pair), and each pair's rank in its group (through that argsort, as
+`nn.route` did, vs `nn.routing.rank_in_group`'s one-hot cumsum).
 
     python -m lab.bench_routing [--configs 8e,64e,128e,decode]   # checkout root, GPU machine with torch
 
@@ -10,34 +11,7 @@ Prints microseconds per call and whether each candidate equals the current one.
 
 from __future__ import annotations
 
-import numpy as np
-
 CALLS = 10
-
-
-def top_k_by_reductions(key, k):
-    """lax.top_k(key, k)[1] (float key, last axis): k variadic row reductions, each picking the not-yet-taken
-    entry that is largest in IEEE total order (-NaN < -inf < -0 < +0 < inf < NaN), the lower index on ties."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    bits = lax.bitcast_convert_type(key.astype(jnp.float32), jnp.int32)
-    ordered = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))        # the float total order as int32 order
-    idx = lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
-
-    def pick(a, b):
-        (ta, va, ia), (tb, vb, ib) = a, b
-        a_wins = (ta < tb) | ((ta == tb) & ((va > vb) | ((va == vb) & (ia < ib))))
-        return tuple(jnp.where(a_wins, x, y) for x, y in ((ta, tb), (va, vb), (ia, ib)))
-
-    init = (jnp.int32(1), jnp.int32(np.iinfo(np.int32).min), jnp.int32(np.iinfo(np.int32).max))
-    taken = jnp.zeros(key.shape, jnp.int32)
-    out = []
-    for _ in range(k):
-        best = lax.reduce((taken, ordered, idx), init, pick, (key.ndim - 1,))[2]
-        out.append(best)
-        taken = jnp.where(idx == best[..., None], 1, taken)
-    return jnp.stack(out, axis=-1)
 
 
 def order_by_unique_keys(flat_expert):
@@ -50,22 +24,13 @@ def order_by_unique_keys(flat_expert):
     return keys & ((1 << shift) - 1), keys >> shift
 
 
-def order_by_counting(flat_expert, num_experts):
-    """(stable rank of each pair among its expert's pairs, counts per expert) by a cumsum of one-hot rows: no sort
-    (the caller adds each expert's group start to the rank)."""
-    import jax.numpy as jnp
-
-    onehot = (flat_expert[:, None] == jnp.arange(num_experts, dtype=jnp.int32)).astype(jnp.int32)
-    csum = jnp.cumsum(onehot, axis=0)
-    rank = jnp.take_along_axis(csum, flat_expert[:, None], axis=1)[:, 0] - 1
-    return rank, csum[-1]
-
-
 def run(name, timer):
     import jax
     import jax.numpy as jnp
 
     from benchmarks.bench_moe_layer import CONFIGS
+    from cudnn_moe_jax.nn.router import top_k_indices
+    from cudnn_moe_jax.nn.routing import rank_in_group
 
     t, _, _, e, k = CONFIGS[name]
     # distinct inputs per call: XLA would merge identical calls into one
@@ -82,12 +47,12 @@ def run(name, timer):
 
     cases = {
         "top_k": (keys, {"lax.top_k": lambda x: jax.lax.top_k(x, k)[1],
-                        "reductions": lambda x: top_k_by_reductions(x, k)}),
+                        "reductions": lambda x: top_k_indices(x, k)}),
         "group order": (experts, {"argsort stable": lambda f: (lambda o: (o, f[o]))(
                                       jnp.argsort(f, stable=True).astype(jnp.int32)),
                                   "unique keys": order_by_unique_keys}),
         "group rank": (experts, {"argsort stable": lambda f: _rank_by_sort(f, e),
-                                 "counting": lambda f: order_by_counting(f, e)}),
+                                 "counting": lambda f: rank_in_group(f, e)}),
     }
     for what, (arg, variants) in cases.items():
         ref = None
@@ -99,7 +64,7 @@ def run(name, timer):
 
 
 def _rank_by_sort(flat_expert, num_experts):
-    """order_by_counting's result the way nn.route gets it: stable argsort, first pair of each expert by search."""
+    """rank_in_group's result the way nn.route got it: stable argsort, first pair of each expert by search."""
     import jax.numpy as jnp
 
     from cudnn_moe_jax.offsets import search_sorted

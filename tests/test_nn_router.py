@@ -78,6 +78,34 @@ def test_gate_matches_the_documented_rules(name):
     assert gating.experts.dtype == jnp.int32 and gating.weights.dtype == jnp.float32
 
 
+def test_top_k_indices_equals_lax_top_k():
+    """The reduction top-k (large T) against jax.lax.top_k: random keys and keys full of ties, +-0, +-inf and
+    +-NaN (IEEE total order, lower index first on ties)."""
+    rng = np.random.default_rng(0)
+    specials = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, -np.nan, 0.5], np.float32)
+    for trial in range(60):
+        rows, width = int(rng.choice([1, 9, 64])), int(rng.choice([2, 8, 64, 128]))
+        k = int(rng.integers(1, min(width, 8) + 1))
+        key = (rng.choice(specials, (rows, width)) if trial % 2 else
+               rng.standard_normal((rows, width)).astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(router_module.top_k_indices(jnp.asarray(key), k)),
+                                      np.asarray(jax.lax.top_k(jnp.asarray(key), k)[1]))
+
+
+@pytest.mark.parametrize("name", ["default", "deepseek_v3"])
+def test_gate_at_many_tokens_uses_reductions(name):
+    """From TOP_K_REDUCTIONS_FROM tokens the gate selects without a sort, with the documented result."""
+    config = CONFIGS[name]
+    tokens = router_module.TOP_K_REDUCTIONS_FROM
+    logits = 2.0 * jax.random.normal(jax.random.PRNGKey(5), (tokens, L))
+    bias = None if config.bias is None else 0.3 * jax.random.normal(jax.random.PRNGKey(6), (L,))
+    gating = nn.gate(logits, config, bias)
+    experts, _ = np_gate(logits, config, None if bias is None else np.asarray(bias, np.float64))
+    np.testing.assert_array_equal(np.asarray(gating.experts), experts)
+    jaxpr = jax.make_jaxpr(lambda z: nn.gate(z, nn.RouterConfig(top_k=2)).experts)(logits).jaxpr
+    assert not {e.primitive.name for e in jaxpr.eqns} & {"sort", "top_k"}
+
+
 def test_gate_option_effects():
     """Each option changes what it says and nothing else on random logits."""
     logits = 2.0 * jax.random.normal(jax.random.PRNGKey(2), (T, L))
