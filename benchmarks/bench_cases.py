@@ -161,6 +161,24 @@ def hadamard_call(shape: str, variant: str, fmt: str):
     return fn
 
 
+def hadamard_sets(shape: str, fmt: str, count: int) -> list:
+    """`count` argument tuples of `hadamard_call(shape, ., fmt)`: operands quantized to `fmt` from N(0, 1) data on
+    the device (B scaled by 1/sqrt(K)), a different A per tuple, experts of equal size, uniform prob."""
+    import numpy as np
+
+    (m, n, k, L), _, rows = format_shape(shape)
+    offsets = jnp.asarray(np.arange(1, L + 1, dtype=np.int32) * rows)
+    key = jax.random.PRNGKey(0)
+    alpha, prob = jnp.ones((L,), jnp.float32), jax.random.uniform(jax.random.fold_in(key, 2), (m,))
+    quant = jax.jit(lambda x: (x.astype(jnp.bfloat16), None))
+    if fmt != "bf16":
+        data, sf, vec = BLOCK_FORMATS[fmt]
+        quant = jax.jit(lambda x: formats.to_block_scaled(x, data, sf, vec))
+    b, sfb = quant(jax.random.normal(jax.random.fold_in(key, 1), (L, n, k), jnp.float32) / np.sqrt(k))
+    a_sets = [quant(jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32)) for i in range(count)]
+    return [(a, b, sa, sfb, offsets, alpha, prob, jnp.ones((1,), jnp.float32)) for a, sa in a_sets]
+
+
 def block_avals(shape: str, fmt: str) -> tuple:
     (m, n, k, groups), _, _ = format_shape(shape)
     sds = jax.ShapeDtypeStruct

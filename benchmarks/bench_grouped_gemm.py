@@ -625,29 +625,15 @@ def write_formats(results, device, out: Path):
 def run_hadamard(args):
     """The Hadamard op beside the plain GLU (`--hadamard`): per GLU shape (bench_cases.HADAMARD_SHAPES) and input
     format, every call of bench_cases.HADAMARD_VARIANTS (SwiGLU with C; NVFP4 D, rowwise / colwise Hadamard outputs),
-    operands quantized from N(0, 1) data on the GPU. Rows: TFLOP/s and each call's time over the plain GLU's."""
-    import jax
-    import jax.numpy as jnp
-
-    from cudnn_moe_jax import formats
-
+    operands quantized from N(0, 1) data on the GPU (bench_cases.hadamard_sets). Rows: TFLOP/s and each call's time
+    over the plain GLU's."""
     dev, timer, why = _session()
     results = []
     for shape_name, fmt in ((s, f) for s in bench_cases.HADAMARD_SHAPES for f in args.hadamard.split(",")):
         if args.shapes != "all" and shape_name not in args.shapes.split(","):
             continue
-        (m, n, k, L), _, rows = bench_cases.format_shape(shape_name)
-        offsets = jnp.asarray(np.arange(1, L + 1, dtype=np.int32) * rows)
-        key = jax.random.PRNGKey(0)
-        alpha, prob = jnp.ones((L,), jnp.float32), jax.random.uniform(jax.random.fold_in(key, 2), (m,))
-        quant = jax.jit(lambda x: (x.astype(jnp.bfloat16), None))
-        if fmt != "bf16":
-            data, sf, vec = bench_cases.BLOCK_FORMATS[fmt]
-            quant = jax.jit(lambda x, data=data, sf=sf, vec=vec: formats.to_block_scaled(x, data, sf, vec))
-        b, sfb = quant(jax.random.normal(jax.random.fold_in(key, 1), (L, n, k), jnp.float32) / np.sqrt(k))
-        a_sets = [quant(jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32))
-                  for i in range(ITERS)]
-        sets = [(a, b, sa, sfb, offsets, alpha, prob, jnp.ones((1,), jnp.float32)) for a, sa in a_sets]
+        (m, n, k, L), _, _ = bench_cases.format_shape(shape_name)
+        sets = bench_cases.hadamard_sets(shape_name, fmt, ITERS)
         row = {"shape": f"{shape_name}/{fmt}", "valid_m": m, "n": n, "k": k, "groups": L, "tflops": {}, "ms": {}}
         if timer is None:
             row["cupti_unavailable"] = why

@@ -11,8 +11,6 @@ equals the current `nn.routing` version bit for bit.
 
 from __future__ import annotations
 
-import numpy as np
-
 CALLS = 4
 
 

@@ -1,12 +1,14 @@
 """Run one kernel a few times for `ncu` (GPU machine, from the checkout's root): a lab benchmark kernel through the
 primitive (lab/bench_kernels.py: `ours` a bf16 one, `mx` an MXFP8 one, `fmt` a block-scaled schedule of the format
-comparison; operands quantized from N(0,1) in the problem's format; its module from the bundle) or
-torch._grouped_mm on a named shape.
+comparison; operands quantized from N(0,1) in the problem's format; its module from the bundle), a public-op call
+of the Hadamard benchmark (`had SHAPE/FORMAT/VARIANT`: benchmarks.bench_cases.hadamard_call, its bundle items
+`hadamard_bundle_items`) or torch._grouped_mm on a named shape.
 
     ncu --clock-control none --kernel-name regex:^kernel_cutlass_kernel_ --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight python3 -m lab.profile_one ours fc1_t256c21
     ncu ... python3 -m lab.profile_one mx fc1_bf16d
     ncu ... python3 -m lab.profile_one fmt fc1_nvfp4_default
+    ncu ... python3 -m lab.profile_one had small/nvfp4/h_d4_row4       # vs small/nvfp4/h_d4 (no RHT output)
     ncu ... python3 -m lab.profile_one torch fc2
 """
 
@@ -54,6 +56,17 @@ def main(kind: str, what: str) -> None:
 
         problem, config = bench_kernels.case(what)
         f, args = kernel_fn(problem, config), kernel_args(problem)
+        with harness.kernels_only():
+            for _ in range(4):
+                jax.block_until_ready(f(*args))
+    elif kind == "had":
+        import jax
+
+        from benchmarks import bench_cases
+        from lab import harness
+
+        shape, fmt, variant = what.split("/")
+        f, args = jax.jit(bench_cases.hadamard_call(shape, variant, fmt)), bench_cases.hadamard_sets(shape, fmt, 1)[0]
         with harness.kernels_only():
             for _ in range(4):
                 jax.block_until_ready(f(*args))
