@@ -30,7 +30,7 @@ def run(name, timer):
 
     from benchmarks.bench_moe_layer import CONFIGS
     from cudnn_moe_jax.nn.router import top_k_indices
-    from cudnn_moe_jax.nn.routing import rank_in_group
+    from cudnn_moe_jax.nn.routing import rank_by_sort, rank_in_group
 
     t, _, _, e, k = CONFIGS[name]
     # distinct inputs per call: XLA would merge identical calls into one
@@ -51,7 +51,7 @@ def run(name, timer):
         "group order": (experts, {"argsort stable": lambda f: (lambda o: (o, f[o]))(
                                       jnp.argsort(f, stable=True).astype(jnp.int32)),
                                   "unique keys": order_by_unique_keys}),
-        "group rank": (experts, {"argsort stable": lambda f: _rank_by_sort(f, e),
+        "group rank": (experts, {"argsort stable": lambda f: rank_by_sort(f, e),
                                  "counting": lambda f: rank_in_group(f, e)}),
     }
     for what, (arg, variants) in cases.items():
@@ -61,20 +61,6 @@ def run(name, timer):
             ref = out if ref is None else ref
             same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
             print(f"{name}: {what:12s} {vname:15s} {s * 1e6:8.1f} us  same={same}", flush=True)
-
-
-def _rank_by_sort(flat_expert, num_experts):
-    """rank_in_group's result the way nn.route got it: stable argsort, first pair of each expert by search."""
-    import jax.numpy as jnp
-
-    from cudnn_moe_jax.offsets import search_sorted
-
-    order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
-    sorted_expert = flat_expert[order]
-    first = search_sorted(sorted_expert, jnp.arange(num_experts, dtype=jnp.int32))
-    counts = jnp.diff(first, append=jnp.full((1,), flat_expert.shape[0], jnp.int32))
-    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32) - first[sorted_expert])
-    return rank, counts
 
 
 def main(argv=None):

@@ -35,9 +35,12 @@ def test_route_builds_contiguous_groups(m_aligned, ends, rows):
 
 @pytest.mark.parametrize("tokens,top_k,num_experts,m_aligned", [(300, 4, 64, 64), (97, 2, 8, 1), (50, 8, 128, 16),
                                                                   (1, 1, 3, 256)])
-def test_route_matches_a_stable_sort(tokens, top_k, num_experts, m_aligned):
-    """route's sort-free grouping (a cumsum of one-hot rows) against numpy's stable argsort of the expert ids, on
-    random ids (repeats inside a token, empty experts)."""
+@pytest.mark.parametrize("by_sort", [False, True])
+def test_route_matches_a_stable_sort(tokens, top_k, num_experts, m_aligned, by_sort, monkeypatch):
+    """route's grouping (a cumsum of one-hot rows; past RANK_BY_COUNTING_MAX elements a stable sort) against numpy's
+    stable argsort of the expert ids, on random ids (repeats inside a token, empty experts)."""
+    if by_sort:
+        monkeypatch.setattr(nn.routing, "RANK_BY_COUNTING_MAX", 0)
     rng = np.random.default_rng(tokens)
     experts = rng.integers(0, num_experts, (tokens, top_k)).astype(np.int32)
     plan = nn.route(jnp.asarray(experts), num_experts, m_aligned=m_aligned)

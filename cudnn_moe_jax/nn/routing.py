@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ..limits import TOKEN_ALIGN
+from ..offsets import search_sorted
 
 # The group alignment of the layers' permuted rows (measured: the module docstring).
 M_ALIGNED = 64
@@ -40,16 +41,35 @@ def permuted_rows(num_tokens: int, top_k: int, num_experts: int, m_aligned: int 
     return -(-(num_tokens * top_k + num_experts * (m_aligned - 1)) // unit) * unit
 
 
+# rank_in_group's one-hot cumsum holds P x G int32; above this many elements (256 MiB) it ranks through a sort.
+RANK_BY_COUNTING_MAX = 1 << 26
+
+
 def rank_in_group(ids: jax.Array, num_groups: int):
     """For ids (P,) in [0, G): (rank (P,) int32 of each entry among the entries of its id, in entry order; counts
     (G,) int32). A cumsum of one-hot rows, no sort: on the H200 6.8 / 7.4 / 21 us at the layer benchmark's 8 / 64 /
     128-expert routings against 62-182 us for the stable argsort, its gather, the per-expert search and the inverse
-    scatter it replaces (`python -m lab.bench_routing`, benchmarks/RESULTS.md run 68). Its temporary is P x G int32
-    (128 MiB at 262144 pairs x 128 experts; the layer step's peak memory did not grow, run 69)."""
-    one_hot = (ids[:, None] == jnp.arange(num_groups, dtype=ids.dtype)[None, :]).astype(jnp.int32)
+    scatter (`python -m lab.bench_routing`, benchmarks/RESULTS.md run 68). Its temporary is P x G int32 (128 MiB at
+    262144 pairs x 128 experts; the layer step's peak memory did not grow, run 69); past RANK_BY_COUNTING_MAX
+    elements the same ranks come from the stable sort."""
+    ids = ids.astype(jnp.int32)
+    if ids.shape[0] * num_groups > RANK_BY_COUNTING_MAX:
+        return rank_by_sort(ids, num_groups)
+    one_hot = (ids[:, None] == jnp.arange(num_groups, dtype=jnp.int32)[None, :]).astype(jnp.int32)
     running = jnp.cumsum(one_hot, axis=0)
-    rank = jnp.take_along_axis(running, ids[:, None].astype(jnp.int32), axis=1)[:, 0] - 1
-    return rank.astype(jnp.int32), running[-1]
+    rank = jnp.take_along_axis(running, ids[:, None], axis=1)[:, 0] - 1
+    return rank, running[-1]
+
+
+def rank_by_sort(ids: jax.Array, num_groups: int):
+    """`rank_in_group` through a stable argsort of the ids, a search per group and the inverse scatter (any size)."""
+    order = jnp.argsort(ids, stable=True).astype(jnp.int32)
+    sorted_ids = ids[order]
+    first = search_sorted(sorted_ids, jnp.arange(num_groups, dtype=jnp.int32))
+    counts = jnp.diff(first, append=jnp.full((1,), ids.shape[0], jnp.int32))
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(ids.shape[0], dtype=jnp.int32) - first[sorted_ids],
+                                               unique_indices=True)
+    return rank, counts
 
 
 def route(experts: jax.Array, num_experts: int, m_aligned: int = M_ALIGNED) -> Routing:
