@@ -31,7 +31,7 @@ from cudnn_moe_jax import formats
 from cudnn_moe_jax.formats import E2M1 as FP4
 from cudnn_moe_jax.formats import E4M3, sf_physical_shape
 from cudnn_moe_jax.shapes import FUSION, SHAPES
-from lab.blockscaled_cases import half_a
+from lab.blockscaled_cases import half_a as a_half   # A's dtype under a weight-only label
 
 # MXFP8 output variants: label -> FP8 D (else bf16 D)
 MXFP8_OUTPUTS = {"bf16d": False, "fp8d": True}
@@ -41,9 +41,6 @@ MXFP8_OUTPUTS = {"bf16d": False, "fp8d": True}
 BLOCK_FORMATS = {f: formats.BLOCK_FORMATS[f] for f in ("mxfp8", "nvfp4", "mxfp4")}
 # weight-only quantization (bf16 A, block-scaled B): label -> B's format
 WEIGHT_ONLY = {"w_nvfp4": "nvfp4", "w_mxfp8": "mxfp8", "w16_nvfp4": "nvfp4"}   # w16: an fp16 A
-
-
-a_half = half_a   # A's dtype for a weight-only label (`WEIGHT_ONLY`): fp16 for "w16_", else bf16
 FORMAT_LABELS = ("bf16",) + tuple(BLOCK_FORMATS) + tuple(WEIGHT_ONLY)
 # Shapes of the format comparison besides fc1 / fc2 / small (= FC1 of the first memory-bound layer of issue 19:
 # 64 experts x 256 rows, H 2048, I 768): that layer's FC2 and the second layer (128 experts x 128 rows, H 4096,

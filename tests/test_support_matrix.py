@@ -17,10 +17,10 @@ import jax.numpy as jnp  # noqa: E402
 
 import cudnn_moe_jax as cmj  # noqa: E402
 from cudnn_moe_jax import _lowering, activations, formats  # noqa: E402
+from cudnn_moe_jax.formats import BF16 as BF, E2M1 as FP4, E4M3, E5M2, F16, F32  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import config  # noqa: E402
 
 M, N, K, L = 512, 256, 256, 2
-BF, F16, F32, E4M3, E5M2, FP4 = "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"
 HALF = {"bf16": BF, "fp16": F16}
 # input formats: 16-bit A and B, block-scaled A and B, a 16-bit A with block-scaled B (weight-only)
 INPUTS = list(HALF) + list(formats.BLOCK_FORMATS) + [f"{h}+{f}" for h in HALF for f in formats.BLOCK_FORMATS]

@@ -77,7 +77,7 @@ def route(experts: jax.Array, num_experts: int, m_aligned: int = M_ALIGNED) -> R
     m_aligned, token order kept inside a group (experts: (T, k) ids in [0, L))."""
     num_tokens, top_k = experts.shape
     m = permuted_rows(num_tokens, top_k, num_experts, m_aligned)
-    flat_expert = experts.reshape(-1).astype(jnp.int32)
+    flat_expert = experts.reshape(-1)
     pairs = flat_expert.shape[0]
     rank, counts = rank_in_group(flat_expert, num_experts)
     padded = (counts + m_aligned - 1) // m_aligned * m_aligned

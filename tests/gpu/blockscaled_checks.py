@@ -53,9 +53,9 @@ def _exact_operand(rng, rows, k, fmt):
 
 
 def _half_operand(rng, rows, k, mode, dtype=ml_dtypes.bfloat16):
-    """Weight-only A (or HALF's A and B): bf16, coarse (k/8 in [-2, 2], "exact") or N(0, 1) with per-32-block magnitudes 2^U(-20, 20).
-    fp16 (`dtype`): 11-bit values (k/1024 in [-2, 2]: the kernel's low bf16 part is nonzero) or magnitudes
-    2^U(-12, 4) (inside fp16's range, some subnormals)."""
+    """Weight-only A (or HALF's A and B): bf16, coarse (k/8 in [-2, 2], "exact") or N(0, 1) with per-32-block
+    magnitudes 2^U(-20, 20). fp16 (`dtype`): 11-bit values (k/1024 in [-2, 2]: the kernel's low bf16 part is
+    nonzero) or magnitudes 2^U(-12, 4) (inside fp16's range, some subnormals)."""
     if dtype == np.float16:
         if mode == "exact":
             return (rng.integers(-2048, 2049, (rows, k)) / 1024).astype(np.float16), None
