@@ -30,10 +30,10 @@ def _bf16(w, like_cols):
 
 
 def gather_variants():
+    """name -> fn(x, idx): the layer's row gather (`bf16_fill`, nn.routing's own) and candidates."""
     import jax.numpy as jnp
 
-    def bf16_fill(x, idx):
-        return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
+    from cudnn_moe_jax.nn import routing
 
     def u32_fill(x, idx):
         return _bf16(jnp.take(_u32(x), idx, axis=0, mode="fill", fill_value=0), x.shape[1])
@@ -46,20 +46,16 @@ def gather_variants():
     def bf16_clip_no_pad(x, idx):   # lower bound: no zero rows (not the layer's semantics)
         return jnp.take(x, jnp.minimum(idx, x.shape[0] - 1), axis=0, mode="clip")
 
-    return dict(bf16_fill=bf16_fill, u32_fill=u32_fill, u32_clip_where=u32_clip_where,
+    return dict(bf16_fill=routing._take_rows, u32_fill=u32_fill, u32_clip_where=u32_clip_where,
                 bf16_clip_no_pad=bf16_clip_no_pad)
 
 
 def sum_variants():
+    """name -> fn(y, dest): the layer's gather-sum (`bf16_fill`, nn.routing's own) and a candidate."""
     import jax
     import jax.numpy as jnp
 
-    def bf16_fill(y, dest):   # = nn.routing._sum_rows
-        picked = jnp.take(y, dest, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
-        out = picked[:, 0]
-        for j in range(1, picked.shape[1]):
-            out = out + picked[:, j]
-        return out.astype(y.dtype)
+    from cudnn_moe_jax.nn import routing
 
     def u32_fill(y, dest):
         w = jnp.take(_u32(y), dest, axis=0, mode="fill", fill_value=0)             # (T, k, H/2) uint32
@@ -69,7 +65,7 @@ def sum_variants():
             out = out + picked[:, j]
         return out.astype(y.dtype).reshape(dest.shape[0], y.shape[1])
 
-    return dict(bf16_fill=bf16_fill, u32_fill=u32_fill)
+    return dict(bf16_fill=routing._sum_rows, u32_fill=u32_fill)
 
 
 def run(name: str, timer) -> None:

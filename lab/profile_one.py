@@ -48,25 +48,23 @@ def kernel_args(problem):
 
 
 def main(kind: str, what: str) -> None:
-    if kind in ("ours", "mx", "fmt"):
+    if kind in ("ours", "mx", "fmt", "had"):
         import jax
 
-        from lab import bench_kernels, harness
-        from lab.forward_cases import kernel_fn
-
-        problem, config = bench_kernels.case(what)
-        f, args = kernel_fn(problem, config), kernel_args(problem)
-        with harness.kernels_only():
-            for _ in range(4):
-                jax.block_until_ready(f(*args))
-    elif kind == "had":
-        import jax
-
-        from benchmarks import bench_cases
         from lab import harness
 
-        shape, fmt, variant = what.split("/")
-        f, args = jax.jit(bench_cases.hadamard_call(shape, variant, fmt)), bench_cases.hadamard_sets(shape, fmt, 1)[0]
+        if kind == "had":
+            from benchmarks import bench_cases
+
+            shape, fmt, variant = what.split("/")
+            f = jax.jit(bench_cases.hadamard_call(shape, variant, fmt))
+            args = bench_cases.hadamard_sets(shape, fmt, 1)[0]
+        else:
+            from lab import bench_kernels
+            from lab.forward_cases import kernel_fn
+
+            problem, config = bench_kernels.case(what)
+            f, args = kernel_fn(problem, config), kernel_args(problem)
         with harness.kernels_only():
             for _ in range(4):
                 jax.block_until_ready(f(*args))
