@@ -56,7 +56,8 @@ for s in $steps; do
         "$OUT/ncu_mx.log" | cut -c1-140 | head -45
       grep -E "Shared|Bank|L1|L2" "$OUT/ncu_mx.log" | cut -c1-140 | head -25 ;;
     mxsrc)  # per-instruction warp stalls (PC sampling) of one kernel: which SASS line the warps wait on
-            # (MXNCU_KIND=fmt MXNCU_TARGET=fc1_nvfp4_default: a block-scaled schedule of lab.bench_kernels)
+            # (MXNCU_KIND=fmt MXNCU_TARGET=fc1_nvfp4_default: a block-scaled schedule of lab.bench_kernels);
+            # read it with `python -m lab.pc_samples $OUT/mxsrc_sass.csv [another profile's csv]`
       setsid ncu --clock-control none --kernel-name "regex:^kernel_cutlass_kernel_" --launch-skip 2 --launch-count 1 \
         --section SourceCounters --section WarpStateStats --import-source no \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -o "$OUT/mxsrc" -f \
