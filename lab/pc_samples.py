@@ -55,7 +55,7 @@ def load(path: str) -> Profile:
         src.append(r[col["Source"]].strip())
         ex.append(num(r, col["Instructions Executed"]))
         smp.append(num(r, col["Warp Stall Sampling (All Samples)"]))
-        rsn.append(Counter({name: num(r, i) for name, i in stall if num(r, i)}))
+        rsn.append(Counter({name: v for name, i in stall if (v := num(r, i))}))
     return Profile(src, ex, smp, rsn)
 
 
