@@ -114,6 +114,26 @@ def test_extra_cases_compile_without_spills(name):
     check_sass(sass_of(module, tool), False)   # block-scaled inputs: dequantized to bf16 (HGMMA) by default
 
 
+@pytest.mark.parametrize("name,stages", [
+    ("h_nvfp4_swiglu_d4_row4", (4, 1)), ("h_nvfp4_swiglu_d4_col", (4, 1)),   # RHT stage: one buffer, 4th A/B stage
+    ("h_nvfp4_swiglu_d4_norht", (4, 2)),                                    # no RHT stage: both fit
+    ("h_bf16_geglu_bias_rowbf16", (3, 2)),                                  # bf16 D beside it: 4 do not fit
+])
+def test_hadamard_stage_count(name, stages):
+    """(A/B stages, store buffers) of the Hadamard kernel: the RHT output's 10 KiB stage beside two store buffers
+    would leave the NVFP4 mainloop 3 A/B stages instead of 4 (RESULTS runs 61 / 77: small NVFP4 row / col 401 / 398
+    -> 446 / 444 TFLOP/s with the 4th)."""
+    from cudnn_moe_jax.kernels.sm90.kernel import GroupedGemmSm90
+
+    require_compiler()
+    problem = FP4_OUT.get(name)
+    if problem is None:    # the NVFP4 case without its RHT output
+        base = FP4_OUT["h_nvfp4_swiglu_d4_row4"]
+        problem = dataclasses.replace(base, epilogue=dataclasses.replace(base.epilogue, rht=None, rht_dtype=None))
+    kernel = GroupedGemmSm90(problem)
+    assert (kernel.ab_stages, kernel.epi_stages) == stages
+
+
 def _instructions(sass: str) -> list:
     return re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)", sass)
 
