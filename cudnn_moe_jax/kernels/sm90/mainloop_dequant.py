@@ -178,7 +178,7 @@ class DequantMainloop(WgmmaMainloop):
     FORMAT: DequantFormat = None
     A_IN_REGISTERS = True
 
-    split_b = False   # cluster-split B conversion (module docstring); the K-grouped subclass never splits
+    split_b = False   # cluster-split B conversion (module docstring)
     consumer_b = 0    # B passes the consumer warps convert per stage (A in registers; module docstring); K-grouped:
     #                   none
 

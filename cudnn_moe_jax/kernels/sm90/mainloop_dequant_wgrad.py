@@ -27,9 +27,11 @@ What differs from the forward's dequantizing mainloop:
             per 32-token run; K in its natural order. A goes into the RS fragment (`_convert_a_tokens`: a thread's
             rows r, r + 8 share a 16-byte chunk of each token's line) or, with Config(dequant_a="workers"), into an
             MN-major bf16 stage like B.
-  B passes  token-contiguous operands with A in registers: the consumer warps convert B's first passes of each
-            stage beside the stage workers (mainloop_dequant's consumer passes; B is never split across the cluster
-            here, so half of its 32 passes by default, Config.consumer_b_passes), through `consumer_b_group`.
+  B passes  token-contiguous operands with A in registers: with a 2-CTA cluster along M (two W row tiles of one
+            expert, B multicast) each CTA converts half of B's rows and bulk-copies them to the other
+            (mainloop_dequant's cluster split), and the consumer warps convert the first passes of each stage
+            beside the stage workers (its consumer passes: half of the CTA's passes by default,
+            Config.consumer_b_passes), through `consumer_b_group`.
 """
 
 from __future__ import annotations
@@ -123,9 +125,11 @@ class KGroupedDequantMainloop(DequantMainloop):
     def __init__(self, tile_m: int, tile_n: int, stages: int, m: int, n: int, cluster_m: int, cluster_n: int,
                  consumer_b: Optional[int] = 0):
         WgmmaMainloop.__init__(self, BFloat16, tile_m, tile_n, stages, self.TOKEN_MAJOR, self.TOKEN_MAJOR)
-        # the consumers' B passes (mainloop_dequant; B is never split here): token-contiguous operands with A in
-        # registers only (the token-major units are 16-row chunks of 32 tokens)
+        # token-contiguous operands with A in registers: the forward's cluster-split B (a 2-CTA cluster along M
+        # holds two W row tiles of one expert and n_tile, so B is multicast) and consumer B passes (mainloop_dequant;
+        # the token-major units are 16-row chunks of 32 tokens: neither there)
         if self.A_IN_REGISTERS and not self.TOKEN_MAJOR:
+            self.split_b = cluster_m == 2
             self.set_consumer_b(consumer_b)
         self.m, self.n = m, n      # W's rows (A's) and columns (B's rows)
         self.cluster_m, self.cluster_n = cluster_m, cluster_n
@@ -349,11 +353,12 @@ class KGroupedDequantMainloop(DequantMainloop):
     def convert_k_stage(self, worker: cutlass.Constexpr, smem, st: Stage, idx: Int32, lane: Int32, n_tile: Int32,
                         general: cutlass.Constexpr):
         """The forward's passes (8 rows x 4 groups each, every third pass per worker) over token-contiguous stages;
-        B rows past n_w scaled by 0."""
+        B rows past n_w scaled by 0; split B: this CTA's half of B's rows."""
         units = self._units()
+        b0 = self.b_base()
         for u in cutlass.range_constexpr(worker[0] - 1, len(units), len(WORKERS)):
             operand, r0 = units[u]
-            row = r0 + (lane >> 2)
+            row = r0 + (lane >> 2) + (b0 if const_expr(operand == 1) else 0)
             q = lane & 3
             valid, store = self.row_group_store(smem, operand, row, q, idx, n_tile)
             self.convert_kgroup(smem, st, operand, row, q, idx, valid, store, general)
