@@ -395,9 +395,13 @@ class DequantMainloop(WgmmaMainloop):
         """Split B: the converted 8-row group at B row `row` of bf16 stage idx (1 KiB, contiguous) to the same place
         in the other CTA's stage, completing its bytes on that CTA's worker barrier of the stage."""
         peer = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) ^ 1
-        src = smem[6].iterator.toint() + (idx * self.tile_n + row) * (2 * TILE_K)
+        src = smem[6].iterator.toint() + self.b_pass_bytes(idx, row)
         bulk_copy_to_cluster(mapa_shared(src, peer), src, ROWS_PER_PASS * 2 * TILE_K,
                              mapa_shared((stage_mbar + idx).toint(), peer))
+
+    def b_pass_bytes(self, idx: Int32, row: Int32) -> Int32:
+        """Byte offset in the bf16 B stages of the pass that starts at B row `row` of stage idx (K-major: 8 rows)."""
+        return (idx * self.tile_n + row) * (2 * TILE_K)
 
     def b_passes(self, worker) -> list:
         """Split B: the first rows (in this CTA's half) of `worker`'s B passes, in order."""
@@ -529,7 +533,7 @@ class DequantMainloop(WgmmaMainloop):
         for i in cutlass.range_constexpr(self.consumer_warp_passes()):
             unit = warp + i * CONSUMER_WARPS
             if unit < self.consumer_b:
-                self.consumer_b_group(b_thread, b0 + unit * ROWS_PER_PASS + (lane >> 2), lane & 3, idx, k)
+                self.consumer_b_pass(b_thread, b0 + unit * ROWS_PER_PASS, lane, idx, k)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
         if const_expr(self.split_b):
@@ -538,6 +542,11 @@ class DequantMainloop(WgmmaMainloop):
                 self.copy_to_peer(smem, stage_mbar, idx, b0 + unit * ROWS_PER_PASS)
         if lane == 0 and warp < self.consumer_b:
             cute.arch.mbarrier_arrive(stage_mbar + idx)
+
+    @cute.jit
+    def consumer_b_pass(self, b_thread, row0: Int32, lane: Int32, idx: Int32, k: Int32):
+        """A consumer lane's share of the B pass at row0 in stage idx: group lane % 4 of row row0 + lane // 4."""
+        self.consumer_b_group(b_thread, row0 + (lane >> 2), lane & 3, idx, k)
 
     @cute.jit
     def consumer_b_group(self, b_thread, row: Int32, q: Int32, idx: Int32, k: Int32):

@@ -21,17 +21,17 @@ What differs from the forward's dequantizing mainloop:
             odd last stage after them.
   majors    token-contiguous operands (cuDNN's layout: A (m_w, T), B (n_w, T) with T contiguous, FP4 packed along T)
             as in the forward; or, FP8 only, both token-major (a_major="m", b_major="n": (T, m_w) / (T, n_w) rows as a
-            training step stores dY and D_col). A token-major stage is TMA'd MN-major with the 128-byte swizzle; the
-            stage workers convert B into an MN-major bf16 stage (the bf16 wgmma reads MN-major operands): a lane
-            converts 16 rows of one token (one 16-byte load, two 16-byte stores) with the 16 rows' scales loaded once
-            per 32-token run; K in its natural order. A goes into the RS fragment (`_convert_a_tokens`: a thread's
-            rows r, r + 8 share a 16-byte chunk of each token's line) or, with Config(dequant_a="workers"), into an
-            MN-major bf16 stage like B.
-  B passes  token-contiguous operands with A in registers: with a 2-CTA cluster along M (two W row tiles of one
-            expert, B multicast) each CTA converts half of B's rows and bulk-copies them to the other
-            (mainloop_dequant's cluster split), and the consumer warps convert the first passes of each stage
-            beside the stage workers (its consumer passes: half of the CTA's passes by default,
-            Config.consumer_b_passes), through `consumer_b_group`.
+            training step stores dY and D_col). A token-major stage is TMA'd MN-major with the 128-byte swizzle; B is
+            converted into an MN-major bf16 stage (the bf16 wgmma reads MN-major operands) in passes of 64 rows x 8
+            tokens (`convert_mn_pass`: a lane converts 16 rows of one token, one 16-byte load, two 16-byte stores; a
+            pass is 1 KiB of the bf16 stage, as a K-major pass of 8 rows x 64 tokens); K in its natural order. A goes
+            into the RS fragment (`_convert_a_tokens`: a thread's rows r, r + 8 share a 16-byte chunk of each
+            token's line) or, with Config(dequant_a="workers"), into an MN-major bf16 stage like B.
+  B passes  with A in registers (either major): with a 2-CTA cluster along M (two W row tiles of one expert, B
+            multicast) each CTA converts half of B's passes and bulk-copies them to the other (mainloop_dequant's
+            cluster split), and the consumer warps convert the first passes of each stage beside the stage workers
+            (its consumer passes: half of the CTA's passes by default, Config.consumer_b_passes), through
+            `consumer_b_pass`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from .mainloop import WgmmaMainloop
 from .mainloop_dequant import TILE_K, WORKERS, DequantFormat, DequantMainloop, advanced_if, release_last
 
 SF_SLOTS = 2          # 4-block quads of a segment a stage's tokens can touch
-MN_RUN = 32           # tokens of a token-major lane run (one 32-token half of a stage)
 
 
 def mainloop_class(problem, config):
@@ -125,10 +124,9 @@ class KGroupedDequantMainloop(DequantMainloop):
     def __init__(self, tile_m: int, tile_n: int, stages: int, m: int, n: int, cluster_m: int, cluster_n: int,
                  consumer_b: Optional[int] = 0):
         WgmmaMainloop.__init__(self, BFloat16, tile_m, tile_n, stages, self.TOKEN_MAJOR, self.TOKEN_MAJOR)
-        # token-contiguous operands with A in registers: the forward's cluster-split B (a 2-CTA cluster along M
-        # holds two W row tiles of one expert and n_tile, so B is multicast) and consumer B passes (mainloop_dequant;
-        # the token-major units are 16-row chunks of 32 tokens: neither there)
-        if self.A_IN_REGISTERS and not self.TOKEN_MAJOR:
+        # A in registers: the forward's cluster-split B (a 2-CTA cluster along M holds two W row tiles of one expert
+        # and n_tile, so B is multicast) and consumer B passes (mainloop_dequant), token-contiguous or token-major
+        if self.A_IN_REGISTERS:
             self.split_b = cluster_m == 2
             self.set_consumer_b(consumer_b)
         self.m, self.n = m, n      # W's rows (A's) and columns (B's rows)
@@ -339,7 +337,7 @@ class KGroupedDequantMainloop(DequantMainloop):
         lane = q8.opaque(lane)
         st = self.stage(self.segment(tile_ctx), k)
         if const_expr(self.TOKEN_MAJOR):
-            if st.partial:
+            if st.general:
                 self.convert_mn_stage(worker, smem, st, idx, lane, True)
             else:
                 self.convert_mn_stage(worker, smem, st, idx, lane, False)
@@ -363,39 +361,49 @@ class KGroupedDequantMainloop(DequantMainloop):
             valid, store = self.row_group_store(smem, operand, row, q, idx, n_tile)
             self.convert_kgroup(smem, st, operand, row, q, idx, valid, store, general)
 
-    # token-major (FP8): units of (operand, first 16-row chunk, 32-token half); a quarter warp converts 4 chunks
-    def _mn_units(self):
-        out = []
-        for operand, rows in enumerate((self.tile_m, self.tile_n)):
-            if operand == 0 and self.A_IN_REGISTERS:
-                continue
-            for h in range(TILE_K // MN_RUN):
-                out += [(operand, c0, h) for c0 in range(0, rows // 16, 4)]
-        return out
-
+    # token-major (FP8): a pass is 64 rows x 8 tokens (rows 64 (p // 8).., K line group p % 8 of the stage: 1 KiB,
+    # contiguous in the MN-major bf16 stage), one 16-row x 1-token group a lane, 32 passes for 256 rows as in the
+    # K-major layout, so the worker / consumer shares and the cluster split are the forward's (`_units`)
     @cute.jit
     def convert_mn_stage(self, worker: cutlass.Constexpr, smem, st: Stage, idx: Int32, lane: Int32,
-                         partial: cutlass.Constexpr):
-        """Token-major stages: quarter warp j of a unit takes 16-row chunk c0 + j, its lane l the tokens
-        l, l + 8, l + 16, l + 24 of the unit's 32-token half (a quarter warp's loads and stores each hit 8 bank
-        groups); the run's 16 row scales are loaded once per scale block it spans (two where the expert starts
-        inside it)."""
-        units = self._mn_units()
-        chunk_lane = lane >> 3
-        l8 = lane & 7
+                         general: cutlass.Constexpr):
+        """The worker's passes (every third of `_units`) of a token-major stage; split B: this CTA's half."""
+        units = self._units()
+        b0 = self.b_base()
         for u in cutlass.range_constexpr(worker[0] - 1, len(units), len(WORKERS)):
-            operand, c0, h = units[u]
-            r0 = (c0 + chunk_lane) * 16
-            first = self.block_of(st, Int32(h * MN_RUN))
-            # tokens of the run in block `first` (the rest are in the next one)
-            split = cutlass.min(cutlass.max(st.start + ((first + 1) << self.log_vec) - st.tb - h * MN_RUN,
-                                            Int32(0)), Int32(MN_RUN))
-            for ph in cutlass.range(1 + Int32(split < MN_RUN), unroll=1):
-                scales = self.mn_scales(smem, st, idx, operand, r0, cutlass.min(first + ph, st.last_block))
-                for i in cutlass.range_constexpr(MN_RUN // 8):
-                    t = l8 + 8 * i
-                    if (t < split) == (ph == 0):
-                        self.convert_mn_token(smem, st, idx, operand, r0, h * MN_RUN + t, scales, partial)
+            operand, r0 = units[u]
+            self.convert_mn_pass(smem, st, idx, operand, r0 + (b0 if const_expr(operand == 1) else 0), lane, general)
+
+    @cute.jit
+    def convert_mn_pass(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, row0: Int32, lane: Int32,
+                        general: cutlass.Constexpr):
+        """The token-major pass p = row0 // 8: lane l converts rows 64 (p // 8) + 16 (l // 8) .. + 15 of stage token
+        8 (p % 8) + l % 8 (a quarter warp's loads and stores each hit 8 bank groups). Fast path (the expert starts
+        on a 16-token boundary and fills the stage): the 8 tokens of a quarter warp lie in one scale block, so lane
+        l % 8 = j decodes the scales of rows 2j, 2j + 1 and the quarter warp shares them by shuffles; general: each
+        lane decodes its token's 16 scales and zeroes other experts' tokens."""
+        p = row0 >> 3
+        r0 = (p >> 3) * 64 + (lane >> 3) * 16
+        t = (p & 7) * 8 + (lane & 7)
+        if const_expr(general):
+            scales = self.mn_scales(smem, st, idx, operand, r0, self.block_of(st, t))
+        else:
+            block = self.block_of(st, (p & 7) * 8)
+            slot = cutlass.min(cutlass.max((block >> 2) - st.q0, Int32(0)), Int32(SF_SLOTS - 1))
+            trow = r0 + 2 * (lane & 7) + (0 if const_expr(operand == 0) else self.tile_m)
+            words = load_words(smem[0].iterator + (idx * SF_SLOTS + slot) * self.rows + trow, 2)
+            byte = block & 3
+            codes = dq.prmt_dynamic(words[0], words[1], byte | ((byte + 4) << 4))   # bytes 0, 1: the two rows
+            mine = dq.e8m0_bf16x2(dq.prmt(codes, 0x4140))
+            scales = [cute.arch.shuffle_sync(mine, (lane & 0x18) | j) for j in range(8)]
+        self.convert_mn_token(smem, st, idx, operand, r0, t, scales, general)
+
+    def b_pass_bytes(self, idx: Int32, row: Int32) -> Int32:
+        """Token-major: pass p = row // 8 sits at rows 64 (p // 8).. of K line group p % 8 (mn_bf16_stage_layout)."""
+        if const_expr(not self.TOKEN_MAJOR):
+            return DequantMainloop.b_pass_bytes(self, idx, row)
+        p = row >> 3
+        return (idx * self.tile_n * TILE_K + (p & 7) * 8 * self.tile_n + (p >> 3) * 512) * 2
 
     @cute.jit
     def mn_scales(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, block: Int32):
@@ -474,6 +482,18 @@ class KGroupedDequantMainloop(DequantMainloop):
                 ab_pipeline.consumer_release(release_state)
             release_state = advanced_if(release_state, k_count > 1)
         return read_state, release_last(ab_pipeline, release_state, k_count)
+
+    @cute.jit
+    def consumer_b_pass(self, b_thread, row0: Int32, lane: Int32, idx: Int32, k: Int32):
+        """A consumer lane's share of the B pass at row0 (token-major: `convert_mn_pass`; else the forward's)."""
+        if const_expr(not self.TOKEN_MAJOR):
+            DequantMainloop.consumer_b_pass(self, b_thread, row0, lane, idx, k)
+        else:
+            st = self.stage(b_thread[4], k)
+            if st.general:
+                self.convert_mn_pass(b_thread[0], st, idx, 1, row0, lane, True)
+            else:
+                self.convert_mn_pass(b_thread[0], st, idx, 1, row0, lane, False)
 
     @cute.jit
     def consumer_b_group(self, b_thread, row: Int32, q: Int32, idx: Int32, k: Int32):
