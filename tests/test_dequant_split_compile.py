@@ -5,8 +5,9 @@ bulk-copy them into the other CTA's bf16 stage (the consumer warps convert and c
 bytes on the stage's worker barrier (an arrive-less tx expect, SASS `SYNCS.ARRIVE.TRANS64.RED.A0TR`); no GPU-scope
 fence appears (no `MEMBAR.ALL.GPU`: the copy is async-proxy and signals the barrier itself; discrete weights have
 the descriptors' own), no local memory, the HGMMAs stay unserialized. Off (no bulk copy) where B is not multicast
-(1x1 clusters) and in the K-grouped wgrad mainloop. ~10 s a module on 2 cores; skipped without the CuTe DSL
-compiler."""
+(1x1 clusters). The K-grouped block-scaled wgrad splits too (a 2-CTA cluster holds two W row tiles of one expert),
+token-contiguous or token-major, with A converted in registers. ~10 s a module on 2 cores; skipped without the
+CuTe DSL compiler."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def _kernel(problem, config=None):
 
 
 def test_split_rule():
-    """On with the default 2x1 cluster (B multicast), off with 1x1 / 1x2 clusters, in the block-scaled wgrad and
-    where tile lists would pair two experts' tiles (m_aligned below the 256-row block)."""
+    """On with the default 2x1 cluster (B multicast), off with 1x1 / 1x2 clusters and where tile lists would pair two
+    experts' tiles (m_aligned below the 256-row block); in the block-scaled wgrad on with a 2x1 cluster and A in
+    registers, token-contiguous or token-major."""
     from cudnn_moe_jax.kernels.sm90.mainloop_dequant import DequantMainloop
 
     p = _problem("mxfp8")
@@ -64,9 +66,16 @@ def test_split_rule():
     assert not DequantMainloop.splits_b(dataclasses.replace(p, m_aligned=128), sm90_config.Config())
     assert _kernel(p).mainloop.split_b
     assert _kernel(dataclasses.replace(p, discrete_weights=True)).mainloop.split_b
-    wgrad = GroupedGemmProblem(op="wgrad", m=512, n=320, k=2048, num_groups=5, ab_dtype="float8_e4m3fn",
-                               sf_dtype=E8M0, sf_vec_size=32, wgrad_dtype="bfloat16")
-    assert not _kernel(wgrad, sm90_config.Config(cluster_m=2)).mainloop.split_b
+    assert _kernel(_wgrad()).mainloop.split_b
+    assert _kernel(_wgrad(a_major="m", b_major="n")).mainloop.split_b
+    assert not _kernel(_wgrad(m=384)).mainloop.split_b                         # 1x1 clusters (m_w % 256)
+    assert not _kernel(_wgrad(), sm90_config.Config(dequant_a="workers")).mainloop.split_b
+
+
+def _wgrad(**kw) -> GroupedGemmProblem:
+    """A block-scaled (MXFP8) wgrad: W rows 512 run 2x1 clusters, 384 1x1."""
+    return GroupedGemmProblem(op="wgrad", m=kw.pop("m", 512), n=320, k=2048, num_groups=5, ab_dtype="float8_e4m3fn",
+                              sf_dtype=E8M0, sf_vec_size=32, wgrad_dtype="bfloat16", **kw)
 
 
 def _check_split(sass: str, split: bool, gpu_fences: bool = False) -> None:
@@ -124,14 +133,25 @@ def test_consumer_passes_split_b_rows():
 
 
 def test_wgrad_consumer_passes():
-    """The block-scaled wgrad (never split): the consumers take 16 of B's 32 passes with token-contiguous operands,
-    none with token-major ones (other units) or with A converted by the workers."""
-    def wgrad(**kw):
-        return GroupedGemmProblem(op="wgrad", m=512, n=320, k=2048, num_groups=5, ab_dtype="float8_e4m3fn",
-                                  sf_dtype=E8M0, sf_vec_size=32, wgrad_dtype="bfloat16", **kw)
+    """The block-scaled wgrad with A in registers: the consumers take half of the CTA's B passes (8 of 16 with the
+    split, 16 of 32 with 1x1 clusters), token-contiguous or token-major (passes of 64 rows x 8 tokens); none with A
+    converted by the workers."""
+    assert _kernel(_wgrad()).mainloop.consumer_b == 8
+    assert _kernel(_wgrad(m=384)).mainloop.consumer_b == 16
+    assert _kernel(_wgrad(), sm90_config.Config(consumer_b_passes=12)).mainloop.consumer_b == 12
+    assert _kernel(_wgrad(a_major="m", b_major="n")).mainloop.consumer_b == 8
+    assert _kernel(_wgrad(), sm90_config.Config(dequant_a="workers")).mainloop.consumer_b == 0
 
-    assert _kernel(wgrad()).mainloop.consumer_b == 16
-    assert _kernel(wgrad(), sm90_config.Config(consumer_b_passes=8)).mainloop.consumer_b == 8
-    assert _kernel(wgrad(a_major="m", b_major="n")).mainloop.consumer_b == 0
-    assert _kernel(wgrad(), sm90_config.Config(dequant_a="workers")).mainloop.consumer_b == 0
+
+@pytest.mark.parametrize("majors", [{}, dict(a_major="m", b_major="n")], ids=["token_contiguous", "token_major"])
+def test_wgrad_split_kernel(majors):
+    """The split block-scaled wgrad: bulk copies to the other CTA, one tx expect (warp 1), no GPU-scope fence, no
+    local memory, HGMMAs unserialized."""
+    sass = _sass(_wgrad(**majors))
+    assert "HGMMA" in sass and not re.search(r"\b(LDL|STL)\b", sass)
+    hgmma = re.findall(r"HGMMA\.\S+ [^;]*;", sass)
+    assert sum("gsb0" in h for h in hgmma) < len(hgmma), "wgmma serialized: every HGMMA ends a group"
+    assert re.findall(r"UBLKCP\.S\.S\b", sass)
+    assert len(re.findall(r"SYNCS\.ARRIVE\.TRANS64\.RED\.A0TR\b", sass)) == 1
+    assert "MEMBAR.ALL.GPU" not in sass
 
