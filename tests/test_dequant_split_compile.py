@@ -134,12 +134,13 @@ def test_consumer_passes_split_b_rows():
 
 def test_wgrad_consumer_passes():
     """The block-scaled wgrad with A in registers: the consumers take half of the CTA's B passes (8 of 16 with the
-    split, 16 of 32 with 1x1 clusters), token-contiguous or token-major (passes of 64 rows x 8 tokens); none with A
-    converted by the workers."""
+    split, 16 of 32 with 1x1 clusters), token-major operands (passes of 64 rows x 8 tokens) 12 of 16 with the split
+    (RESULTS run 81); none with A converted by the workers."""
     assert _kernel(_wgrad()).mainloop.consumer_b == 8
     assert _kernel(_wgrad(m=384)).mainloop.consumer_b == 16
     assert _kernel(_wgrad(), sm90_config.Config(consumer_b_passes=12)).mainloop.consumer_b == 12
-    assert _kernel(_wgrad(a_major="m", b_major="n")).mainloop.consumer_b == 8
+    assert _kernel(_wgrad(a_major="m", b_major="n")).mainloop.consumer_b == 12
+    assert _kernel(_wgrad(m=384, a_major="m", b_major="n")).mainloop.consumer_b == 16
     assert _kernel(_wgrad(), sm90_config.Config(dequant_a="workers")).mainloop.consumer_b == 0
 
 

@@ -128,6 +128,10 @@ class KGroupedDequantMainloop(DequantMainloop):
         # and n_tile, so B is multicast) and consumer B passes (mainloop_dequant), token-contiguous or token-major
         if self.A_IN_REGISTERS:
             self.split_b = cluster_m == 2
+            if consumer_b is None and self.TOKEN_MAJOR and self.split_b:
+                # measured (RESULTS run 81, fc-step MXFP8): 12 of the CTA's 16 passes 327-332 TFLOP/s, 8 309, 16
+                # 317-322 (token-contiguous: 8 416, 12 409, 16 358, so half stays the default there)
+                consumer_b = 12
             self.set_consumer_b(consumer_b)
         self.m, self.n = m, n      # W's rows (A's) and columns (B's rows)
         self.cluster_m, self.cluster_n = cluster_m, cluster_n
