@@ -156,3 +156,27 @@ def test_wgrad_split_kernel(majors):
     assert len(re.findall(r"SYNCS\.ARRIVE\.TRANS64\.RED\.A0TR\b", sass)) == 1
     assert "MEMBAR.ALL.GPU" not in sass
 
+
+
+def test_token_major_pass_is_one_contiguous_kib():
+    """A token-major B pass (64 rows x 8 tokens, `convert_mn_pass`) writes exactly the 1 KiB that the cluster split
+    copies to the other CTA (`b_pass_bytes`): every pass of the tile, both halves of each lane's 16 rows."""
+    from cudnn_moe_jax.kernels.sm90.mainloop_dequant import ROWS_PER_PASS, TILE_K
+    from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import MN_CORE_WORDS, mn_bf16_word
+
+    ml = _kernel(_wgrad(a_major="m", b_major="n")).mainloop
+    rows = ml.tile_n
+    for idx in (0, 2):
+        covered = set()
+        for p in range(rows // ROWS_PER_PASS):
+            written = set()
+            for lane in range(32):
+                r0 = (p >> 3) * 64 + (lane >> 3) * 16
+                t = (p & 7) * 8 + (lane & 7)
+                for half in range(2):
+                    word = mn_bf16_word(rows, idx, r0, t) + half * MN_CORE_WORDS
+                    written |= {4 * word + b for b in range(16)}
+            start = ml.b_pass_bytes(idx, p * ROWS_PER_PASS)
+            assert written == set(range(start, start + ROWS_PER_PASS * 2 * TILE_K)), p
+            covered |= written
+        assert covered == set(range(idx * rows * TILE_K * 2, (idx + 1) * rows * TILE_K * 2))
