@@ -76,7 +76,7 @@ def cp_async_4(dst: Int32, src: Int64, src_bytes: Int32):
 
 @cute.jit
 def load_words(ptr, n: cutlass.Constexpr):
-    """n (4) consecutive 32-bit words of shared memory at a 16-byte aligned `ptr` (one vector load)."""
+    """n (2 or 4) consecutive 32-bit words of shared memory at a 4n-byte aligned `ptr` (one vector load)."""
     v = cute.make_tensor(ptr, cute.make_layout(n)).load()
     return [v[i] for i in range(n)]
 
