@@ -234,11 +234,30 @@ class KGroupedDequantMainloop(DequantMainloop):
         row NaN anyway)."""
         return cutlass.min(cutlass.max(st.tb + t - st.start, Int32(0)) >> self.log_vec, st.last_block)
 
+    def table_slot(self, st: Stage, idx: Int32, block: Int32) -> Int32:
+        """Index of the first word of the word-table slot holding local block `block` in stage idx: row trow's word
+        (A's rows, then B's) is this + trow, the block's byte in it block % 4."""
+        slot = cutlass.min(cutlass.max((block >> 2) - st.q0, Int32(0)), Int32(SF_SLOTS - 1))
+        return (idx * SF_SLOTS + slot) * self.rows
+
     @cute.jit
     def sf_code(self, smem, st: Stage, idx: Int32, trow: Int32, block: Int32) -> Int32:
-        """The SF byte of word-table row `trow` (A's rows, then B's) and local block `block` in stage idx."""
-        slot = cutlass.min(cutlass.max((block >> 2) - st.q0, Int32(0)), Int32(SF_SLOTS - 1))
-        return Int32(smem[7][((idx * SF_SLOTS + slot) * self.rows + trow) * 4 + (block & 3)]) & Int32(0xFF)
+        """The SF byte of word-table row `trow` and local block `block` in stage idx."""
+        return Int32(smem[7][(self.table_slot(st, idx, block) + trow) * 4 + (block & 3)]) & Int32(0xFF)
+
+    @staticmethod
+    def byte_selector(block: Int32) -> Int32:
+        """The permute selector of `row_pair_scales` for local block `block`: byte block % 4 of each word."""
+        byte = block & 3
+        return byte | ((byte + 4) << 4)
+
+    @staticmethod
+    @cute.jit
+    def row_pair_scales(w0: Int32, w1: Int32, sel: Int32) -> Int32:
+        """The e8m0 scales of one block of two rows (their table words w0, w1; `byte_selector`) as bf16x2, the first
+        row in the low half (0x00 -> 2^-127, 0xFF -> NaN)."""
+        codes = dq.prmt_dynamic(w0, w1, sel)                                  # bytes 0, 1: the two rows
+        return dq.e8m0_bf16x2(dq.prmt(codes, 0x4140))                         # each code in its own half
 
     # ------------------------------------------------------------------------------------------ producer
     def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
@@ -393,17 +412,16 @@ class KGroupedDequantMainloop(DequantMainloop):
             scales = self.mn_scales(smem, st, idx, operand, r0, self.block_of(st, t))
         else:
             block = self.block_of(st, (p & 7) * 8)
-            slot = cutlass.min(cutlass.max((block >> 2) - st.q0, Int32(0)), Int32(SF_SLOTS - 1))
             trow = r0 + 2 * (lane & 7) + (0 if const_expr(operand == 0) else self.tile_m)
-            words = load_words(smem[0].iterator + (idx * SF_SLOTS + slot) * self.rows + trow, 2)
-            byte = block & 3
-            codes = dq.prmt_dynamic(words[0], words[1], byte | ((byte + 4) << 4))   # bytes 0, 1: the two rows
-            mine = dq.e8m0_bf16x2(dq.prmt(codes, 0x4140))
+            words = load_words(smem[0].iterator + self.table_slot(st, idx, block) + trow, 2)
+            mine = self.row_pair_scales(words[0], words[1], self.byte_selector(block))
             scales = [cute.arch.shuffle_sync(mine, (lane & 0x18) | j) for j in range(8)]
         self.convert_mn_token(smem, st, idx, operand, r0, t, scales, general)
 
     def b_pass_bytes(self, idx: Int32, row: Int32) -> Int32:
-        """Token-major: pass p = row // 8 sits at rows 64 (p // 8).. of K line group p % 8 (mn_bf16_stage_layout)."""
+        """Token-major: pass p = row // 8 sits at rows 64 (p // 8).. of K line group p % 8 (mn_bf16_stage_layout;
+        `mn_bf16_word` of its first row and token, in bytes, without the general formula's shift and mask:
+        tests/test_dequant_split_compile.py checks the two agree)."""
         if const_expr(not self.TOKEN_MAJOR):
             return DequantMainloop.b_pass_bytes(self, idx, row)
         p = row >> 3
@@ -414,20 +432,13 @@ class KGroupedDequantMainloop(DequantMainloop):
         """The scales of rows r0..r0+15 (a 16-row chunk of `operand`) in local block `block` as 8 bf16x2 pairs
         (rows 2p, 2p + 1): the chunk's 16 words of the block's slot, its byte picked by a register-selected
         permute, e8m0 -> bf16 two at a time (0x00 -> 2^-127, 0xFF -> NaN)."""
-        slot = cutlass.min(cutlass.max((block >> 2) - st.q0, Int32(0)), Int32(SF_SLOTS - 1))
         trow = r0 if const_expr(operand == 0) else self.tile_m + r0
-        base = (idx * SF_SLOTS + slot) * self.rows + trow
+        base = self.table_slot(st, idx, block) + trow
         words = []
         for j in cutlass.range_constexpr(4):
             words += load_words(smem[0].iterator + base + 4 * j, 4)
-        byte = block & 3
-        sel = byte | ((byte + 4) << 4)
-        out = []
-        for p in cutlass.range_constexpr(8):
-            codes = dq.prmt_dynamic(words[2 * p], words[2 * p + 1], sel)       # bytes 0, 1: rows 2p, 2p + 1
-            e = dq.prmt(codes, 0x4140)                                          # each code in its own half
-            out.append(dq.e8m0_bf16x2(e))
-        return out
+        sel = self.byte_selector(block)
+        return [self.row_pair_scales(words[2 * p], words[2 * p + 1], sel) for p in range(8)]
 
     @cute.jit
     def convert_mn_token(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, t: Int32,
