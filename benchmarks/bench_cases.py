@@ -52,11 +52,20 @@ MEMORY_BOUND = {
     "e128_fc2": ((16384, 4096, 1024, 128), ("quant", None), 128),
 }
 
+# Rows per expert between `small` (256) and fc1 (2048) on the two GLU shapes' N and K (`--shapes`, not in the
+# default list): where dequantizing in XLA before the bf16 kernel starts to beat the on-chip conversion
+# (_dequant_first.DEQUANT_FIRST_ROWS)
+ROWS_SWEEP = {f"{base}_r{rows}": ((16384, n, k, 16384 // rows), ("glu", "swiglu"), rows)
+              for base, n, k in (("fc1", 4096, 7168), ("small", 1536, 2048)) for rows in (512, 1024, 2048)
+              if (base, rows) != ("fc1", 2048)}
+
 
 def format_shape(shape: str):
     """((m, N, K, L), (op, act), rows per expert) of a format-comparison shape."""
     if shape in MEMORY_BOUND:
         return MEMORY_BOUND[shape]
+    if shape in ROWS_SWEEP:
+        return ROWS_SWEEP[shape]
     return tuple(SHAPES[shape]), FUSION[shape], SHAPES[shape].m // SHAPES[shape].num_groups
 
 
@@ -227,9 +236,39 @@ def bundle_items() -> list:
 
 
 def format_bundle_items(shapes=None, labels=FORMAT_LABELS) -> list:
-    """The format comparison's calls (`--formats`) on `shapes` (default FORMAT_SHAPES) in formats `labels`."""
-    return [functools.partial(_lower_for_cuda, block_call(s, f), block_avals(s, f))
-            for s in shapes or FORMAT_SHAPES for f in labels]
+    """The format comparison's calls (`--formats`) on `shapes` (default FORMAT_SHAPES) in formats `labels`, and
+    for the block-scaled ones the route the public op does not take (`other_route`)."""
+    from lab import forward_cases
+
+    items = [functools.partial(_lower_for_cuda, block_call(s, f), block_avals(s, f))
+             for s in shapes or FORMAT_SHAPES for f in labels]
+    for s in shapes or FORMAT_SHAPES:
+        for f in labels:
+            if f != "bf16":
+                problem, fn = other_route(s, f)
+                items.append(forward_cases.lowering_item(problem, fn=fn))
+    return items
+
+
+def other_route(shape: str, fmt: str):
+    """(problem, jitted fn(a, b, [sfa,] sfb, padded_offsets, alpha, prob)) running a block-scaled format call the
+    way its public op does not: on-chip conversion where the op dequantizes first (cudnn_moe_jax._dequant_first
+    .dequantize_first), else XLA's dequantization then the bf16 kernel. Its label: `route_label`."""
+    from cudnn_moe_jax._dequant_first import dequantize_first
+    from lab import bench_kernels, forward_cases
+
+    problem = bench_kernels.format_problem(shape, fmt)
+    if dequantize_first(problem):
+        return problem, forward_cases.kernel_fn(problem)
+    return problem, forward_cases.dequant_first_fn(problem)
+
+
+def route_label(shape: str, fmt: str) -> str:
+    """The label of `other_route(shape, fmt)`'s row: `fmt`:on-chip or `fmt`:xla-dequant."""
+    from cudnn_moe_jax._dequant_first import dequantize_first
+    from lab import bench_kernels
+
+    return f"{fmt}:{'on-chip' if dequantize_first(bench_kernels.format_problem(shape, fmt)) else 'xla-dequant'}"
 
 
 def discrete_bundle_items() -> list:

@@ -478,9 +478,10 @@ def plot_mxfp8(results, device, path: Path):
 
 def run_formats(args):
     """Format comparison (`--formats`): per shape (bench_cases.FORMAT_SHAPES), the public op on bf16 inputs and on
-    each block-scaled format (bench_cases.BLOCK_FORMATS, dequantized exactly to bf16 on chip), bf16 D (+ C for
-    SwiGLU), operands quantized from N(0, 1) data on the GPU, and torch's grouped GEMMs (bf16, rowwise FP8) on the
-    same shape. Rows: TFLOP/s and the time ratio bf16 / format."""
+    each block-scaled format (bench_cases.BLOCK_FORMATS, dequantized exactly to bf16), bf16 D (+ C for
+    SwiGLU), operands quantized from N(0, 1) data on the GPU, beside the route the public op does not take
+    (bench_cases.other_route), and torch's grouped GEMMs (bf16, rowwise FP8) on the same shape. Rows: TFLOP/s and
+    the time ratio bf16 / format."""
     import jax
     import jax.numpy as jnp
 
@@ -489,9 +490,8 @@ def run_formats(args):
     dev, timer, why = _session()
     wanted = args.formats.split(",")
     results = []
-    for shape_name in bench_cases.FORMAT_SHAPES:
-        if args.shapes and shape_name not in args.shapes.split(",") and args.shapes != "all":
-            continue
+    names = bench_cases.FORMAT_SHAPES if args.shapes in ("", "all") else args.shapes.split(",")
+    for shape_name in names:
         (m, n, k, L), _, rows = bench_cases.format_shape(shape_name)
         offsets = jnp.asarray(np.arange(1, L + 1, dtype=np.int32) * rows)
         flops = 2.0 * m * n * k
@@ -516,6 +516,11 @@ def run_formats(args):
             sets = [(a, b, sa, sfb, offsets, alpha, prob) for a, sa in a_sets]
             f = public_op(bench_cases.block_call(shape_name, fmt), sets[0], f"ours[{fmt}] on {shape_name}")
             runners[f"ours[{fmt}]"] = _jax_runner(f, sets, timer)
+            if fmt != "bf16":   # the route the public op does not take (on-chip conversion / XLA dequantization)
+                label = bench_cases.route_label(shape_name, fmt)
+                _, fr = bench_cases.other_route(shape_name, fmt)
+                rsets = [tuple(x for x in s if x is not None) for s in sets]
+                runners[f"ours[{label}]"] = _jax_runner(public_op(fr, rsets[0], f"ours[{label}]"), rsets, timer)
             if args.lab and fmt != "bf16":  # the lab: other schedules of the format (lab/bench_kernels.py)
                 from lab import bench_kernels
 
@@ -613,8 +618,10 @@ def write_formats(results, device, out: Path):
                      lambda r: " ".join(f"{k[k.index('[') + 1:-1]} {v:.2f}x" for k, v in
                                         r["speedup_over_bf16"].items() if k.startswith(("ours[", "kernel["))
                                         and k != "ours[bf16]"))
-    lines += ["", f"TFLOP/s (2*m*N*K / median time), block-scaled inputs dequantized exactly to bf16 on chip; the "
-              f"torch rows are the grouped GEMM alone (no fused epilogue). {timing_note(results)}"]
+    lines += ["", f"TFLOP/s (2*m*N*K / median time); block-scaled inputs dequantized exactly to bf16, on chip or "
+              f"by XLA before the bf16 kernel (the public op ours[format] takes the route of "
+              f"_dequant_first.dequantize_first; ours[format:on-chip] / ours[format:xla-dequant] is the "
+              f"other); the torch rows are the grouped GEMM alone (no fused epilogue). {timing_note(results)}"]
     (out / "formats_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     keep = [f"ours[{f}]" for f in bench_cases.FORMAT_LABELS]
@@ -675,7 +682,8 @@ def main(argv=None):
     ap.add_argument("--formats", metavar="LIST", help="format comparison: bf16 and these input formats "
                     f"(of {','.join(bench_cases.FORMAT_LABELS[1:])}; w_*: bf16 A, block-scaled weights) on fc1 / "
                     "fc2 / small and the memory-bound shapes "
-                    "(--shapes all or a subset of " + ",".join(bench_cases.FORMAT_SHAPES) + ")")
+                    "(--shapes all or a subset of " + ",".join(bench_cases.FORMAT_SHAPES) + ", or of the rows "
+                    "sweep " + ",".join(bench_cases.ROWS_SWEEP) + ")")
     ap.add_argument("--discrete", action="store_true", help="discrete weights (b_tensors) vs stacked on " +
                     ",".join(bench_cases.DISCRETE_SHAPES))
     ap.add_argument("--hadamard", metavar="LIST", help="the Hadamard op beside the plain GLU on fc1 / small, inputs "

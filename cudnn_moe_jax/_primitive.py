@@ -5,7 +5,9 @@
 (`cudnn_moe_jax.operands`): `bind` orders the inputs by it and every lowering checks `input_names` against it by
 name (the kernels take their operands by position). Lowering:
   cuda  -> the CuTe DSL kernel when one covers the problem (cudnn_moe_jax._lowering), else the reference (XLA on
-           the GPU) with a one-time warning naming the reason;
+           the GPU) with a one-time warning naming the reason; a block-scaled call with many rows per expert
+           (`_dequant_first.dequantize_first`, no explicit Config) -> XLA's exact dequantization to bf16, then the
+           bf16 problem's lowering (cudnn_moe_jax._dequant_first);
   other -> the pure-jnp reference (cudnn_moe_jax.reference) through `mlir.lower_fun`.
 There is deliberately no JVP/transpose/batching rule: gradients come from the explicit backward ops.
 """
@@ -142,10 +144,29 @@ def _reference_on_gpu(ctx, *args, problem, input_names, config):
         return _reference_lowering(ctx, *args, problem=problem, input_names=input_names, config=config)
 
 
+def _dequantized_outputs_with(config, problem, input_names, *arrays):
+    """The outputs of `problem` computed as its bf16 problem on exactly dequantized operands (_dequant_first)."""
+    from . import _dequant_first
+
+    result = _dequant_first.call(problem, _regroup(input_names, arrays), config)
+    return [result[key] for key, _ in _present_specs(problem)]
+
+
+def _dequantizes_first(problem, config) -> bool:
+    """No explicit kernel config and the measured rule says so (`_dequant_first.dequantize_first`)."""
+    from . import _dequant_first
+
+    # an explicit Config names the kernel (and so its mainloop); cuDNN's tile hints (a tuple) do not
+    return (config is None or isinstance(config, tuple)) and _dequant_first.dequantize_first(problem)
+
+
 def _cuda_lowering(ctx, *args, problem, input_names, config):
     operands.check_input_names(problem, input_names)  # a wrong binding is an error, not a reason to fall back
     if not _kernels_enabled:
         return _reference_on_gpu(ctx, *args, problem=problem, input_names=input_names, config=config)
+    if _dequantizes_first(problem, config):  # cuDNN's tile hints (a tuple) pass on to the bf16 kernel
+        run = functools.partial(_dequantized_outputs_with, config, problem, input_names)
+        return mlir.lower_fun(run, multiple_results=True)(ctx, *args)
     reason = None
     try:
         from . import _lowering

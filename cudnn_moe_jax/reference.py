@@ -638,6 +638,16 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
                         dbias_dtype=dbias_dtype, compute_amax=compute_amax, discrete_col_sfd=discrete_col_sfd)
 
 
+def dequantize_tokens(x, sf, ends, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size: Optional[int]):
+    """A wgrad token operand (rows, T) [FP4: uint8 (rows, T//2)] + its flat per-expert SF segments (sanitized token
+    `ends`) -> (rows, T) f32; a bf16 / fp16 operand as stored."""
+    if not _is_block_scaled(ab_dtype):
+        return jnp.asarray(x).astype(F32)
+    tokens = x.shape[1] * values_per_byte(ab_dtype)
+    s = F.segment_token_scales(sf, x.shape[0], ends, tokens, sf_vec_size)
+    return F.decode(x, ab_dtype) * _decode_scales(s, sf_dtype)
+
+
 def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, global_scale_b=None,
                        wgrad_tensor=None, *, ab_dtype: str, sf_dtype: Optional[str] = None,
                        sf_vec_size: Optional[int] = None, wgrad_dtype: str = "bfloat16"):
@@ -648,19 +658,12 @@ def grouped_gemm_wgrad(a, b, offsets, sfa=None, sfb=None, global_scale_a=None, g
     segment); token ends sanitized as running_max(clip(offsets, 0, T)); `wgrad_tensor` given: out = cast(W_in + W)
     (fp32 add).
     """
-    fp4 = ab_dtype == F.E2M1
-    tokens = a.shape[1] * (2 if fp4 else 1)
+    tokens = a.shape[1] * values_per_byte(ab_dtype)
     ends = sanitize_token_offsets(offsets, tokens)
     num_groups = ends.shape[0]
-
-    def deq(x, sf):
-        if not _is_block_scaled(ab_dtype):
-            return jnp.asarray(x).astype(F32)
-        s = F.segment_token_scales(sf, x.shape[0], ends, tokens, sf_vec_size)
-        return F.decode(x, ab_dtype) * _decode_scales(s, sf_dtype)
-
-    w = expert_token_matmul(_mma_operand(a, lambda: deq(a, sfa), ab_dtype),
-                            _mma_operand(b, lambda: deq(b, sfb), ab_dtype), ends)
+    kw = dict(ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
+    w = expert_token_matmul(_mma_operand(a, lambda: dequantize_tokens(a, sfa, ends, **kw), ab_dtype),
+                            _mma_operand(b, lambda: dequantize_tokens(b, sfb, ends, **kw), ab_dtype), ends)
     if global_scale_a is not None or global_scale_b is not None:
         gs = jnp.ones((num_groups,), F32)
         if global_scale_a is not None:

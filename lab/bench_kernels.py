@@ -86,12 +86,12 @@ def format_problem(shape: str, fmt: str) -> GroupedGemmProblem:
 
     from benchmarks import bench_cases
 
-    (m, n, k, groups), (op, act), _ = bench_cases.format_shape(shape)
+    (m, n, k, groups), (op, act), rows = bench_cases.format_shape(shape)
     data, sf, vec = bench_cases.BLOCK_FORMATS[bench_cases.WEIGHT_ONLY.get(fmt, fmt)]
     epi = Epilogue(act=act, c_dtype="bfloat16" if op == "glu" else None, d_dtype="bfloat16", compute_amax=True)
     a_dtype = jnp.dtype(bench_cases.a_half(fmt)).name if fmt in bench_cases.WEIGHT_ONLY else None
     return GroupedGemmProblem(op=op, m=m, n=n, k=k, num_groups=groups, ab_dtype=data, sf_dtype=sf, sf_vec_size=vec,
-                              a_dtype=a_dtype, epilogue=epi)
+                              a_dtype=a_dtype, epilogue=epi, m_aligned=rows if rows % 256 else 256)
 
 
 def format_cases() -> dict:

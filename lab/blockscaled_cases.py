@@ -35,10 +35,14 @@ PATTERNS = {
     "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048
     # 300 experts (the pattern sets L), four of them non-empty, rows 1792.. outside (lab/discrete_cases.py)
     "many_experts": tuple(256 * ((e >= 7) + 2 * (e >= 100) + (e >= 257) + 3 * (e >= 299)) for e in range(300)),
+    # one expert of 1792 rows in m 2048: rows per expert at _dequant_first.DEQUANT_FIRST_ROWS, so the public op
+    # dequantizes MXFP8 (also as weight-only B) in XLA and runs the bf16 kernel; FP4 stays on chip
+    "dequant_first": (1792,),
 }
 MODES = ("exact", "adversarial", "specials")
-# (pattern, mode) each case runs in the GPU test: every mode, both routing patterns (~3 s a run)
-RUNS = (("empty_and_tail", "exact"), ("unsanitized", "adversarial"), ("empty_and_tail", "specials"))
+# (pattern, mode) each case runs in the GPU test: every mode, every routing pattern (~3 s a run)
+RUNS = (("empty_and_tail", "exact"), ("unsanitized", "adversarial"), ("empty_and_tail", "specials"),
+        ("dequant_first", "exact"), ("dequant_first", "specials"))
 NORM_CONST = 0.01   # FP8 D's norm_const (tests/gpu/mxfp8_checks.py's checks assume it)
 OPS = {"quant": cmj.grouped_gemm_quant, "srelu": cmj.grouped_gemm_srelu, "glu": cmj.grouped_gemm_glu}
 BF, F16, F32 = "bfloat16", "float16", "float32"
@@ -164,8 +168,9 @@ ALL_CASES = CASES + DGRAD_CASES
 
 
 def bundle_items() -> list:
-    """Each case's call lowered for CUDA at `input_avals` (aot records the module it asks for)."""
-    return bundle_items_for(ALL_CASES)
+    """Each case's call lowered for CUDA at `input_avals` (aot records the module it asks for), also at the
+    dequantize-first pattern (the bf16 kernel's modules)."""
+    return bundle_items_for(ALL_CASES) + bundle_items_for(ALL_CASES, "dequant_first")
 
 
 def bundle_items_for(cases, pattern: str = "empty_and_tail", discrete: bool = False) -> list:

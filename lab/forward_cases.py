@@ -28,14 +28,29 @@ SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", None: "none", E
 @functools.lru_cache(maxsize=None)
 def kernel_fn(problem: GroupedGemmProblem, config: Config | None = None):
     """Jitted fn(*arrays in the operand table's order) -> {output key: array} of the present outputs: `problem`
-    at the arrays' m, lowered with `config` (None: the default) -- on CUDA to that kernel module, elsewhere to the
-    reference (a fallback on CUDA warns: `lab.harness.kernels_only`). One jitted function per (problem, config).
+    at the arrays' m, lowered with `config` (None: the default) -- on CUDA to that kernel module (also where the
+    public op would dequantize first), elsewhere to the reference (a fallback on CUDA warns:
+    `lab.harness.kernels_only`). One jitted function per (problem, config).
     Scale factors may come in their float8 dtype (as formats.to_block_scaled returns e4m3 scales): they are bound
     as their bytes, as the public ops bind them."""
+    from cudnn_moe_jax import _lowering, _primitive
+
+    # an explicit Config: the kernel module itself, never the lowering's dequantize-first route (_dequant_first)
+    config = _lowering.resolve_config(problem, config) if config is None else config
+    return _jitted_call(problem, lambda p, bound: _primitive.bind(p, bound, config))
+
+
+def dequant_first_fn(problem: GroupedGemmProblem):
+    """`kernel_fn` of the dequantize-first route whatever the rule says: XLA's exact dequantization to bf16, then
+    the bf16 problem's kernel (cudnn_moe_jax._dequant_first.call)."""
+    from cudnn_moe_jax import _dequant_first
+
+    return _jitted_call(problem, _dequant_first.call)
+
+
+def _jitted_call(problem: GroupedGemmProblem, run):
     import jax
     import jax.numpy as jnp
-
-    from cudnn_moe_jax import _primitive
 
     specs = operands.input_specs(problem)
 
@@ -45,16 +60,17 @@ def kernel_fn(problem: GroupedGemmProblem, config: Config | None = None):
     def fn(*arrays):
         p = dataclasses.replace(problem, m=arrays[0].shape[0])
         bound = {name: stored(x, specs[name][1]) for name, x in zip(specs, arrays)}
-        return {k: v for k, v in _primitive.bind(p, bound, config).items() if v is not None}
+        return {k: v for k, v in run(p, bound).items() if v is not None}
 
     return jax.jit(fn)
 
 
-def lowering_item(problem: GroupedGemmProblem, config: Config | None = None):
-    """An `aot build` item: the CUDA lowering of `kernel_fn(problem, config)` at the problem's shapes."""
+def lowering_item(problem: GroupedGemmProblem, config: Config | None = None, fn=None):
+    """An `aot build` item: the CUDA lowering of `kernel_fn(problem, config)` (or of `fn`, e.g.
+    `dequant_first_fn(problem)`) at the problem's shapes."""
     import jax
 
-    fn = kernel_fn(problem, config)
+    fn = kernel_fn(problem, config) if fn is None else fn
     avals = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in operands.input_specs(problem).values())
     return lambda: fn.trace(*avals).lower(lowering_platforms=("cuda",))
 

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import bench_cases
 from benchmarks import bench_grouped_gemm as bench
-from cudnn_moe_jax import _lowering, _runtime, shapes
+from cudnn_moe_jax import _dequant_first, _lowering, _runtime, shapes
 
 
 @pytest.fixture
@@ -88,7 +88,9 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
         warnings.simplefilter("ignore", RuntimeWarning)
         for item in bench_cases.bundle_items():
             item()
-    assert len(asked) == (3 * len(shapes.SHAPES) + len(bench_cases.FORMAT_LABELS) * len(bench_cases.FORMAT_SHAPES)
+    # every block-scaled format call twice: the public op's route and the other one (bench_cases.other_route)
+    assert len(asked) == (3 * len(shapes.SHAPES) + (2 * len(bench_cases.FORMAT_LABELS) - 1)
+                          * len(bench_cases.FORMAT_SHAPES)
                           + len(bench_cases.DISCRETE_SHAPES)
                           + len(bench_cases.HADAMARD_SHAPES) * len(bench_cases.HADAMARD_VARIANTS)
                           * len(bench_cases.HADAMARD_FORMATS))
@@ -102,7 +104,11 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
         bench_cases.BLOCK_FORMATS.values())
     assert {p.op for p, _ in asked} == {"quant", "glu", "glu_hadamard_quant"}
     fp8_d = [p for p, names in asked if p.epilogue.generate_sfd and p.epilogue.d_dtype != "float4_e2m1fn"]
-    assert len(fp8_d) == len(shapes.SHAPES) and all(p.ab_dtype == "float8_e4m3fn" for p in fp8_d)
+    # the MXFP8 calls with FP8 D: on chip, or dequantized first (bf16) where rows per expert pass the rule's bound
+    routed = {p.m // p.num_groups >= _dequant_first.DEQUANT_FIRST_ROWS["fp8"] for p in fp8_d}
+    assert len(fp8_d) == len(shapes.SHAPES) and routed == {True, False}
+    assert all((p.ab_dtype == "bfloat16") == (p.m // p.num_groups >= _dequant_first.DEQUANT_FIRST_ROWS["fp8"])
+               for p in fp8_d)
 
 
 def test_lab_configs_are_timed_beside_the_public_op(tiny, tmp_path):

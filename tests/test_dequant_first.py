@@ -1,0 +1,150 @@
+"""CPU: the dequantize-first route of block-scaled calls with many rows per expert (cudnn_moe_jax._dequant_first).
+
+- the rule (`_dequant_first.dequantize_first`): by rows per expert and data width; never wgrad, an fp16 A or a
+  symbolic m;
+- the CUDA lowering hands the kernel lowering the bf16 problem where the rule says so (and the block-scaled problem
+  itself otherwise, or under an explicit Config), with no fallback to the reference;
+- the route's outputs equal the block-scaled reference's bit for bit on every case of the block-scaled GPU suite
+  (forward and dgrad, every format, stacked and discrete weights, adversarial and special values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import blockscaled_checks as checks  # noqa: E402  (tests/gpu on sys.path: tests/conftest.py)
+
+from cudnn_moe_jax import _dequant_first, _lowering, _primitive, operands  # noqa: E402
+from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
+from cudnn_moe_jax.kernels.sm90 import config  # noqa: E402
+from lab import blockscaled_cases as cases  # noqa: E402
+
+E4M3, FP4 = "float8_e4m3fn", "float4_e2m1fn"
+GLU = Epilogue(act="swiglu", c_dtype="bfloat16")
+
+
+def _problem(rows: int, data=E4M3, sf="float8_e8m0fnu", vec=32, groups=8, **kw):
+    return GroupedGemmProblem(op=kw.pop("op", "glu"), m=rows * groups, n=512, k=512, num_groups=groups,
+                              ab_dtype=data, sf_dtype=sf, sf_vec_size=vec, epilogue=kw.pop("epilogue", GLU), **kw)
+
+
+def test_rule_by_rows_per_expert_and_width():
+    fp8, fp4 = _dequant_first.DEQUANT_FIRST_ROWS["fp8"], _dequant_first.DEQUANT_FIRST_ROWS["fp4"]
+    assert _dequant_first.dequantize_first(_problem(fp8))
+    assert not _dequant_first.dequantize_first(_problem(fp8 - 128))
+    if fp4 is None:   # FP4 stays on chip at every row count
+        assert not _dequant_first.dequantize_first(_problem(1 << 16, FP4, "float8_e4m3fn", 16))
+    else:
+        assert _dequant_first.dequantize_first(_problem(fp4, FP4, "float8_e4m3fn", 16))
+        assert not _dequant_first.dequantize_first(_problem(fp4 - 128, FP4, "float8_e4m3fn", 16))
+    assert _dequant_first.dequantize_first(_problem(fp8, a_dtype="bfloat16"))            # weight-only, bf16 A
+    assert not _dequant_first.dequantize_first(_problem(fp8, a_dtype="float16"))         # fp16 A: no exact 16-bit pair
+    dglu = Epilogue(act="dswiglu", c_dtype="bfloat16")
+    assert _dequant_first.dequantize_first(_problem(fp8, op="dglu", epilogue=dglu))
+    assert not _dequant_first.dequantize_first(dataclasses.replace(_problem(fp8), sf_dtype=None, sf_vec_size=None,
+                                                           ab_dtype="bfloat16"))
+    assert not _dequant_first.dequantize_first(_lowering.canonical_problem(_problem(fp8)))    # m symbolic: a module's
+    wgrad = GroupedGemmProblem(op="wgrad", m=512, n=512, k=fp8 * 8, num_groups=8, ab_dtype=E4M3,
+                               sf_dtype="float8_e8m0fnu", sf_vec_size=32, wgrad_dtype="bfloat16")
+    assert not _dequant_first.dequantize_first(wgrad)
+
+
+def test_bf16_problem_keeps_the_op_and_epilogue():
+    p = dataclasses.replace(_problem(2048, a_dtype="bfloat16"), b_major="n", m_aligned=128)
+    q = _dequant_first.bf16_problem(p)
+    assert (q.ab_dtype, q.sf_dtype, q.sf_vec_size, q.a_dtype, q.a_major, q.b_major) == (
+        "bfloat16", None, None, None, "k", "n")     # an N-major B: read in place, as bf16 (no transposed copy)
+    assert (q.op, q.m, q.n, q.k, q.num_groups, q.epilogue, q.m_aligned) == (p.op, p.m, p.n, p.k, p.num_groups,
+                                                                          p.epilogue, p.m_aligned)
+    assert config.supports(q) is None
+
+
+def _lowered_problems(fn, args, monkeypatch):
+    """The problems the CUDA lowering of jit(fn)(*args) hands the kernel lowering (recorded, then the reference)."""
+    seen = []
+
+    def record(problem, *a, **k):
+        seen.append(problem)
+        raise _lowering.KernelUnavailable("recorded")
+
+    monkeypatch.setattr(_lowering, "kernel_lowering", record)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return seen
+
+
+@pytest.mark.parametrize("rows", [256, 2048])
+def test_cuda_lowering_takes_the_route_by_the_rule(rows, monkeypatch):
+    from cudnn_moe_jax import formats
+
+    import cudnn_moe_jax as cmj
+
+    groups, n, k = 2, 256, 256
+    key = jax.random.PRNGKey(0)
+    a, sfa = formats.to_block_scaled(jax.random.normal(key, (rows * groups, k)), E4M3)
+    b, sfb = formats.to_block_scaled(jax.random.normal(key, (groups, n, k)), E4M3)
+    offsets = jnp.asarray(np.arange(1, groups + 1, dtype=np.int32) * rows)
+
+    def glu(a, b, sfa, sfb, hints=None):
+        kw = {} if hints is None else dict(mma_tiler_mn=(256, 128), cluster_shape_mn=(1, 1))
+        return cmj.grouped_gemm_glu(a_tensor=a, b_tensor=b, sfa_tensor=sfa, sfb_tensor=sfb,
+                                    padded_offsets=offsets, alpha_tensor=jnp.ones((groups,)),
+                                    prob_tensor=jnp.ones((rows * groups,)), sf_vec_size=32, act_func="swiglu", **kw)
+
+    for hints in (None, True):
+        (seen,) = _lowered_problems(lambda *x: glu(*x, hints=hints), (a, b, sfa, sfb), monkeypatch)
+        assert (seen.ab_dtype == "bfloat16") == (rows >= _dequant_first.DEQUANT_FIRST_ROWS["fp8"]), seen
+
+
+def test_explicit_config_pins_the_dequantizing_kernel(monkeypatch):
+    p = _problem(_dequant_first.DEQUANT_FIRST_ROWS["fp8"], groups=2)
+    x = {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in operands.input_specs(p).items()}
+    for cfg, want in ((None, "bfloat16"), (config.default_config(p), E4M3)):
+        (seen,) = _lowered_problems(lambda x, cfg=cfg: _primitive.bind(p, x, cfg), (x,), monkeypatch)
+        assert seen.ab_dtype == want
+
+
+def _spy_bind(monkeypatch):
+    calls = []
+    original = _primitive.bind
+
+    def spy(problem, inputs, config=None):
+        calls.append((problem, dict(inputs)))
+        return original(problem, inputs, config)
+
+    monkeypatch.setattr(_primitive, "bind", spy)
+    return calls
+
+
+ROUTED = [c for c in cases.ALL_CASES if cases.a_half(c[2]) != "float16"]
+
+
+@pytest.mark.parametrize("mode", ["exact", "specials"])
+@pytest.mark.parametrize("case", ROUTED, ids=[c[0] for c in ROUTED])
+def test_route_equals_the_block_scaled_reference(case, mode, monkeypatch):
+    """On the CPU (the reference backend) the route's bf16 problem on dequantized operands gives the block-scaled
+    problem's outputs bit for bit (NaN where NaN): the conversion is exact and the math the same."""
+    x = checks.inputs(case, mode=mode)
+    calls = _spy_bind(monkeypatch)
+    for discrete in (False, True):
+        xx = cases.expert_lists(x) if discrete else x
+        want = cases.call(case, xx, discrete=discrete)
+        problem, inputs = calls[-1]
+        got = _dequant_first.call(problem, inputs)
+        for key, value in want.items():
+            if value is None:
+                assert got[key] is None, key
+                continue
+            w, g = np.asarray(value), np.asarray(got[key])
+            assert g.dtype.itemsize == w.dtype.itemsize and g.shape == w.shape, key   # SF: bytes or typed
+            same = (g.view(np.uint8) == w.view(np.uint8)) if w.dtype.itemsize == 1 else (
+                (g == w) | (np.isnan(g.astype(np.float32)) & np.isnan(w.astype(np.float32))))
+            assert same.all(), (key, int((~same).sum()), same.size)
