@@ -5,7 +5,8 @@ rows per expert; a conversion by XLA before the GEMM costs one pass over the ope
 bf16) whatever the rows. Converted exactly (an FP8 / FP4 code times its block scale has at most 8 significant bits,
 and bf16 has fp32's exponent range: the reference's `tensor_core_operands` operands), the bf16 kernel then computes
 the same products and fp32 sums. `dequantize_first` says, by measurement on the H200, which problems go this way
-(benchmarks/RESULTS.md); the primitive's CUDA lowering asks it when the call names no explicit kernel config.
+(benchmarks/RESULTS.md); the primitive's CUDA lowering asks it when the call names no explicit kernel config and
+then binds `bf16_problem` on `dequantized_inputs` (`_primitive.bind_dequantized`).
 """
 
 from __future__ import annotations
@@ -20,24 +21,30 @@ from ._problem import GroupedGemmProblem
 from .limits import FP4
 
 # Rows per expert (m / L of the call) from which an M-grouped block-scaled problem is dequantized by XLA and run by
-# the bf16 kernel instead of converted on chip, by the width of the data (None: never). Measured on the H200
-# (RESULTS run 83; TFLOP/s XLA-first / on chip): MXFP8 fc1 566 / 467, fc2 594 / 461, 2048 rows x N 1536 x K 2048
-# 469 / 443; at 1024 rows 487 / 460 (K 7168) but 400 / 439 (K 2048), at 512 rows 386 / 421. NVFP4 lost everywhere
-# (fc1 402 / 548): XLA's FP4 conversion ran at ~0.8 TB/s.
-DEQUANT_FIRST_ROWS = {"fp8": 2048, "fp4": None}
+# the bf16 kernel instead of converted on chip, by the width of the data. Measured on the H200 (RESULTS runs 83-85;
+# TFLOP/s XLA-first / on chip, SwiGLU with C and D; N x K 4096 x 7168 or 1536 x 2048): NVFP4 at 2048 rows 706 / 546,
+# 559 / 486, at 1024 625 / 538, 496 / 485, at 512 511 / 559, 407 / 485; MXFP8 at 2048 562 / 462, 469 / 445, at
+# 1024 487-512 / 428-460 but 399 / 440 (K 2048), at 512 386 / 410-421, 312 / 432.
+DEQUANT_FIRST_ROWS = {"fp8": 2048, "fp4": 1024}
+# Tokens per expert (T / L) from which a block-scaled wgrad is dequantized first (its operands are both token
+# operands, so XLA's pass costs the same per token whatever the rows; measured at 2048 on the fc step, RESULTS runs
+# 86-87: W2 MXFP8 580 / 414, MXFP4 640 / 422, NVFP4 635 / 408, W1 NVFP4 719 / 420, token-major MXFP8 W1 479 / 336,
+# W2 371 / 320 TFLOP/s; fewer tokens per expert not measured)
+DEQUANT_FIRST_TOKENS = 2048
 
 
 def dequantize_first(problem: GroupedGemmProblem) -> bool:
-    """Whether the CUDA lowering runs `problem` (m concrete) as XLA's exact dequantization to bf16 followed by the
-    bf16 kernel: the on-chip conversion converts each B tile once per M block that reads it, XLA once, so with
-    enough rows per expert its pass (read the codes, write bf16) pays for itself. Not for wgrad, not for an fp16 A
-    (no 16-bit type holds both operands exactly), not for a symbolic m (a module's, not a call's)."""
-    if not problem.block_scaled or problem.op == "wgrad" or problem.a_dtype == "float16":
+    """Whether the CUDA lowering runs `problem` (m concrete; wgrad: T) as XLA's exact dequantization to bf16
+    followed by the bf16 kernel: the on-chip conversion converts each B tile once per M block that reads it, XLA
+    once, so with enough rows (tokens) per expert its pass (read the codes, write bf16) pays for itself. Not for an
+    fp16 A (no 16-bit type holds both operands exactly), not for a symbolic extent (a module's, not a call's)."""
+    if not problem.block_scaled or problem.a_dtype == "float16":
         return False
+    if problem.op == "wgrad":
+        return isinstance(problem.k, int) and problem.k // problem.num_groups >= DEQUANT_FIRST_TOKENS
     if not isinstance(problem.m, int):
         return False
-    rows = DEQUANT_FIRST_ROWS["fp4" if problem.ab_dtype == FP4 else "fp8"]
-    return rows is not None and problem.m // problem.num_groups >= rows
+    return problem.m // problem.num_groups >= DEQUANT_FIRST_ROWS["fp4" if problem.ab_dtype == FP4 else "fp8"]
 
 
 def bf16_problem(problem: GroupedGemmProblem) -> GroupedGemmProblem:
@@ -51,7 +58,7 @@ def _codes_f32(codes, data_dtype: str):
     """Codes (..., K) [packed FP4: uint8 (..., K/2), element 2j in the low nibble] -> fp32 values (..., K), as
     elementwise integer work that XLA fuses into the consumer (no table gather, no stacked copy): an e2m1 code
     s e e m is +-2^(e-1) (1 + m/2), or m/2 for e = 0, placed straight into fp32 bits."""
-    if data_dtype != FP4:
+    if data_dtype != FP4:   # XLA's fp8 -> fp32 convert (an integer bit placement measured slower: RESULTS run 86)
         return formats.decode(codes, data_dtype)
     packed = formats.as_u8(codes)
     shape = packed.shape[:-1] + (2 * packed.shape[-1],)
@@ -63,13 +70,17 @@ def _codes_f32(codes, data_dtype: str):
     return jax.lax.bitcast_convert_type(mag | ((nib & 8) << 28), jnp.float32)
 
 
+def _scales_f32(scales, sf_dtype: str):
+    return formats.e8m0_decode(scales) if sf_dtype == formats.E8M0 else formats.decode(scales, sf_dtype)
+
+
 def _to_bf16(codes, scales, data_dtype: str, sf_dtype: str, vec: int):
     """Codes (..., K) times their block scales (logical uint8 (..., cdiv(K, vec))), rounded to bf16 (exact but for
     magnitudes below 2^-126): the reference's dequantization (`reference.dequantize_a/_b`) in a form XLA runs as
     one fusion at memory speed (the scales repeated by a broadcast, not a gather)."""
     vals = _codes_f32(codes, data_dtype)
     k = vals.shape[-1]
-    s = formats.e8m0_decode(scales) if sf_dtype == formats.E8M0 else formats.decode(scales, sf_dtype)
+    s = _scales_f32(scales, sf_dtype)
     rep = jnp.broadcast_to(s[..., None], s.shape + (vec,)).reshape(s.shape[:-1] + (s.shape[-1] * vec,))
     return (vals * rep[..., :k]).astype(jnp.bfloat16)
 
@@ -97,24 +108,15 @@ def _bf16_weights(b, sfb, problem: GroupedGemmProblem):
 def dequantized_inputs(problem: GroupedGemmProblem, inputs: dict) -> dict:
     """`inputs` of `problem` ({canonical name: array}, discrete weights as tuples) -> those of `bf16_problem`: A
     (unless already bf16: weight-only quantization) and B dequantized to bf16, sfa / sfb dropped."""
-    fmt = dict(ab_dtype=problem.ab_dtype, sf_dtype=problem.sf_dtype, sf_vec_size=problem.sf_vec_size)
     out = {k: v for k, v in inputs.items() if k not in ("sfa", "sfb")}
     if problem.op == "wgrad":   # token operands, scales in per-expert segments of the sanitized token ends
-        tokens = problem.k
-        ends = reference.sanitize_token_offsets(inputs["padded_offsets"], tokens)
+        ends = reference.sanitize_token_offsets(inputs["padded_offsets"], problem.k)
         for name in ("a", "b"):
-            out[name] = reference.dequantize_tokens(inputs[name], inputs["sf" + name], ends,
-                                                    **fmt).astype(jnp.bfloat16)
+            x = inputs[name]
+            s = formats.segment_token_scales(inputs["sf" + name], x.shape[0], ends, problem.k, problem.sf_vec_size)
+            out[name] = (_codes_f32(x, problem.ab_dtype) * _scales_f32(s, problem.sf_dtype)).astype(jnp.bfloat16)
         return out
     if inputs.get("sfa") is not None:
         out["a"] = dequantize_a(inputs["a"], inputs["sfa"], problem)
     out["b"] = _bf16_weights(inputs["b"], inputs.get("sfb"), problem)
     return out
-
-
-def call(problem: GroupedGemmProblem, inputs: dict, config=None) -> dict:
-    """Run `problem` as `bf16_problem(problem)` on `dequantized_inputs`: {output key: array} as `_primitive.bind`
-    returns it (the bf16 call lowers to the bf16 kernel, or falls back like any call)."""
-    from . import _primitive
-
-    return _primitive.bind(bf16_problem(problem), dequantized_inputs(problem, inputs), config)

@@ -144,11 +144,16 @@ def _reference_on_gpu(ctx, *args, problem, input_names, config):
         return _reference_lowering(ctx, *args, problem=problem, input_names=input_names, config=config)
 
 
-def _dequantized_outputs_with(config, problem, input_names, *arrays):
-    """The outputs of `problem` computed as its bf16 problem on exactly dequantized operands (_dequant_first)."""
+def bind_dequantized(problem: GroupedGemmProblem, inputs: dict, config=None) -> dict:
+    """`bind` of `problem`'s bf16 problem on its exactly dequantized operands (cudnn_moe_jax._dequant_first): the
+    same outputs (the bf16 call lowers to the bf16 kernel, or falls back like any call)."""
     from . import _dequant_first
 
-    result = _dequant_first.call(problem, _regroup(input_names, arrays), config)
+    return bind(_dequant_first.bf16_problem(problem), _dequant_first.dequantized_inputs(problem, inputs), config)
+
+
+def _dequantized_outputs_with(config, problem, input_names, *arrays):
+    result = bind_dequantized(problem, _regroup(input_names, arrays), config)
     return [result[key] for key, _ in _present_specs(problem)]
 
 

@@ -1,7 +1,7 @@
 """The block-scaled rows of benchmarks/bench_moe_ops.py (forward, dglu and wgrad GEMMs of the fc step with MXFP8 /
 NVFP4 / MXFP4 operands) timed twice in one process: every block-scaled call converted on chip, then every one
 dequantized by XLA before the bf16 kernel (cudnn_moe_jax._dequant_first), whatever the library's rule
-(`dequantize_first`) would pick -- the measurement behind that rule, wgrad included (which the rule leaves on chip).
+(`dequantize_first`) would pick -- the measurement behind that rule, for wgrad and dglu.
 
     python -m lab.bench_dequant_first [--only NAME_PART] [--shape fc]
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_dequant_first:bundle_items
@@ -41,6 +41,21 @@ def bundle_items(shape: str = "fc") -> list:
                     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
             items.append(lower)
     return items
+
+
+def wgrad_suite_items() -> list:
+    """The block-scaled wgrad GPU suite's calls (lab.wgrad_cases.BS_CASES) lowered under the dequantize-first route
+    (tests/gpu/test_wgrad_gpu.py runs them so)."""
+    from cudnn_moe_jax import aot
+    from lab import wgrad_cases
+
+    def routed(item):
+        def lower():
+            with route("xla-dequant"):
+                return item()
+        return lower
+
+    return [routed(i) for i in aot.lowering_items(wgrad_cases.BS_CASES, wgrad_cases.bs_inputs, wgrad_cases.bs_call)]
 
 
 def _rows(shape: str):

@@ -35,8 +35,8 @@ PATTERNS = {
     "unsanitized": (700, 300, 9999, -5),         # -> ends 512, 512, 2048, 2048
     # 300 experts (the pattern sets L), four of them non-empty, rows 1792.. outside (lab/discrete_cases.py)
     "many_experts": tuple(256 * ((e >= 7) + 2 * (e >= 100) + (e >= 257) + 3 * (e >= 299)) for e in range(300)),
-    # one expert of 1792 rows in m 2048: rows per expert at _dequant_first.DEQUANT_FIRST_ROWS, so the public op
-    # dequantizes MXFP8 (also as weight-only B) in XLA and runs the bf16 kernel; FP4 stays on chip
+    # one expert of 1792 rows in m 2048: rows per expert past _dequant_first.DEQUANT_FIRST_ROWS, so the public op
+    # dequantizes in XLA and runs the bf16 kernel (cudnn_moe_jax._dequant_first; not with an fp16 A)
     "dequant_first": (1792,),
 }
 MODES = ("exact", "adversarial", "specials")

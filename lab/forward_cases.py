@@ -42,10 +42,10 @@ def kernel_fn(problem: GroupedGemmProblem, config: Config | None = None):
 
 def dequant_first_fn(problem: GroupedGemmProblem):
     """`kernel_fn` of the dequantize-first route whatever the rule says: XLA's exact dequantization to bf16, then
-    the bf16 problem's kernel (cudnn_moe_jax._dequant_first.call)."""
-    from cudnn_moe_jax import _dequant_first
+    the bf16 problem's kernel (cudnn_moe_jax._primitive.bind_dequantized)."""
+    from cudnn_moe_jax import _primitive
 
-    return _jitted_call(problem, _dequant_first.call)
+    return _jitted_call(problem, _primitive.bind_dequantized)
 
 
 def _jitted_call(problem: GroupedGemmProblem, run):

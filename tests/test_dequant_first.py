@@ -1,11 +1,12 @@
 """CPU: the dequantize-first route of block-scaled calls with many rows per expert (cudnn_moe_jax._dequant_first).
 
-- the rule (`_dequant_first.dequantize_first`): by rows per expert and data width; never wgrad, an fp16 A or a
-  symbolic m;
+- the rule (`_dequant_first.dequantize_first`): by rows per expert and data width (wgrad: tokens per expert); never
+  an fp16 A or a symbolic m / T;
 - the CUDA lowering hands the kernel lowering the bf16 problem where the rule says so (and the block-scaled problem
   itself otherwise, or under an explicit Config), with no fallback to the reference;
-- the route's outputs equal the block-scaled reference's bit for bit on every case of the block-scaled GPU suite
-  (forward and dgrad, every format, stacked and discrete weights, adversarial and special values).
+- the route's outputs equal the block-scaled reference's bit for bit on every case of the block-scaled GPU suites
+  (forward and dgrad, every format, stacked and discrete weights; wgrad with segment scales, token-major operands,
+  global scales, accumulation; exact, adversarial and special values).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from cudnn_moe_jax import _dequant_first, _lowering, _primitive, operands  # noq
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import config  # noqa: E402
 from lab import blockscaled_cases as cases  # noqa: E402
+from lab import wgrad_cases  # noqa: E402
 
 E4M3, FP4 = "float8_e4m3fn", "float4_e2m1fn"
 GLU = Epilogue(act="swiglu", c_dtype="bfloat16")
@@ -39,21 +41,21 @@ def test_rule_by_rows_per_expert_and_width():
     fp8, fp4 = _dequant_first.DEQUANT_FIRST_ROWS["fp8"], _dequant_first.DEQUANT_FIRST_ROWS["fp4"]
     assert _dequant_first.dequantize_first(_problem(fp8))
     assert not _dequant_first.dequantize_first(_problem(fp8 - 128))
-    if fp4 is None:   # FP4 stays on chip at every row count
-        assert not _dequant_first.dequantize_first(_problem(1 << 16, FP4, "float8_e4m3fn", 16))
-    else:
-        assert _dequant_first.dequantize_first(_problem(fp4, FP4, "float8_e4m3fn", 16))
-        assert not _dequant_first.dequantize_first(_problem(fp4 - 128, FP4, "float8_e4m3fn", 16))
+    assert _dequant_first.dequantize_first(_problem(fp4, FP4, "float8_e4m3fn", 16))
+    assert not _dequant_first.dequantize_first(_problem(fp4 - 128, FP4, "float8_e4m3fn", 16))
     assert _dequant_first.dequantize_first(_problem(fp8, a_dtype="bfloat16"))            # weight-only, bf16 A
-    assert not _dequant_first.dequantize_first(_problem(fp8, a_dtype="float16"))         # fp16 A: no exact 16-bit pair
+    assert not _dequant_first.dequantize_first(_problem(fp8, a_dtype="float16"))    # fp16 A: no exact 16-bit pair
     dglu = Epilogue(act="dswiglu", c_dtype="bfloat16")
     assert _dequant_first.dequantize_first(_problem(fp8, op="dglu", epilogue=dglu))
     assert not _dequant_first.dequantize_first(dataclasses.replace(_problem(fp8), sf_dtype=None, sf_vec_size=None,
                                                            ab_dtype="bfloat16"))
     assert not _dequant_first.dequantize_first(_lowering.canonical_problem(_problem(fp8)))    # m symbolic: a module's
-    wgrad = GroupedGemmProblem(op="wgrad", m=512, n=512, k=fp8 * 8, num_groups=8, ab_dtype=E4M3,
+    tokens = _dequant_first.DEQUANT_FIRST_TOKENS
+    wgrad = GroupedGemmProblem(op="wgrad", m=512, n=512, k=tokens * 8, num_groups=8, ab_dtype=FP4,
                                sf_dtype="float8_e8m0fnu", sf_vec_size=32, wgrad_dtype="bfloat16")
-    assert not _dequant_first.dequantize_first(wgrad)
+    assert _dequant_first.dequantize_first(wgrad)
+    assert not _dequant_first.dequantize_first(dataclasses.replace(wgrad, k=tokens * 8 - 64))
+    assert not _dequant_first.dequantize_first(_lowering.canonical_problem(wgrad))    # T symbolic
 
 
 def test_bf16_problem_keeps_the_op_and_epilogue():
@@ -138,7 +140,7 @@ def test_route_equals_the_block_scaled_reference(case, mode, monkeypatch):
         xx = cases.expert_lists(x) if discrete else x
         want = cases.call(case, xx, discrete=discrete)
         problem, inputs = calls[-1]
-        got = _dequant_first.call(problem, inputs)
+        got = _primitive.bind_dequantized(problem, inputs)
         for key, value in want.items():
             if value is None:
                 assert got[key] is None, key
@@ -148,3 +150,16 @@ def test_route_equals_the_block_scaled_reference(case, mode, monkeypatch):
             same = (g.view(np.uint8) == w.view(np.uint8)) if w.dtype.itemsize == 1 else (
                 (g == w) | (np.isnan(g.astype(np.float32)) & np.isnan(w.astype(np.float32))))
             assert same.all(), (key, int((~same).sum()), same.size)
+
+
+@pytest.mark.parametrize("mode", ["exact", "specials"])
+@pytest.mark.parametrize("case", wgrad_cases.BS_CASES, ids=[c[0] for c in wgrad_cases.BS_CASES])
+def test_wgrad_route_equals_the_block_scaled_reference(case, mode, monkeypatch):
+    """The weight gradient's route (segment-scaled token operands converted by XLA) on the CPU: W bit for bit."""
+    x = wgrad_cases.bs_run_inputs(case, "unaligned" if mode == "exact" else "a8", mode, None)
+    calls = _spy_bind(monkeypatch)
+    want = np.asarray(wgrad_cases.bs_call(case, x).wgrad_tensor)
+    problem, inputs = calls[-1]
+    got = np.asarray(_primitive.bind_dequantized(problem, inputs)["wgrad_tensor"])
+    same = (got == want) | (np.isnan(got.astype(np.float32)) & np.isnan(want.astype(np.float32)))
+    assert got.dtype == want.dtype and same.all(), int((~same).sum())

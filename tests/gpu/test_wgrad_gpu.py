@@ -197,8 +197,45 @@ def test_blockscaled_wgrad_matches_float64(case, pattern, mode):
     assert not errs, errs
 
 
+@pytest.mark.parametrize("case,pattern,mode", [(c, p, m) for c in cases.BS_CASES
+                                               for p, m in (("unaligned", "exact"), ("a8", "specials"))],
+                         ids=lambda v: v if isinstance(v, str) else v[0])
+def test_blockscaled_wgrad_dequantized_first_matches_float64(case, pattern, mode):
+    """The wgrad's dequantize-first route (XLA's exact conversion, then the bf16 K-grouped kernel; forced here
+    whatever `_dequant_first.dequantize_first` picks for the shape): the same checks as on chip."""
+    from lab.bench_dequant_first import route
+
+    with route("xla-dequant"):
+        errs = run_bs_case(case, pattern, mode)
+    assert not errs, errs
+
+
 @pytest.mark.parametrize("case", [cases.BS_CASES[0], cases.BS_CASES[4]], ids=lambda c: c[0])
 def test_blockscaled_wgrad_module_serves_another_token_count(case):
     """The module recorded at T runs T = 1024 (A / B and the SF segment buffers shorter): no fallback."""
     errs = run_bs_case(case, "unaligned", "exact", tokens=1024)
     assert not errs, errs
+
+
+@pytest.mark.parametrize("case", cases.CASES, ids=[c[0] for c in cases.CASES])
+def test_wgrad_specials_stay_in_their_expert(case):
+    """NaN / inf in A's and B's tokens stay in their own expert's W, as in the reference (which masks both
+    operands): "unaligned" ranges share k-tiles (expert 0 [0, 300), expert 1 [300, 333), expert 2 [333, 1024)), so
+    the kernel loads expert 1's tokens in expert 0's and 2's first / last k-tiles, where its masker must zero B's
+    columns as well as A's (0 x NaN is NaN)."""
+    x = cases.inputs(case, "unaligned", seed=7)
+    a, b = (np.array(v.astype(jnp.float32)) for v in cases.operands(case, x))
+    b[5, 310], b[6, 331], a[7, 301] = np.nan, np.inf, -np.inf      # tokens of expert 1
+    a, b = jnp.asarray(a, case[1]), jnp.asarray(b, case[1])
+    x = dict(a_tok=a.T, b_tok=b.T, offsets=x["offsets"]) if case[4] else dict(a=a, b=b, offsets=x["offsets"])
+    got, errs = _run_twice(functools.partial(cases.call, case), x)
+    want = np_ops.grouped_gemm_wgrad(np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(x["offsets"]),
+                                     ab_dtype=case[1], wgrad_dtype=case[2])
+    pre, mag = want["_pre"]["wgrad"], want["_mag"]["wgrad"]
+    gv = got.astype(np.float32).astype(np.float64)
+    assert np.array_equal(np.isnan(gv), np.isnan(pre)), (int(np.isnan(gv).sum()), int(np.isnan(pre).sum()))
+    assert np.array_equal(np.isinf(gv), np.isinf(pre)) and np.array_equal(gv[np.isinf(gv)], pre[np.isinf(pre)])
+    finite = np.isfinite(pre)
+    bound = harness.ULP[case[2]] * np.abs(pre[finite]) + 1e-5 * np.nan_to_num(mag[finite]) + 1e-30
+    assert np.all(np.abs(gv[finite] - pre[finite]) <= bound) and not errs, errs
+    assert np.isnan(pre[1]).any() and not np.isnan(pre[0]).any() and not np.isnan(pre[2]).any()

@@ -698,7 +698,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
             k_count = tile.k_count
             for k in cutlass.range(k_count, unroll=1):
                 cta.ab_pipeline.consumer_wait(state)
-                self.mainloop.process_stage(worker, cta.ml_smem, cta.sA, state.index, k, k_count, tile, lane)
+                self.mainloop.process_stage(worker, cta.ml_smem, cta.sA, cta.sB, state.index, k, k_count, tile, lane)
                 self.mainloop.publish_stage(worker, cta.ml_smem, cta.stage_mbar, state.index, lane)
                 state.advance()
             t += work.stride

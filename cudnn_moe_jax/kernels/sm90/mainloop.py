@@ -294,17 +294,19 @@ class WgmmaMainloop:
 class KGroupedWgmmaMainloop(WgmmaMainloop):
     """The weight-gradient k-loop: K is one expert's token range, loaded from its first token rounded down to a
     k-tile, so its first and last k-tiles may hold the neighbouring experts' tokens. A stage worker (the masker,
-    warp 1) zeroes them in A (B x 0 adds nothing, as the reference masks A) and arrives on the stage's worker
-    barrier; the consumers wait for it as well as for the TMA, so no divergent store sits next to their wgmmas.
+    warp 1) zeroes them in A and B (as the reference masks both: a NaN times 0 is NaN) and arrives on the stage's
+    worker barrier; the consumers wait for it as well as for the TMA, so no divergent store sits next to their
+    wgmmas.
     (k-tiles start on 64-token boundaries: with TMA boxes starting at the expert's first token, e.g. token 300,
     the kernel raised CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200.)"""
 
     STAGE_WORKERS = ((1,),)  # (warp,): warp 1 of the producer warpgroup (idle in the bf16 mainloop)
 
     @cute.jit
-    def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
+    def process_stage(self, worker: cutlass.Constexpr, smem, sA, sB, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
                       lane: Int32):
-        """Zero A's columns (tokens) outside the expert's range in its first / last k-tile; tile_ctx: the
+        """Zero A's and B's columns (tokens) outside the expert's range in its first / last k-tile (B's too: a NaN
+        or inf of a neighbouring expert's token times A's zero would reach this expert's W); tile_ctx: the
         schedule's tile (`scheduler.Tile`), whose k_head / k_keep are the first valid column of k-tile 0 and the end
         of the valid columns of the last k-tile."""
         head, keep = tile_ctx.k_head, tile_ctx.k_keep
@@ -319,3 +321,7 @@ class KGroupedWgmmaMainloop(WgmmaMainloop):
                 for c in cutlass.range(self.TILE_K, unroll=1):
                     if (c < lo) | (c >= hi):
                         sA[(lane + 32 * i, c, idx)] = self.ab_dtype(0.0)
+            for i in cutlass.range_constexpr(self.tile_n // 32):
+                for c in cutlass.range(self.TILE_K, unroll=1):
+                    if (c < lo) | (c >= hi):
+                        sB[(lane + 32 * i, c, idx)] = self.ab_dtype(0.0)

@@ -367,7 +367,7 @@ class DequantMainloop(WgmmaMainloop):
         return a + [(1, r) for r in range(self.consumer_b * ROWS_PER_PASS, b_rows, ROWS_PER_PASS)]
 
     @cute.jit
-    def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
+    def process_stage(self, worker: cutlass.Constexpr, smem, sA, sB, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
                       lane: Int32):
         """Worker `worker` converts its passes (every third) of stage `idx` (tile-local k-tile k) into the bf16
         stage; tile_ctx: the schedule's tile (`scheduler.Tile`: B rows past N are masked). Split B: this CTA's

@@ -352,7 +352,7 @@ class KGroupedDequantMainloop(DequantMainloop):
         return cutlass.min(cutlass.max(x, Int32(0)), Int32(dq.GROUP))
 
     @cute.jit
-    def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
+    def process_stage(self, worker: cutlass.Constexpr, smem, sA, sB, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
                       lane: Int32):
         """Worker `worker` converts its passes of stage idx (tile-local k-tile k) into the bf16 stage(s). The lane's
         coordinates are re-derived per stage from an opaque lane index: the per-pass addresses do not depend on the

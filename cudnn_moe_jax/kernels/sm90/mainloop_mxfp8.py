@@ -272,7 +272,7 @@ class Mxfp8Mainloop:
         return sSA, sSB, flat[0], flat[1]
 
     @cute.jit
-    def process_stage(self, worker: cutlass.Constexpr, smem, sA, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
+    def process_stage(self, worker: cutlass.Constexpr, smem, sA, sB, idx: Int32, k: Int32, k_count: Int32, tile_ctx,
                       lane: Int32):
         """Stage worker `worker` = (warp, operand, row quarters) of DECODER_WARPS: decode its part of the stage."""
         _, operand, quarters = worker
