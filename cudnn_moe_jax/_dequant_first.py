@@ -1,12 +1,12 @@
-"""Block-scaled problems with many rows per expert: dequantize in XLA, then the 16-bit kernel.
+"""Block-scaled calls with many rows (wgrad: tokens) per expert: dequantize in XLA, then the 16-bit kernel.
 
 The dequantizing mainloop converts every B tile on chip once per M block that reads it, so its cost grows with the
 rows per expert; a conversion by XLA before the GEMM costs one pass over the operands' bytes (read the codes, write
 bf16) whatever the rows. Converted exactly (an FP8 / FP4 code times its block scale has at most 8 significant bits,
 and bf16 has fp32's exponent range: the reference's `tensor_core_operands` operands), the bf16 kernel then computes
 the same products and fp32 sums. `dequantize_first` says, by measurement on the H200, which problems go this way
-(benchmarks/RESULTS.md); the primitive's CUDA lowering asks it when the call names no explicit kernel config and
-then binds `bf16_problem` on `dequantized_inputs` (`_primitive.bind_dequantized`).
+(benchmarks/RESULTS.md runs 83-88; docs/backends.md); the primitive's CUDA lowering asks it when the call names no
+explicit kernel config and then binds `bf16_problem` on `dequantized_inputs` (`_primitive.bind_dequantized`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,13 @@ from . import formats, reference
 from ._problem import GroupedGemmProblem
 from .limits import FP4
 
-# Rows per expert (m / L of the call) from which an M-grouped block-scaled problem is dequantized by XLA and run by
-# the bf16 kernel instead of converted on chip, by the width of the data. Measured on the H200 (RESULTS runs 83-85;
-# TFLOP/s XLA-first / on chip, SwiGLU with C and D; N x K 4096 x 7168 or 1536 x 2048): NVFP4 at 2048 rows 706 / 546,
-# 559 / 486, at 1024 625 / 538, 496 / 485, at 512 511 / 559, 407 / 485; MXFP8 at 2048 562 / 462, 469 / 445, at
-# 1024 487-512 / 428-460 but 399 / 440 (K 2048), at 512 386 / 410-421, 312 / 432.
+# Rows per expert (m / L of the call) from which an M-grouped block-scaled problem is dequantized first, by the width
+# of the data: NVFP4 won from 1024 rows (K 7168 +16%, K 2048 +2%) and lost at 512; MXFP8 won at 2048 and at 1024
+# only with K 7168 (K 2048: -9%); RESULTS runs 83-86
 DEQUANT_FIRST_ROWS = {"fp8": 2048, "fp4": 1024}
-# Tokens per expert (T / L) from which a block-scaled wgrad is dequantized first (its operands are both token
-# operands, so XLA's pass costs the same per token whatever the rows; measured at 2048 on the fc step, RESULTS runs
-# 86-87: W2 MXFP8 580 / 414, MXFP4 640 / 422, NVFP4 635 / 408, W1 NVFP4 719 / 420, token-major MXFP8 W1 479 / 336,
-# W2 371 / 320 TFLOP/s; fewer tokens per expert not measured)
+# Tokens per expert (T / L) from which a block-scaled wgrad is dequantized first (both operands are token operands,
+# so XLA's pass costs the same per token whatever the rows): +14..+71% at 2048 on the fc step (RESULTS runs 84-88);
+# fewer tokens per expert not measured
 DEQUANT_FIRST_TOKENS = 2048
 
 
