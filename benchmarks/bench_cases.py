@@ -245,30 +245,23 @@ def format_bundle_items(shapes=None, labels=FORMAT_LABELS) -> list:
     for s in shapes or FORMAT_SHAPES:
         for f in labels:
             if f != "bf16":
-                problem, fn = other_route(s, f)
+                _, problem, fn = other_route(s, f)
                 items.append(forward_cases.lowering_item(problem, fn=fn))
     return items
 
 
 def other_route(shape: str, fmt: str):
-    """(problem, jitted fn(a, b, [sfa,] sfb, padded_offsets, alpha, prob)) running a block-scaled format call the
-    way its public op does not: on-chip conversion where the op dequantizes first (cudnn_moe_jax._dequant_first
-    .dequantize_first), else XLA's dequantization then the bf16 kernel. Its label: `route_label`."""
+    """(label, problem, jitted fn(a, b, [sfa,] sfb, padded_offsets, alpha, prob)) running a block-scaled format
+    call the way its public op does not: `fmt`:on-chip where the op dequantizes first
+    (cudnn_moe_jax._dequant_first.dequantize_first), else `fmt`:xla-dequant (XLA's conversion, then the bf16
+    kernel)."""
     from cudnn_moe_jax._dequant_first import dequantize_first
     from lab import bench_kernels, forward_cases
 
     problem = bench_kernels.format_problem(shape, fmt)
     if dequantize_first(problem):
-        return problem, forward_cases.kernel_fn(problem)
-    return problem, forward_cases.dequant_first_fn(problem)
-
-
-def route_label(shape: str, fmt: str) -> str:
-    """The label of `other_route(shape, fmt)`'s row: `fmt`:on-chip or `fmt`:xla-dequant."""
-    from cudnn_moe_jax._dequant_first import dequantize_first
-    from lab import bench_kernels
-
-    return f"{fmt}:{'on-chip' if dequantize_first(bench_kernels.format_problem(shape, fmt)) else 'xla-dequant'}"
+        return f"{fmt}:on-chip", problem, forward_cases.kernel_fn(problem)
+    return f"{fmt}:xla-dequant", problem, forward_cases.dequant_first_fn(problem)
 
 
 def discrete_bundle_items() -> list:
