@@ -16,18 +16,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from . import formats, reference
+from . import reference
 from ._problem import GroupedGemmProblem
 from .limits import FP4
 
 # Rows per expert (m / L of the call) from which an M-grouped block-scaled problem is dequantized first, by the width
-# of the data: NVFP4 won from 1024 rows (K 7168 +16%, K 2048 +2%) and lost at 512; MXFP8 won at 2048 and at 1024
-# only with K 7168 (K 2048: -9%); RESULTS runs 83-86
-DEQUANT_FIRST_ROWS = {"fp8": 2048, "fp4": 1024}
-# Tokens per expert (T / L) from which a block-scaled wgrad is dequantized first (both operands are token operands,
-# so XLA's pass costs the same per token whatever the rows): +14..+71% at 2048 on the fc step (RESULTS runs 84-88);
-# fewer tokens per expert not measured
-DEQUANT_FIRST_TOKENS = 2048
+# of the data (RESULTS runs 83-86, 91): from 1024 rows the route won on both shapes (K 7168 / 2048: MXFP8 +34% / +5%,
+# NVFP4 +12% / +4%); at 512 it lost with K 2048 (MXFP8 -13%, NVFP4 -14%) and NVFP4 with K 7168 (-3%)
+DEQUANT_FIRST_ROWS = {"fp8": 1024, "fp4": 1024}
+# Tokens per expert (T / L) from which a block-scaled wgrad is dequantized first (both operands are token operands:
+# XLA's pass costs the same per token, the on-chip kernel converts each token tile once per W tile of the other
+# operand): +9..+102% from 512 on the fc step's shapes; at 256 (64 experts, H 2048, I 768) -3..+10% token-contiguous,
+# +30 / +47% token-major; at 128 (128 experts, H 4096, I 1024) +9..+59%. Fewer not measured (RESULTS runs 89-93)
+DEQUANT_FIRST_TOKENS = 128
 
 
 def dequantize_first(problem: GroupedGemmProblem) -> bool:
@@ -51,69 +52,43 @@ def bf16_problem(problem: GroupedGemmProblem) -> GroupedGemmProblem:
     return dataclasses.replace(problem, ab_dtype="bfloat16", sf_dtype=None, sf_vec_size=None, a_dtype=None)
 
 
-def _codes_f32(codes, data_dtype: str):
-    """Codes (..., K) [packed FP4: uint8 (..., K/2), element 2j in the low nibble] -> fp32 values (..., K), as
-    elementwise integer work that XLA fuses into the consumer (no table gather, no stacked copy): an e2m1 code
-    s e e m is +-2^(e-1) (1 + m/2), or m/2 for e = 0, placed straight into fp32 bits."""
-    if data_dtype != FP4:   # XLA's fp8 -> fp32 convert (an integer bit placement measured slower: RESULTS run 86)
-        return formats.decode(codes, data_dtype)
-    packed = formats.as_u8(codes)
-    shape = packed.shape[:-1] + (2 * packed.shape[-1],)
-    pairs = jnp.broadcast_to(packed[..., None], packed.shape + (2,)).reshape(shape).astype(jnp.uint32)
-    odd = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1) & 1
-    nib = (pairs >> (odd << 2)) & 0xF
-    e, m = (nib >> 1) & 3, nib & 1
-    mag = jnp.where(e == 0, m * jnp.uint32(0x3F000000), ((e + 126) << 23) | (m << 22))
-    return jax.lax.bitcast_convert_type(mag | ((nib & 8) << 28), jnp.float32)
-
-
-def _scales_f32(scales, sf_dtype: str):
-    return formats.e8m0_decode(scales) if sf_dtype == formats.E8M0 else formats.decode(scales, sf_dtype)
-
-
-def _to_bf16(codes, scales, data_dtype: str, sf_dtype: str, vec: int):
-    """Codes (..., K) times their block scales (logical uint8 (..., cdiv(K, vec))), rounded to bf16 (exact but for
-    magnitudes below 2^-126): the reference's dequantization (`reference.dequantize_a/_b`) in a form XLA runs as
-    one fusion at memory speed (the scales repeated by a broadcast, not a gather)."""
-    vals = _codes_f32(codes, data_dtype)
-    k = vals.shape[-1]
-    s = _scales_f32(scales, sf_dtype)
-    rep = jnp.broadcast_to(s[..., None], s.shape + (vec,)).reshape(s.shape[:-1] + (s.shape[-1] * vec,))
-    return (vals * rep[..., :k]).astype(jnp.bfloat16)
-
-
-def dequantize_a(a, sfa, problem: GroupedGemmProblem):
-    """A (m, K) codes + MMA-tiled sfa -> (m, K) bf16."""
-    k = problem.k
-    s = formats.unpack_sf(sfa, a.shape[0], formats.cdiv(k, problem.sf_vec_size))[0]
-    return _to_bf16(a, s, problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size)
-
-
-def dequantize_b(b, sfb, problem: GroupedGemmProblem):
-    """B (L, N, K) codes + MMA-tiled sfb -> (L, N, K) bf16."""
-    s = formats.unpack_sf(sfb, b.shape[1], formats.cdiv(problem.k, problem.sf_vec_size), b.shape[0])
-    return _to_bf16(b, s, problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size)
-
-
-def _bf16_weights(b, sfb, problem: GroupedGemmProblem):
-    if isinstance(b, (tuple, list)):  # discrete weights stay per-expert arrays
-        sfbs = sfb if isinstance(sfb, (tuple, list)) else (None,) * len(b)
-        return tuple(dequantize_b(bi[None], si, problem)[0] for bi, si in zip(b, sfbs))
-    return dequantize_b(b, sfb, problem)
+def _bf16(f32_values, major: str):
+    """The reference's exact fp32 dequantization rounded to bf16 (exact but for magnitudes below 2^-126), written as
+    uint32 words of two bf16 values adjacent in memory: XLA:GPU stores a 16-bit fusion output 2 bytes at a time, at
+    half the rate of 4-byte words (an MXFP8 operand 140 -> 91 us, 2.5 -> 3.9 TB/s; RESULTS run 90). The pairs run
+    along the operand's contiguous axis (`major` "k": the last; "m" / "n": the one before it), so the kernel's
+    operand layout reads the words back as bf16 through bitcasts, no copy; decode, scales, rounding and packing
+    are one fusion."""
+    axis = -1 if major == "k" else -2
+    x = jnp.moveaxis(f32_values.astype(jnp.bfloat16), axis, -1)
+    if x.shape[-1] % 2:
+        return jnp.moveaxis(x, -1, axis)
+    half = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    pairs = half.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+    words = pairs[..., 0] | (pairs[..., 1] << 16)      # little-endian: element 2j in the low half
+    return jnp.moveaxis(jax.lax.bitcast_convert_type(words, jnp.bfloat16).reshape(x.shape), -1, axis)
 
 
 def dequantized_inputs(problem: GroupedGemmProblem, inputs: dict) -> dict:
     """`inputs` of `problem` ({canonical name: array}, discrete weights as tuples) -> those of `bf16_problem`: A
     (unless already bf16: weight-only quantization) and B dequantized to bf16, sfa / sfb dropped."""
     out = {k: v for k, v in inputs.items() if k not in ("sfa", "sfb")}
+    kw = dict(ab_dtype=problem.ab_dtype, sf_dtype=problem.sf_dtype, sf_vec_size=problem.sf_vec_size)
     if problem.op == "wgrad":   # token operands, scales in per-expert segments of the sanitized token ends
         ends = reference.sanitize_token_offsets(inputs["padded_offsets"], problem.k)
         for name in ("a", "b"):
-            x = inputs[name]
-            s = formats.segment_token_scales(inputs["sf" + name], x.shape[0], ends, problem.k, problem.sf_vec_size)
-            out[name] = (_codes_f32(x, problem.ab_dtype) * _scales_f32(s, problem.sf_dtype)).astype(jnp.bfloat16)
+            major = problem.a_major if name == "a" else problem.b_major
+            values = reference.dequantize_tokens(inputs[name], inputs["sf" + name], ends, **kw,
+                                                 token_major=major != "k")
+            out[name] = _bf16(values, major)
         return out
     if inputs.get("sfa") is not None:
-        out["a"] = dequantize_a(inputs["a"], inputs["sfa"], problem)
-    out["b"] = _bf16_weights(inputs["b"], inputs.get("sfb"), problem)
+        out["a"] = _bf16(reference.dequantize_a(inputs["a"], inputs["sfa"], **kw), problem.a_major)
+    b, sfb = inputs["b"], inputs.get("sfb")
+    if isinstance(b, (tuple, list)):  # discrete weights stay per-expert arrays
+        sfbs = sfb if isinstance(sfb, (tuple, list)) else (None,) * len(b)
+        out["b"] = tuple(_bf16(reference.dequantize_b(bi[None], si, **kw)[0], problem.b_major)
+                         for bi, si in zip(b, sfbs))
+    else:
+        out["b"] = _bf16(reference.dequantize_b(b, sfb, **kw), problem.b_major)
     return out

@@ -80,8 +80,9 @@ def _dequant_rows(x, s_logical, *, ab_dtype: str, sf_dtype: str, vec: int):
     """Exact dequantization of a K-major operand: decode(x)[r, k] * val(s_logical[r, k // vec])."""
     vals = F.decode(x, ab_dtype)
     k = vals.shape[-1]
-    scale = jnp.repeat(_decode_scales(s_logical, sf_dtype), vec, axis=-1)[..., :k]
-    return vals * scale
+    s = _decode_scales(s_logical, sf_dtype)     # repeated by a broadcast: XLA fuses it (no gather)
+    scale = jnp.broadcast_to(s[..., None], s.shape + (vec,)).reshape(s.shape[:-1] + (s.shape[-1] * vec,))
+    return vals * scale[..., :k]
 
 
 def dequantize_a(a, sfa, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size: Optional[int]):
@@ -638,13 +639,15 @@ def grouped_gemm_dsrelu(a, b, c, sfa, sfb, padded_offsets, alpha, beta, prob, no
                         dbias_dtype=dbias_dtype, compute_amax=compute_amax, discrete_col_sfd=discrete_col_sfd)
 
 
-def dequantize_tokens(x, sf, ends, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size: Optional[int]):
+def dequantize_tokens(x, sf, ends, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size: Optional[int],
+                      token_major: bool = False):
     """A wgrad token operand (rows, T) [FP4: uint8 (rows, T//2)] + its flat per-expert SF segments (sanitized token
-    `ends`) -> (rows, T) f32; a bf16 / fp16 operand as stored."""
+    `ends`) -> (rows, T) f32; a bf16 / fp16 operand as stored. `token_major`: the operand is stored (T, rows) (the
+    same values; XLA's gather of the scales then runs along its memory order, `formats.segment_token_scales`)."""
     if not _is_block_scaled(ab_dtype):
         return jnp.asarray(x).astype(F32)
     tokens = x.shape[1] * values_per_byte(ab_dtype)
-    s = F.segment_token_scales(sf, x.shape[0], ends, tokens, sf_vec_size)
+    s = F.segment_token_scales(sf, x.shape[0], ends, tokens, sf_vec_size, token_major=token_major)
     return F.decode(x, ab_dtype) * _decode_scales(s, sf_dtype)
 
 

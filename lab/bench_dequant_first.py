@@ -5,6 +5,10 @@ dequantized by XLA before the bf16 kernel (cudnn_moe_jax._dequant_first), whatev
 
     python -m lab.bench_dequant_first [--only NAME_PART] [--shape fc]
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_dequant_first:bundle_items
+
+TOKEN_SWEEP adds step shapes with fewer tokens per expert (the same m = 16384) to bench_moe_step's table: the fc
+step's at 1024 / 512 (the wgrad rule below 2048 tokens per expert) and the memory-bound 128 experts x 128 rows
+(`--shape e128`; modules: `token_sweep_items`, `shape_items`).
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from benchmarks import bench_moe_ops
+from benchmarks import bench_moe_ops, bench_moe_step
 from cudnn_moe_jax import _dequant_first
 
 ROUTES = ("on-chip", "xla-dequant")
+TOKEN_SWEEP = {"fc_t1024": ([1024] * 16, 7168, 2048), "fc_t512": ([512] * 32, 7168, 2048),
+               "e128": ([128] * 128, 4096, 1024)}     # issue 19's memory-bound shape (128 experts x 128 rows)
+bench_moe_step.SHAPES.update(TOKEN_SWEEP)
 
 
 @contextlib.contextmanager
@@ -29,18 +36,39 @@ def route(name: str):
         _dequant_first.dequantize_first = rule
 
 
-def bundle_items(shape: str = "fc") -> list:
-    """The block-scaled rows of bench_moe_ops lowered under both routes."""
+def bundle_items(shape: str = "fc", only: str = "") -> list:
+    """The block-scaled rows of bench_moe_ops (names containing `only`) lowered under both routes."""
     import jax
 
     items = []
     for name in ROUTES:
-        for fn, avals in _rows(shape):
+        for fn, avals in _rows(shape, only):
             def lower(fn=fn, avals=avals, name=name):
                 with route(name):
                     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
             items.append(lower)
     return items
+
+
+def token_sweep_items() -> list:
+    """The wgrad rows (block-scaled under both routes, and bf16) on the TOKEN_SWEEP shapes and on bench_moe_step's
+    `small` (256 tokens per expert)."""
+    import jax
+
+    items = []
+    for shape in (*TOKEN_SWEEP, "small"):
+        items += bundle_items(shape, "wgrad w")
+        avals = bench_moe_ops._avals(shape)
+        for name, (fn, _) in bench_moe_ops._ops(shape)[1].items():
+            if "wgrad w" in name:
+                items.append(lambda fn=fn, avals=avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
+    return items
+
+
+def shape_items() -> list:
+    """Every row, both routes and bf16, on `small` (64 x 256) and `e128` (128 x 128): the backward ops on the
+    shapes with few rows per expert."""
+    return [item for shape in ("small", "e128") for item in bundle_items(shape) + bench_moe_ops.bundle_items((shape,))]
 
 
 def wgrad_suite_items() -> list:
@@ -58,11 +86,14 @@ def wgrad_suite_items() -> list:
     return [routed(i) for i in aot.lowering_items(wgrad_cases.BS_CASES, wgrad_cases.bs_inputs, wgrad_cases.bs_call)]
 
 
-def _rows(shape: str):
+def _rows(shape: str, only: str = ""):
     for name in bench_moe_ops.BS_WGRAD:
-        fn, avals, _, _ = bench_moe_ops._bs_wgrad(shape, name)
-        yield fn, avals
+        if only in name:
+            fn, avals, _, _ = bench_moe_ops._bs_wgrad(shape, name)
+            yield fn, avals
     for name in bench_moe_ops.BS_OPS:
+        if only not in name:
+            continue
         fn, _, _ = bench_moe_ops._bs_op(shape, name)
         yield fn, bench_moe_ops._bs_op_avals(shape, name)
 

@@ -48,7 +48,7 @@ def f32_patterns(seed=0, n_random=64):
 
 STATIC = {"decode": ("data_dtype",), "unpack_sf": ("rows", "n_kblocks", "num_groups"), "pack_sf_segments": ("vec",),
           "unpack_sf_segments": ("rows", "total_tokens", "vec"),
-          "segment_token_scales": ("rows", "total_tokens", "vec"), "quantize_rows": ("d_dtype", "sf_dtype", "vec"),
+          "segment_token_scales": ("rows", "total_tokens", "vec", "token_major"), "quantize_rows": ("d_dtype", "sf_dtype", "vec"),
           "quantize_cols": ("d_dtype",), "dequantize": ("data_dtype", "sf_dtype", "vec"),
           "to_block_scaled": ("data_dtype", "sf_dtype", "vec"), "from_block_scaled": ("data_dtype", "sf_dtype", "vec")}
 
@@ -305,6 +305,9 @@ def test_segment_token_scales(R, T, vec, ends):
             off = rows_pad * st // vec + np.array([F.sf_offset(r, j, 0, R, nb) for r in range(R)])
             want[:, t] = np.where(off < flat.size, flat[np.minimum(off, flat.size - 1)], 0)
     assert_bits_equal(got, want, "per-token segment scales")
+    tok = J.segment_token_scales(flat, rows=R, ends=jnp.asarray(ends, jnp.int32), total_tokens=T, vec=vec,
+                                 token_major=True)
+    assert_bits_equal(np.asarray(tok), want, "per-token segment scales gathered for a token-major reader")
     if all(e % vec == 0 for e in sane):
         back = np.asarray(J.unpack_sf_segments(flat, rows=R, ends=jnp.asarray(ends, jnp.int32), total_tokens=T,
                                                vec=vec))
