@@ -56,11 +56,13 @@ MXFP8_BENCH = {  # name -> (bench shape, Epilogue, Config or None = the default:
 
 # Block-scaled schedules (`--formats ... --lab`): label -> Config (None: the default), timed per format on
 # FORMAT_LAB_SHAPES beside the public op; "e1": one epilogue buffer (more A/B stages); "c<n>": the consumer warps
-# convert n of a stage's 16 B passes (mainloop_dequant; the default takes 8)
+# convert n of a stage's 16 B passes (mainloop_dequant; the default takes 8); "c1e1": one epilogue buffer with 1x1
+# clusters (the default of 128-row groups, e128_fc1, is 1x1 with two buffers)
 FORMAT_CONFIGS = {"default": None, "e1": Config(epi_stages=1), "c10": Config(consumer_b_passes=10),
-                  "c12": Config(consumer_b_passes=12), "c12e1": Config(consumer_b_passes=12, epi_stages=1)}
-FORMAT_LAB_SHAPES = ("fc1", "small")
-FORMAT_LAB_FORMATS = ("mxfp8", "nvfp4", "w_nvfp4")
+                  "c12": Config(consumer_b_passes=12), "c12e1": Config(consumer_b_passes=12, epi_stages=1),
+                  "c1e1": Config(cluster_m=1, epi_stages=1)}
+FORMAT_LAB_SHAPES = ("fc1", "small", "e128_fc1")
+FORMAT_LAB_FORMATS = ("mxfp8", "nvfp4", "mxfp4", "w_nvfp4", "w_mxfp8")
 
 
 def bf16_problem(shape: str) -> GroupedGemmProblem:

@@ -67,6 +67,9 @@ CASES = [
     ("nvfp4_swiglu_nmajor", "glu", "nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF, b_major="n")),
     # weight-only: bf16 A, block-scaled B
     ("w_nvfp4_swiglu", "glu", "w_nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF)),
+    # (one epilogue buffer by default: config.default_config) with 128-row groups: 1x1 clusters
+    ("w_mxfp8_swiglu_m128", "glu", "w_mxfp8", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF,
+                                                             m_aligned=128)),
     ("w_mxfp8_quant_fp8d_k208_n384", "quant", "w_mxfp8", 208, 384, dict(bias=BF, d_dtype=E4M3)),
     ("w_mxfp4_srelu_f32c", "srelu", "w_mxfp4", 256, 512, dict(c_dtype=F32, d_dtype=BF)),
     # weight-only with an fp16 A (split into two exact bf16 parts in the kernel)
