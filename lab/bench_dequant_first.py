@@ -7,33 +7,20 @@ dequantized by XLA before the bf16 kernel (cudnn_moe_jax._dequant_first), whatev
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_dequant_first:bundle_items
 
 TOKEN_SWEEP adds step shapes with fewer tokens per expert (the same m = 16384) to bench_moe_step's table: the fc
-step's at 1024 / 512 (the wgrad rule below 2048 tokens per expert) and the memory-bound 128 experts x 128 rows
+step's at 1024 / 512 (for the wgrad rule) and the memory-bound 128 experts x 128 rows
 (`--shape e128`; modules: `token_sweep_items`, `shape_items`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 from benchmarks import bench_moe_ops, bench_moe_step
-from cudnn_moe_jax import _dequant_first
+from lab import harness
 
-ROUTES = ("on-chip", "xla-dequant")
 TOKEN_SWEEP = {"fc_t1024": ([1024] * 16, 7168, 2048), "fc_t512": ([512] * 32, 7168, 2048),
                "e128": ([128] * 128, 4096, 1024)}     # issue 19's memory-bound shape (128 experts x 128 rows)
 bench_moe_step.SHAPES.update(TOKEN_SWEEP)
-
-
-@contextlib.contextmanager
-def route(name: str):
-    """Every block-scaled call traced and lowered inside takes route `name` (ROUTES)."""
-    rule = _dequant_first.dequantize_first
-    _dequant_first.dequantize_first = lambda p: name == "xla-dequant" and p.block_scaled and p.a_dtype != "float16"
-    try:
-        yield
-    finally:
-        _dequant_first.dequantize_first = rule
 
 
 def bundle_items(shape: str = "fc", only: str = "") -> list:
@@ -41,10 +28,10 @@ def bundle_items(shape: str = "fc", only: str = "") -> list:
     import jax
 
     items = []
-    for name in ROUTES:
+    for name in harness.BLOCK_SCALED_ROUTES:
         for fn, avals in _rows(shape, only):
             def lower(fn=fn, avals=avals, name=name):
-                with route(name):
+                with harness.block_scaled_route(name):
                     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
             items.append(lower)
     return items
@@ -71,21 +58,6 @@ def shape_items() -> list:
     return [item for shape in ("small", "e128") for item in bundle_items(shape) + bench_moe_ops.bundle_items((shape,))]
 
 
-def wgrad_suite_items() -> list:
-    """The block-scaled wgrad GPU suite's calls (lab.wgrad_cases.BS_CASES) lowered under the dequantize-first route
-    (tests/gpu/test_wgrad_gpu.py runs them so)."""
-    from cudnn_moe_jax import aot
-    from lab import wgrad_cases
-
-    def routed(item):
-        def lower():
-            with route("xla-dequant"):
-                return item()
-        return lower
-
-    return [routed(i) for i in aot.lowering_items(wgrad_cases.BS_CASES, wgrad_cases.bs_inputs, wgrad_cases.bs_call)]
-
-
 def _rows(shape: str, only: str = ""):
     for name in bench_moe_ops.BS_WGRAD:
         if only in name:
@@ -104,9 +76,9 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="rows whose name contains this (default: every block-scaled row)")
     args = ap.parse_args(argv)
     names = [n for n in list(bench_moe_ops.BS_WGRAD) + list(bench_moe_ops.BS_OPS) if args.only in n]
-    for name in ROUTES:
+    for name in harness.BLOCK_SCALED_ROUTES:
         print(f"== route {name}", flush=True)
-        with route(name):
+        with harness.block_scaled_route(name):
             for row in names:
                 bench_moe_ops.main(["--shape", args.shape, "--only", row])
 

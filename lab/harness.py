@@ -5,7 +5,7 @@ Kernels reach the GPU machine (no CuTe DSL compiler) in one way: a kernel bundle
 through the public ops or the primitive, which find their modules there.
 
 Here: whether a GPU suite can run (`skip_without_gpu_or_bundle`), a guard that makes a fallback to the reference an
-error (`kernels_only`), the NaN-poisoned allocator, the routing patterns the suites run and the tolerance check of a
+error (`kernels_only`), the route a block-scaled call takes (`block_scaled_route`), the NaN-poisoned allocator, the routing patterns the suites run and the tolerance check of a
 device result against the float64 oracle (tests/np_ops.py: np_forward_oracle, np_sanitized_ends,
 np_group_of_rows), and the `sanitize` marker of the compute-sanitizer subset.
 """
@@ -51,6 +51,25 @@ def kernels_only():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         yield
+
+
+BLOCK_SCALED_ROUTES = ("on-chip", "xla-dequant")
+
+
+@contextlib.contextmanager
+def block_scaled_route(name: str):
+    """Every block-scaled call traced and lowered inside takes route `name` (BLOCK_SCALED_ROUTES: the dequantizing
+    kernel, or XLA's exact conversion then the bf16 kernel) whatever `cudnn_moe_jax._dequant_first.dequantize_first`
+    would pick for its shape: a GPU suite pins the kernel it tests, the lab times both (an fp16 A always stays on
+    chip: no exact 16-bit pair)."""
+    from cudnn_moe_jax import _dequant_first
+
+    rule = _dequant_first.dequantize_first
+    _dequant_first.dequantize_first = lambda p: name == "xla-dequant" and p.block_scaled and p.a_dtype != "float16"
+    try:
+        yield
+    finally:
+        _dequant_first.dequantize_first = rule
 
 
 def poison_allocator(nbytes: int = 256 << 20) -> None:

@@ -15,6 +15,8 @@ import cudnn_moe_jax as cmj
 from cudnn_moe_jax import aot
 from cudnn_moe_jax.limits import values_per_byte
 
+from . import harness
+
 NW, T, L = 320, 2000, 5   # A (MW, T), B (NW, T) -> W (L, MW, NW); T % 8 == 0
 PATTERNS = {
     "a64": (384, 640, 1024, 1600, 1984),            # every range starts on a 64-token tile; 1984.. in no expert
@@ -235,4 +237,15 @@ def bs_call(case, x):
 
 
 def bs_bundle_items():
-    return aot.lowering_items(BS_CASES, bs_inputs, bs_call)
+    """BS_CASES lowered on both routes of a block-scaled call (lab.harness.block_scaled_route): the on-chip kernel,
+    which tests/gpu/test_wgrad_gpu.py checks whatever the lowering's rule picks for the suite's token counts, and
+    XLA's conversion then the bf16 kernel (its `dequantized_first` test)."""
+    def pinned(item, route):
+        def lower():
+            with harness.block_scaled_route(route):
+                return item()
+        return lower
+
+    # items of their own per route: a jitted function lowers once, so a second route through it would reuse the first
+    return [pinned(item, route) for route in harness.BLOCK_SCALED_ROUTES
+            for item in aot.lowering_items(BS_CASES, bs_inputs, bs_call)]

@@ -199,7 +199,11 @@ def _bs_lower(tokens) -> str:
 @needs_cutlass
 def test_blockscaled_wgrad_bundle_built_at_one_token_count_serves_every_count(tmp_path, monkeypatch):
     """MXFP8 wgrad: the module is recorded for T = 16*t_blocks with the SF segment buffers' sizes as functions of it
-    (rup(m_w, 128) * rup(cdiv(T, 32), 4) bytes), so the bundle recorded at one T serves the others."""
+    (rup(m_w, 128) * rup(cdiv(T, 32), 4) bytes), so the bundle recorded at one T serves the others. The on-chip
+    module: these token counts would otherwise dequantize first (tests/test_dequant_first.py covers that route)."""
+    from cudnn_moe_jax import _dequant_first
+
+    monkeypatch.setattr(_dequant_first, "DEQUANT_FIRST_TOKENS", 1 << 30)
     built, entry = _bundle_then_no_compile(tmp_path, monkeypatch, lambda: _bs_lower(2000))
     assert entry["in_avals"][0]["shape"] == [MW, "16*t_blocks"]
     for tokens in (2000, 1024, 4096, 528):
