@@ -185,20 +185,25 @@ def _bs_op_avals(shape: str, name: str):
     return tuple(jax.eval_shape(lambda: inputs(0)))
 
 
-def bundle_items(shapes=("fc",)):
+def bundle_items(shapes=("fc",), only: str = ""):
     """Lowerings for CUDA of every op this benchmark times (`python -m cudnn_moe_jax.aot build --variants
-    benchmarks.bench_moe_ops:bundle_items` records their modules)."""
+    benchmarks.bench_moe_ops:bundle_items` records their modules); `only`: the rows whose name contains it."""
     import jax
 
     items = []
     for shape in shapes:
         avals = _avals(shape)
-        for fn, _ in _ops(shape)[1].values():
-            items.append(lambda fn=fn, avals=avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
+        for name, (fn, _) in _ops(shape)[1].items():
+            if only in name:
+                items.append(lambda fn=fn, avals=avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
         for name in BS_WGRAD:
+            if only not in name:
+                continue
             fn, bs_avals, _, _ = _bs_wgrad(shape, name)
             items.append(lambda fn=fn, avals=bs_avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
         for name in BS_OPS:
+            if only not in name:
+                continue
             fn, _, _ = _bs_op(shape, name)
             items.append(lambda fn=fn, shape=shape, name=name: jax.jit(fn).trace(*_bs_op_avals(shape, name)).lower(
                 lowering_platforms=("cuda",)))

@@ -27,35 +27,24 @@ def bundle_items(shape: str = "fc", only: str = "") -> list:
     """The block-scaled rows of bench_moe_ops (names containing `only`) lowered under both routes."""
     import jax
 
-    items = []
-    for name in harness.BLOCK_SCALED_ROUTES:
-        for fn, avals in _rows(shape, only):
-            def lower(fn=fn, avals=avals, name=name):
-                with harness.block_scaled_route(name):
-                    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
-            items.append(lower)
-    return items
+    def item(fn, avals):
+        return lambda: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+
+    return [harness.on_route(route, item(fn, avals)) for route in harness.BLOCK_SCALED_ROUTES
+            for fn, avals in _rows(shape, only)]
 
 
 def token_sweep_items() -> list:
     """The wgrad rows (block-scaled under both routes, and bf16) on the TOKEN_SWEEP shapes and on bench_moe_step's
     `small` (256 tokens per expert)."""
-    import jax
-
-    items = []
-    for shape in (*TOKEN_SWEEP, "small"):
-        items += bundle_items(shape, "wgrad w")
-        avals = bench_moe_ops._avals(shape)
-        for name, (fn, _) in bench_moe_ops._ops(shape)[1].items():
-            if "wgrad w" in name:
-                items.append(lambda fn=fn, avals=avals: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)))
-    return items
+    return [i for shape in (*TOKEN_SWEEP, "small")
+            for i in bundle_items(shape, "wgrad w") + bench_moe_ops.bundle_items((shape,), "wgrad w")]
 
 
 def shape_items() -> list:
     """Every row, both routes and bf16, on `small` (64 x 256) and `e128` (128 x 128): the backward ops on the
     shapes with few rows per expert."""
-    return [item for shape in ("small", "e128") for item in bundle_items(shape) + bench_moe_ops.bundle_items((shape,))]
+    return [i for shape in ("small", "e128") for i in bundle_items(shape) + bench_moe_ops.bundle_items((shape,))]
 
 
 def _rows(shape: str, only: str = ""):

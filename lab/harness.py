@@ -5,9 +5,10 @@ Kernels reach the GPU machine (no CuTe DSL compiler) in one way: a kernel bundle
 through the public ops or the primitive, which find their modules there.
 
 Here: whether a GPU suite can run (`skip_without_gpu_or_bundle`), a guard that makes a fallback to the reference an
-error (`kernels_only`), the route a block-scaled call takes (`block_scaled_route`), the NaN-poisoned allocator, the routing patterns the suites run and the tolerance check of a
-device result against the float64 oracle (tests/np_ops.py: np_forward_oracle, np_sanitized_ends,
-np_group_of_rows), and the `sanitize` marker of the compute-sanitizer subset.
+error (`kernels_only`), the route a block-scaled call takes (`block_scaled_route`, `on_route`), the NaN-poisoned
+allocator, the routing patterns the suites run and the tolerance check of a device result against the float64
+oracle (tests/np_ops.py: np_forward_oracle, np_sanitized_ends, np_group_of_rows), and the `sanitize` marker of the
+compute-sanitizer subset.
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ def block_scaled_route(name: str):
         yield
     finally:
         _dequant_first.dequantize_first = rule
+
+
+def on_route(route: str, item):
+    """An `aot build` item lowered under `block_scaled_route(route)`. Each route needs items of its own (a jitted
+    function lowers once: a second route through it would reuse the first's lowering)."""
+    def lower():
+        with block_scaled_route(route):
+            return item()
+    return lower
 
 
 def poison_allocator(nbytes: int = 256 << 20) -> None:

@@ -240,12 +240,5 @@ def bs_bundle_items():
     """BS_CASES lowered on both routes of a block-scaled call (lab.harness.block_scaled_route): the on-chip kernel,
     which tests/gpu/test_wgrad_gpu.py checks whatever the lowering's rule picks for the suite's token counts, and
     XLA's conversion then the bf16 kernel (its `dequantized_first` test)."""
-    def pinned(item, route):
-        def lower():
-            with harness.block_scaled_route(route):
-                return item()
-        return lower
-
-    # items of their own per route: a jitted function lowers once, so a second route through it would reuse the first
-    return [pinned(item, route) for route in harness.BLOCK_SCALED_ROUTES
+    return [harness.on_route(route, item) for route in harness.BLOCK_SCALED_ROUTES
             for item in aot.lowering_items(BS_CASES, bs_inputs, bs_call)]
