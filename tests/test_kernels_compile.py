@@ -57,6 +57,22 @@ def test_many_experts_glu_default_compiles_without_spills(ab):
         check_sass(sass_of(module, tool), False)
 
 
+@pytest.mark.parametrize("m_aligned", [256, 128])
+def test_weight_only_fp8_glu_default_takes_a_third_stage(m_aligned):
+    """Weight-only MXFP8 GLU: one epilogue buffer by default, so 3 A/B stages instead of 2 (1x1 clusters where
+    128-row groups would pair two experts in a cluster)."""
+    from cudnn_moe_jax.kernels.sm90.kernel import kernel_class_for
+
+    problem = GroupedGemmProblem(op="glu", m=2048, n=512, k=256, num_groups=4, ab_dtype="float8_e4m3fn",
+                                 sf_dtype="float8_e8m0fnu", sf_vec_size=32, a_dtype="bfloat16", m_aligned=m_aligned,
+                                 epilogue=Epilogue(act="swiglu", c_dtype="bfloat16", d_dtype="bfloat16"))
+    cfg = sm90_config.default_config(problem)
+    assert (cfg.epi_stages, cfg.cluster_m) == (1, 2 if m_aligned == 256 else 1)
+    kern = kernel_class_for(problem)(problem, cfg)
+    assert (kern.epi_stages, kern.ab_stages) == (1, 3)
+    assert kernel_class_for(problem)(problem, dataclasses.replace(cfg, epi_stages=2)).ab_stages == 2
+
+
 E4M3, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
 
 
