@@ -13,9 +13,10 @@ cutlass) with `launch` the `@cute.jit` launcher, and `cutlass_call_kwargs(kernel
 One module per problem, whatever the token count: the kernels take m dynamic, and a grouped-GEMM module is
 compiled, keyed and recorded for the symbolic m `symbolic_m(m_aligned)` (= 256*m_blocks by default), never for the
 call's m; the K-grouped wgrad likewise for the symbolic token count `symbolic_t()` (= 8*t_blocks for 16-bit data,
-its k). (Compiled for a concrete m, the device code is the same but the host object's symbol names mangle the
-shapes, so its bytes would differ per m.) The avals (m or T symbolic) are recorded beside the module and checked; a
-call's avals must be exactly them at its m (T).
+its k). A gathered A (problem.a_rows: A (a_rows, K) read through `a_index`) has a second dynamic extent, its row
+count, kept symbolic the same way (`symbolic_a_rows`). (Compiled for a concrete m, the device code is the same but
+the host object's symbol names mangle the shapes, so its bytes would differ per m.) The avals (m or T symbolic) are
+recorded beside the module and checked; a call's avals must be exactly them at its m (T).
 """
 
 from __future__ import annotations
@@ -73,6 +74,21 @@ def _symbolic_m(m_aligned: int):
     return m
 
 
+def symbolic_a_rows(m_aligned: int = GROUP_ALIGN):
+    """The row count of a gathered A (`problem.a_rows`) every module of alignment `m_aligned` is compiled, keyed and
+    recorded for: the symbolic dimension `a_rows` (any value). It shares the scope of `symbolic_m(m_aligned)`: a
+    module's avals hold both, and dimensions of separate scopes never compare or combine."""
+    return _symbolic_a_rows(int(m_aligned))
+
+
+@functools.lru_cache(maxsize=None)
+def _symbolic_a_rows(m_aligned: int):
+    import jax
+
+    (rows,) = jax.export.symbolic_shape("a_rows", scope=symbolic_m(m_aligned).scope)
+    return rows
+
+
 def symbolic_t(ab_dtype: str = "bfloat16"):
     """The token count every wgrad module is compiled, keyed and recorded for: `8*t_blocks` for 16-bit operands
     (FP8 `16*t_blocks`, packed FP4 `32*t_blocks`: 16-byte rows; the kernel reads T from A's shape; every T the op
@@ -89,11 +105,13 @@ def _symbolic_tokens(align: int):
 
 
 def canonical_problem(problem):
-    """`problem` with its dynamic extent symbolic: what identifies its module. M-grouped ops: m (`symbolic_m()`);
-    wgrad: the token count k (`symbolic_t(ab_dtype)`; its m, the weight rows, is static)."""
+    """`problem` with its dynamic extents symbolic: what identifies its module. M-grouped ops: m (`symbolic_m()`),
+    and a gathered A's row count a_rows (`symbolic_a_rows()`); wgrad: the token count k (`symbolic_t(ab_dtype)`;
+    its m, the weight rows, is static)."""
     if problem.op == "wgrad":
         return dataclasses.replace(problem, k=symbolic_t(problem.ab_dtype))
-    return dataclasses.replace(problem, m=symbolic_m(problem.m_aligned))
+    gathered = {} if problem.a_rows is None else {"a_rows": symbolic_a_rows(problem.m_aligned)}
+    return dataclasses.replace(problem, m=symbolic_m(problem.m_aligned), **gathered)
 
 
 def _present_outputs(problem) -> tuple:
@@ -118,14 +136,14 @@ def grouped_gemm_avals(problem, config, input_names: Sequence[str], in_avals: Se
                        out_avals: Optional[Sequence[Any]] = None) -> tuple[tuple, tuple]:
     """(in, out) avals of the module of this call, m (wgrad: T) symbolic, once the call's avals are checked to be
     exactly those at m = problem.m (T = problem.k) (the axes of `operands.dynamic_axes`; the launch outputs of
-    `launch_avals`, None: those). Every other dimension and dtype is kept, so the recorded avals still pin it.
+    `launch_avals`, None: those); a gathered A's rows likewise at a_rows = problem.a_rows (`operands.gathered_axes`).
+    Every other dimension and dtype is kept, so the recorded avals still pin it.
     ValueError if `input_names` are not the operand table's; KernelUnavailable if the avals do not fit."""
-    import jax
-
     operands.check_input_names(problem, input_names)
     canon, ins = canonical_problem(problem), []
     field, axes = operands.dynamic_axes(problem)
     extent, sym = getattr(problem, field), getattr(canon, field)
+    gathered = operands.gathered_axes(problem)
     for name, a in zip(input_names, in_avals):
         a = sds(a)
         if a is not None and name in axes:
@@ -135,8 +153,12 @@ def grouped_gemm_avals(problem, config, input_names: Sequence[str], in_avals: Se
                 what = f"{field}/{per}" if isinstance(per, int) else f"its size at {field}"
                 raise KernelUnavailable(f"input {name} {a.shape}: axis {axis} must be {what} = {size} for "
                                         f"{field} = {extent}")
-            a = jax.ShapeDtypeStruct(a.shape[:axis] + (operands.axis_extent(per, sym),) + a.shape[axis + 1:],
-                                     a.dtype)
+            a = operands.with_axis_size(a, axis, operands.axis_extent(per, sym))
+        elif a is not None and name in gathered:
+            axis = gathered[name]
+            if len(a.shape) <= axis or a.shape[axis] != problem.a_rows:
+                raise KernelUnavailable(f"input {name} {a.shape}: axis {axis} must be a_rows = {problem.a_rows}")
+            a = operands.with_axis_size(a, axis, canon.a_rows)
         ins.append(a)
     want = launch_avals(problem, config)[0]
     got = want if out_avals is None else tuple(sds(a) for a in out_avals)

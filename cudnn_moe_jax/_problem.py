@@ -20,6 +20,8 @@ FORWARD_OPS = ("quant", "srelu", "glu", "glu_hadamard_quant")
 DGRAD_OPS = ("dglu", "dsrelu")             # M-grouped backward: the FC2 dgrad fused with the activation derivative
 BACKWARD_OPS = DGRAD_OPS + ("wgrad",)
 OPS = FORWARD_OPS + BACKWARD_OPS
+# The ops whose A rows may be gathered (`a_rows`, the public ops' `a_index`): the M-grouped ops but the Hadamard one.
+GATHER_OPS = tuple(op for op in FORWARD_OPS if op != "glu_hadamard_quant") + DGRAD_OPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,9 @@ class Epilogue:
 class GroupedGemmProblem:
     """One grouped GEMM `acc[m, n] = sum_k A[m, k] * B[g(m), n, k]` plus its epilogue.
 
-    m: rows of A (a multiple of m_aligned); n: columns of the GEMM output (rows of each expert weight); k: logical
-    reduction length; num_groups: L. For wgrad, m/n are the weight-gradient rows/cols and k the token count.
+    m: GEMM rows (a multiple of m_aligned; the rows of A, or of `a_index` when A is gathered); n: columns of the
+    GEMM output (rows of each expert weight); k: logical reduction length; num_groups: L. For wgrad, m/n are the
+    weight-gradient rows/cols and k the token count.
     m_aligned: every group end is a multiple of it (cuDNN's keyword; 256 by default, 1 = padding-free groups;
     docs/offsets.md). wgrad's token offsets have no alignment rule: it stays 256 there.
     """
@@ -88,6 +91,9 @@ class GroupedGemmProblem:
     a_major: str = "k"
     b_major: str = "k"
     m_aligned: int = GROUP_ALIGN
+    # Gathered A: A is (a_rows, K) in memory and the input `a_index` (m,) int32 names the A row of each GEMM row
+    # (outside [0, a_rows): a zero row). None: A is (m, K).
+    a_rows: Optional[int] = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -97,6 +103,8 @@ class GroupedGemmProblem:
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n"):
             raise ValueError(f"a_major must be 'k' or 'm' and b_major 'k' or 'n', got {self.a_major!r}, "
                              f"{self.b_major!r}")
+        if self.a_rows is not None and self.op not in GATHER_OPS:
+            raise ValueError(f"a_rows (gathered A rows) applies to the ops {GATHER_OPS}, not {self.op!r}")
 
     @property
     def block_scaled(self) -> bool:

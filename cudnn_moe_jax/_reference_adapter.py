@@ -17,6 +17,8 @@ def _gemm_inputs(x: dict) -> dict:
 
 def run(p: GroupedGemmProblem, x: dict) -> dict:
     e = p.epilogue
+    if p.a_rows is not None:   # gathered A: the op on the gathered rows, by definition
+        x = dict(x, a=reference.gather_rows(x["a"], x["a_index"]))
     if p.op == "wgrad":
         return reference.grouped_gemm_wgrad(
             x["a"], x["b"], x["padded_offsets"], x.get("sfa"), x.get("sfb"), x.get("global_scale_a"),

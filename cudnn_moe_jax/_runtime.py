@@ -21,7 +21,7 @@ from ._ffi import (  # noqa: F401
 )
 from ._lowering import (  # noqa: F401
     canonical_problem, grouped_gemm_avals, grouped_gemm_fingerprint, grouped_gemm_spec, kernel_lowering,
-    kernels_package, launch_avals, resolve_config, symbolic_m, symbolic_t,
+    kernels_package, launch_avals, resolve_config, symbolic_a_rows, symbolic_m, symbolic_t,
 )
 from ._modules import (  # noqa: F401
     BUNDLE_FORMAT, MANIFEST, KernelSpec, bundle_dirs, call_spec, fingerprint, get_module, has_module,

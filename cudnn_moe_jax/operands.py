@@ -8,12 +8,16 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
            "cols_by_m" (cols, m / 2) packed FP4 with m along the rows' bytes (an FP4 D_col, tokens contiguous);
            "sf_rows" / "sf_cols" / "sf_segments" scale-factor buffers whose row blocks follow m; "m_vector" (m,);
            "tiles_by_m" (n_parts, m) per-N-tile row partials; "row_tiles" (`m_tiles`, cols) per-M-tile column
-           partials; "tokens" wgrad's A (m_w, T) / B (n_w, T), T dynamic; "static": its shape involves neither
-  shape    (dims) of the problem; `m` (wgrad: the token count `k`) may be a jax.export symbolic dimension
+           partials; "tokens" wgrad's A (m_w, T) / B (n_w, T), T dynamic; "gathered_rows" a gathered A
+           (a_rows, K) (problem.a_rows: its rows are picked by the "a_index" m_vector), a_rows dynamic, any value;
+           "static": its shape involves neither
+  shape    (dims) of the problem; `m` (wgrad: the token count `k`) and `a_rows` may be jax.export symbolic
+           dimensions
   dtype    dtype name ("uint8": packed FP4 data and scale-factor bytes)
   present  whether the problem has it; an absent operand is neither bound nor passed to a launcher
   dynamic  inputs whose shape follows the problem's dynamic extent (m; wgrad: T): (axis, extent per index), or
-           (axis, size of the axis as a function of the extent) (wgrad's SF segments: rup(cdiv(T, vec), 4) columns)
+           (axis, size of the axis as a function of the extent) (wgrad's SF segments: rup(cdiv(T, vec), 4) columns);
+           a rule may give None (a gathered A follows a_rows instead, the second dynamic extent: `gathered_axes`)
   split    discrete weights: one array per expert, bound as `name:0`, `name:1`, ..., of this shape
   ops      the ops of the table that have the row at all (None: every op of the table)
   launch   outputs: the launcher's name for it
@@ -191,11 +195,16 @@ def _group_sums(p, parts, inputs):
 
 # ------------------------------------------------------------------------------------------------ the rows
 
-# Operands of every M-grouped GEMM (forward and dgrad): A (m, K), B (L, N, K) or L x (N, K), their scale factors
-# (block-scaled A/B), the group ends.
+def _gathered(p) -> bool:
+    return p.a_rows is not None
+
+
+# Operands of every M-grouped GEMM (forward and dgrad): A (m, K) (gathered: (a_rows, K), and a_index (m,) names the
+# A row of each GEMM row), B (L, N, K) or L x (N, K), their scale factors (block-scaled A/B), the group ends.
 _GEMM_INPUTS = (
-    Operand("a", "rows", lambda p: (p.m, p.k // _per_byte(p, _a_dtype(p))), lambda p: _storage(_a_dtype(p)),
-            dynamic=(0, 1)),
+    Operand("a", lambda p: "gathered_rows" if _gathered(p) else "rows",
+            lambda p: (p.a_rows if _gathered(p) else p.m, p.k // _per_byte(p, _a_dtype(p))),
+            lambda p: _storage(_a_dtype(p)), dynamic=lambda p: None if _gathered(p) else (0, 1)),
     Operand("b", "weights", lambda p: (p.num_groups, p.n, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype),
             split=lambda p: (p.n, p.k // _per_byte(p))),
     Operand("sfa", "sf_rows", lambda p: sf_physical_shape(p.m, p.k, p.sf_vec_size), "uint8", _a_scaled,
@@ -203,6 +212,7 @@ _GEMM_INPUTS = (
     Operand("sfb", "static", lambda p: sf_physical_shape(p.n, p.k, p.sf_vec_size, p.num_groups), "uint8",
             _block_scaled, split=lambda p: sf_physical_shape(p.n, p.k, p.sf_vec_size)),
     Operand("padded_offsets", "static", lambda p: (p.num_groups,), "int32"),
+    Operand("a_index", "m_vector", lambda p: (p.m,), "int32", present=_gathered, dynamic=(0, 1)),
 )
 _ALPHA = Operand("alpha", "static", lambda p: (p.num_groups,), "float32")
 _PROB = Operand("prob", "m_vector", lambda p: (p.m,), "float32", _has_prob, dynamic=(0, 1))
@@ -462,9 +472,22 @@ def axis_extent(per, extent):
     return per(extent) if callable(per) else extent // per
 
 
+def with_axis_size(aval, axis: int, size):
+    """`aval` (a ShapeDtypeStruct) with its axis `axis` of `size` (a dynamic extent: a module's symbolic one)."""
+    import jax
+
+    return jax.ShapeDtypeStruct(aval.shape[:axis] + (size,) + aval.shape[axis + 1:], aval.dtype)
+
+
 def dynamic_axes(problem) -> tuple[str, dict]:
     """("m" or "k": the problem field that is dynamic in a kernel module, {present input name: (axis, extent per
     index)}): the row count m of the M-grouped ops, the token count (k) of wgrad."""
     field = "k" if problem.op == "wgrad" else "m"
-    return field, {r.name: tuple(_eval(r.dynamic, problem)) for r in rows(problem.op)[0]
-                   if r.dynamic is not None and r.present(problem)}
+    axes = {r.name: _eval(r.dynamic, problem) for r in rows(problem.op)[0] if r.present(problem)}
+    return field, {name: tuple(rule) for name, rule in axes.items() if rule is not None}
+
+
+def gathered_axes(problem) -> dict:
+    """{present input name: axis} of the axes that follow a gathered A's row count `problem.a_rows`, the second
+    dynamic extent of an M-grouped module (none without a gather): axis 0 of the "gathered_rows" operands."""
+    return {b.name: 0 for b in inputs(problem) if b.kind == "gathered_rows"}

@@ -96,6 +96,14 @@ def dequantize_a(a, sfa, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size:
     return _dequant_rows(a, s, ab_dtype=ab_dtype, sf_dtype=sf_dtype, vec=sf_vec_size)
 
 
+def gather_rows(a, a_index):
+    """A gathered by `a_index` (docs/ops.md#gathered-a-rows): row r is a[a_index[r]], a zero row where the index is
+    outside [0, T), T = a.shape[0] (masked explicitly: an index is never wrapped or clipped onto a real row)."""
+    rows = a.shape[0]
+    valid = (a_index >= 0) & (a_index < rows)
+    return jnp.where(valid[:, None], a[jnp.clip(a_index, 0, rows - 1)], jnp.zeros((), a.dtype))
+
+
 def dequantize_b(b, sfb, *, ab_dtype: str, sf_dtype: Optional[str], sf_vec_size: Optional[int]):
     """B (L, N, K) or a tuple of L (N, K) arrays (discrete weights) [+ sfb (L, ...) or tuple of (1, ...)]
     -> (L, N, K) f32."""

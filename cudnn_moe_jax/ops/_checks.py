@@ -340,17 +340,37 @@ def _weight_layout_hint(b_shape: tuple, a_k: int) -> str:
     return "; weights are (L, N, K) here (expert-major, K contiguous), per expert (N, K)"
 
 
+def gather_index(a_index, a_rows: int):
+    """`a_index` (m,) int32, the A row each GEMM row reads (outside [0, a_rows): a zero row); its shape and dtype
+    checked, its values never (any int32 is meaningful)."""
+    x = array(a_index, "a_index")
+    if x.dtype != jnp.int32:
+        raise TypeError(f"a_index must be int32 (the a_tensor row of each GEMM row), got {x.dtype}: cast with "
+                        ".astype(jnp.int32)")
+    if x.ndim != 1:
+        raise ValueError(f"a_index must have shape (m,) (one a_tensor row per GEMM row), got {tuple(x.shape)}")
+    if a_rows < 1:
+        raise ValueError("a_tensor: with a_index it must have at least one row (an index outside its rows reads "
+                         "a zero row)")
+    return x
+
+
 def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors, padded_offsets,
-                  sf_vec_size, m_aligned: int = GROUP_ALIGN, b_arg="b_tensor"):
+                  sf_vec_size, m_aligned: int = GROUP_ALIGN, b_arg="b_tensor", a_index=None):
     """Validate and canonicalise the grouped-GEMM operands shared by every forward and dgrad op.
 
+    `a_index` (m,) int32 (the M-grouped ops but the Hadamard one): GEMM row r reads row a_index[r] of A (T, K).
     Returns (inputs dict, dims dict) with dims = m, n, k, num_groups, ab_dtype, a_dtype (a bf16 / fp16 A with
-    block-scaled B, else None), sf_dtype, vec, discrete, m_aligned.
+    block-scaled B, else None), sf_dtype, vec, discrete, m_aligned, a_rows (T of a gathered A, else None).
     """
     a = squeeze_unit(array(a_tensor, "a_tensor"), 2, "a_tensor", "(m, K) (or (m, K, 1))")
     ab_dtype = operand_dtype(a, "a_tensor")
     m, k = a.shape[0], logical_k(a, ab_dtype)
-    check_m(m, m_aligned)
+    a_rows = None
+    if a_index is not None:
+        a_index = gather_index(a_index, m)
+        a_rows, m = m, a_index.shape[0]
+    check_m(m, m_aligned, "a_tensor" if a_index is None else "a_index")
     discrete = b_tensors is not None
     if discrete == (b_tensor is not None):
         raise ValueError(f"pass exactly one of {b_arg} (dense (L, N, K)) and b_tensors (list of per-expert "
@@ -382,6 +402,11 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
         num_groups, n, b_k = b.shape[0], b.shape[1], logical_k(b, b_dtype)
         if sfb_tensors is not None:
             raise ValueError("sfb_tensors goes with b_tensors; with a dense b_tensor pass sfb_tensor")
+    # the kernels gather 16-bit rows: block-scaled A would need its scale factors gathered too
+    if a_index is not None and not (ab_dtype in HALF_DTYPES and b_dtype in HALF_DTYPES and sfa_tensor is None):
+        raise ValueError(f"a_index (gathered A rows) needs a plain 16-bit A: a bf16 / fp16 a_tensor and weights, not "
+                         f"block-scaled (no sfa_tensor, no FP8 / FP4 weights); got a_tensor {ab_dtype}, {b_arg} "
+                         f"{b_dtype}{' and an sfa_tensor' if sfa_tensor is not None else ''}")
     a_dtype = None
     if b_dtype != ab_dtype:
         if not (ab_dtype in HALF_DTYPES and b_dtype not in HALF_DTYPES and sfa_tensor is None):
@@ -431,9 +456,10 @@ def gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_ten
                            SF_HINT_TILED.format(what="(L, N, K) weights", x="b",
                                                 logical="(L, N, cdiv(K, sf_vec_size))"),
                            other_layout(n, num_groups))
-    inputs = {"a": a, "b": b, "sfa": sfa, "sfb": sfb, "padded_offsets": offsets}
+    inputs = {"a": a, "b": b, "sfa": sfa, "sfb": sfb, "padded_offsets": offsets, "a_index": a_index}
     dims = dict(m=m, n=n, k=k, num_groups=num_groups, ab_dtype=ab_dtype, a_dtype=a_dtype, sf_dtype=sf_dtype,
-                vec=vec, discrete=discrete, m_aligned=m_aligned, b_arg="b_tensors" if discrete else b_arg)
+                vec=vec, discrete=discrete, m_aligned=m_aligned, b_arg="b_tensors" if discrete else b_arg,
+                a_rows=a_rows)
     return inputs, dims
 
 

@@ -19,14 +19,14 @@ from .forward import finish, output_quantization
 
 def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_tensor, sfb_tensors,
           padded_offsets, alpha_tensor, beta_tensor, prob_tensor, norm_const_tensor, d_dtype, sf_vec_size,
-          discrete_col_sfd, compute_amax, generate_dbias, dbias_dtype, glu_limit=None, glu_alpha=None,
-          tanh_clamp_scale=None, static_kwargs=None, drop_keys=()):
+          discrete_col_sfd, compute_amax, generate_dbias, dbias_dtype, a_index=None, glu_limit=None,
+          glu_alpha=None, tanh_clamp_scale=None, static_kwargs=None, drop_keys=()):
     static_kwargs = dict(static_kwargs or {})
     majors = ck.operand_majors(static_kwargs)
     m_aligned = ck.pop_m_aligned(static_kwargs)
     config = ck.check_static_kwargs(**static_kwargs)
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
-                                    padded_offsets, sf_vec_size, m_aligned)
+                                    padded_offsets, sf_vec_size, m_aligned, a_index=a_index)
     m, n, num_groups = dims["m"], dims["n"], dims["num_groups"]
     entry = activations.get(act)
     c_width = entry.input_width(n)
@@ -60,7 +60,7 @@ def _dact(op, act, *, a_tensor, b_tensor, b_tensors, c_tensor, sfa_tensor, sfb_t
     problem = GroupedGemmProblem(op=op, m=m, n=n, k=dims["k"], num_groups=num_groups, ab_dtype=dims["ab_dtype"],
                                  a_dtype=dims["a_dtype"], sf_dtype=dims["sf_dtype"], sf_vec_size=dims["vec"],
                                  discrete_weights=dims["discrete"], epilogue=epilogue, m_aligned=m_aligned,
-                                 **majors)
+                                 a_rows=dims["a_rows"], **majors)
     inputs.update(c=c, alpha=ck.float_vector(alpha_tensor, num_groups, "alpha_tensor", default=1.0),
                   beta=ck.float_vector(beta_tensor, num_groups, "beta_tensor", default=1.0),
                   prob=ck.float_vector(prob_tensor, m, "prob_tensor"), norm_const=norm_const)
@@ -75,11 +75,12 @@ def grouped_gemm_dglu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None, s
                       norm_const_tensor=None, *, b_tensors=None, sfb_tensors=None, act_func: str = "dswiglu",
                       d_dtype="bfloat16", sf_vec_size=None, discrete_col_sfd=False, compute_amax=None,
                       generate_dbias: bool = False, dbias_dtype=None, glu_limit: Optional[float] = None,
-                      glu_alpha: Optional[float] = None, **cudnn_static) -> OpResult:
+                      glu_alpha: Optional[float] = None, a_index=None, **cudnn_static) -> OpResult:
     """FC2 dgrad fused with the GLU derivative.
 
-    a_tensor = dY (m, H); b_tensor = FC2 weight as (L, I, H); c_tensor = forward C (m, 2I) (gate/up interleaved
-    in 32-column blocks), dequantized per group by beta (default ones). dD = alpha * acc;
+    a_tensor = dY (m, H) (or (T, H) gathered by a_index (m,) int32, as the forward ops); b_tensor = FC2 weight as
+    (L, I, H); c_tensor = forward C (m, 2I) (gate/up interleaved in 32-column blocks), dequantized per group by
+    beta (default ones). dD = alpha * acc;
     D_row = dC (m, 2I); dprob (m,) = sum_n dD * glu_alpha * act(gate, up); dbias (L, 2I) = per-group sums of dC;
     amax (L, 2) = max |d_gate|, max |d_up|. Use the same act/glu_limit/glu_alpha as the forward op.
     Returns d_row_tensor, d_col_tensor, dprob_tensor, dbias_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
@@ -90,8 +91,8 @@ def grouped_gemm_dglu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None, s
                  padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, beta_tensor=beta_tensor,
                  prob_tensor=prob_tensor, norm_const_tensor=norm_const_tensor, d_dtype=d_dtype,
                  sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd, compute_amax=compute_amax,
-                 generate_dbias=generate_dbias, dbias_dtype=dbias_dtype, glu_limit=glu_limit, glu_alpha=glu_alpha,
-                 static_kwargs=cudnn_static)
+                 generate_dbias=generate_dbias, dbias_dtype=dbias_dtype, a_index=a_index, glu_limit=glu_limit,
+                 glu_alpha=glu_alpha, static_kwargs=cudnn_static)
 
 
 def grouped_gemm_dswiglu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None, sfb_tensor=None,
@@ -114,10 +115,12 @@ def grouped_gemm_dsrelu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None,
                         padded_offsets=None, alpha_tensor=None, beta_tensor=None, prob_tensor=None,
                         norm_const_tensor=None, *, b_tensors=None, sfb_tensors=None, d_dtype="bfloat16",
                         sf_vec_size=None, discrete_col_sfd=False, compute_amax=None, generate_dbias: bool = False,
-                        dbias_dtype=None, tanh_clamp_scale: Optional[float] = None, **cudnn_static) -> OpResult:
+                        dbias_dtype=None, tanh_clamp_scale: Optional[float] = None, a_index=None,
+                        **cudnn_static) -> OpResult:
     """FC2 dgrad fused with the squared-ReLU derivative (mirrors dglu, docs/ops.md#grouped_gemm_dsrelu).
 
-    a_tensor = dY (m, H); b_tensor = FC2 weight as (L, I, H); c_tensor = forward pre-activation (m, I) (x = beta*C).
+    a_tensor = dY (m, H) (or (T, H) gathered by a_index, as dglu); b_tensor = FC2 weight as (L, I, H); c_tensor =
+    forward pre-activation (m, I) (x = beta*C).
     dC = alpha*acc * prob * d/dx relu(x)^2 (or its tanh-clamped form); dprob = sum_n dD * relu(x)^2.
     Returns d_row_tensor, d_col_tensor, dprob_tensor, dbias_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
     """
@@ -126,8 +129,8 @@ def grouped_gemm_dsrelu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None,
                  padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, beta_tensor=beta_tensor,
                  prob_tensor=prob_tensor, norm_const_tensor=norm_const_tensor, d_dtype=d_dtype,
                  sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd, compute_amax=compute_amax,
-                 generate_dbias=generate_dbias, dbias_dtype=dbias_dtype, tanh_clamp_scale=tanh_clamp_scale,
-                 static_kwargs=cudnn_static)
+                 generate_dbias=generate_dbias, dbias_dtype=dbias_dtype, a_index=a_index,
+                 tanh_clamp_scale=tanh_clamp_scale, static_kwargs=cudnn_static)
 
 
 def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_tensor=None,

@@ -74,8 +74,7 @@ def bind_forward(op: str, dims: dict, inputs: dict, epilogue: Epilogue, config, 
     problem = GroupedGemmProblem(op=op, m=dims["m"], n=dims["n"], k=dims["k"], num_groups=dims["num_groups"],
                                  ab_dtype=dims["ab_dtype"], a_dtype=dims["a_dtype"], sf_dtype=dims["sf_dtype"],
                                  sf_vec_size=dims["vec"], discrete_weights=dims["discrete"], epilogue=epilogue,
-                                 m_aligned=dims["m_aligned"],
-                                 **(majors or {}))
+                                 m_aligned=dims["m_aligned"], a_rows=dims["a_rows"], **(majors or {}))
     inputs.update(alpha=ck.float_vector(alpha_tensor, dims["num_groups"], "alpha_tensor", default=1.0),
                   prob=ck.float_vector(prob_tensor, dims["m"], "prob_tensor"), **extra_inputs)
     return finish(problem, _primitive.bind(problem, inputs, config), sf_out_dtype)
@@ -83,14 +82,14 @@ def bind_forward(op: str, dims: dict, inputs: dict, epilogue: Epilogue, config, 
 
 def _forward(op: str, act: Optional[str], *, a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor,
              sfb_tensors, padded_offsets, alpha_tensor, prob_tensor, bias_tensor, norm_const_tensor, c_dtype,
-             d_dtype, sf_vec_size, discrete_col_sfd, compute_amax, glu_limit=None, glu_alpha=None,
+             d_dtype, sf_vec_size, discrete_col_sfd, compute_amax, a_index, glu_limit=None, glu_alpha=None,
              tanh_clamp_scale=None, static_kwargs=None):
     static_kwargs = dict(static_kwargs or {})
     majors = ck.operand_majors(static_kwargs)
     m_aligned = ck.pop_m_aligned(static_kwargs)
     config = ck.check_static_kwargs(**static_kwargs)
     inputs, dims = ck.gemm_operands(a_tensor, b_tensor, b_tensors, sfa_tensor, sfb_tensor, sfb_tensors,
-                                    padded_offsets, sf_vec_size, m_aligned)
+                                    padded_offsets, sf_vec_size, m_aligned, a_index=a_index)
     d_dtype = ck.out_dtype(d_dtype, "d_dtype", FORWARD_D_DTYPES)
     if d_dtype in QUANT_D_DTYPES:
         kind = "FP4" if d_dtype == FP4 else "FP8"
@@ -117,11 +116,12 @@ def grouped_gemm_quant(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None
                        alpha_tensor=None, prob_tensor=None, bias_tensor=None, norm_const_tensor=None, *,
                        b_tensors: Optional[Sequence] = None, sfb_tensors: Optional[Sequence] = None,
                        d_dtype="bfloat16", sf_vec_size: Optional[int] = None, discrete_col_sfd: bool = False,
-                       compute_amax: Optional[bool] = None, **cudnn_static) -> OpResult:
+                       compute_amax: Optional[bool] = None, a_index=None, **cudnn_static) -> OpResult:
     """Grouped GEMM + per-row gating + optional bias + output quantization (FC2 fprop / FC1 dgrad).
 
-    a_tensor (m, K); b_tensor (L, N, K) or b_tensors [L x (N, K)]; padded_offsets (L,) int32 group ends;
-    alpha (L,) f32 (default ones); prob (m,) (default ones); bias (L, N).
+    a_tensor (m, K), or (T, K) with a_index (m,) int32 naming the row each GEMM row reads (outside [0, T): zeros;
+    docs/ops.md#gathered-a-rows); b_tensor (L, N, K) or b_tensors [L x (N, K)]; padded_offsets (L,) int32 group
+    ends; alpha (L,) f32 (default ones); prob (m,) (default ones); bias (L, N).
     D = prob * alpha * acc, or alpha * acc + prob * bias with a bias (docs/ops.md#grouped_gemm_quant).
     Returns d_tensor, d_col_tensor, amax_tensor, sfd_row_tensor, sfd_col_tensor.
     """
@@ -130,14 +130,14 @@ def grouped_gemm_quant(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None
                     padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, prob_tensor=prob_tensor,
                     bias_tensor=bias_tensor, norm_const_tensor=norm_const_tensor, c_dtype=None, d_dtype=d_dtype,
                     sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd, compute_amax=compute_amax,
-                    static_kwargs=cudnn_static)
+                    a_index=a_index, static_kwargs=cudnn_static)
 
 
 def grouped_gemm_srelu(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, padded_offsets=None,
                        alpha_tensor=None, prob_tensor=None, bias_tensor=None, norm_const_tensor=None, *,
                        b_tensors=None, sfb_tensors=None, c_dtype="bfloat16", d_dtype="bfloat16",
                        sf_vec_size=None, discrete_col_sfd=False, compute_amax=None,
-                       tanh_clamp_scale: Optional[float] = None, **cudnn_static) -> OpResult:
+                       tanh_clamp_scale: Optional[float] = None, a_index=None, **cudnn_static) -> OpResult:
     """Grouped GEMM + squared ReLU (FC1 fprop): C = alpha*acc (+ bias), D = prob * relu(C)^2.
 
     With tanh_clamp_scale s: D = prob * (s * min(tanh(relu(C) / s), 1))^2.
@@ -148,14 +148,15 @@ def grouped_gemm_srelu(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None
                     padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, prob_tensor=prob_tensor,
                     bias_tensor=bias_tensor, norm_const_tensor=norm_const_tensor, c_dtype=c_dtype,
                     d_dtype=d_dtype, sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd,
-                    compute_amax=compute_amax, tanh_clamp_scale=tanh_clamp_scale, static_kwargs=cudnn_static)
+                    compute_amax=compute_amax, tanh_clamp_scale=tanh_clamp_scale, a_index=a_index,
+                    static_kwargs=cudnn_static)
 
 
 def grouped_gemm_glu(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, padded_offsets=None,
                      alpha_tensor=None, prob_tensor=None, bias_tensor=None, norm_const_tensor=None, *,
                      b_tensors=None, sfb_tensors=None, act_func: str = "swiglu", c_dtype="bfloat16",
                      d_dtype="bfloat16", sf_vec_size=None, discrete_col_sfd=False, compute_amax=None,
-                     glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None,
+                     glu_limit: Optional[float] = None, glu_alpha: Optional[float] = None, a_index=None,
                      **cudnn_static) -> OpResult:
     """Grouped GEMM + SwiGLU/GeGLU (FC1 fprop). Even 32-column blocks of C are the gate, odd blocks the up half.
 
@@ -168,7 +169,7 @@ def grouped_gemm_glu(a_tensor, b_tensor=None, sfa_tensor=None, sfb_tensor=None, 
                     padded_offsets=padded_offsets, alpha_tensor=alpha_tensor, prob_tensor=prob_tensor,
                     bias_tensor=bias_tensor, norm_const_tensor=norm_const_tensor, c_dtype=c_dtype,
                     d_dtype=d_dtype, sf_vec_size=sf_vec_size, discrete_col_sfd=discrete_col_sfd,
-                    compute_amax=compute_amax, glu_limit=glu_limit, glu_alpha=glu_alpha,
+                    compute_amax=compute_amax, glu_limit=glu_limit, glu_alpha=glu_alpha, a_index=a_index,
                     static_kwargs=cudnn_static)
 
 

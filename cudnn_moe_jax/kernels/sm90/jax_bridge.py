@@ -5,7 +5,8 @@ The operands, their order, shapes and kinds are the operand table's (`cudnn_moe_
 array is row-major unless a major says otherwise; B is presented to the kernel as (N, K, L) through `mode` (no
 copy), discrete weights as L arrays (N, K). Tensors whose shape involves `m` are dynamic with `m % m_aligned == 0`
 declared (256 by default), so one compiled module serves every `m` (and `jax.export` with a symbolic `m` works);
-likewise wgrad's A (m_w, T) / B (n_w, T) with `T % 8 == 0`; the others are static.
+likewise wgrad's A (m_w, T) / B (n_w, T) with `T % 8 == 0`, and a gathered A (a_rows, K) with any row count; the
+others are static.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def _spec(problem, operand: table.Bound) -> TensorSpec:
         return TensorSpec(static=True, layout=(0, 1) if problem.b_major == "n" else None)
     if kind == "weights" and problem.b_major == "n":
         return TensorSpec(mode=(1, 2, 0), static=True, layout=(2, 0, 1))  # (L, N, K) with N contiguous
+    if kind == "gathered_rows":  # gathered A (a_rows, K): its row count is dynamic too, any value
+        return TensorSpec(divisibility=(1, shape[1]))
     if kind == "rows":  # (m, cols): m dynamic
         return TensorSpec(divisibility=(align, shape[1]))
     if kind == "weights":
@@ -85,9 +88,11 @@ def call_of(kernel):
     """A function `(*present inputs, in the operand table's order) -> tuple(launch outputs)` for use under jit,
     launching `kernel` (any object with `problem`, `config`, `launch`, `cache_key`)."""
     kwargs = cutlass_call_kwargs(kernel)
+    # m: the rows of A, or with a gathered A (a_rows, K) the length of a_index
+    m_source = table.input_names(kernel.problem).index("a_index") if kernel.problem.a_rows is not None else 0
 
     def call(*arrays):
-        m = arrays[0].shape[0]
+        m = arrays[m_source].shape[0]
         fn = cutlass_call(
             kernel,
             output_shape_dtype=tuple(launch_shape_dtypes(kernel.problem, kernel.config, m)),

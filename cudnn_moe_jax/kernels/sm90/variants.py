@@ -104,17 +104,19 @@ def input_avals(problem):
     return {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in table.input_specs(problem).items()}
 
 
-def symbolic_avals(problem, m):
+def symbolic_avals(problem, m, a_rows=None):
     """input_avals with the dynamic extent `m` (symbolic under jax.export): the row count (m % 256 == 0), for wgrad
-    the token count T (T % 8 == 0); the axes of `operands.dynamic_axes`."""
-    import jax
-
+    the token count T (T % 8 == 0); the axes of `operands.dynamic_axes`. `a_rows` (symbolic too; None: the
+    problem's): a gathered A's row count, on the axes of `operands.gathered_axes`."""
     _, axes = table.dynamic_axes(problem)
+    gathered = table.gathered_axes(problem) if a_rows is not None else {}
     out = {}
     for name, a in input_avals(problem).items():
         if name in axes:
             axis, per = axes[name]
-            a = jax.ShapeDtypeStruct(a.shape[:axis] + (table.axis_extent(per, m),) + a.shape[axis + 1:], a.dtype)
+            a = table.with_axis_size(a, axis, table.axis_extent(per, m))
+        elif name in gathered:
+            a = table.with_axis_size(a, gathered[name], a_rows)
         out[name] = a
     return out
 
