@@ -74,9 +74,10 @@ def routed_floor_bytes(name) -> int:
 
 
 def ours_step(top_k, m_aligned=None):
-    """Our layer's step: `nn.moe_layer` (its default alignment), or with m_aligned the same pieces (router, route,
-    permute, moe_mlp, unpermute) on that group alignment (1: padding-free; 256: cuDNN's padded layout, the buffer
-    sized for the worst case)."""
+    """Our layer's step: `nn.moe_layer` (64-row groups, the kernels reading x and dY through the row map), or with
+    m_aligned the pieces of the permuted layout (router, route, permute, moe_mlp, unpermute: x and dY gathered into
+    permuted copies by XLA) on that group alignment (64: the layer before the gathered kernels; 1: padding-free;
+    256: cuDNN's padded layout, the buffer sized for the worst case)."""
     import jax
     import jax.numpy as jnp
 

@@ -78,15 +78,21 @@ def symbolic_a_rows(m_aligned: int = GROUP_ALIGN):
     """The row count of a gathered A (`problem.a_rows`) every module of alignment `m_aligned` is compiled, keyed and
     recorded for: the symbolic dimension `a_rows` (any value). It shares the scope of `symbolic_m(m_aligned)`: a
     module's avals hold both, and dimensions of separate scopes never compare or combine."""
-    return _symbolic_a_rows(int(m_aligned))
+    return _symbolic_named("a_rows", symbolic_m(m_aligned))
+
+
+def symbolic_source_tokens(field: str, ab_dtype: str = "bfloat16"):
+    """The token count of wgrad's gathered A / B (`field` "a_rows" / "b_rows"): a symbolic dimension of that name in
+    the scope of `symbolic_t(ab_dtype)`."""
+    return _symbolic_named(field, symbolic_t(ab_dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def _symbolic_a_rows(m_aligned: int):
+def _symbolic_named(name: str, scope_of):
     import jax
 
-    (rows,) = jax.export.symbolic_shape("a_rows", scope=symbolic_m(m_aligned).scope)
-    return rows
+    (dim,) = jax.export.symbolic_shape(name, scope=scope_of.scope)
+    return dim
 
 
 def symbolic_t(ab_dtype: str = "bfloat16"):
@@ -109,7 +115,9 @@ def canonical_problem(problem):
     and a gathered A's row count a_rows (`symbolic_a_rows()`); wgrad: the token count k (`symbolic_t(ab_dtype)`;
     its m, the weight rows, is static)."""
     if problem.op == "wgrad":
-        return dataclasses.replace(problem, k=symbolic_t(problem.ab_dtype))
+        gathered = {f: symbolic_source_tokens(f, problem.ab_dtype) for f in ("a_rows", "b_rows")
+                    if getattr(problem, f) is not None}
+        return dataclasses.replace(problem, k=symbolic_t(problem.ab_dtype), **gathered)
     gathered = {} if problem.a_rows is None else {"a_rows": symbolic_a_rows(problem.m_aligned)}
     return dataclasses.replace(problem, m=symbolic_m(problem.m_aligned), **gathered)
 
@@ -155,10 +163,11 @@ def grouped_gemm_avals(problem, config, input_names: Sequence[str], in_avals: Se
                                         f"{field} = {extent}")
             a = operands.with_axis_size(a, axis, operands.axis_extent(per, sym))
         elif a is not None and name in gathered:
-            axis = gathered[name]
-            if len(a.shape) <= axis or a.shape[axis] != problem.a_rows:
-                raise KernelUnavailable(f"input {name} {a.shape}: axis {axis} must be a_rows = {problem.a_rows}")
-            a = operands.with_axis_size(a, axis, canon.a_rows)
+            axis, rows = gathered[name]
+            if len(a.shape) <= axis or a.shape[axis] != getattr(problem, rows):
+                raise KernelUnavailable(f"input {name} {a.shape}: axis {axis} must be {rows} = "
+                                        f"{getattr(problem, rows)}")
+            a = operands.with_axis_size(a, axis, getattr(canon, rows))
         ins.append(a)
     want = launch_avals(problem, config)[0]
     got = want if out_avals is None else tuple(sds(a) for a in out_avals)

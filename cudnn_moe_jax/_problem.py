@@ -92,8 +92,10 @@ class GroupedGemmProblem:
     b_major: str = "k"
     m_aligned: int = GROUP_ALIGN
     # Gathered A: A is (a_rows, K) in memory and the input `a_index` (m,) int32 names the A row of each GEMM row
-    # (outside [0, a_rows): a zero row). None: A is (m, K).
+    # (outside [0, a_rows): a zero row). None: A is (m, K). wgrad: A is (m, a_rows) (token-major) and `a_index` (T,)
+    # names A's token of each of the T tokens; b_rows / `b_index` likewise for B (n, b_rows) (wgrad only).
     a_rows: Optional[int] = None
+    b_rows: Optional[int] = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -103,8 +105,11 @@ class GroupedGemmProblem:
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n"):
             raise ValueError(f"a_major must be 'k' or 'm' and b_major 'k' or 'n', got {self.a_major!r}, "
                              f"{self.b_major!r}")
-        if self.a_rows is not None and self.op not in GATHER_OPS:
-            raise ValueError(f"a_rows (gathered A rows) applies to the ops {GATHER_OPS}, not {self.op!r}")
+        if self.a_rows is not None and self.op not in GATHER_OPS + ("wgrad",):
+            raise ValueError(f"a_rows (gathered A rows) applies to the ops {GATHER_OPS + ('wgrad',)}, "
+                             f"not {self.op!r}")
+        if self.b_rows is not None and self.op != "wgrad":
+            raise ValueError(f"b_rows (gathered B tokens) applies to wgrad only, not {self.op!r}")
 
     @property
     def block_scaled(self) -> bool:

@@ -17,7 +17,11 @@ def _gemm_inputs(x: dict) -> dict:
 
 def run(p: GroupedGemmProblem, x: dict) -> dict:
     e = p.epilogue
-    if p.a_rows is not None:   # gathered A: the op on the gathered rows, by definition
+    if p.op == "wgrad":   # gathered A / B tokens: the op on the gathered token columns, by definition
+        for name in ("a", "b"):
+            if getattr(p, f"{name}_rows") is not None:
+                x = dict(x, **{name: reference.gather_rows(x[name].T, x[f"{name}_index"]).T})
+    elif p.a_rows is not None:   # gathered A: the op on the gathered rows, by definition
         x = dict(x, a=reference.gather_rows(x["a"], x["a_index"]))
     if p.op == "wgrad":
         return reference.grouped_gemm_wgrad(

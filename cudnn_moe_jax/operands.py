@@ -10,6 +10,7 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
            "tiles_by_m" (n_parts, m) per-N-tile row partials; "row_tiles" (`m_tiles`, cols) per-M-tile column
            partials; "tokens" wgrad's A (m_w, T) / B (n_w, T), T dynamic; "gathered_rows" a gathered A
            (a_rows, K) (problem.a_rows: its rows are picked by the "a_index" m_vector), a_rows dynamic, any value;
+           "gathered_tokens" wgrad's gathered token-major A (m_w, a_rows) / B (n_w, b_rows) ("a_index" / "b_index");
            "static": its shape involves neither
   shape    (dims) of the problem; `m` (wgrad: the token count `k`) and `a_rows` may be jax.export symbolic
            dimensions
@@ -241,12 +242,23 @@ DGRAD_INPUTS = _GEMM_INPUTS + (
 
 # wgrad: per-expert A[:, T_e] B[:, T_e]^T over the token count T = problem.k (dynamic); problem.m / n are W's rows /
 # columns. padded_offsets holds the token ends (no 256 rule for wgrad).
+def _token_operand(name: str, rows: str, gathered: str):
+    """wgrad's A (m_w, T) / B (n_w, T); gathered (problem.a_rows / b_rows): (m_w / n_w, a_rows / b_rows), its tokens
+    picked by the "a_index" / "b_index" vector, not dynamic in T (its own token count is the second extent)."""
+    def src(p):
+        return getattr(p, gathered)
+
+    return Operand(name, lambda p: "gathered_tokens" if src(p) is not None else "tokens",
+                   lambda p: (getattr(p, rows), (p.k if src(p) is None else src(p)) // _per_byte(p)),
+                   lambda p: _storage(p.ab_dtype), dynamic=lambda p: (1, _per_byte(p)) if src(p) is None else None)
+
+
 WGRAD_INPUTS = (
-    Operand("a", "tokens", lambda p: (p.m, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype),
-            dynamic=lambda p: (1, _per_byte(p))),
-    Operand("b", "tokens", lambda p: (p.n, p.k // _per_byte(p)), lambda p: _storage(p.ab_dtype),
-            dynamic=lambda p: (1, _per_byte(p))),
+    _token_operand("a", "m", "a_rows"),
+    _token_operand("b", "n", "b_rows"),
     Operand("padded_offsets", "static", lambda p: (p.num_groups,), "int32"),
+    Operand("a_index", "m_vector", lambda p: (p.k,), "int32", _gathered, dynamic=(0, 1)),
+    Operand("b_index", "m_vector", lambda p: (p.k,), "int32", lambda p: p.b_rows is not None, dynamic=(0, 1)),
     Operand("sfa", "sf_segments", lambda p: (sf_segment_bytes(p.m, p.k, p.sf_vec_size),), "uint8", _block_scaled,
             dynamic=lambda p: (0, lambda t: sf_segment_bytes(p.m, t, p.sf_vec_size))),
     Operand("sfb", "sf_segments", lambda p: (sf_segment_bytes(p.n, p.k, p.sf_vec_size),), "uint8", _block_scaled,
@@ -488,6 +500,13 @@ def dynamic_axes(problem) -> tuple[str, dict]:
 
 
 def gathered_axes(problem) -> dict:
-    """{present input name: axis} of the axes that follow a gathered A's row count `problem.a_rows`, the second
-    dynamic extent of an M-grouped module (none without a gather): axis 0 of the "gathered_rows" operands."""
-    return {b.name: 0 for b in inputs(problem) if b.kind == "gathered_rows"}
+    """{present input name: (axis, problem field)} of the axes that follow a gathered operand's own row / token
+    count, a module's further dynamic extents (none without a gather): axis 0 of a gathered A ("gathered_rows",
+    a_rows); wgrad's gathered A / B ("gathered_tokens"), axis 1, a_rows / b_rows."""
+    out = {}
+    for b in inputs(problem):
+        if b.kind == "gathered_rows":
+            out[b.name] = (0, "a_rows")
+        elif b.kind == "gathered_tokens":
+            out[b.name] = (1, f"{b.name}_rows")
+    return out

@@ -46,7 +46,7 @@ def gather_variants():
     def bf16_clip_no_pad(x, idx):   # lower bound: no zero rows (not the layer's semantics)
         return jnp.take(x, jnp.minimum(idx, x.shape[0] - 1), axis=0, mode="clip")
 
-    return dict(bf16_fill=routing._take_rows, u32_fill=u32_fill, u32_clip_where=u32_clip_where,
+    return dict(bf16_fill=routing.take_rows, u32_fill=u32_fill, u32_clip_where=u32_clip_where,
                 bf16_clip_no_pad=bf16_clip_no_pad)
 
 
@@ -65,7 +65,7 @@ def sum_variants():
             out = out + picked[:, j]
         return out.astype(y.dtype).reshape(dest.shape[0], y.shape[1])
 
-    return dict(bf16_fill=routing._sum_rows, u32_fill=u32_fill)
+    return dict(bf16_fill=routing.sum_rows, u32_fill=u32_fill)
 
 
 def run(name: str, timer) -> None:

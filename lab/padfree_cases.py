@@ -33,6 +33,9 @@ PATTERNS = {
     "all_empty": (1000, 8, (0, 0, 0, 0, 0, 0)),
     # 128-aligned ends with odd tile counts (1, 0, 2, 1, 3, 0 tiles): whole tiles, blocks over two experts
     "odd_tiles_128": (1024, 128, (128, 128, 384, 512, 896, 896)),
+    # the routed layer's 64-row groups and cuDNN's 256 (lab.gather_cases runs them)
+    "aligned64": (1024, 64, (192, 192, 448, 640, 704, 960)),
+    "aligned256": (1024, 256, (256, 256, 512, 768, 1024, 1024)),
 }
 UNALIGNED = ("straddle", "tail", "unsanitized", "all_empty")
 BF, F16, F32 = "bfloat16", "float16", "float32"
@@ -96,6 +99,8 @@ def call(item, x):
         return cmj.grouped_gemm_wgrad(x["a"], x["b"], x["offsets"], wgrad_dtype=F32, m_aligned=m_aligned)
     options.pop("c_dtype", None) if op not in FORWARD else None
     kw = dict(padded_offsets=x["offsets"], alpha_tensor=x["alpha"], prob_tensor=x["prob"], m_aligned=m_aligned)
+    if "a_index" in x:   # lab.gather_cases: A's rows gathered
+        kw["a_index"] = x["a_index"]
     if options.get("d_dtype") == E4M3:
         kw["norm_const_tensor"] = x["norm_const"]
     if op in FORWARD:

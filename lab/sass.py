@@ -132,6 +132,18 @@ def compile_or_skip(problem, config=None, axis: str | None = "auto") -> bytes:
     return compile_module(problem, config, axis)
 
 
+def sass_or_skip(problem, config=None) -> str:
+    """For the tests: the SASS of `problem`'s module (`compile_or_skip`), or skip the calling test where cuobjdump
+    is missing."""
+    import pytest
+
+    module = compile_or_skip(problem, config)
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    return sass_of(module, tool)
+
+
 def compile_module(problem, config=None, axis: str | None = "auto") -> bytes:
     """Lower + export the kernel of `problem` for CUDA and return the compiled module's bytes.
 

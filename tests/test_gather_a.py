@@ -171,15 +171,84 @@ def test_gathered_a_must_be_plain_16_bit(data):
                               a_index=data["index"])
 
 
-def test_only_the_m_grouped_ops_but_hadamard_take_it(data):
+def test_the_hadamard_op_takes_no_gather(data):
     off = jnp.asarray(OFFSETS[256])
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['a_index'\]"):
         cmj.grouped_gemm_glu_hadamard_quant(data["a"], data["b"], padded_offsets=off, a_index=data["index"])
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['a_index'\]"):
-        cmj.grouped_gemm_wgrad(data["a"].T, data["a"].T, off, a_index=data["index"])
-    for op in ("wgrad", "glu_hadamard_quant"):
-        with pytest.raises(ValueError, match=f"a_rows .* applies to the ops .*, not '{op}'"):
-            GroupedGemmProblem(op=op, m=M, n=N, k=K, num_groups=L, ab_dtype="bfloat16", a_rows=T)
+    with pytest.raises(ValueError, match="a_rows .* applies to the ops .*, not 'glu_hadamard_quant'"):
+        GroupedGemmProblem(op="glu_hadamard_quant", m=M, n=N, k=K, num_groups=L, ab_dtype="bfloat16", a_rows=T)
+    with pytest.raises(ValueError, match="b_rows .* applies to wgrad only, not 'glu'"):
+        GroupedGemmProblem(op="glu", m=M, n=N, k=K, num_groups=L, ab_dtype="bfloat16", b_rows=T)
+
+
+# ------------------------------------------------------------------------------------------------ wgrad
+
+W_TOKENS, W_SRC = 256, 100      # the wgrad's token count T, the gathered operands' own token count
+
+
+def _wgrad_data():
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    return dict(a=jax.random.normal(keys[0], (W_SRC, 128)).astype(jnp.bfloat16),        # (T_a, m_w) row-major
+                b=jax.random.normal(keys[1], (W_SRC + 7, 64)).astype(jnp.bfloat16),     # (T_b, n_w)
+                ia=jax.random.randint(keys[2], (W_TOKENS,), -3, W_SRC + 3, jnp.int32),
+                ib=jax.random.randint(keys[3], (W_TOKENS,), -3, W_SRC + 10, jnp.int32),
+                off=jnp.asarray([50, 50, 200, W_TOKENS], jnp.int32))
+
+
+def _rows(x, index):
+    valid = (index >= 0) & (index < x.shape[0])
+    return jnp.where(valid[:, None], x[jnp.clip(index, 0, x.shape[0] - 1)], 0).astype(x.dtype)
+
+
+@pytest.mark.parametrize("gathered", ["a", "b", "ab"])
+def test_wgrad_gathered_tokens_equal_the_op_on_gathered_tokens(gathered):
+    d = _wgrad_data()
+    fill = jnp.arange(W_TOKENS, dtype=jnp.int32) % W_SRC
+    a_rows, b_rows = _rows(d["a"], d["ia"] if "a" in gathered else fill), _rows(d["b"], d["ib"] if "b" in gathered
+                                                                               else fill)
+    kw = dict(wgrad_dtype="float32", a_major="m", b_major="n")
+    if "a" in gathered:
+        kw["a_index"] = d["ia"]
+    if "b" in gathered:
+        kw["b_index"] = d["ib"]
+    got = jax.jit(lambda a, b: cmj.grouped_gemm_wgrad(a.T, b.T, d["off"], **kw)["wgrad_tensor"])(
+        d["a"] if "a" in gathered else a_rows, d["b"] if "b" in gathered else b_rows)
+    kw = {k: v for k, v in kw.items() if not k.endswith("_index")}
+    want = cmj.grouped_gemm_wgrad(a_rows.T, b_rows.T, d["off"], **kw)["wgrad_tensor"]
+    assert bool(jnp.any(want != 0)) and jnp.array_equal(got, want)
+
+
+def test_wgrad_gather_rules():
+    d = _wgrad_data()
+    with pytest.raises(ValueError, match="a_index .* token-major .*a_major='m'"):
+        cmj.grouped_gemm_wgrad(d["a"].T, d["a"].T, d["off"], a_index=d["ia"])
+    with pytest.raises(ValueError, match="b_index .* token-major .*b_major='n'"):
+        cmj.grouped_gemm_wgrad(d["b"].T, d["b"].T, d["off"], b_index=d["ib"], a_major="m")
+    with pytest.raises(TypeError, match="b_index must be int32"):
+        cmj.grouped_gemm_wgrad(d["b"].T, d["b"].T, d["off"], b_index=d["ib"].astype(jnp.int16), b_major="n")
+    with pytest.raises(ValueError, match="one length"):
+        cmj.grouped_gemm_wgrad(d["a"].T, d["b"].T, d["off"], a_index=d["ia"], b_index=d["ib"][:128], a_major="m",
+                               b_major="n")
+    with pytest.raises(ValueError, match="b_tensor: token count 107 does not match the token count 256 of a_index"):
+        cmj.grouped_gemm_wgrad(d["a"].T, d["b"].T, d["off"], a_index=d["ia"], a_major="m", b_major="n")
+    with pytest.raises(ValueError, match="a_index: K=250 must be a multiple of 8"):
+        cmj.grouped_gemm_wgrad(d["a"].T, d["b"].T, d["off"], a_index=d["ia"][:250], b_index=d["ib"][:250],
+                               a_major="m", b_major="n")
+
+
+def test_wgrad_gathered_problem_keeps_its_token_counts_symbolic():
+    p = GroupedGemmProblem(op="wgrad", m=128, n=64, k=W_TOKENS, num_groups=4, ab_dtype="bfloat16",
+                           wgrad_dtype="float32", a_major="m", b_major="n", a_rows=W_SRC, b_rows=W_SRC + 7)
+    names = operands.input_names(p)
+    assert names[:5] == ("a", "b", "padded_offsets", "a_index", "b_index")
+    assert operands.gathered_axes(p) == {"a": (1, "a_rows"), "b": (1, "b_rows")}
+    canon = _lowering.canonical_problem(p)
+    assert str(canon.a_rows) == "a_rows" and str(canon.b_rows) == "b_rows" and canon.a_rows.scope is canon.k.scope
+    ins, _ = _lowering.grouped_gemm_avals(p, None, names, list(variants.input_avals(p).values()))
+    got = dict(zip(names, (a.shape for a in ins)))
+    assert got["a"] == (128, canon.a_rows) and got["b"] == (64, canon.b_rows) and got["a_index"] == (canon.k,)
+    other = dataclasses.replace(p, k=512, a_rows=3, b_rows=9)
+    assert _lowering.canonical_problem(other) == canon
 
 
 # ------------------------------------------------------------------------------------------------ the operand table
@@ -206,7 +275,7 @@ def test_operand_rows_of_a_gathered_problem(op, discrete):
     assert bound["a_index"] == operands.Bound("a_index", "m_vector", (M,), "int32")
     field, axes = operands.dynamic_axes(p)
     assert field == "m" and "a" not in axes and axes["a_index"] == (0, 1)
-    assert operands.gathered_axes(p) == {"a": 0}
+    assert operands.gathered_axes(p) == {"a": (0, "a_rows")}
     assert operands.output_specs(p) == operands.output_specs(plain)   # the outputs follow m
     assert "a_index" not in operands.input_names(plain) and operands.gathered_axes(plain) == {}
     assert operands.dynamic_axes(plain)[1]["a"] == (0, 1)
@@ -239,7 +308,7 @@ def test_module_avals_keep_the_gathered_rows_symbolic(op):
     assert got["a"] == (rows, K) and got["a_index"] == (m,) and got["prob"] == (m,)
     assert [a.shape for a in ins] == [s for s, _ in operands.input_specs(canon).values()]
     assert outs == _lowering.launch_avals(canon, None)[0] and outs[0].shape == (m, N)
-    sym = variants.symbolic_avals(p, m, rows)
+    sym = variants.symbolic_avals(p, m, {"a_rows": rows})
     assert [a.shape for a in sym.values()] == [a.shape for a in ins]
     bad = [jax.ShapeDtypeStruct((T + 1, K), jnp.bfloat16) if n == "a" else a for n, a in zip(names, avals)]
     with pytest.raises(_runtime.KernelUnavailable, match=rf"input a \({T + 1}, {K}\): axis 0 must be a_rows = {T}"):
@@ -260,3 +329,40 @@ def test_one_module_serves_every_token_and_row_count():
     with pytest.raises(ValueError, match="operand table"):   # a binding without a_index is not this problem's
         _lowering.grouped_gemm_avals(problems[0], None, operands.input_names(plain),
                                      list(variants.input_avals(plain).values()))
+
+
+# ------------------------------------------------------------------------------------------------ nn
+
+@pytest.mark.parametrize("gather_x", [True, False])
+def test_routed_mlp_is_the_permuted_mlp_bit_for_bit(gather_x, monkeypatch):
+    """nn.moe.routed_mlp (the kernels read dY, and with gather_x x, through the row map) ==
+    unpermute(moe_mlp(permute(x))), outputs and every gradient, bit for bit (here on the reference; the gathered kernels equal the kernels on the
+    gathered rows, tests/gpu/test_gather_gpu.py)."""
+    from cudnn_moe_jax.nn import moe, routing
+
+    monkeypatch.setattr(moe, "GATHER_X_ROWS_PER_EXPERT", 1 << 20 if gather_x else 0)
+    t, h, i, e, k = 96, 64, 64, 4, 2
+    keys = jax.random.split(jax.random.PRNGKey(5), 6)
+    x = jax.random.normal(keys[0], (t, h)).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(keys[1], (e, 2 * i, h)) / 8).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[2], (e, h, i)) / 8).astype(jnp.bfloat16)
+    b1 = jax.random.normal(keys[3], (e, 2 * i), jnp.float32)
+    experts = jax.lax.top_k(jax.random.normal(keys[4], (t, e)), k)[1].astype(jnp.int32)
+    weights = jax.random.uniform(keys[5], (t, k), minval=0.1, maxval=1.0)
+    plan = routing.route(experts, e)
+
+    def routed(x, w1, w2, b1, weights):
+        prob = routing.permuted_prob(weights, plan)
+        return moe.routed_mlp(x, w1, w2, prob, b1, plan).astype(jnp.float32).sum()
+
+    def permuted(x, w1, w2, b1, weights):
+        x_perm, prob = routing.permute(x, weights, plan)
+        y_perm = moe.moe_mlp(x_perm, w1, w2, prob, b1, plan.padded_offsets)
+        return routing.unpermute(y_perm, plan, t).astype(jnp.float32).sum()
+
+    args = (x, w1, w2, b1, weights)
+    got = jax.jit(jax.value_and_grad(routed, argnums=range(5)))(*args)
+    want = jax.jit(jax.value_and_grad(permuted, argnums=range(5)))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype and jnp.array_equal(g, w)
+    assert bool(jnp.any(got[1][0] != 0))

@@ -15,7 +15,7 @@ import pytest
 
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
 from cudnn_moe_jax.kernels.sm90 import config as sm90_config
-from lab.sass import check_sass, compile_or_skip, cuobjdump, sass_of
+from lab.sass import check_sass, sass_or_skip
 
 BF, F16, F32 = "bfloat16", "float16", "float32"
 E4M3, E5M2, E8M0 = "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"
@@ -64,11 +64,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_padfree_kernel_compiles(name):
     problem, config, clipped = CASES[name]
-    module = compile_or_skip(problem, config)
-    tool = cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    sass = sass_of(module, tool)
+    sass = sass_or_skip(problem, config)
     # HGMMA (block-scaled inputs: the dequantizing mainloop, bf16 wgmma), TMA, no spills, wgmma not serialized
     check_sass(sass, block_scaled=False)
     vector_stores = len(re.findall(r"\bSTG\.E\.128\b", sass))

@@ -2,8 +2,9 @@
 
     x (..., H) -> flatten to (T, H), cast to the compute dtype
     router (nn.router: RouterConfig) or a precomputed gating=(experts, weights)
-    -> route / permute into 64-row-aligned expert groups -> nn.moe_mlp (fused ops; float32: jnp reference)
-    -> unpermute (each token's k outputs, gate-weighted, summed in fp32)
+    -> route into 64-row-aligned expert groups -> nn.moe.routed_mlp: the fused ops read the tokens through the
+       routing's row map (no permuted copy of x or dY; float32: the jnp reference on permuted rows)
+    -> each token's k outputs (gate-weighted in FC1's epilogue) summed in fp32
     (+ gate-weighted FC2 bias, + shared expert: nn.block) -> y (..., H) in the compute dtype, aux
 """
 
@@ -136,10 +137,8 @@ def moe_layer(x, router_weight, w1, w2, b1=None, *, top_k: Optional[int] = None,
     num_experts = params["w1"].shape[0]
     gating = gating_of(x2d, params, spec, num_experts)
     plan = _routing.route(gating.experts, num_experts, m_aligned)
-    x_perm, prob = _routing.permute(x2d, gating.weights, plan)
-    y_perm = _moe.moe_mlp(x_perm, params["w1"], params["w2"], prob, params.get("b1"), plan.padded_offsets, act,
-                          glu_limit, m_aligned)
-    y = _routing.unpermute(y_perm, plan, x2d.shape[0])
+    prob = _routing.permuted_prob(gating.weights, plan)
+    y = _moe.routed_mlp(x2d, params["w1"], params["w2"], prob, params.get("b1"), plan, act, glu_limit, m_aligned)
     y = block.add_token_terms(y, x2d, gating.experts, gating.weights, params.get("b2"), shared_of(params), act,
                               glu_limit)
     # padding-free groups: a group's rows are its assignments (no scatter-add of T*k ones for the load)

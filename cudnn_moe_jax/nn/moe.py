@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import activations, ops, reference
-from .routing import M_ALIGNED
+from .routing import M_ALIGNED, Routing, combine_rows, gather_rows, sum_rows, take_rows
 from .weights import check_expert_mlp, check_permuted
 
 
@@ -50,35 +50,33 @@ def _fused_mlp(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_align
     return y
 
 
-def _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned):
-    dtype = x_perm.dtype
+def _forward(a, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned, a_index=None):
+    """(y_perm, (C, h)): FC1 on the permuted rows, a (m, H) or, with `a_index`, x's rows through the row map."""
+    dtype = a.dtype
     # float32 master weights (and any bias) -> the compute dtype (else no-op), as a Flax Dense with param_dtype
     w1, w2, b1 = w1.astype(dtype), w2.astype(dtype), None if b1 is None else b1.astype(dtype)
     entry = activations.TABLE[act]
-    fc1 = _FC1_OPS[entry.forward_op](x_perm, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
+    fc1 = _FC1_OPS[entry.forward_op](a, w1, padded_offsets=padded_offsets, prob_tensor=prob, bias_tensor=b1,
                                      c_dtype=dtype, d_dtype=dtype, compute_amax=False, m_aligned=m_aligned,
-                                     **_selection(entry, entry.name, glu_limit))
+                                     a_index=a_index, **_selection(entry, entry.name, glu_limit))
     fc2 = ops.grouped_gemm_quant(fc1.d_tensor, w2, padded_offsets=padded_offsets, d_dtype=dtype,
                                  compute_amax=False, m_aligned=m_aligned)
     return fc2.d_tensor, (fc1.c_tensor, fc1.d_tensor)
 
 
-def _moe_mlp_fwd(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned):
-    y, (c, h) = _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned)
-    return y, (x_perm, w1, w2, prob, b1, padded_offsets, c, h)
-
-
-def _moe_mlp_bwd(act, glu_limit, m_aligned, residuals, dy):
-    x_perm, w1, w2, prob, b1, padded_offsets, c, h = residuals   # w1 / w2 as given: their dtype is the wgrad's
-    dtype = x_perm.dtype
+def _backward(a, w1, w2, prob, b1, padded_offsets, c, h, dy, act, glu_limit, m_aligned, a_index=None,
+              dy_index=None):
+    """(dx_perm, dW1, dW2, dprob, db1) from dY: the permuted rows (m, H), or with `dy_index` dY's tokens read
+    through the row map; `a` / `a_index`: FC1's A as the forward read it."""
+    dtype = a.dtype
     dy = dy.astype(dtype)
-    w1_c, w2_c = w1.astype(dtype), w2.astype(dtype)
+    w1_c, w2_c = w1.astype(dtype), w2.astype(dtype)   # w1 / w2 as given: their dtype is the wgrad's
     # FC2 dgrad fused with the activation derivative: dC, dprob, db1.
     common = dict(padded_offsets=padded_offsets, prob_tensor=prob, d_dtype=dtype, compute_amax=False,
                   generate_dbias=b1 is not None, dbias_dtype="float32" if b1 is not None else None,
                   m_aligned=m_aligned)
     entry = activations.TABLE[act]
-    bwd = _DACT_OPS[entry.backward_op](dy, _swap_last(w2_c), c, b_major="n", **common,
+    bwd = _DACT_OPS[entry.backward_op](dy, _swap_last(w2_c), c, b_major="n", a_index=dy_index, **common,
                                        **_selection(entry, entry.derivative, glu_limit))
     dc = bwd.d_row_tensor
     # FC1 dgrad: dx = dC W1[e] (quant op with B = W1 seen as (L, H, 2I)).
@@ -87,14 +85,78 @@ def _moe_mlp_bwd(act, glu_limit, m_aligned, residuals, dy):
     # Weight gradients: tokens are the rows of the permuted layout; the group ends are the token offsets.
     # token-major operands (a_major="m", b_major="n"): the kernel reads dy, h, dC, x as they are, no transpose
     majors = dict(a_major="m", b_major="n")
-    dw2 = ops.grouped_gemm_wgrad(dy.T, h.T, padded_offsets, wgrad_dtype=w2.dtype, **majors).wgrad_tensor
-    dw1 = ops.grouped_gemm_wgrad(dc.T, x_perm.T, padded_offsets, wgrad_dtype=w1.dtype, **majors).wgrad_tensor
+    dw2 = ops.grouped_gemm_wgrad(dy.T, h.T, padded_offsets, wgrad_dtype=w2.dtype, a_index=dy_index,
+                                 **majors).wgrad_tensor
+    dw1 = ops.grouped_gemm_wgrad(dc.T, a.T, padded_offsets, wgrad_dtype=w1.dtype, b_index=a_index,
+                                 **majors).wgrad_tensor
     db1 = None if b1 is None else bwd.dbias_tensor.astype(b1.dtype)
+    return dx, dw1, dw2, bwd.dprob_tensor, db1
+
+
+def _moe_mlp_fwd(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned):
+    y, (c, h) = _forward(x_perm, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned)
+    return y, (x_perm, w1, w2, prob, b1, padded_offsets, c, h)
+
+
+def _moe_mlp_bwd(act, glu_limit, m_aligned, residuals, dy):
+    x_perm, w1, w2, prob, b1, padded_offsets, c, h = residuals
     # padded_offsets is integer routing data: no cotangent.
-    return dx, dw1, dw2, bwd.dprob_tensor, db1, None
+    return _backward(x_perm, w1, w2, prob, b1, padded_offsets, c, h, dy, act, glu_limit, m_aligned) + (None,)
 
 
 _fused_mlp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)
+
+
+# The expert MLP on tokens: the kernels read the permuted rows through the routing's row map (the ops' `a_index`,
+# `b_index`), so dY (and, with `gather_x`, x) is never copied into the permuted layout, and the combine / dx are the
+# routing's gather-sums inside the same custom_vjp. Bit-identical to moe_mlp between routing.permute and
+# routing.unpermute: the gathered kernels compute exactly what they compute on the gathered rows.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _fused_routed_mlp(x, w1, w2, prob, b1, padded_offsets, row_token, dest_row, act, glu_limit, m_aligned, gather_x):
+    return _routed_fwd(x, w1, w2, prob, b1, padded_offsets, row_token, dest_row, act, glu_limit, m_aligned,
+                       gather_x)[0]
+
+
+def _routed_fwd(x, w1, w2, prob, b1, padded_offsets, row_token, dest_row, act, glu_limit, m_aligned, gather_x):
+    # FC1's A: x through the row map, or its permuted copy (then also dW1's B)
+    a, a_index = (x, row_token) if gather_x else (take_rows(x, row_token), None)
+    y_perm, (c, h) = _forward(a, w1, w2, prob, b1, padded_offsets, act, glu_limit, m_aligned, a_index)
+    return sum_rows(y_perm, dest_row), (a, w1, w2, prob, b1, padded_offsets, row_token, dest_row, c, h)
+
+
+def _routed_bwd(act, glu_limit, m_aligned, gather_x, residuals, dy):
+    a, w1, w2, prob, b1, padded_offsets, row_token, dest_row, c, h = residuals
+    dx_perm, dw1, dw2, dprob, db1 = _backward(a, w1, w2, prob, b1, padded_offsets, c, h, dy, act, glu_limit,
+                                              m_aligned, row_token if gather_x else None, row_token)
+    # the routing maps are integer data: no cotangent
+    return sum_rows(dx_perm, dest_row), dw1, dw2, dprob, db1, None, None, None
+
+
+_fused_routed_mlp.defvjp(_routed_fwd, _routed_bwd)
+
+
+# x is read through the row map (FC1's a_index, dW1's b_index) up to this many routed rows per expert; above, the
+# layer copies x_perm once (XLA) for FC1 and dW1: a gathered dW1 B costs more than the copy there (8 experts x 2048
+# rows: the layer 6.59 vs 6.42 ms; 256 and 32 rows per expert gain; RESULTS run 98). dY is always read through it.
+GATHER_X_ROWS_PER_EXPERT = 1024
+
+
+def routed_mlp(x, w1, w2, prob, b1, routing: Routing, act: str = "swiglu", glu_limit: Optional[float] = None,
+               m_aligned: int = M_ALIGNED):
+    """The expert MLP on tokens, as nn.moe_layer runs it: `unpermute(moe_mlp(permute(x)))` with the permutation
+    read by the kernels (no permuted copy of x or dY). x (T, H) bf16 / fp16 (the compute dtype); prob (m,) f32 per
+    permuted row (`routing.permuted_prob`); `routing` from `routing.route(..., m_aligned)`. Returns y (T, H): each
+    token's k expert outputs summed in fp32 (choice order), rounded once. float32 x: moe_mlp's reference path."""
+    _check_options(act, glu_limit)
+    if x.dtype == jnp.float32:
+        x_perm = gather_rows(x, routing.row_token, routing.dest_row)
+        y_perm = moe_mlp(x_perm, w1, w2, prob, b1, routing.padded_offsets, act, glu_limit, m_aligned)
+        return combine_rows(y_perm, routing.dest_row, routing.row_token)
+    check_expert_mlp(x, w1, w2, b1, act)
+    num_tokens, top_k = routing.dest_row.shape
+    gather_x = num_tokens * top_k <= GATHER_X_ROWS_PER_EXPERT * w1.shape[0]
+    return _fused_routed_mlp(x, w1, w2, prob, b1, routing.padded_offsets, routing.row_token, routing.dest_row, act,
+                             glu_limit, m_aligned, gather_x)
 
 
 def _check_options(act, glu_limit):

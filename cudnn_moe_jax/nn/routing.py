@@ -88,14 +88,14 @@ def route(experts: jax.Array, num_experts: int, m_aligned: int = M_ALIGNED) -> R
     return Routing(padded_offsets, row_token, dest.reshape(num_tokens, top_k))
 
 
-def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     """x[index] row by row; an index past the last row (the routing's padding marker) gives a zero row."""
     return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 
-def _sum_rows(y: jax.Array, groups: jax.Array) -> jax.Array:
+def sum_rows(y: jax.Array, groups: jax.Array) -> jax.Array:
     """out[t] = sum_j y[groups[t, j]], added in fp32 in choice order and rounded once to y's dtype."""
-    picked = _take_rows(y, groups).astype(jnp.float32)
+    picked = take_rows(y, groups).astype(jnp.float32)
     out = picked[:, 0]
     for j in range(1, picked.shape[1]):
         out = out + picked[:, j]
@@ -110,15 +110,15 @@ def _sum_rows(y: jax.Array, groups: jax.Array) -> jax.Array:
 def gather_rows(x, row_token, dest_row):
     """x[row_token] (zero rows where row_token == len(x)); `dest_row` (len(x), k) lists the rows that copy each x
     row (an index past the output's rows where a copy does not exist), so the gradient is a gather-sum."""
-    return _take_rows(x, row_token)
+    return take_rows(x, row_token)
 
 
 def gather_rows_fwd(x, row_token, dest_row):
-    return _take_rows(x, row_token), dest_row
+    return take_rows(x, row_token), dest_row
 
 
 def gather_rows_bwd(dest_row, g):
-    return _sum_rows(g, dest_row), None, None   # the routing maps are integer data: no cotangent
+    return sum_rows(g, dest_row), None, None   # the routing maps are integer data: no cotangent
 
 
 gather_rows.defvjp(gather_rows_fwd, gather_rows_bwd)
@@ -126,28 +126,31 @@ gather_rows.defvjp(gather_rows_fwd, gather_rows_bwd)
 
 @jax.custom_vjp
 def combine_rows(y_perm, dest_row, row_token):
-    """out[t] = sum_j y_perm[dest_row[t, j]] (`_sum_rows`); `row_token` (len(y_perm),) is the out row each y_perm
+    """out[t] = sum_j y_perm[dest_row[t, j]] (`sum_rows`); `row_token` (len(y_perm),) is the out row each y_perm
     row feeds (len(out) for none), so the gradient is a gather."""
-    return _sum_rows(y_perm, dest_row)
+    return sum_rows(y_perm, dest_row)
 
 
 def combine_rows_fwd(y_perm, dest_row, row_token):
-    return _sum_rows(y_perm, dest_row), row_token
+    return sum_rows(y_perm, dest_row), row_token
 
 
 def combine_rows_bwd(row_token, g):
-    return _take_rows(g, row_token), None, None   # padding rows (row_token == T) get zeros
+    return take_rows(g, row_token), None, None   # padding rows (row_token == T) get zeros
 
 
 combine_rows.defvjp(combine_rows_fwd, combine_rows_bwd)
 
 
+def permuted_prob(weights: jax.Array, routing: Routing) -> jax.Array:
+    """Gate weights (T, k) -> per permuted row prob (m,) f32; padding rows 0."""
+    m = routing.row_token.shape[0]
+    return jnp.zeros((m,), jnp.float32).at[routing.dest_row.reshape(-1)].set(weights.reshape(-1))
+
+
 def permute(x: jax.Array, weights: jax.Array, routing: Routing):
     """Tokens (T, H) and gate weights (T, k) -> permuted rows (m, H) and per-row prob (m,); padding rows are 0."""
-    m = routing.row_token.shape[0]
-    x_perm = gather_rows(x, routing.row_token, routing.dest_row)
-    prob = jnp.zeros((m,), jnp.float32).at[routing.dest_row.reshape(-1)].set(weights.reshape(-1))
-    return x_perm, prob
+    return gather_rows(x, routing.row_token, routing.dest_row), permuted_prob(weights, routing)
 
 
 def unpermute(y_perm: jax.Array, routing: Routing, num_tokens: int) -> jax.Array:

@@ -340,18 +340,19 @@ def _weight_layout_hint(b_shape: tuple, a_k: int) -> str:
     return "; weights are (L, N, K) here (expert-major, K contiguous), per expert (N, K)"
 
 
-def gather_index(a_index, a_rows: int):
-    """`a_index` (m,) int32, the A row each GEMM row reads (outside [0, a_rows): a zero row); its shape and dtype
-    checked, its values never (any int32 is meaningful)."""
-    x = array(a_index, "a_index")
+def gather_index(index, rows: int, arg: str = "a_index", tensor: str = "a_tensor", what: str = "row"):
+    """`index` (m,) int32, the `tensor` row (wgrad: token) each GEMM row (token) reads (outside [0, rows): zeros);
+    its shape and dtype checked, its values never (any int32 is meaningful)."""
+    x = array(index, arg)
     if x.dtype != jnp.int32:
-        raise TypeError(f"a_index must be int32 (the a_tensor row of each GEMM row), got {x.dtype}: cast with "
+        raise TypeError(f"{arg} must be int32 (the {tensor} {what} of each GEMM {what}), got {x.dtype}: cast with "
                         ".astype(jnp.int32)")
     if x.ndim != 1:
-        raise ValueError(f"a_index must have shape (m,) (one a_tensor row per GEMM row), got {tuple(x.shape)}")
-    if a_rows < 1:
-        raise ValueError("a_tensor: with a_index it must have at least one row (an index outside its rows reads "
-                         "a zero row)")
+        raise ValueError(f"{arg} must have shape ({'T' if what == 'token' else 'm'},) (one {tensor} {what} per "
+                         f"GEMM {what}), got {tuple(x.shape)}")
+    if rows < 1:
+        raise ValueError(f"{tensor}: with {arg} it must have at least one {what} (an index outside them reads "
+                         "zeros)")
     return x
 
 

@@ -12,7 +12,7 @@ from .. import _primitive, activations
 from .._problem import Epilogue, GroupedGemmProblem
 from .._results import OpResult
 from ..formats import sf_segment_bytes
-from ..limits import DBIAS_DTYPES, FLOAT_OUT_DTYPES, FP8_DTYPES, MAX_GROUPS, OUT_DTYPES
+from ..limits import DBIAS_DTYPES, FLOAT_OUT_DTYPES, FP8_DTYPES, HALF_DTYPES, MAX_GROUPS, OUT_DTYPES
 from . import _checks as ck
 from .forward import finish, output_quantization
 
@@ -135,14 +135,17 @@ def grouped_gemm_dsrelu(a_tensor, b_tensor=None, c_tensor=None, sfa_tensor=None,
 
 def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_tensor=None,
                        global_scale_a=None, global_scale_b=None, wgrad_tensor=None, *,
-                       accumulate_on_output: bool = False, wgrad_dtype=None, sf_vec_size=None,
-                       **cudnn_static) -> OpResult:
+                       accumulate_on_output: bool = False, wgrad_dtype=None, sf_vec_size=None, a_index=None,
+                       b_index=None, **cudnn_static) -> OpResult:
     """Per-expert weight gradient: W[e] = gsa[e] * gsb[e] * A[:, T_e] @ B[:, T_e]^T.
 
     a_tensor (m, T) and b_tensor (n, T), tokens contiguous; offsets_tensor (L,) cumulative token ends (no 256
     rule; empty experts legal); sfa/sfb: per-expert segment SF buffers (flat, docs/formats.md#segmented-layout),
     their segments tile exactly when every |T_e| is a multiple of 4 * sf_vec_size. With accumulate_on_output the
     result is wgrad_tensor + W (added in fp32, rounded once). Returns wgrad_tensor (L, m, n).
+    a_index / b_index (T,) int32 (docs/ops.md#gathered-a-rows): token t of A / B is token a_index[t] / b_index[t]
+    of a_tensor (m, T_a) / b_tensor (n, T_b) (a zero token outside [0, T_a)); T is then the index's length. The
+    gathered operand is 16-bit and token-major (a_major="m" / b_major="n": passed as x.T of a row-major (T_a, m)).
     """
     majors = ck.operand_majors(cudnn_static, a_major_allowed=True)
     ck.pop_m_aligned(cudnn_static)   # accepted for symmetry: token offsets have no alignment rule
@@ -162,10 +165,7 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
     ab_dtype = ck.operand_dtype(a, "a_tensor")
     if ck.operand_dtype(b, "b_tensor") != ab_dtype:
         raise TypeError(f"a_tensor ({ab_dtype}) and b_tensor ({b.dtype.name}) must have the same dtype")
-    tokens = ck.logical_k(a, ab_dtype)
-    if ck.logical_k(b, ab_dtype) != tokens:
-        raise ValueError(f"b_tensor: token count {ck.logical_k(b, ab_dtype)} does not match a_tensor's {tokens}")
-    ck.check_k_alignment(tokens, ab_dtype, "a_tensor")
+    tokens, rows = _wgrad_tokens(a, b, ab_dtype, a_index, b_index, majors)
     m, n = a.shape[0], b.shape[0]
     offsets = ck.array(offsets_tensor, "offsets_tensor")
     num_groups = offsets.shape[0] if offsets.ndim else 0
@@ -202,11 +202,44 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
     problem = GroupedGemmProblem(op="wgrad", m=m, n=n, k=tokens, num_groups=num_groups, ab_dtype=ab_dtype,
                                  sf_dtype=sf_dtype, sf_vec_size=vec, wgrad_dtype=wgrad_dtype,
                                  has_global_scales=global_scale_a is not None, accumulate=bool(accumulate_on_output),
-                                 **majors)
-    inputs = {"a": a, "b": b, "padded_offsets": offsets, "sfa": sfa, "sfb": sfb,
+                                 **majors, **rows)
+    inputs = {"a": a, "b": b, "padded_offsets": offsets, "sfa": sfa, "sfb": sfb, "a_index": a_index,
+              "b_index": b_index,
               "global_scale_a": ck.float_vector(global_scale_a, num_groups, "global_scale_a"),
               "global_scale_b": ck.float_vector(global_scale_b, num_groups, "global_scale_b"),
               "wgrad": wgrad_tensor if accumulate_on_output else None}
     out = _primitive.bind(problem, inputs, config)
     return OpResult(tuple(out), tuple(out.values()))
 
+
+
+def _wgrad_tokens(a, b, ab_dtype, a_index, b_index, majors):
+    """(T, {"a_rows" / "b_rows": T_a / T_b of a gathered operand}) of a wgrad call, its indices checked: each
+    (T,) int32 of one length, the gathered operand plain 16-bit and token-major (the kernel reads a token's row)."""
+    gathered = {"a": a_index, "b": b_index}
+    tokens, rows = None, {}
+    for name, index in gathered.items():
+        if index is None:
+            continue
+        x = {"a": a, "b": b}[name]
+        major, want = majors.get(f"{name}_major", "k"), "m" if name == "a" else "n"
+        if ab_dtype not in HALF_DTYPES or major != want:
+            raise ValueError(f"{name}_index (gathered {name.upper()} tokens) needs a bf16 / fp16 {name}_tensor "
+                             f"stored token-major ({name}_major={want!r}: pass a row-major (T, rows) array as x.T); got "
+                             f"{ab_dtype} with {name}_major={major!r}")
+        index = ck.gather_index(index, x.shape[1], f"{name}_index", f"{name}_tensor", "token")
+        gathered[name] = index
+        if tokens is not None and index.shape[0] != tokens:
+            raise ValueError(f"a_index and b_index must have one length (the token count T), got {tokens} and "
+                             f"{index.shape[0]}")
+        tokens, rows[f"{name}_rows"] = index.shape[0], x.shape[1]
+    for name in ("a", "b"):
+        if gathered[name] is None:
+            own = ck.logical_k({"a": a, "b": b}[name], ab_dtype)
+            if tokens is not None and own != tokens:
+                raise ValueError(f"{name}_tensor: token count {own} does not match the token count {tokens} of "
+                                 f"{'a_index' if name == 'b' else 'b_index'}")
+            tokens = own
+    ck.check_k_alignment(tokens, ab_dtype, "a_index" if a_index is not None else "b_index" if b_index is not None
+                         else "a_tensor")
+    return tokens, rows

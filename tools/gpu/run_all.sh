@@ -82,7 +82,12 @@ for s in $steps; do
     padfree)  # padding-free expert groups (m_aligned < 256): every M-grouped op and wgrad vs the float64 oracle
       timeout -s KILL ${PADFREE_TIMEOUT:-240} python3 -m pytest tests/gpu/test_padfree_gpu.py -q -rf \
         -p no:cacheprovider --tb=line > "$OUT/padfree.log" 2>&1
-      echo "== padfree rc=$?"; summary "$OUT/padfree.log" ;;
+      echo "== padfree rc=$?"; summary "$OUT/padfree.log"
+      # gathered operands (a_index / b_index): every M-grouped op and wgrad, bit-identical to the op on the
+      # gathered rows and vs the float64 oracle
+      timeout -s KILL ${GATHER_TIMEOUT:-240} python3 -m pytest tests/gpu/test_gather_gpu.py -q -rf \
+        -p no:cacheprovider --tb=line > "$OUT/gather.log" 2>&1
+      echo "== gather rc=$?"; summary "$OUT/gather.log" ;;
     kernels|kgpu)  # the kernel-level suites: every forward case (lab/forward_cases.py) through the primitive
       timeout -s KILL ${KERNELS_TIMEOUT:-300} python3 -m pytest tests/gpu/test_grouped_gemm_gpu.py \
         tests/gpu/test_mxfp8_gpu.py -q -rf -p no:cacheprovider --tb=line > "$OUT/kernels.log" 2>&1
@@ -92,7 +97,8 @@ for s in $steps; do
       for tool in memcheck racecheck; do
         XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool \
           --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 -m pytest tests/gpu/test_dgrad_gpu.py \
-          tests/gpu/test_wgrad_gpu.py tests/gpu/test_padfree_gpu.py -m sanitize -q -rf -p no:cacheprovider \
+          tests/gpu/test_wgrad_gpu.py tests/gpu/test_padfree_gpu.py tests/gpu/test_gather_gpu.py -m sanitize -q -rf \
+          -p no:cacheprovider \
           --tb=line > "$OUT/sanitize_$tool.log" 2>&1
         echo "== $tool rc=$?"; sanitizer_summary "$OUT/sanitize_$tool.log"
       done ;;

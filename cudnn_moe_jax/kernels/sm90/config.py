@@ -109,6 +109,12 @@ def supports(problem) -> Optional[str]:
         return "wgrad has no per-expert weight operand (discrete weights are B of the M-grouped ops)"
     if problem.op != "wgrad" and problem.a_major != "k":
         return "an M-major A is implemented for wgrad only"
+    if (problem.a_rows is not None or problem.b_rows is not None) and (
+            problem.block_scaled or problem.op == "glu_hadamard_quant"):
+        return "gathered rows / tokens (a_index, b_index) are implemented for bf16 / fp16 operands"
+    if problem.op == "wgrad" and ((problem.a_rows is not None and problem.a_major != "m")
+                                  or (problem.b_rows is not None and problem.b_major != "n")):
+        return "wgrad gathers token-major operands only (a_index with a_major='m', b_index with b_major='n')"
     if problem.op != "wgrad":
         reason = _alignment_support(problem)
         if reason is not None:
@@ -292,6 +298,9 @@ def default_config(problem) -> Config:
         # ends on odd multiples of 128 would pair two groups in a 2-CTA block, and the block-scaled mainloops
         # multicast B (and its scales) unconditionally: 1x1 clusters (FP8-wgmma MXFP8 on fc1: 591 vs 597-600 TFLOP/s)
         return Config(cluster_m=1)
+    if problem.op == "wgrad" and problem.b_rows is not None:
+        # a gathered operand is not multicast: a gathered B pairs two N tiles (A multicast), unless A is gathered too
+        return Config(cluster_m=1, cluster_n=1 if problem.a_rows is not None else 2)
     if problem.op == "wgrad" and problem.m % 256:
         return Config(cluster_m=1)  # a 2-CTA cluster pairs two M tiles of one expert's W
     if (problem.op == "glu" and problem.block_scaled and problem.ab_dtype == FP4 and problem.a_dtype is None
@@ -331,6 +340,6 @@ def config_from_hints(problem, mma_tiler_mn=None, cluster_shape_mn=None) -> Conf
         cluster_m, cluster_n = cluster_shape_mn
         if cluster_m in (1, 2) and (cluster_m == 1 or not _block_scaled_pairs_groups(problem)):
             changes["cluster_m"] = cluster_m
-        if cluster_n in (1, 2):
+        if cluster_n in (1, 2) and (cluster_n == 1 or problem.a_rows is None):   # gathered A: not multicast
             changes["cluster_n"] = cluster_n
     return dataclasses.replace(config, **changes)

@@ -12,6 +12,8 @@ Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; 
                         and their SF atoms into an `ab_stages`-deep mbarrier pipeline;
   warpgroup 0, warps 1-3 `stage_worker`s of the mainloop: the dequantizing converters (narrow B -> bf16 stage,
                         mainloop_dequant), MXFP8 scale decoders (mainloop_mxfp8), the wgrad token masker (warp 1);
+                        or `row_gatherer`s: with gathered operands (mainloop_gather) they copy their share of the
+                        gathered rows / tokens of each stage by cp.async, beside the producer warp;
   warpgroups 1-2        `consumer`: wgmma over the tile (each warpgroup 64 rows x tile_n), then the epilogue
                         (`run_epilogue` with the op's hooks): fused math per 32-column subtile -> swizzled smem ->
                         TMA store (the first consumer warp issues the stores; `epi_stages` buffers keep stores in
@@ -56,6 +58,7 @@ from .epilogue_fp8d import EPI_N, Fp8DOutput
 from .experts import BUILD_THREADS, DescriptorTable
 from .experts import templates as expert_templates
 from .mainloop import WgmmaMainloop, consumer_regs
+from .mainloop_gather import GatheredAMainloop, GatherSource
 from .operands import unpack
 
 DTYPES = {
@@ -112,6 +115,8 @@ class KernelArgs(NamedTuple):
     mDout: Any           # clipped tiles (m_aligned < tile_m): D (D_row) as memory, for their row-clipped stores
     mCout: Any           # the same of the forward's C
     mExpertDescriptors: Any  # discrete weights: the per-expert TMA descriptor table (experts.py)
+    mAIndex: Any         # gathered A (mainloop_gather): a_index, the A row of each GEMM row (wgrad: A's token)
+    mBIndex: Any         # wgrad's gathered B: b_index, B's token of each token
     mRht: Any            # glu_hadamard_quant: the Hadamard output, its scales, their encode scale, a user matrix
     mSfrht: Any
     mRhtNormConst: Any
@@ -226,6 +231,11 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
         self.config = cfg = config if config is not None else default_config(problem)
         self.ab_dtype = DTYPES[problem.ab_dtype]
         self.a_mn, self.b_mn = problem.a_major == "m", problem.b_major == "n"  # M / N-contiguous operands
+        # A's rows (wgrad: A's / B's tokens) through a_index / b_index (mainloop_gather): never multicast
+        self.gather_a, self.gather_b = problem.a_rows is not None, problem.b_rows is not None
+        if (self.gather_a and cfg.cluster_n != 1) or (self.gather_b and cfg.cluster_m != 1):
+            raise NotImplementedError("a gathered operand is not multicast: gathered A (a_index) runs cluster_n 1, "
+                                      "gathered B (b_index) cluster_m 1")
         self.tile_m, self.tile_n, self.cluster_m, self.cluster_n = cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n
         self.cluster_size = self.cluster_m * self.cluster_n
         self.n, self.num_groups = problem.n, problem.num_groups
@@ -296,6 +306,8 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
         """Block-scaled inputs: exact dequantization to bf16 on chip (mainloop_dequant), or with the opt-in
         `Config.mxfp8_wgmma` MXFP8 through FP8 wgmma + a scale-product wgmma per 32-wide K block (mainloop_mxfp8);
         else bf16 / fp16."""
+        if self.gather_a:
+            return GatheredAMainloop
         if not problem.block_scaled:
             return WgmmaMainloop
         if not self.config.mxfp8_wgmma:
@@ -383,20 +395,26 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
         if const_expr(self.discrete):  # the TMA atoms are made from expert 0's buffers: the descriptors' template
             t, experts = expert_templates(t, self.num_groups)
         a, b = t["a"], t["b"]
-        m_rows = a.shape[0]
+        m_rows = self.rows_and_extent(a, t.get("a_index"), t.get("b_index"))[0]
         d, m_alpha, m_beta, m_wold = self.output_operands(t)
 
         tiled_mma = self.mainloop.tiled_mma()
         a_layout, b_layout = self.mainloop.ab_smem_layouts()
         (a_dtype, a_box_k), (b_dtype, b_box_k) = self.mainloop.tma_operands()
-        a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            a_op, a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, a_box_k), num_multicast=self.cluster_n
-        )
-        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            b_op, b, cute.slice_(b_layout, (None, None, 0)), (self.tile_n, b_box_k), num_multicast=self.cluster_m
-        )
+        tma_atom_a, tma_a = None, a   # gathered A: the producer reads A's rows itself
+        if const_expr(not self.gather_a):
+            a_op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1
+                    else cpasync.CopyBulkTensorTileG2SOp())
+            tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+                a_op, a, cute.slice_(a_layout, (None, None, 0)), (self.tile_m, a_box_k), num_multicast=self.cluster_n
+            )
+        tma_atom_b, tma_b = None, b
+        if const_expr(not self.gather_b):
+            b_op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1
+                    else cpasync.CopyBulkTensorTileG2SOp())
+            tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+                b_op, b, cute.slice_(b_layout, (None, None, 0)), (self.tile_n, b_box_k), num_multicast=self.cluster_m
+            )
         tma_atom_sfa, tma_sfa, tma_atom_sfb, tma_sfb = self.mainloop.scale_tmas(t, self.cluster_m, self.cluster_n)
         # buffers [0, epi_stages * d_per_step) hold D (D_row), FP8 D: as many after them D_col (one partition
         # serves both)
@@ -425,7 +443,8 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
             tma_atom_sfa=tma_atom_sfa, mSFA=tma_sfa, tma_atom_sfb=tma_atom_sfb, mSFB=tma_sfb,
             tma_atom_dcol=tma_atom_dcol, mDcol=tma_dcol, mSfdRow=mSfdRow, mSfdCol=mSfdCol,
             mNormConst=t["norm_const"], mBeta=m_beta, mDprobParts=t["dprob_parts"], mDbiasParts=t["dbias_parts"],
-            mWold=m_wold, mExpertDescriptors=t["expert_descriptors"],
+            mWold=m_wold, mExpertDescriptors=t["expert_descriptors"], mAIndex=t.get("a_index"),
+            mBIndex=t.get("b_index"),
         )
         if const_expr(self.sched.clipped):   # a group's last tile stores its rows by plain stores
             args.update(mDout=d, mCout=t.get("c") if self.recipe.has_c else None)
@@ -548,11 +567,10 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
 
         sEnds = storage.ends.get_tensor(cute.make_layout(self.sched.ends_words()))
         sValid = storage.valid.get_tensor(cute.make_layout(4))
-        mA = args.mA
-        m_rows = mA.shape[0]
+        m_rows, extent = self.rows_and_extent(args.mA, args.mAIndex, args.mBIndex)
         sZero = self.init_epilogue_smem(storage, tidx)
         if warp_idx == 0:
-            self.sched.load_group_ends(args.mOffsets, self.sched.group_extent(mA), sEnds, sValid)
+            self.sched.load_group_ends(args.mOffsets, extent, sEnds, sValid)
         ml_smem = self.mainloop.smem_tensors(storage, tidx, NUM_THREADS)
         cute.arch.sync_threads()
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
@@ -568,6 +586,10 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
             for worker in self.mainloop_class.STAGE_WORKERS:
                 if warp_idx == worker[0]:
                     self.stage_worker(cta, worker)
+            if const_expr(self.gather_a or self.gather_b):
+                for slot, warp in enumerate(self.mainloop_class.GATHER_WARPS, 1):
+                    if warp_idx == warp:
+                        self.row_gatherer(args, cta, slot)
         else:
             cute.arch.setmaxregister_increase(consumer_regs(self.mainloop_class.PRODUCER_REGS))
             self.consumer(args, cta, tidx - 128, warp_idx)
@@ -609,6 +631,8 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         scale_loads = self.mainloop.partition_scale_loads(args.tma_atom_sfa, args.mSFA, args.tma_atom_sfb, args.mSFB,
                                                           cta.ml_smem, rank_m, rank_n)
+        if const_expr(self.gather_a or self.gather_b):
+            scale_loads = self.gather_source(args, cta)
         work = self.sched.work(cta.sValid, cta.m_rows, self.ab_k_tiles(ab))
         t = work.first
         while t < work.total:
@@ -631,13 +655,16 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
 
     @cute.jit
     def tma_partitions(self, args: KernelArgs, gA, gB, cta: CtaSetup, rank_m, rank_n):
-        """(tAsA, tAgA, tBsB, tBgB): A's TMA multicast along the cluster's N, B's along M."""
-        tAsA, tAgA = cpasync.tma_partition(
-            args.tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(cta.sA, 0, 2),
-            cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(
-            args.tma_atom_b, rank_m, cute.make_layout(self.cluster_m), cute.group_modes(cta.sB, 0, 2),
-            cute.group_modes(gB, 0, 2))
+        """(tAsA, tAgA, tBsB, tBgB): A's TMA multicast along the cluster's N, B's along M (gathered A: none)."""
+        tAsA = tAgA = tBsB = tBgB = None
+        if const_expr(not self.gather_a):
+            tAsA, tAgA = cpasync.tma_partition(
+                args.tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(cta.sA, 0, 2),
+                cute.group_modes(gA, 0, 2))
+        if const_expr(not self.gather_b):
+            tBsB, tBgB = cpasync.tma_partition(
+                args.tma_atom_b, rank_m, cute.make_layout(self.cluster_m), cute.group_modes(cta.sB, 0, 2),
+                cute.group_modes(gB, 0, 2))
         return tAsA, tAgA, tBsB, tBgB
 
     @cute.jit
@@ -647,7 +674,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
         other CTA's half of the B tile (`mcast_b` False: each CTA loads both halves)."""
         # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L); bK: the TMA box (packed FP4: K / 2 bytes)
         (_, a_box_k), (_, b_box_k) = self.mainloop.tma_operands()
-        gA = cute.local_tile(args.mA, (self.tile_m, a_box_k), (None, None))
+        gA = None if const_expr(self.gather_a) else cute.local_tile(args.mA, (self.tile_m, a_box_k), (None, None))
         gB = cute.local_tile(args.mB, (self.tile_n, b_box_k), (None, None, None))
         parts = self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
         if const_expr(self.pairs_groups()):
@@ -657,13 +684,28 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
             parts = parts + (tBsB_other, tBgB_other)
         return parts
 
+    @cute.jit
+    def rows_and_extent(self, mA, mAIndex, mBIndex):
+        """(A's rows as the schedule counts them, the extent the group ends index): M-grouped, A's rows (gathered
+        A: a_index's length, the GEMM's rows)."""
+        if const_expr(self.gather_a):
+            return mAIndex.shape[0], mAIndex.shape[0]
+        return mA.shape[0], self.sched.group_extent(mA)
+
+    @cute.jit
+    def gather_source(self, args: KernelArgs, cta: CtaSetup):
+        """What the gathering mainloop's producer reads (mainloop_gather.GatherSource)."""
+        return GatherSource(args.mA, args.mAIndex, cta.m_rows)
+
     def pairs_groups(self) -> bool:
         """Tile lists with a 2-CTA cluster along M: the two tiles of a block may use two groups' B."""
         return self.sched.by_tiles and self.cluster_m > 1
 
     def ab_k_tiles(self, ab):
         """M-grouped: the k-tiles of a compute tile as the producer counts them (A's partition: K as A's shape
-        says)."""
+        says; gathered A: the problem's K)."""
+        if self.gather_a:
+            return -(-self.problem.k // self.tile_k)
         return cute.size(ab[1], mode=[2])
 
     @cute.jit
@@ -673,6 +715,9 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
         expert's own B, index 0 of its descriptor)."""
         tAsA, tAgA, tBsB, tBgB = ab[:4]
         group = 0 if const_expr(self.discrete) else tile.group
+        if const_expr(self.gather_a):   # mainloop_gather: the tile's first row and A's stage 0 address
+            row0, sa_base = self.gather_placement(tile, cta)
+            return row0, sa_base, tBgB[(None, tile.n_tile, None, group)], tBsB
         if const_expr(self.sched.by_tiles):
             (_, a_box_k), _ = self.mainloop.tma_operands()
             gA = cute.local_tile(cute.domain_offset((tile.row0, 0), args.mA), (self.tile_m, a_box_k), (None, None))
@@ -681,6 +726,27 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
                 cute.group_modes(gA, 0, 2))
             return tAgA[(None, 0, None)], tAsA, tBgB[(None, tile.n_tile, None, group)], tBsB
         return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None, group)], tBsB
+
+    @cute.jit
+    def row_gatherer(self, args: KernelArgs, cta: CtaSetup, slot: cutlass.Constexpr):
+        """A warp of the producer warpgroup that copies gathered rows / tokens (mainloop_gather's GATHER_WARPS,
+        warp slot `slot`): its share of every stage the producer loads (same schedule), beside the producer warp's."""
+        rank_m, rank_n = self._cluster_coord()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        src = self.gather_source(args, cta)
+        work = self.sched.work(cta.sValid, cta.m_rows, self.ab_k_tiles(None))
+        t = work.first
+        while t < work.total:
+            tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
+            state = self.mainloop.gather_rows(cta.ab_pipeline, state, src, self.gather_placement(tile, cta), tile,
+                                              slot)
+            t += work.stride
+
+    @cute.jit
+    def gather_placement(self, tile, cta: CtaSetup):
+        """Where a tile's gathered A rows go: (its first row, A's stage 0 shared address)."""
+        row0 = tile.row0 if const_expr(self.sched.by_tiles) else tile.m_tile * self.tile_m
+        return row0, cta.storage.sA.data_ptr().toint()
 
     @cute.jit
     def stage_worker(self, cta: CtaSetup, worker: cutlass.Constexpr):

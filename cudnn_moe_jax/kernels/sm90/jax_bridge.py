@@ -34,6 +34,8 @@ def _spec(problem, operand: table.Bound) -> TensorSpec:
         return TensorSpec(static=True, layout=(0, 1) if problem.b_major == "n" else None)
     if kind == "weights" and problem.b_major == "n":
         return TensorSpec(mode=(1, 2, 0), static=True, layout=(2, 0, 1))  # (L, N, K) with N contiguous
+    if kind == "gathered_tokens":  # wgrad's gathered (rows, T_src), token-major: T_src dynamic, any value
+        return TensorSpec(layout=(0, 1), divisibility=(shape[0], 1))
     if kind == "gathered_rows":  # gathered A (a_rows, K): its row count is dynamic too, any value
         return TensorSpec(divisibility=(1, shape[1]))
     if kind == "rows":  # (m, cols): m dynamic
@@ -48,8 +50,8 @@ def _spec(problem, operand: table.Bound) -> TensorSpec:
         return TensorSpec(divisibility=(1, 1, max(1, align // SF_ATOM_ROWS)) + shape[3:])
     if kind == "sf_segments":
         return TensorSpec(divisibility=(SF_ATOM_BYTES,))
-    if kind == "m_vector":
-        return TensorSpec(divisibility=(align,))
+    if kind == "m_vector":   # wgrad: a token index (T % 8 == 0)
+        return TensorSpec(divisibility=(k_align(problem.ab_dtype) if problem.op == "wgrad" else align,))
     if kind == "tiles_by_m":
         return TensorSpec(divisibility=(1, align))
     if kind == "row_tiles":   # m / 128 tiles, or cdiv(m, 128) + L (operands.m_tiles)
@@ -88,8 +90,9 @@ def call_of(kernel):
     """A function `(*present inputs, in the operand table's order) -> tuple(launch outputs)` for use under jit,
     launching `kernel` (any object with `problem`, `config`, `launch`, `cache_key`)."""
     kwargs = cutlass_call_kwargs(kernel)
-    # m: the rows of A, or with a gathered A (a_rows, K) the length of a_index
-    m_source = table.input_names(kernel.problem).index("a_index") if kernel.problem.a_rows is not None else 0
+    # m: the rows of A, or with a gathered A (a_rows, K) the length of a_index (wgrad: A's rows m_w either way)
+    gathered = kernel.problem.a_rows is not None and kernel.problem.op != "wgrad"
+    m_source = table.input_names(kernel.problem).index("a_index") if gathered else 0
 
     def call(*arrays):
         m = arrays[m_source].shape[0]

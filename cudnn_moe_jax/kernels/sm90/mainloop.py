@@ -67,8 +67,10 @@ def make_ab_smem_layouts(ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: 
 def copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k: Int32, s: Int32,
                   a_mcast_mask, b_mcast_mask, descriptors=None):
     """TMA of K tile `k` of A and B into stage `s` on the stage's barriers (both mainloops' producers); B through
-    the expert's own descriptor with discrete weights (`descriptors`: experts.ExpertDescriptors, else None)."""
-    cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, s)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+    the expert's own descriptor with discrete weights (`descriptors`: experts.ExpertDescriptors, else None); no A
+    (`tma_atom_a` None) where the mainloop copies A itself (mainloop_gather)."""
+    if const_expr(tma_atom_a is not None):
+        cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, s)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
     cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask,
               tma_desc_ptr=None if const_expr(descriptors is None) else descriptors.b)
 

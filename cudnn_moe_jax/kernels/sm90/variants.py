@@ -104,19 +104,21 @@ def input_avals(problem):
     return {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in table.input_specs(problem).items()}
 
 
-def symbolic_avals(problem, m, a_rows=None):
+def symbolic_avals(problem, m, rows=None):
     """input_avals with the dynamic extent `m` (symbolic under jax.export): the row count (m % 256 == 0), for wgrad
-    the token count T (T % 8 == 0); the axes of `operands.dynamic_axes`. `a_rows` (symbolic too; None: the
-    problem's): a gathered A's row count, on the axes of `operands.gathered_axes`."""
+    the token count T (T % 8 == 0); the axes of `operands.dynamic_axes`. `rows` ({"a_rows" / "b_rows": size},
+    symbolic too; None: the problem's): a gathered operand's own row / token count, on the axes of
+    `operands.gathered_axes`."""
     _, axes = table.dynamic_axes(problem)
-    gathered = table.gathered_axes(problem) if a_rows is not None else {}
+    gathered = {k: v for k, v in table.gathered_axes(problem).items() if rows and v[1] in rows}
     out = {}
     for name, a in input_avals(problem).items():
         if name in axes:
             axis, per = axes[name]
             a = table.with_axis_size(a, axis, table.axis_extent(per, m))
         elif name in gathered:
-            a = table.with_axis_size(a, gathered[name], a_rows)
+            axis, field = gathered[name]
+            a = table.with_axis_size(a, axis, rows[field])
         out[name] = a
     return out
 

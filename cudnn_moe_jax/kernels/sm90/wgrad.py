@@ -26,6 +26,7 @@ from ..scheduler import K_GROUPED, GroupedTileScheduler
 from .forward import GroupedGemmSm90Forward
 from . import mainloop_dequant_wgrad
 from .mainloop import KGroupedWgmmaMainloop
+from .mainloop_gather import TokenSource, kgrouped_class
 
 
 class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
@@ -34,13 +35,16 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
     def init_epilogue(self, problem):
         self.accumulate = problem.accumulate
         self.scaled = problem.has_global_scales
-        return super().init_epilogue(dataclasses.replace(
-            problem, op="quant", epilogue=Epilogue(has_prob=False, d_dtype=problem.wgrad_dtype)))
+        return super().init_epilogue(dataclasses.replace(   # (the quant epilogue's problem gathers nothing)
+            problem, op="quant", epilogue=Epilogue(has_prob=False, d_dtype=problem.wgrad_dtype), a_rows=None,
+            b_rows=None))
 
     def mainloop_class_for(self, problem):
         """bf16 / fp16: the token-masking bf16 mainloop; block-scaled: the K-grouped dequantizing mainloop."""
         if problem.block_scaled:
             return mainloop_dequant_wgrad.mainloop_class(problem, self.config)
+        if self.gather_a or self.gather_b:
+            return kgrouped_class(self.gather_a, self.gather_b)
         return KGroupedWgmmaMainloop
 
     def make_scheduler(self, problem):
@@ -65,6 +69,23 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
             alpha = args.mAlpha[g] * args.mBeta[g]  # gsa[e] * gsb[e], rounded once as the reference's (1 * gsa) * gsb
         return alpha
 
+    @cute.jit
+    def rows_and_extent(self, mA, mAIndex, mBIndex):
+        """(W's rows m_w, the token count T: A's tokens, or the length of a gathered operand's index)."""
+        extent = self.sched.group_extent(mA)
+        if const_expr(self.gather_a):
+            extent = mAIndex.shape[0]
+        elif const_expr(self.gather_b):
+            extent = mBIndex.shape[0]
+        return mA.shape[0], extent
+
+    @cute.jit
+    def gather_source(self, args, cta):
+        """(A's TokenSource or None, B's, W's extents (m_w, n_w)) for the gathering mainloop."""
+        src_a = TokenSource(args.mA, args.mAIndex) if const_expr(self.gather_a) else None
+        src_b = TokenSource(args.mB, args.mBIndex) if const_expr(self.gather_b) else None
+        return src_a, src_b, (args.mA.shape[0], args.mB.shape[0])
+
     def ab_partitions(self, args, cta, rank_m, rank_n):
         """Nothing made once: each tile's K range starts at its expert's first token (`tile_ab`)."""
         return None
@@ -80,7 +101,26 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
         k0 = tile.k_start
         if const_expr(a_box != self.tile_k):
             k0 = tile.k_start // (self.tile_k // a_box)
-        gA = cute.local_tile(cute.domain_offset((0, k0), args.mA), (self.tile_m, a_box), (None, None))
-        gB = cute.local_tile(cute.domain_offset((0, k0), args.mB), (self.tile_n, b_box), (None, None))
+        gA = gB = None
+        if const_expr(not self.gather_a):
+            gA = cute.local_tile(cute.domain_offset((0, k0), args.mA), (self.tile_m, a_box), (None, None))
+        if const_expr(not self.gather_b):
+            gB = cute.local_tile(cute.domain_offset((0, k0), args.mB), (self.tile_n, b_box), (None, None))
         tAsA, tAgA, tBsB, tBgB = self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
-        return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None)], tBsB
+        # a gathered operand (mainloop_gather): the tile's first row / column of W and its stage 0 address
+        placement = self.gather_placement(tile, cta)
+        if const_expr(self.gather_a):
+            tAgA, tAsA = placement[0], placement[1]
+        else:
+            tAgA = tAgA[(None, tile.m_tile, None)]
+        if const_expr(self.gather_b):
+            tBgB, tBsB = placement[2], placement[3]
+        else:
+            tBgB = tBgB[(None, tile.n_tile, None)]
+        return tAgA, tAsA, tBgB, tBsB
+
+    @cute.jit
+    def gather_placement(self, tile, cta):
+        """Where a tile's gathered tokens go: (A's first W row, A's stage 0 address, B's first W column, B's)."""
+        return (tile.m_tile * self.tile_m, cta.storage.sA.data_ptr().toint(), tile.n_tile * self.tile_n,
+                cta.storage.sB.data_ptr().toint())
