@@ -99,4 +99,6 @@ def test_two_device_step_needs_only_the_one_device_modules():
     names = sorted(name for name, _, _ in got["d1/0"])
     assert names == sorted(["grouped_gemm/glu", "grouped_gemm/quant", "grouped_gemm/quant", "grouped_gemm/dglu",
                             "grouped_gemm/wgrad", "grouped_gemm/wgrad"])   # the six GEMMs of the MLP step
-    assert got["d2/0"] == got["d1/0"] == got["d1/1"]
+    assert got["d2/0"] == got["d1/0"]   # the two-device EP step: the one-device EP step's modules
+    # the moe_layer row reads dY (and at this size x) through the routing's row map: the same six GEMMs, gathered
+    assert sorted(name for name, _, _ in got["d1/1"]) == names and got["d1/1"] != got["d1/0"]
