@@ -38,9 +38,10 @@ problems are the same (L/d = 8 local experts, H, I, dtypes; only m, the received
 module is compiled for a symbolic m). This was checked on the CPU machine by lowering the 2-device step for CUDA
 on 2 virtual CPU devices (`two_device_items`) against a bundle built from `bundle_items` only, with compiling
 disabled (`python -m tools.gpu.check_bundle`: no fallback; with an empty bundle the same check lists all six
-misses), and by recording the modules each lowering asks for: the 2-device EP step, the 1-device EP step and the
-moe_layer step ask for the same six (op, fingerprint, avals key) at the default shape (by hand) and, in
-tests/test_bench_ep.py, at a small shape of the same structure.
+misses), and by recording the modules each lowering asks for: the 2-device EP step and the 1-device EP step ask
+for the same six (op, fingerprint, avals key) at the default shape (by hand) and, in tests/test_bench_ep.py, at a
+small shape of the same structure; the moe_layer step asks for its own six (it reads dY, and up to 1024 rows per
+expert x, through the routing's row map: the gathered modules).
 """
 
 from __future__ import annotations
