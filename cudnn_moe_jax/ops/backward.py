@@ -215,31 +215,30 @@ def grouped_gemm_wgrad(a_tensor, b_tensor, offsets_tensor, sfa_tensor=None, sfb_
 
 def _wgrad_tokens(a, b, ab_dtype, a_index, b_index, majors):
     """(T, {"a_rows" / "b_rows": T_a / T_b of a gathered operand}) of a wgrad call, its indices checked: each
-    (T,) int32 of one length, the gathered operand plain 16-bit and token-major (the kernel reads a token's row)."""
-    gathered = {"a": a_index, "b": b_index}
-    tokens, rows = None, {}
-    for name, index in gathered.items():
+    (T,) int32 of one length, the gathered operand plain 16-bit and token-major (the kernel reads a token's row);
+    an operand not gathered has T tokens itself."""
+    operands = {"a": (a, a_index, "m"), "b": (b, b_index, "n")}
+    tokens, rows = {}, {}
+    for name, (x, index, token_major) in operands.items():
         if index is None:
+            tokens[f"{name}_tensor"] = ck.logical_k(x, ab_dtype)
             continue
-        x = {"a": a, "b": b}[name]
-        major, want = majors.get(f"{name}_major", "k"), "m" if name == "a" else "n"
-        if ab_dtype not in HALF_DTYPES or major != want:
+        major = majors[f"{name}_major"]
+        if ab_dtype not in HALF_DTYPES or major != token_major:
             raise ValueError(f"{name}_index (gathered {name.upper()} tokens) needs a bf16 / fp16 {name}_tensor "
-                             f"stored token-major ({name}_major={want!r}: pass a row-major (T, rows) array as x.T); got "
-                             f"{ab_dtype} with {name}_major={major!r}")
-        index = ck.gather_index(index, x.shape[1], f"{name}_index", f"{name}_tensor", "token")
-        gathered[name] = index
-        if tokens is not None and index.shape[0] != tokens:
-            raise ValueError(f"a_index and b_index must have one length (the token count T), got {tokens} and "
-                             f"{index.shape[0]}")
-        tokens, rows[f"{name}_rows"] = index.shape[0], x.shape[1]
-    for name in ("a", "b"):
-        if gathered[name] is None:
-            own = ck.logical_k({"a": a, "b": b}[name], ab_dtype)
-            if tokens is not None and own != tokens:
-                raise ValueError(f"{name}_tensor: token count {own} does not match the token count {tokens} of "
-                                 f"{'a_index' if name == 'b' else 'b_index'}")
-            tokens = own
-    ck.check_k_alignment(tokens, ab_dtype, "a_index" if a_index is not None else "b_index" if b_index is not None
-                         else "a_tensor")
-    return tokens, rows
+                             f"stored token-major ({name}_major={token_major!r}: pass a row-major (T, rows) array as "
+                             f"x.T); got {ab_dtype} with {name}_major={major!r}")
+        tokens[f"{name}_index"] = ck.gather_index(index, x.shape[1], f"{name}_index", f"{name}_tensor",
+                                                  "token").shape[0]
+        rows[f"{name}_rows"] = x.shape[1]
+    (first, t), (second, u) = tokens.items()
+    if u != t:
+        if not rows:
+            raise ValueError(f"b_tensor: token count {u} does not match a_tensor's {t}")
+        if len(rows) == 2:
+            raise ValueError(f"a_index and b_index must have one length (the token count T), got {t} and {u}")
+        tensor, index = (first, second) if first.endswith("_tensor") else (second, first)
+        raise ValueError(f"{tensor}: token count {tokens[tensor]} does not match the token count {tokens[index]} "
+                         f"of {index}")
+    ck.check_k_alignment(t, ab_dtype, next((k for k in tokens if k.endswith("_index")), "a_tensor"))
+    return t, rows

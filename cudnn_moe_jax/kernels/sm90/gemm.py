@@ -7,7 +7,8 @@ epilogue hooks run by the per-tile driver (epilogue.py), and says which tensors 
 op-kind test: what differs is a method of the op's class (the "composition" section below; the M-grouped schedule
 and the bf16 / MXFP8 mainloop choice are the defaults, which wgrad overrides).
 
-Roles (384 threads, one CTA per SM, clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
+Roles (the load side -- producer, stage workers, row gatherers -- in loads.py; 384 threads, one CTA per SM,
+clusters of `cluster_m` x `cluster_n` CTAs; grid (cm, cn, clusters)):
   warpgroup 0, warp 0   `producer`: TMA loads of A (128 x 64) and B[g] (tile_n x 64, multicast to the cluster)
                         and their SF atoms into an `ab_stages`-deep mbarrier pipeline;
   warpgroup 0, warps 1-3 `stage_worker`s of the mainloop: the dequantizing converters (narrow B -> bf16 stage,
@@ -58,7 +59,8 @@ from .epilogue_fp8d import EPI_N, Fp8DOutput
 from .experts import BUILD_THREADS, DescriptorTable
 from .experts import templates as expert_templates
 from .mainloop import WgmmaMainloop, consumer_regs
-from .mainloop_gather import GatheredAMainloop, GatherSource
+from .loads import OperandLoads
+from .mainloop_gather import GatheredAMainloop
 from .operands import unpack
 
 DTYPES = {
@@ -215,7 +217,7 @@ class Store(NamedTuple):
     transposed: bool = False   # a transposed output (FP4 D_col, (N_out, m / 2)): TMA tile (col, row tile)
 
 
-class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
+class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
     """The body every op kind shares: host-side layout choices, the launcher, the kernel and its warp roles."""
 
     # epilogue buffers tried per store (the most A/B stages win, then the most buffers)
@@ -395,7 +397,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
         if const_expr(self.discrete):  # the TMA atoms are made from expert 0's buffers: the descriptors' template
             t, experts = expert_templates(t, self.num_groups)
         a, b = t["a"], t["b"]
-        m_rows = self.rows_and_extent(a, t.get("a_index"), t.get("b_index"))[0]
+        m_rows = self.rows_and_extent(a, t["a_index"], t["b_index"])[0]
         d, m_alpha, m_beta, m_wold = self.output_operands(t)
 
         tiled_mma = self.mainloop.tiled_mma()
@@ -443,8 +445,8 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
             tma_atom_sfa=tma_atom_sfa, mSFA=tma_sfa, tma_atom_sfb=tma_atom_sfb, mSFB=tma_sfb,
             tma_atom_dcol=tma_atom_dcol, mDcol=tma_dcol, mSfdRow=mSfdRow, mSfdCol=mSfdCol,
             mNormConst=t["norm_const"], mBeta=m_beta, mDprobParts=t["dprob_parts"], mDbiasParts=t["dbias_parts"],
-            mWold=m_wold, mExpertDescriptors=t["expert_descriptors"], mAIndex=t.get("a_index"),
-            mBIndex=t.get("b_index"),
+            mWold=m_wold, mExpertDescriptors=t["expert_descriptors"], mAIndex=t["a_index"],
+            mBIndex=t["b_index"],
         )
         if const_expr(self.sched.clipped):   # a group's last tile stores its rows by plain stores
             args.update(mDout=d, mCout=t.get("c") if self.recipe.has_c else None)
@@ -603,172 +605,7 @@ class GroupedGemmSm90Base(EpilogueDriver, Fp8DOutput, Fp4DOutput):
         return None
 
     # ------------------------------------------------------------------------------------------ roles
-    @cute.jit
-    def _cluster_coord(self):
-        """(rank_m, rank_n) of this CTA in its cluster (cluster dims (cm, cn, 1): rank = x + cm * y)."""
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        return rank % self.cluster_m, rank // self.cluster_m
-
-    @cute.jit
-    def _mcast_masks(self, rank_m, rank_n):
-        """TMA multicast masks of this CTA: A goes to its cluster row (along N), B to its column (along M)."""
-        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
-        a_mcast_mask = 0
-        if const_expr(self.cluster_n > 1):
-            a_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=1)
-        b_mcast_mask = 0
-        if const_expr(self.cluster_m > 1):
-            b_mcast_mask = cute.make_layout_image_mask(cta_layout, (rank_m, rank_n, 0), mode=0)
-        return a_mcast_mask, b_mcast_mask
-
-    @cute.jit
-    def producer(self, args: KernelArgs, cta: CtaSetup):
-        """Warp 0: TMA loads for every compute tile of this CTA (A multicast along the cluster's N, B along M;
-        block-scaled mainloops: their scale factors travel with A / B)."""
-        rank_m, rank_n = self._cluster_coord()
-        ab = self.ab_partitions(args, cta, rank_m, rank_n)
-        a_mcast_mask, b_mcast_mask = self._mcast_masks(rank_m, rank_n)
-        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        scale_loads = self.mainloop.partition_scale_loads(args.tma_atom_sfa, args.mSFA, args.tma_atom_sfb, args.mSFB,
-                                                          cta.ml_smem, rank_m, rank_n)
-        if const_expr(self.gather_a or self.gather_b):
-            scale_loads = self.gather_source(args, cta)
-        work = self.sched.work(cta.sValid, cta.m_rows, self.ab_k_tiles(ab))
-        t = work.first
-        while t < work.total:
-            tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
-            tAgA, tAsA, tBgB, tBsB = self.tile_ab(ab, tile, args, cta, rank_m, rank_n)
-            descriptors, weights = None, tile.group
-            if const_expr(self.discrete):  # the expert's own B / SFB, at expert index 0 of its descriptors
-                descriptors, weights = self.expert_table.acquire(args.mExpertDescriptors, tile.group), 0
-            b_own = {}
-            if const_expr(self.pairs_groups()):
-                # tile lists: the block's tiles may use two groups' B; then each CTA loads its whole B tile itself
-                b_own = dict(b_own=(ab[5][(None, tile.n_tile, None, weights)], ab[4], tile.mcast_b,
-                                    Int32(1) << (rank_m + self.cluster_m * rank_n)))
-            prod_state = self.mainloop.load_tile(
-                cta.ab_pipeline, prod_state, args.tma_atom_a, tAgA, tAsA, args.tma_atom_b, tBgB, tBsB,
-                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, tile, descriptors, **b_own,
-            )
-            t += work.stride
-        cta.ab_pipeline.producer_tail(prod_state)
-
-    @cute.jit
-    def tma_partitions(self, args: KernelArgs, gA, gB, cta: CtaSetup, rank_m, rank_n):
-        """(tAsA, tAgA, tBsB, tBgB): A's TMA multicast along the cluster's N, B's along M (gathered A: none)."""
-        tAsA = tAgA = tBsB = tBgB = None
-        if const_expr(not self.gather_a):
-            tAsA, tAgA = cpasync.tma_partition(
-                args.tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(cta.sA, 0, 2),
-                cute.group_modes(gA, 0, 2))
-        if const_expr(not self.gather_b):
-            tBsB, tBgB = cpasync.tma_partition(
-                args.tma_atom_b, rank_m, cute.make_layout(self.cluster_m), cute.group_modes(cta.sB, 0, 2),
-                cute.group_modes(gB, 0, 2))
-        return tAsA, tAgA, tBsB, tBgB
-
-    @cute.jit
-    def ab_partitions(self, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
-        """M-grouped: the producer's A / B TMA partitions, made once (every tile reads the whole K; tile lists:
-        A's is re-made per tile, from the tile's first row). Tile lists with a 2-CTA cluster along M also the
-        other CTA's half of the B tile (`mcast_b` False: each CTA loads both halves)."""
-        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, L); bK: the TMA box (packed FP4: K / 2 bytes)
-        (_, a_box_k), (_, b_box_k) = self.mainloop.tma_operands()
-        gA = None if const_expr(self.gather_a) else cute.local_tile(args.mA, (self.tile_m, a_box_k), (None, None))
-        gB = cute.local_tile(args.mB, (self.tile_n, b_box_k), (None, None, None))
-        parts = self.tma_partitions(args, gA, gB, cta, rank_m, rank_n)
-        if const_expr(self.pairs_groups()):
-            tBsB_other, tBgB_other = cpasync.tma_partition(
-                args.tma_atom_b, 1 - rank_m, cute.make_layout(self.cluster_m), cute.group_modes(cta.sB, 0, 2),
-                cute.group_modes(gB, 0, 2))
-            parts = parts + (tBsB_other, tBgB_other)
-        return parts
-
-    @cute.jit
-    def rows_and_extent(self, mA, mAIndex, mBIndex):
-        """(A's rows as the schedule counts them, the extent the group ends index): M-grouped, A's rows (gathered
-        A: a_index's length, the GEMM's rows)."""
-        if const_expr(self.gather_a):
-            return mAIndex.shape[0], mAIndex.shape[0]
-        return mA.shape[0], self.sched.group_extent(mA)
-
-    @cute.jit
-    def gather_source(self, args: KernelArgs, cta: CtaSetup):
-        """What the gathering mainloop's producer reads (mainloop_gather.GatherSource)."""
-        return GatherSource(args.mA, args.mAIndex, cta.m_rows)
-
-    def pairs_groups(self) -> bool:
-        """Tile lists with a 2-CTA cluster along M: the two tiles of a block may use two groups' B."""
-        return self.sched.by_tiles and self.cluster_m > 1
-
-    def ab_k_tiles(self, ab):
-        """M-grouped: the k-tiles of a compute tile as the producer counts them (A's partition: K as A's shape
-        says; gathered A: the problem's K)."""
-        if self.gather_a:
-            return -(-self.problem.k // self.tile_k)
-        return cute.size(ab[1], mode=[2])
-
-    @cute.jit
-    def tile_ab(self, ab, tile, args: KernelArgs, cta: CtaSetup, rank_m, rank_n):
-        """M-grouped: (tAgA, tAsA, tBgB, tBsB) of one tile: its A rows and B[group], over K (tile lists: A from
-        the tile's first row; TMA loads may start at any row, rows past m read as zeros; discrete weights: the
-        expert's own B, index 0 of its descriptor)."""
-        tAsA, tAgA, tBsB, tBgB = ab[:4]
-        group = 0 if const_expr(self.discrete) else tile.group
-        if const_expr(self.gather_a):   # mainloop_gather: the tile's first row and A's stage 0 address
-            row0, sa_base = self.gather_placement(tile, cta)
-            return row0, sa_base, tBgB[(None, tile.n_tile, None, group)], tBsB
-        if const_expr(self.sched.by_tiles):
-            (_, a_box_k), _ = self.mainloop.tma_operands()
-            gA = cute.local_tile(cute.domain_offset((tile.row0, 0), args.mA), (self.tile_m, a_box_k), (None, None))
-            tAsA, tAgA = cpasync.tma_partition(
-                args.tma_atom_a, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(cta.sA, 0, 2),
-                cute.group_modes(gA, 0, 2))
-            return tAgA[(None, 0, None)], tAsA, tBgB[(None, tile.n_tile, None, group)], tBsB
-        return tAgA[(None, tile.m_tile, None)], tAsA, tBgB[(None, tile.n_tile, None, group)], tBsB
-
-    @cute.jit
-    def row_gatherer(self, args: KernelArgs, cta: CtaSetup, slot: cutlass.Constexpr):
-        """A warp of the producer warpgroup that copies gathered rows / tokens (mainloop_gather's GATHER_WARPS,
-        warp slot `slot`): its share of every stage the producer loads (same schedule), beside the producer warp's."""
-        rank_m, rank_n = self._cluster_coord()
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        src = self.gather_source(args, cta)
-        work = self.sched.work(cta.sValid, cta.m_rows, self.ab_k_tiles(None))
-        t = work.first
-        while t < work.total:
-            tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
-            state = self.mainloop.gather_rows(cta.ab_pipeline, state, src, self.gather_placement(tile, cta), tile,
-                                              slot)
-            t += work.stride
-
-    @cute.jit
-    def gather_placement(self, tile, cta: CtaSetup):
-        """Where a tile's gathered A rows go: (its first row, A's stage 0 shared address)."""
-        row0 = tile.row0 if const_expr(self.sched.by_tiles) else tile.m_tile * self.tile_m
-        return row0, cta.storage.sA.data_ptr().toint()
-
-    @cute.jit
-    def stage_worker(self, cta: CtaSetup, worker: cutlass.Constexpr):
-        """A stage worker of the mainloop (MXFP8: a scale decoder; wgrad: the token masker; the dequantizing
-        converters): for every stage the producer loads (same schedule), once its TMA landed,
-        `mainloop.process_stage` reworks it in shared memory; then `mainloop.publish_stage` fences the
-        generic-proxy stores against the wgmma's async-proxy reads and arrives on the stage's worker barrier(s)."""
-        lane = cute.arch.lane_idx()
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        rank_m, rank_n = self._cluster_coord()
-        work = self.sched.work(cta.sValid, cta.m_rows)
-        t = work.first
-        while t < work.total:
-            tile = self.sched.tile(t, work, cta.sEnds, rank_m, rank_n)
-            k_count = tile.k_count
-            for k in cutlass.range(k_count, unroll=1):
-                cta.ab_pipeline.consumer_wait(state)
-                self.mainloop.process_stage(worker, cta.ml_smem, cta.sA, cta.sB, state.index, k, k_count, tile, lane)
-                self.mainloop.publish_stage(worker, cta.ml_smem, cta.stage_mbar, state.index, lane)
-                state.advance()
-            t += work.stride
-
+    # (the load side -- producer, stage workers, row gatherers -- is loads.OperandLoads)
     @cute.jit
     def consumer(self, args: KernelArgs, cta: CtaSetup, ctid: Int32, warp_idx: Int32):
         """Warpgroups 1-2: wgmma mainloop + fused epilogue for every tile (compute and zero) of this CTA."""

@@ -1,6 +1,7 @@
-"""The bf16 / fp16 wgmma mainloop with A's rows gathered (the M-grouped ops' `a_index`): row r of the GEMM reads row
-a_index[r] of A (T, K), a zero row where the index is outside [0, T) or r is past A's m rows. An MoE layer then
-reads its tokens straight from x, without a permuted copy of them.
+"""The bf16 / fp16 wgmma mainloops with gathered operands: the M-grouped ops' A rows (`a_index`: row r of the GEMM
+reads row a_index[r] of A (T, K), a zero row where the index is outside [0, T) or r is past A's m rows;
+`GatheredAMainloop`) and the weight gradient's token-major A / B tokens (`a_index` / `b_index`;
+`KGroupedGatherMainloop`). An MoE layer then reads its tokens straight from x and dY, without permuted copies.
 
 No TMA box gathers rows on sm_90, so the producer warpgroup copies A by `cp.async` of 16 bytes (B keeps its TMA;
 the stage's full barrier counts the TMA's arrive-and-expect-tx, now of B's bytes only, and the lanes' arrivals
