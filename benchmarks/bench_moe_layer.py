@@ -230,21 +230,28 @@ def _torch_runner(name):
     return once, peak
 
 
-def kernel_share(step, avals, top=10):
-    """(GEMM-kernel microseconds, all device microseconds) of one step of ours, printing the largest kernels."""
+def device_kernel_times(f, args, width=90) -> dict:
+    """{kernel name (its first `width` characters): device microseconds} over one profiled call of the jitted f
+    (after a warm-up call)."""
     import jax
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    x = _inputs(avals, 99)
-    f = jax.jit(step)
-    jax.block_until_ready(f(*x))
+    jax.block_until_ready(f(*args))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        jax.block_until_ready(f(*x))
+        jax.block_until_ready(f(*args))
     total = {}
     for ev in prof.events():
         if ev.device_type == DeviceType.CUDA:
-            total[ev.name[:90]] = total.get(ev.name[:90], 0.0) + ev.time_range.elapsed_us()
+            total[ev.name[:width]] = total.get(ev.name[:width], 0.0) + ev.time_range.elapsed_us()
+    return total
+
+
+def kernel_share(step, avals, top=10):
+    """(GEMM-kernel microseconds, all device microseconds) of one step of ours, printing the largest kernels."""
+    import jax
+
+    total = device_kernel_times(jax.jit(step), _inputs(avals, 99))
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         print(f"    {us:10.1f} us  {name}", flush=True)
     gemm = sum(us for name, us in total.items() if any(mark in name for mark in GEMM_KERNEL_MARKS))

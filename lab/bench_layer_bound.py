@@ -7,8 +7,8 @@ each config of `benchmarks.bench_moe_layer`, on three row layouts with the same 
   pooled   every row one expert's (L = 1): each B tile is reused by every M tile, so the weights stay in L2.
 
 routed / even is the cost of the padded tiles, even / pooled the cost of streaming E experts' weights (each read by
-few tiles), pooled / peak the kernels' own rate on the shapes. Device time (CUPTI span of a program of 3 steps per
-call), useful TFLOP/s = 18 T k H I / time, and each GEMM kernel's device time in one profiled step.
+few tiles), pooled / peak the kernels' own rate on the shapes. Device time (CUPTI span of 3 back-to-back steps, per
+step), useful TFLOP/s = 18 T k H I / time, and each GEMM kernel's device time in one profiled step.
 
     python -m lab.bench_layer_bound [--configs 8e,64e,128e]     # checkout root, GPU machine with torch
 """
@@ -68,34 +68,16 @@ def _offsets(name, layout):
     if layout == "pooled":
         return jnp.array([t * k], jnp.int32)
     if layout == "even":
-        return (jnp.arange(1, e + 1, dtype=jnp.int32) * (t * k // e)).astype(jnp.int32)
+        return jnp.arange(1, e + 1, dtype=jnp.int32) * (t * k // e)
     experts = jax.lax.top_k(jax.random.normal(jax.random.PRNGKey(0), (t, e)), k)[1].astype(jnp.int32)
     return nn.route(experts, e).padded_offsets
-
-
-def _gemm_kernels(f, args):
-    """{kernel name: device us} of the GEMM kernels of one profiled call."""
-    import jax
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    from benchmarks.bench_moe_layer import GEMM_KERNEL_MARKS
-
-    jax.block_until_ready(f(*args))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        jax.block_until_ready(f(*args))
-    out = {}
-    for ev in prof.events():
-        if ev.device_type == DeviceType.CUDA and any(mark in ev.name for mark in GEMM_KERNEL_MARKS):
-            out[ev.name[:70]] = out.get(ev.name[:70], 0.0) + ev.time_range.elapsed_us()
-    return out
 
 
 def run(name: str, timer) -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.bench_moe_layer import CONFIGS, useful_flops
+    from benchmarks.bench_moe_layer import CONFIGS, GEMM_KERNEL_MARKS, device_kernel_times, useful_flops
 
     t, h, i, e, k = CONFIGS[name]
     flops = useful_flops(t, h, i, k)
@@ -114,7 +96,8 @@ def run(name: str, timer) -> None:
         jax.block_until_ready(f(*args))
         best = min(timer.time(lambda: jax.block_until_ready([f(*args) for _ in range(CALLS)]), CALLS).device
                    for _ in range(3))
-        kernels = _gemm_kernels(f, args)
+        kernels = {n: us for n, us in device_kernel_times(f, args, 70).items()
+                   if any(mark in n for mark in GEMM_KERNEL_MARKS)}
         gemm = sum(kernels.values())
         print(f"{name}: {layout:7s} {best * 1e3:8.3f} ms {flops / best / 1e12:6.1f} useful TFLOP/s  GEMM kernels "
               f"{gemm:8.1f} us ({flops / gemm / 1e6:6.1f} useful TFLOP/s; rows computed {computed} of "
