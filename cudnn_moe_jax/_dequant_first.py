@@ -45,6 +45,16 @@ def dequantize_first(problem: GroupedGemmProblem) -> bool:
     return problem.m // problem.num_groups >= DEQUANT_FIRST_ROWS["fp4" if problem.ab_dtype == FP4 else "fp8"]
 
 
+def staged_problem(problem: GroupedGemmProblem):
+    """`problem` with its operands staged inside the kernel (kernels/sm90/mainloop_staged.py: converted once into
+    bf16 workspaces beside the GEMM, the same values and the same bf16 kernel as XLA's route below) where the kernel
+    implements that for it, else None (XLA's conversion then the bf16 kernel)."""
+    from .kernels.sm90.config import supports
+
+    staged = dataclasses.replace(problem, staged=True)
+    return staged if supports(staged) is None else None
+
+
 def bf16_problem(problem: GroupedGemmProblem) -> GroupedGemmProblem:
     """The bf16 problem computing `problem` on exactly dequantized operands: same op, shapes, epilogue and operand
     majors (the bf16 kernel reads every major, so XLA writes the bf16 operands in the codes' own memory order: no

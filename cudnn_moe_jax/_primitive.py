@@ -170,8 +170,13 @@ def _cuda_lowering(ctx, *args, problem, input_names, config):
     if not _kernels_enabled:
         return _reference_on_gpu(ctx, *args, problem=problem, input_names=input_names, config=config)
     if _dequantizes_first(problem, config):  # cuDNN's tile hints (a tuple) pass on to the bf16 kernel
-        run = functools.partial(_dequantized_outputs_with, config, problem, input_names)
-        return mlir.lower_fun(run, multiple_results=True)(ctx, *args)
+        from . import _dequant_first
+
+        staged = _dequant_first.staged_problem(problem)
+        if staged is None:
+            run = functools.partial(_dequantized_outputs_with, config, problem, input_names)
+            return mlir.lower_fun(run, multiple_results=True)(ctx, *args)
+        problem = staged   # the same bf16 values, converted inside the kernel beside the GEMM
     reason = None
     try:
         from . import _lowering

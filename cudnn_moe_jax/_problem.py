@@ -96,6 +96,9 @@ class GroupedGemmProblem:
     # names A's token of each of the T tokens; b_rows / `b_index` likewise for B (n, b_rows) (wgrad only).
     a_rows: Optional[int] = None
     b_rows: Optional[int] = None
+    # Block-scaled operands converted once, inside the kernel, into bf16 workspaces that the bf16 mainloop reads,
+    # beside the GEMM (kernels/sm90/mainloop_staged.py): how the kernel runs, not what it computes.
+    staged: bool = False
 
     def __post_init__(self):
         if self.op not in OPS:

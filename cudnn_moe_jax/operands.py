@@ -368,9 +368,28 @@ def _descriptor_table_bytes(p):
     return (expert_descriptor_operands(p) * p.num_groups * (TMA_DESCRIPTOR_BYTES + 8),)
 
 
+# Staged problems (kernels/sm90/mainloop_staged.py): the bf16 copies of the block-scaled operands the kernel writes
+# and reads back, and the ready flags of their 512-wide K chunks -- A's per 128-row tile in an (m, 1) column (at
+# most m / 128 * cdiv(K, 512) <= m of them), B's per expert and 128-row block after a job counter.
+STAGED_CHUNK_K = 512
+
+
+def staged_b_flag_words(p):
+    return (1 + p.num_groups * cdiv(p.n, 128) * cdiv(p.k, STAGED_CHUNK_K),)
+
+
+def _stages_a(p) -> bool:
+    return p.staged and p.a_dtype is None
+
+
 WORKSPACES = (
     Operand("expert_descriptors", "static", _descriptor_table_bytes, "uint8",
             lambda p: p.discrete_weights and p.op != "wgrad", launch="expert_descriptors"),
+    Operand("staged_a", "rows", lambda p: (p.m, p.k), "bfloat16", _stages_a, launch="staged_a"),
+    Operand("staged_a_flags", "rows", lambda p: (p.m, 1), "int32", _stages_a, launch="staged_a_flags"),
+    Operand("staged_b", "static", lambda p: (p.num_groups, p.n, p.k), "bfloat16", lambda p: p.staged,
+            launch="staged_b"),
+    Operand("staged_b_flags", "static", staged_b_flag_words, "int32", lambda p: p.staged, launch="staged_b_flags"),
 )
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 
 E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
@@ -136,6 +136,22 @@ def bitselect(mask: cutlass.Constexpr, a: Int32, b: Int32) -> Int32:
 def splat_bf16(half: Int32) -> Int32:
     """bf16 bits in the low half -> the same value in both halves."""
     return _asm("prmt.b32 $0, $1, 0, 0x1010;", half)
+
+
+def void_asm(code: str, constraints: str, *args) -> None:
+    llvm.inline_asm(None, [a.ir_value() for a in args], code, constraints, has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@cute.jit
+def st_global_v2(addr: Int64, a: Int32, b: Int32):
+    void_asm("st.global.v2.b32 [$0], {$1, $2};", "l,r,r", Int64(addr), Int32(a), Int32(b))
+
+
+@cute.jit
+def st_global_v4(addr: Int64, w: list):
+    void_asm("st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", Int64(addr), *[Int32(x) for x in w])
+
 
 
 # ------------------------------------------------------------------------------------------------ fp16 A

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Optional
 
 from cudnn_moe_jax import activations
+from cudnn_moe_jax.operands import STAGED_CHUNK_K
 from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FORWARD_D_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES,
                                   MAX_GROUPS, OUT_DTYPES, QUANT_D_DTYPES, SF_GROUP_ALIGN, k_align)
 
@@ -91,6 +92,19 @@ class Config:
             raise ValueError("mxfp8_wgmma runs 128 x 128 tiles (tile_n=128)")
 
 
+def _staged_reason(problem) -> Optional[str]:
+    """Why a staged problem (operands converted once in the kernel: mainloop_staged) is not implemented, or None."""
+    if not problem.block_scaled or problem.a_dtype == "float16":
+        return "staged conversion takes block-scaled B with a block-scaled or bf16 A"
+    if problem.op not in ("quant", "srelu", "glu") or problem.discrete_weights or problem.a_rows is not None:
+        return "staged conversion is implemented for the forward ops on stacked weights and ungathered A"
+    if (problem.a_major, problem.b_major) != ("k", "k") or problem.m_aligned % 128:
+        return "staged conversion needs K-major A and B and m_aligned % 128 == 0"
+    if problem.k > 128 * STAGED_CHUNK_K:
+        return f"staged conversion flags A's chunks in an (m, 1) column: K <= {128 * STAGED_CHUNK_K}"
+    return None
+
+
 def supports(problem) -> Optional[str]:
     """None if `GroupedGemmSm90` implements `problem`, else the reason it does not."""
     epi = problem.epilogue
@@ -105,6 +119,10 @@ def supports(problem) -> Optional[str]:
                     f"the formats {BLOCK_FORMATS}")
     elif problem.ab_dtype not in HALF_DTYPES:
         return f"A/B dtype {problem.ab_dtype!r} not in {HALF_DTYPES}"
+    if problem.staged:
+        reason = _staged_reason(problem)
+        if reason is not None:
+            return reason
     if problem.discrete_weights and problem.op == "wgrad":
         return "wgrad has no per-expert weight operand (discrete weights are B of the M-grouped ops)"
     if problem.op != "wgrad" and problem.a_major != "k":
@@ -289,6 +307,11 @@ def default_config(problem) -> Config:
     617, 2x2 clusters per SM no better (626 from 24 clusters on 96 SMs); raster group 4 / 16 603 / 602, 1x2 cluster
     602 vs 615.
     """
+    if problem.staged:   # the bf16 kernel's schedule on the converted operands, without tile lists (a tile's rows
+        # are one expert's: the chunk flags are per 128-row tile)
+        config = default_config(dataclasses.replace(problem, ab_dtype="bfloat16", sf_dtype=None, sf_vec_size=None,
+                                                    a_dtype=None, staged=False))
+        return dataclasses.replace(config, cluster_m=1) if _block_scaled_pairs_groups(problem) else config
     if (problem.op == "glu" and problem.block_scaled and problem.a_dtype == "bfloat16"
             and problem.ab_dtype in FP8_DTYPES):
         # weight-only FP8: the bf16 A stage beside the FP8 B and its bf16 stage leaves 2 A/B stages next to two

@@ -61,6 +61,7 @@ from .experts import templates as expert_templates
 from .mainloop import WgmmaMainloop, consumer_regs
 from .loads import OperandLoads
 from .mainloop_gather import GatheredAMainloop
+from .mainloop_staged import StagedMainloop
 from .operands import unpack
 
 DTYPES = {
@@ -123,6 +124,12 @@ class KernelArgs(NamedTuple):
     mSfrht: Any
     mRhtNormConst: Any
     mHadamard: Any
+    mCodesA: Any         # staged (mainloop_staged): the block-scaled codes the converters read, their bf16
+    mCodesB: Any         # workspaces and ready flags
+    mStagedA: Any
+    mStagedAFlags: Any
+    mStagedB: Any
+    mStagedBFlags: Any
 
 
 class CtaSetup(NamedTuple):
@@ -310,6 +317,8 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
         else bf16 / fp16."""
         if self.gather_a:
             return GatheredAMainloop
+        if problem.staged:
+            return StagedMainloop
         if not problem.block_scaled:
             return WgmmaMainloop
         if not self.config.mxfp8_wgmma:
@@ -396,7 +405,7 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
         experts = None
         if const_expr(self.discrete):  # the TMA atoms are made from expert 0's buffers: the descriptors' template
             t, experts = expert_templates(t, self.num_groups)
-        a, b = t["a"], t["b"]
+        a, b = self.mainloop.tma_sources(t)
         m_rows = self.rows_and_extent(a, t["a_index"], t["b_index"])[0]
         d, m_alpha, m_beta, m_wold = self.output_operands(t)
 
@@ -448,6 +457,9 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
             mWold=m_wold, mExpertDescriptors=t["expert_descriptors"], mAIndex=t["a_index"],
             mBIndex=t["b_index"],
         )
+        if const_expr(self.problem.staged):
+            args.update(mCodesA=t["a"], mCodesB=t["b"], mStagedA=t["staged_a"], mStagedAFlags=t["staged_a_flags"],
+                        mStagedB=t["staged_b"], mStagedBFlags=t["staged_b_flags"])
         if const_expr(self.sched.clipped):   # a group's last tile stores its rows by plain stores
             args.update(mDout=d, mCout=t.get("c") if self.recipe.has_c else None)
         args.update(self.epilogue_operands(t))
@@ -476,6 +488,12 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
             # SF bytes are written only for computed rows/blocks; XLA outputs are uninitialised (rows outside every
             # group and SF padding must read 0x00)
             self.zero_bytes_kernel(mSfdRow, mSfdCol).launch(grid=[264, 1, 1], block=[256, 1, 1], stream=stream)
+
+        if const_expr(self.problem.staged):   # the converters' ready flags and job counter start at zero
+            flags = [t[name] for name in ("staged_a_flags", "staged_b_flags") if t[name] is not None]
+            views = [cute.make_tensor(cute.recast_ptr(f.iterator, dtype=cutlass.Uint8),
+                                      cute.make_layout(cute.size(f) * 4)) for f in flags]
+            self.zero_bytes_kernel(views[0], views[-1]).launch(grid=[132, 1, 1], block=[256, 1, 1], stream=stream)
 
         if const_expr(self.discrete):
             atoms = (tma_atom_b, tma_atom_sfb)[:self.expert_table.operands]
@@ -588,6 +606,9 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
             for worker in self.mainloop_class.STAGE_WORKERS:
                 if warp_idx == worker[0]:
                     self.stage_worker(cta, worker)
+            if const_expr(len(self.mainloop_class.CONVERT_WARPS) > 0):
+                if warp_idx > 0:
+                    self.mainloop.convert(args, cta.sEnds, cta.sValid)
             if const_expr(self.gather_a or self.gather_b):
                 for slot, warp in enumerate(self.mainloop_class.GATHER_WARPS, 1):
                     if warp_idx == warp:

@@ -43,6 +43,7 @@ from cudnn_moe_jax.formats import sf_atom_start, sf_row_byte
 from cudnn_moe_jax.limits import FP4
 
 from .. import quantize as q8
+from ..dequant import st_global_v2, st_global_v4
 from .epilogue import EpilogueHooks
 from .epilogue_fp8d import EPI_N
 from .forward import GroupedGemmSm90Forward
@@ -68,21 +69,6 @@ class HadamardOutputs(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------------------ PTX helpers
-
-
-def _void_asm(code: str, constraints: str, *args) -> None:
-    llvm.inline_asm(None, [a.ir_value() for a in args], code, constraints, has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@cute.jit
-def st_global_v2(addr: Int64, a: Int32, b: Int32):
-    _void_asm("st.global.v2.b32 [$0], {$1, $2};", "l,r,r", Int64(addr), Int32(a), Int32(b))
-
-
-@cute.jit
-def st_global_v4(addr: Int64, w: list):
-    _void_asm("st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", Int64(addr), *[Int32(x) for x in w])
 
 
 @cute.jit

@@ -48,6 +48,8 @@ class OperandLoads:
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         if const_expr(self.gather_a or self.gather_b):   # what the gathering mainloop reads its rows from
             scale_loads = self.gather_source(args, cta)
+        elif const_expr(self.problem.staged):             # the chunks' ready flags (mainloop_staged)
+            scale_loads = (args.mStagedAFlags, args.mStagedBFlags)
         else:
             scale_loads = self.mainloop.partition_scale_loads(args.tma_atom_sfa, args.mSFA, args.tma_atom_sfb,
                                                               args.mSFB, cta.ml_smem, rank_m, rank_n)

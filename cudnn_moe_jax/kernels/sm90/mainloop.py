@@ -115,6 +115,7 @@ class WgmmaMainloop:
 
     TILE_K = TILE_K
     STAGE_WORKERS = ()
+    CONVERT_WARPS = ()          # mainloop_staged: warps of the producer warpgroup converting the operands
     REGISTER_TIGHT = False
     PRODUCER_REGS = 40
     PRODUCER_ARRIVALS = 1
@@ -142,6 +143,10 @@ class WgmmaMainloop:
     def tma_operands(self):
         """((element type, TMA box extent along K) of A, of B): what the producer's TMA loads into `sA` / `sB`."""
         return (self.ab_dtype, self.TILE_K), (self.ab_dtype, self.TILE_K)
+
+    def tma_sources(self, tensors):
+        """(A, B) launcher tensors the producer's TMA reads (mainloop_staged: its bf16 workspaces)."""
+        return tensors["a"], tensors["b"]
 
     def scale_layouts(self):
         return None, None

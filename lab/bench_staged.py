@@ -1,0 +1,113 @@
+"""Block-scaled operands staged in the kernel (`problem.staged`, kernels/sm90/mainloop_staged.py) beside the XLA
+route (cudnn_moe_jax._dequant_first) and the bf16 kernel alone on the route's bf16 operands: the format benchmark's
+calls (lab.bench_kernels.format_problem: SwiGLU with C and D on fc1, plain D on fc2), every output of the staged
+kernel compared bit for bit with the route's, then each timed on the device (CUPTI span of CALLS calls on distinct
+inputs, best of 3 rounds).
+
+    python -m lab.bench_staged [--shapes fc1,fc2] [--formats nvfp4,mxfp8,mxfp4,w_nvfp4,w_mxfp8]
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_staged:bundle_items
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+SHAPES = ("fc1", "fc2")
+FORMATS = ("nvfp4", "mxfp8", "mxfp4", "w_nvfp4", "w_mxfp8")
+CALLS = 8
+
+
+def problems(shape: str, fmt: str):
+    """(route problem, staged problem, the route's bf16 problem) of a format call."""
+    from cudnn_moe_jax import _dequant_first
+    from lab import bench_kernels
+
+    base = bench_kernels.format_problem(shape, fmt)
+    return base, dataclasses.replace(base, staged=True), _dequant_first.bf16_problem(base)
+
+
+def bundle_items(shapes=SHAPES, fmts=FORMATS) -> list:
+    from lab import forward_cases
+
+    items = []
+    for shape in shapes:
+        for fmt in fmts:
+            base, staged, bf16 = problems(shape, fmt)
+            items += [forward_cases.lowering_item(staged),
+                      forward_cases.lowering_item(base, fn=forward_cases.dequant_first_fn(base))]
+        items.append(forward_cases.lowering_item(bf16))   # one bf16 problem per shape
+    return items
+
+
+def inputs(problem, seed: int) -> list:
+    """The problem's inputs in the operand table's order: N(0, 1) data quantized to its format (B / sqrt(K)),
+    equal experts, alpha 1, prob uniform in [0.1, 1)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cudnn_moe_jax import formats, operands
+
+    key = jax.random.PRNGKey(seed)
+    L, m, k = problem.num_groups, problem.m, problem.k
+    fmt = (problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size)
+    a32 = jax.random.normal(jax.random.fold_in(key, 0), (m, k), jnp.float32)
+    b32 = jax.random.normal(jax.random.fold_in(key, 1), (L, problem.n, k), jnp.float32) / np.sqrt(k)
+    a, sfa = (a32.astype(jnp.bfloat16), None) if problem.a_dtype else formats.to_block_scaled(a32, *fmt)
+    b, sfb = formats.to_block_scaled(b32, *fmt)
+    arrays = dict(a=a, b=b, sfa=sfa, sfb=sfb, padded_offsets=jnp.asarray(np.arange(1, L + 1) * (m // L), jnp.int32),
+                  alpha=jnp.ones((L,), jnp.float32),
+                  prob=jax.random.uniform(jax.random.fold_in(key, 2), (m,), jnp.float32, 0.1, 1.0))
+    return [arrays[name] for name in operands.input_specs(problem)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    args = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cudnn_moe_jax import _dequant_first, operands
+    from lab import device_timer, forward_cases, harness
+
+    timer, why = device_timer.cupti_timer()
+    print(f"device {jax.devices()[0].device_kind}; {'CUPTI' if timer else 'host: ' + why}", flush=True)
+    for shape in args.shapes.split(","):
+        for fmt in args.formats.split(","):
+            base, staged, bf16 = problems(shape, fmt)
+            flops = 2.0 * base.m * base.n * base.k
+            sets = [inputs(base, s) for s in range(CALLS)]
+            names = list(operands.input_specs(base))
+            bf16_names = list(operands.input_specs(bf16))
+            bf16_sets = []
+            for st in sets:
+                d = _dequant_first.dequantized_inputs(base, dict(zip(names, st)))
+                bf16_sets.append([d[n] for n in bf16_names])
+            with harness.kernels_only():
+                fns = {"staged": forward_cases.kernel_fn(staged), "xla route": forward_cases.dequant_first_fn(base),
+                       "bf16 kernel alone": forward_cases.kernel_fn(bf16)}
+                got, want = fns["staged"](*sets[0]), fns["xla route"](*sets[0])
+                bad = {key: int((np.asarray(got[key]).view(np.uint8) != np.asarray(v).view(np.uint8)).sum())
+                       for key, v in want.items()}
+                same = not any(bad.values())
+                line = [f"{shape:4s} {fmt:8s} staged " + ("bit-identical to the route" if same else
+                                                          f"DIFFERS from the route (bytes: {bad})")]
+                for label, fn in fns.items():
+                    use = bf16_sets if label.startswith("bf16") else sets
+                    prog = jax.jit(lambda *flat, fn=fn, n=len(use[0]): [fn(*flat[i * n:(i + 1) * n])
+                                                                      for i in range(CALLS)])
+                    flat = [x for st in use for x in st]
+                    run = lambda prog=prog, flat=flat: jax.block_until_ready(prog(*flat))  # noqa: E731
+                    run()
+                    t = [timer.time(run, CALLS) if timer else device_timer.host_time(run, CALLS) for _ in range(3)]
+                    sec = min(x.device if x.device is not None else x.host for x in t)
+                    line.append(f"{label} {sec * 1e3:.3f} ms {flops / sec / 1e12:.1f} TFLOP/s")
+            print(" | ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
