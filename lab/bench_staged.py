@@ -1,12 +1,11 @@
 """Block-scaled operands staged in the kernel (`problem.staged`, kernels/sm90/mainloop_staged.py) beside the XLA
-route (cudnn_moe_jax._dequant_first) and the bf16 kernel alone on the route's bf16 operands: the format benchmark's
-calls (lab.bench_kernels.format_problem: SwiGLU with C and D on fc1, plain D on fc2), every output of the staged
-kernel compared bit for bit with the route's, then each timed on the device (CUPTI span of CALLS calls on distinct
-inputs, best of 3 rounds).
+route (cudnn_moe_jax._dequant_first), the on-chip dequantizing mainloop and the bf16 kernel alone on the route's
+bf16 operands: the format benchmark's calls (lab.bench_kernels.format_problem: SwiGLU with C and D on fc1, plain D
+on fc2; SWEEP: fewer rows per expert), every output of the staged kernel compared bit for bit with the route's,
+then each timed on the device (CUPTI span of CALLS calls on distinct inputs, best of 3 rounds).
 
     python -m lab.bench_staged [--shapes fc1,fc2] [--formats nvfp4,mxfp8,mxfp4,w_nvfp4,w_mxfp8]
-    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_staged:bundle_items
-"""
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_staged:bundle_items"""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import argparse
 import dataclasses
 
 SHAPES = ("fc1", "fc2")
+SWEEP = ("fc1_r1024", "fc1_r512", "small_r1024", "small_r512")   # fewer rows per expert: the rule's threshold
 FORMATS = ("nvfp4", "mxfp8", "mxfp4", "w_nvfp4", "w_mxfp8")
 CALLS = 8
 
@@ -28,13 +28,14 @@ def problems(shape: str, fmt: str):
 
 
 def bundle_items(shapes=SHAPES, fmts=FORMATS) -> list:
+    from cudnn_moe_jax.kernels.sm90.config import default_config
     from lab import forward_cases
 
     items = []
     for shape in shapes:
         for fmt in fmts:
             base, staged, bf16 = problems(shape, fmt)
-            items += [forward_cases.lowering_item(staged),
+            items += [forward_cases.lowering_item(staged), forward_cases.lowering_item(base, default_config(base)),
                       forward_cases.lowering_item(base, fn=forward_cases.dequant_first_fn(base))]
         items.append(forward_cases.lowering_item(bf16))   # one bf16 problem per shape
     return items
@@ -72,6 +73,7 @@ def main(argv=None):
     import numpy as np
 
     from cudnn_moe_jax import _dequant_first, operands
+    from cudnn_moe_jax.kernels.sm90.config import default_config
     from lab import device_timer, forward_cases, harness
 
     timer, why = device_timer.cupti_timer()
@@ -89,6 +91,7 @@ def main(argv=None):
                 bf16_sets.append([d[n] for n in bf16_names])
             with harness.kernels_only():
                 fns = {"staged": forward_cases.kernel_fn(staged), "xla route": forward_cases.dequant_first_fn(base),
+                       "on chip": forward_cases.kernel_fn(base, default_config(base)),
                        "bf16 kernel alone": forward_cases.kernel_fn(bf16)}
                 got, want = fns["staged"](*sets[0]), fns["xla route"](*sets[0])
                 bad = {key: int((np.asarray(got[key]).view(np.uint8) != np.asarray(v).view(np.uint8)).sum())

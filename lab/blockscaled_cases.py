@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 import cudnn_moe_jax as cmj
 from cudnn_moe_jax.formats import sf_physical_shape
+from lab import harness
 
 E4M3, E5M2, E2M1, E8M0 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "float8_e8m0fnu"
 FP8 = (E4M3, E5M2)
@@ -168,12 +169,18 @@ def call(case, x, discrete: bool = False):
 
 
 ALL_CASES = CASES + DGRAD_CASES
+# the forward cases whose operands the kernel can stage (kernels/sm90/mainloop_staged.py: a block-scaled or bf16 A,
+# K-major B), run under harness.block_scaled_route("staged") on the multi-expert patterns
+STAGED_CASES = [c for c in CASES if not c[2].startswith("w16_") and c[5].get("b_major", "k") == "k"]
+STAGED_RUNS = (("empty_and_tail", "exact"), ("unsanitized", "adversarial"), ("empty_and_tail", "specials"))
 
 
 def bundle_items() -> list:
     """Each case's call lowered for CUDA at `input_avals` (aot records the module it asks for), also at the
-    dequantize-first pattern (the bf16 kernel's modules)."""
-    return bundle_items_for(ALL_CASES) + bundle_items_for(ALL_CASES, "dequant_first")
+    dequantize-first pattern (the staged kernels' modules, and the bf16 kernel's for the calls XLA converts), and
+    the STAGED_CASES under the staged route."""
+    staged = [harness.on_route("staged", item) for item in bundle_items_for(STAGED_CASES)]
+    return bundle_items_for(ALL_CASES) + bundle_items_for(ALL_CASES, "dequant_first") + staged
 
 
 def bundle_items_for(cases, pattern: str = "empty_and_tail", discrete: bool = False) -> list:

@@ -104,11 +104,10 @@ def test_bundle_covers_every_benchmark_call_with_a_kernel(monkeypatch):
         bench_cases.BLOCK_FORMATS.values())
     assert {p.op for p, _ in asked} == {"quant", "glu", "glu_hadamard_quant"}
     fp8_d = [p for p, names in asked if p.epilogue.generate_sfd and p.epilogue.d_dtype != "float4_e2m1fn"]
-    # the MXFP8 calls with FP8 D: on chip, or dequantized first (bf16) where rows per expert pass the rule's bound
+    # the MXFP8 calls with FP8 D: on chip, or staged in the kernel where rows per expert pass the rule's bound
     routed = {p.m // p.num_groups >= _dequant_first.DEQUANT_FIRST_ROWS["fp8"] for p in fp8_d}
     assert len(fp8_d) == len(shapes.SHAPES) and routed == {True, False}
-    assert all((p.ab_dtype == "bfloat16") == (p.m // p.num_groups >= _dequant_first.DEQUANT_FIRST_ROWS["fp8"])
-               for p in fp8_d)
+    assert all(p.staged == (p.m // p.num_groups >= _dequant_first.DEQUANT_FIRST_ROWS["fp8"]) for p in fp8_d)
 
 
 def test_lab_configs_are_timed_beside_the_public_op(tiny, tmp_path):

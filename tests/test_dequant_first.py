@@ -2,8 +2,10 @@
 
 - the rule (`_dequant_first.dequantize_first`): by rows per expert and data width (wgrad: tokens per expert); never
   an fp16 A or a symbolic m / T;
-- the CUDA lowering hands the kernel lowering the bf16 problem where the rule says so (and the block-scaled problem
-  itself otherwise, or under an explicit Config), with no fallback to the reference;
+- the CUDA lowering hands the kernel lowering the block-scaled problem staged in the kernel where the rule says so
+  and the kernel stages it (forward ops, K-major operands, stacked weights), the bf16 problem on XLA's conversion
+  where it does not (dgrad, an N-major B, discrete weights), the block-scaled problem itself otherwise or under an
+  explicit Config, with no fallback to the reference; a staged launch's workspaces come after its outputs;
 - the route's outputs equal the block-scaled reference's bit for bit on every case of the block-scaled GPU suites
   (forward and dgrad, every format, stacked and discrete weights; wgrad with segment scales, token-major operands,
   global scales, accumulation; exact, adversarial and special values).
@@ -103,15 +105,60 @@ def test_cuda_lowering_takes_the_route_by_the_rule(rows, monkeypatch):
 
     for hints in (None, True):
         (seen,) = _lowered_problems(lambda *x: glu(*x, hints=hints), (a, b, sfa, sfb), monkeypatch)
-        assert (seen.ab_dtype == "bfloat16") == (rows >= _dequant_first.DEQUANT_FIRST_ROWS["fp8"]), seen
+        # a forward op past the rule is staged in the kernel (the same block-scaled problem, staged)
+        assert seen.ab_dtype == E4M3 and seen.staged == (rows >= _dequant_first.DEQUANT_FIRST_ROWS["fp8"]), seen
 
 
 def test_explicit_config_pins_the_dequantizing_kernel(monkeypatch):
     p = _problem(_dequant_first.DEQUANT_FIRST_ROWS["fp8"], groups=2)
     x = {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in operands.input_specs(p).items()}
-    for cfg, want in ((None, "bfloat16"), (config.default_config(p), E4M3)):
+    for cfg, staged in ((None, True), (config.default_config(p), False)):
         (seen,) = _lowered_problems(lambda x, cfg=cfg: _primitive.bind(p, x, cfg), (x,), monkeypatch)
-        assert seen.ab_dtype == want
+        assert (seen.ab_dtype, seen.staged) == (E4M3, staged)
+
+
+def test_problems_the_kernel_does_not_stage_take_xla_route(monkeypatch):
+    """dgrad, an N-major B and discrete weights past the rule: XLA's conversion, then the bf16 problem."""
+    rows = _dequant_first.DEQUANT_FIRST_ROWS["fp8"]
+    dglu = _problem(rows, groups=2, op="dglu",
+                    epilogue=Epilogue(act="dswiglu", c_dtype="bfloat16", d_dtype="bfloat16"))
+    for p in (dglu, dataclasses.replace(_problem(rows, groups=2), b_major="n"),
+              dataclasses.replace(_problem(rows, groups=2), discrete_weights=True)):
+        assert _dequant_first.staged_problem(p) is None
+        specs = operands.input_specs(p)
+        x = {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in specs.items()}
+        if p.discrete_weights:   # b:0, b:1, ... as one tuple, as the public ops bind them
+            x = _primitive._regroup(list(specs), list(x.values()))
+        seen = _lowered_problems(lambda x, p=p: _primitive.bind(p, x), (x,), monkeypatch)
+        assert seen and all(q.ab_dtype == "bfloat16" and not q.staged for q in seen), seen
+
+
+def test_staged_problem_where_the_kernel_stages_it():
+    rows = _dequant_first.DEQUANT_FIRST_ROWS["fp4"]
+    for p in (_problem(rows), _problem(rows, FP4, "float8_e4m3fn", 16), _problem(rows, a_dtype="bfloat16"),
+              _problem(rows, op="quant", epilogue=Epilogue()), dataclasses.replace(_problem(rows), m_aligned=128)):
+        staged = _dequant_first.staged_problem(p)
+        assert staged == dataclasses.replace(p, staged=True) and config.supports(staged) is None
+    assert _dequant_first.staged_problem(_problem(rows, a_dtype="float16")) is None
+    assert "m_aligned" in config.supports(dataclasses.replace(_problem(rows), m_aligned=64, staged=True))
+    assert "block-scaled" in config.supports(dataclasses.replace(_problem(rows), sf_dtype=None, sf_vec_size=None,
+                                                                   ab_dtype="bfloat16", staged=True))
+
+
+def test_staged_launch_writes_its_workspaces_after_the_outputs():
+    """A staged launch writes the op's outputs, then its bf16 workspaces and ready flags (A's only where A is
+    block-scaled), which `finish` drops."""
+    p = dataclasses.replace(_problem(1024, groups=2), staged=True)
+    names = [b.name for b in operands.launch_outputs(p)]
+    assert names == ["c", "d", "staged_a", "staged_a_flags", "staged_b", "staged_b_flags"]
+    shapes = {b.name: b.shape for b in operands.launch_outputs(p)}
+    assert shapes["staged_a"] == (p.m, p.k) and shapes["staged_b"] == (2, p.n, p.k)
+    # the job counter, then 2 experts x 4 row blocks x 1 chunk
+    assert shapes["staged_b_flags"] == (1 + 2 * 4 * 1,)
+    w = dataclasses.replace(p, a_dtype="bfloat16")
+    assert [b.name for b in operands.launch_outputs(w)] == ["c", "d", "staged_b", "staged_b_flags"]
+    outs = [np.zeros(1)] * len(names)
+    assert len(operands.finish(p)(outs, {})) == 2
 
 
 def _spy_bind(monkeypatch):

@@ -26,3 +26,13 @@ harness.skip_without_gpu_or_bundle("lab.blockscaled_cases")
 def test_blockscaled_op_matches_float64(case, pattern, mode):
     errs = checks.run_case(case, pattern, mode)
     assert not errs, errs
+
+
+@pytest.mark.parametrize("pattern,mode", cases.STAGED_RUNS)
+@pytest.mark.parametrize("case", cases.STAGED_CASES, ids=[c[0] for c in cases.STAGED_CASES])
+def test_staged_op_matches_float64(case, pattern, mode):
+    """The forward cases with their operands staged in the kernel (kernels/sm90/mainloop_staged.py: converted once
+    into bf16 workspaces beside the GEMM) on routings with an empty expert, unsanitized offsets and m > valid_m."""
+    with harness.block_scaled_route("staged"):
+        errs = checks.run_case(case, pattern, mode)
+    assert not errs, errs

@@ -16,6 +16,7 @@ sets="lab.forward_cases:bundle_items lab.wgrad_cases:bundle_items lab.dgrad_case
   lab.public_ops_cases:bundle_items lab.blockscaled_cases:bundle_items lab.discrete_cases:bundle_items
   lab.fp4_out_cases:bundle_items lab.padfree_cases:bundle_items lab.gather_cases:bundle_items
   lab.nn_grads_cases:bundle_items lab.bench_gather:bundle_items lab.bench_layer_bound:bundle_items
+  lab.bench_staged:bundle_items
   examples.moe_expert_parallel:bundle_items benchmarks.bench_moe_step:bundle_items benchmarks.bench_moe_ops:bundle_items
   benchmarks.bench_moe_layer:bundle_items benchmarks.bench_cases:bundle_items benchmarks.bench_ep:bundle_items ${*:2}"
 python -m cudnn_moe_jax.aot build --arch sm_90a --out "$out" --variants $sets

@@ -98,7 +98,7 @@ class StagedMainloop(WgmmaMainloop):
     """The bf16 mainloop over the staged workspaces, the converter warps and the producer's chunk waits."""
 
     CONVERT_WARPS = (1, 2, 3)
-    PRODUCER_REGS = 56          # the converters keep a group's words, scale and pairs live (FP8: 56 as mainloop_dequant)
+    PRODUCER_REGS = 56          # the converters hold a batch of groups' words (mainloop_dequant's FP8 workers: 56)
     smem_stage_bytes = staticmethod(_bf16_stage_bytes)
     tx_bytes = staticmethod(_bf16_stage_bytes)
 
@@ -152,11 +152,13 @@ class StagedMainloop(WgmmaMainloop):
     @cute.jit
     def wait_chunk(self, a_flags, b_flags, tile, c: Int32):
         if const_expr(self.stage_a):
-            wait_flag(a_flags.iterator.toint() + Int64(tile.m_tile * self.k_chunks + c) * 4, Int32(SF_ATOM_ROWS // SLAB))
+            wait_flag(a_flags.iterator.toint() + Int64(tile.m_tile * self.k_chunks + c) * 4,
+                      Int32(SF_ATOM_ROWS // SLAB))
         for h in cutlass.range_constexpr(self.tile_n // SF_ATOM_ROWS):
             rb = tile.n_tile * (self.tile_n // SF_ATOM_ROWS) + h
             if rb < self.n_blocks:
-                slabs = cutlass.min(Int32(SF_ATOM_ROWS // SLAB), (Int32(self.n) - rb * SF_ATOM_ROWS + SLAB - 1) // SLAB)
+                slabs = cutlass.min(Int32(SF_ATOM_ROWS // SLAB),
+                                    (Int32(self.n) - rb * SF_ATOM_ROWS + SLAB - 1) // SLAB)
                 flag = 1 + (tile.group * self.n_blocks + rb) * self.k_chunks + c
                 wait_flag(b_flags.iterator.toint() + Int64(flag) * 4, slabs)
         fence_async_global()
@@ -191,11 +193,12 @@ class StagedMainloop(WgmmaMainloop):
                 if r < e_a:
                     row0 = e_row0 + r * SLAB
                     self.convert_slab(args.mCodesA, args.mSFA, args.mStagedA, row0, Int32(0), Int32(SLAB), c, lane)
-                    flag = args.mStagedAFlags.iterator.toint() + Int64((row0 // SF_ATOM_ROWS) * self.k_chunks + c) * 4
+                    flag = (args.mStagedAFlags.iterator.toint()
+                            + Int64((row0 // SF_ATOM_ROWS) * self.k_chunks + c) * 4)
             if is_b:
                 n0 = (r - e_a) * SLAB
-                self.convert_slab(args.mCodesB, args.mSFB, args.mStagedB, n0, e, cutlass.min(Int32(SLAB), self.n - n0),
-                                  c, lane)
+                self.convert_slab(args.mCodesB, args.mSFB, args.mStagedB, n0, e,
+                                  cutlass.min(Int32(SLAB), self.n - n0), c, lane)
                 flag = counter + Int64(1 + (e * self.n_blocks + n0 // SF_ATOM_ROWS) * self.k_chunks + c) * 4
             fence_async_global()
             cute.arch.sync_warp()

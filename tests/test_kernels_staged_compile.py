@@ -1,0 +1,53 @@
+"""CPU checks of the staged kernels (kernels/sm90/mainloop_staged.py: block-scaled operands converted once inside the
+bf16 kernel): each format and epilogue kind compiles for sm_90a with the bf16 kernel's wgmma not serialized, TMA
+loads and stores and no local memory; the converters' job counter (ATOMG), their release adds (REDG), the
+producer's acquire loads and the async-proxy fence on global memory are in the SASS. Skipped without the CuTe DSL
+compiler. ~5 variants x ~4 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
+from lab.sass import check_sass, compile_or_skip, cuobjdump, sass_of
+
+E4M3, E8M0, FP4, BF = "float8_e4m3fn", "float8_e8m0fnu", "float4_e2m1fn", "bfloat16"
+FORMATS = {"nvfp4": (FP4, E4M3, 16), "mxfp4": (FP4, E8M0, 32), "mxfp8": (E4M3, E8M0, 32)}
+CASES = {   # name: (op, format, bf16 A, epilogue)
+    "nvfp4_swiglu": ("glu", "nvfp4", False, Epilogue(act="swiglu", c_dtype=BF, d_dtype=BF)),
+    "mxfp8_quant_fp8d": ("quant", "mxfp8", False, Epilogue(d_dtype=E4M3, generate_sfd=True)),
+    "mxfp4_srelu": ("srelu", "mxfp4", False, Epilogue(act="srelu", d_dtype=BF)),
+    "w_nvfp4_swiglu": ("glu", "nvfp4", True, Epilogue(act="swiglu", c_dtype=BF, d_dtype=BF)),
+    "w_mxfp8_quant": ("quant", "mxfp8", True, Epilogue(d_dtype=BF)),
+}
+
+
+def problem(name: str) -> GroupedGemmProblem:
+    op, fmt, bf16_a, epi = CASES[name]
+    data, sf, vec = FORMATS[fmt]
+    return GroupedGemmProblem(op=op, m=4096, n=512, k=1024, num_groups=4, ab_dtype=data, sf_dtype=sf,
+                              sf_vec_size=vec, a_dtype=BF if bf16_a else None, epilogue=epi, staged=True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_staged_kernel_compiles_with_its_converters(name):
+    module = compile_or_skip(problem(name))
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    sass = sass_of(module, tool)
+    check_sass(sass, False)
+    for op in ("ATOMG.E.ADD", "REDG.E.ADD.STRONG.GPU", "LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G"):
+        assert op in sass, op
+    assert "QGMMA" not in sass   # the converted operands go through the bf16 wgmma
+
+
+def test_staged_problem_keeps_its_inputs():
+    """Staging changes how the kernel runs, not what it is bound to: the same inputs as the block-scaled call."""
+    from cudnn_moe_jax import operands
+
+    p = problem("nvfp4_swiglu")
+    assert operands.input_specs(p) == operands.input_specs(dataclasses.replace(p, staged=False))
