@@ -94,6 +94,10 @@ class WgmmaMainloop:
       `tma_operands()`                            element type and TMA box K of the loaded A / B stages;
       `smem_fields()`, `smem_tensors()`           the mainloop's own shared memory (none here) and its views;
       `scale_tmas()`, `partition_scale_loads()`   TMA atoms / partitions of scale factors (none here);
+      `tma_sources()`                             the launcher tensors the producer's TMA reads as A / B (the
+                                                  staged mainloop: its bf16 workspaces);
+      `CONVERT_WARPS`, `convert()`                warps of the producer warpgroup that convert the operands once
+                                                  into those workspaces (mainloop_staged; none here);
       `STAGE_WORKERS`, `process_stage()`          warps of the producer warpgroup that rework each loaded stage
                                                   in shared memory before the consumers read it (none here);
       `publish_stage()`                           what a stage worker does once its stores are made (fence them
