@@ -162,6 +162,8 @@ class Mxfp8Mainloop:
     PRODUCER_REGS = WgmmaMainloop.PRODUCER_REGS
     publish_stage = WgmmaMainloop.publish_stage   # fence the decoded scales, arrive
     stage_arrivals = WgmmaMainloop.stage_arrivals
+    tma_sources = WgmmaMainloop.tma_sources       # A and B as given
+    CONVERT_WARPS = WgmmaMainloop.CONVERT_WARPS   # none
 
     def smem_fields(self):
         """Raw SF atoms of each stage, then the bf16 scale operands A' / B'."""
