@@ -244,9 +244,9 @@ def format_bundle_items(shapes=None, labels=FORMAT_LABELS) -> list:
              for s in shapes or FORMAT_SHAPES for f in labels]
     for s in shapes or FORMAT_SHAPES:
         for f in labels:
-            if f != "bf16":
-                _, problem, fn = other_route(s, f)
-                items.append(forward_cases.lowering_item(problem, fn=fn))
+            route = other_route(s, f) if f != "bf16" else None
+            if route is not None:
+                items.append(forward_cases.lowering_item(route[1], fn=route[2]))
     return items
 
 
@@ -254,11 +254,13 @@ def other_route(shape: str, fmt: str):
     """(label, problem, jitted fn(a, b, [sfa,] sfb, padded_offsets, alpha, prob)) running a block-scaled format
     call the way its public op does not: `fmt`:on-chip where the op dequantizes first
     (cudnn_moe_jax._dequant_first.dequantize_first), else `fmt`:xla-dequant (XLA's conversion, then the bf16
-    kernel)."""
+    kernel); None for an fp16 A (on chip only: no 16-bit type holds both operands exactly)."""
     from cudnn_moe_jax._dequant_first import dequantize_first
     from lab import bench_kernels, forward_cases
 
     problem = bench_kernels.format_problem(shape, fmt)
+    if problem.a_dtype == "float16":
+        return None
     if dequantize_first(problem):
         return f"{fmt}:on-chip", problem, forward_cases.kernel_fn(problem)
     return f"{fmt}:xla-dequant", problem, forward_cases.dequant_first_fn(problem)

@@ -516,8 +516,9 @@ def run_formats(args):
             sets = [(a, b, sa, sfb, offsets, alpha, prob) for a, sa in a_sets]
             f = public_op(bench_cases.block_call(shape_name, fmt), sets[0], f"ours[{fmt}] on {shape_name}")
             runners[f"ours[{fmt}]"] = _jax_runner(f, sets, timer)
-            if fmt != "bf16":   # the route the public op does not take (on-chip conversion / XLA dequantization)
-                label, _, fr = bench_cases.other_route(shape_name, fmt)
+            route = bench_cases.other_route(shape_name, fmt) if fmt != "bf16" else None
+            if route is not None:   # the route the public op does not take (on-chip conversion / XLA dequantization)
+                label, _, fr = route
                 rsets = [tuple(x for x in s if x is not None) for s in sets]
                 runners[f"ours[{label}]"] = _jax_runner(public_op(fr, rsets[0], f"ours[{label}]"), rsets, timer)
             if args.lab and fmt != "bf16":  # the lab: other schedules of the format (lab/bench_kernels.py)

@@ -370,12 +370,13 @@ def _descriptor_table_bytes(p):
 
 # Staged problems (kernels/sm90/mainloop_staged.py): the bf16 copies of the block-scaled operands the kernel writes
 # and reads back, and the ready flags of their 512-wide K chunks -- A's per 128-row tile in an (m, 1) column (at
-# most m / 128 * cdiv(K, 512) <= m of them), B's per expert and 128-row block after a job counter.
+# most m / 128 * cdiv(K, 512) <= m of them), B's per expert and 128-row block after a header word (the job counter).
 STAGED_CHUNK_K = 512
+STAGED_HEADER_WORDS = 1
 
 
 def staged_b_flag_words(p):
-    return (1 + p.num_groups * cdiv(p.n, 128) * cdiv(p.k, STAGED_CHUNK_K),)
+    return (STAGED_HEADER_WORDS + p.num_groups * cdiv(p.n, 128) * cdiv(p.k, STAGED_CHUNK_K),)
 
 
 def _stages_a(p) -> bool:

@@ -4,7 +4,12 @@ bf16 operands: the format benchmark's calls (lab.bench_kernels.format_problem: S
 on fc2; SWEEP: fewer rows per expert), every output of the staged kernel compared bit for bit with the route's,
 then each timed on the device (CUPTI span of CALLS calls on distinct inputs, best of 3 rounds).
 
-    python -m lab.bench_staged [--shapes fc1,fc2] [--formats nvfp4,mxfp8,mxfp4,w_nvfp4,w_mxfp8]
+    python -m lab.bench_staged [--shapes fc1,fc2] [--formats nvfp4,mxfp8,mxfp4,w_nvfp4,w_mxfp8] [--routes ...]
+                               [--power]
+
+--power: each route also runs back to back for POWER_SECONDS while nvidia-smi samples the SM clock and the board
+power (median of the samples; the tensor cores are power-limited, so a route's clock says how much power its work
+costs beside the GEMM).
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_staged:bundle_items"""
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import dataclasses
 SHAPES = ("fc1", "fc2")
 SWEEP = ("fc1_r1024", "fc1_r512", "small_r1024", "small_r512")   # fewer rows per expert: the rule's threshold
 FORMATS = ("nvfp4", "mxfp8", "mxfp4", "w_nvfp4", "w_mxfp8")
+ROUTES = ("staged", "xla route", "on chip", "bf16 kernel alone")
 CALLS = 8
+POWER_SECONDS = 2.0
 
 
 def problems(shape: str, fmt: str):
@@ -63,10 +70,30 @@ def inputs(problem, seed: int) -> list:
     return [arrays[name] for name in operands.input_specs(problem)]
 
 
+def clock_and_power(run) -> tuple:
+    """(median SM clock in MHz, median board power in W) sampled by nvidia-smi every 50 ms while `run` repeats for
+    POWER_SECONDS (the first 0.2 s of samples dropped)."""
+    import statistics
+    import subprocess
+    import time
+
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    while time.monotonic() - start < POWER_SECONDS:
+        run()
+    smi.terminate()
+    rows = [line.split(",") for line in smi.communicate()[0].splitlines() if "," in line][4:]
+    return statistics.median(float(r[0]) for r in rows), statistics.median(float(r[1]) for r in rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--routes", default=",".join(ROUTES), help="timed routes (staged and xla route always run once"
+                    " for the bit-identity check)")
+    ap.add_argument("--power", action="store_true")
     args = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -100,6 +127,8 @@ def main(argv=None):
                 line = [f"{shape:4s} {fmt:8s} staged " + ("bit-identical to the route" if same else
                                                           f"DIFFERS from the route (bytes: {bad})")]
                 for label, fn in fns.items():
+                    if label not in args.routes.split(","):
+                        continue
                     use = bf16_sets if label.startswith("bf16") else sets
                     prog = jax.jit(lambda *flat, fn=fn, n=len(use[0]): [fn(*flat[i * n:(i + 1) * n])
                                                                       for i in range(CALLS)])
@@ -109,6 +138,8 @@ def main(argv=None):
                     t = [timer.time(run, CALLS) if timer else device_timer.host_time(run, CALLS) for _ in range(3)]
                     sec = min(x.device if x.device is not None else x.host for x in t)
                     line.append(f"{label} {sec * 1e3:.3f} ms {flops / sec / 1e12:.1f} TFLOP/s")
+                    if args.power:
+                        line[-1] += " ({:.0f} MHz, {:.0f} W)".format(*clock_and_power(run))
             print(" | ".join(line), flush=True)
 
 

@@ -607,8 +607,8 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
                 if warp_idx == worker[0]:
                     self.stage_worker(cta, worker)
             if const_expr(len(self.mainloop_class.CONVERT_WARPS) > 0):
-                if warp_idx > 0:
-                    self.mainloop.convert(args, cta.sEnds, cta.sValid)
+                if warp_idx >= self.mainloop_class.CONVERT_WARPS[0]:   # the warpgroup's last warps
+                    self.mainloop.convert(args, cta)
             if const_expr(self.gather_a or self.gather_b):
                 for slot, warp in enumerate(self.mainloop_class.GATHER_WARPS, 1):
                     if warp_idx == warp:

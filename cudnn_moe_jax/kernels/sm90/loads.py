@@ -47,11 +47,11 @@ class OperandLoads:
         a_mcast_mask, b_mcast_mask = self._mcast_masks(rank_m, rank_n)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         if const_expr(self.gather_a or self.gather_b):   # what the gathering mainloop reads its rows from
-            scale_loads = self.gather_source(args, cta)
+            side_inputs = self.gather_source(args, cta)
         elif const_expr(self.problem.staged):             # the chunks' ready flags (mainloop_staged)
-            scale_loads = (args.mStagedAFlags, args.mStagedBFlags)
+            side_inputs = (args.mStagedAFlags, args.mStagedBFlags)
         else:
-            scale_loads = self.mainloop.partition_scale_loads(args.tma_atom_sfa, args.mSFA, args.tma_atom_sfb,
+            side_inputs = self.mainloop.partition_scale_loads(args.tma_atom_sfa, args.mSFA, args.tma_atom_sfb,
                                                               args.mSFB, cta.ml_smem, rank_m, rank_n)
         work = self.sched.work(cta.sValid, cta.m_rows, self.ab_k_tiles(ab))
         t = work.first
@@ -68,7 +68,7 @@ class OperandLoads:
                                     Int32(1) << (rank_m + self.cluster_m * rank_n)))
             prod_state = self.mainloop.load_tile(
                 cta.ab_pipeline, prod_state, args.tma_atom_a, tAgA, tAsA, args.tma_atom_b, tBgB, tBsB,
-                a_mcast_mask, b_mcast_mask, tile.k_count, scale_loads, tile, descriptors, **b_own,
+                a_mcast_mask, b_mcast_mask, tile.k_count, side_inputs, tile, descriptors, **b_own,
             )
             t += work.stride
         cta.ab_pipeline.producer_tail(prod_state)

@@ -227,12 +227,14 @@ class WgmmaMainloop:
         a_mcast_mask,
         b_mcast_mask,
         k_count: Int32,
-        scale_loads=None,
+        side_inputs=None,
         tile=None,
         descriptors=None,
         b_own=None,
     ):
-        """k_count stages of one tile (`scale_loads` / `tile`: the block-scaled mainloops', unused here).
+        """k_count stages of one tile (`side_inputs`: what the producer reads besides A / B -- the scale factors'
+        partitions, a gathering source, the staged chunks' flags (loads.producer); `tile`: the tile's coordinates;
+        both unused here).
         `b_own` = (the other CTA's half of this tile's B, its smem partition, multicast, this CTA's own mask):
         a 2-CTA cluster whose tiles may use two experts' B (tile lists) multicasts B only when `multicast`; else
         each CTA loads both halves to itself (the same bytes arrive per stage either way)."""

@@ -324,14 +324,14 @@ class DequantMainloop(WgmmaMainloop):
 
     @cute.jit
     def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile, descriptors=None):
+                  a_mcast_mask, b_mcast_mask, k_count: Int32, side_inputs, tile, descriptors=None):
         """k_count stages of tile (m_tile, n_tile, expert g): the narrow A / B boxes and the SF atoms of stage k
         (k-block quad k // stages_per_atom). SFA atoms are (m / 128, Kb), SFB atoms (L, cdiv(N, 128), Kb); a B
         row block past N loads the expert's last one (its rows are masked by the workers). Discrete weights: B and
         SFB through the expert's `descriptors`, g = 0."""
         g = 0 if const_expr(descriptors is not None) else tile.group
         return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
-                                   a_mcast_mask, b_mcast_mask, k_count, (scale_loads, tile.m_tile, tile.n_tile, g),
+                                   a_mcast_mask, b_mcast_mask, k_count, (side_inputs, tile.m_tile, tile.n_tile, g),
                                    descriptors)
 
     @cute.jit

@@ -270,18 +270,18 @@ class KGroupedDequantMainloop(DequantMainloop):
 
     @cute.jit
     def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-                  a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile, descriptors=None):
+                  a_mcast_mask, b_mcast_mask, k_count: Int32, side_inputs, tile, descriptors=None):
         """k_count stages of the tile: the narrow A / B boxes by TMA, then the stage's scale words by cp.async
         (every lane: rows lane, lane + 32, ...; the quads Q0 and, where the stage's tokens reach it, Q0 + 1), each
         lane arriving on the stage's full barrier once its copies landed (`descriptors`: None, wgrad has no
         per-expert weights)."""
-        mSFA, mSFB, sWords = scale_loads
+        mSFA, mSFB, sWords = side_inputs
         seg = self.segment(tile)
         lane = cute.arch.lane_idx()
         fmt = self.FORMAT
         kb_n = (((seg.end - seg.start + fmt.vec - 1) >> self.log_vec) + 3) >> 2     # the segment's quads
         return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
-                                   a_mcast_mask, b_mcast_mask, k_count, (scale_loads, tile, seg, lane, kb_n))
+                                   a_mcast_mask, b_mcast_mask, k_count, (side_inputs, tile, seg, lane, kb_n))
 
     @cute.jit
     def load_stage_scales(self, scales, bar, k: Int32, s: Int32, a_mcast_mask, b_mcast_mask, descriptors):

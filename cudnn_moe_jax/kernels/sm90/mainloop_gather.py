@@ -58,7 +58,7 @@ class GatheredAMainloop(WgmmaMainloop):
     (module docstring): warp w copies tile rows 32 w .. 32 w + 31 of every stage, warp 0 (`load_tile`, beside B's
     TMA) and warps 1-3 (`gather_rows`, the kernel's `row_gatherer` role) alike. `load_tile` gets the tile's first row
     in place of A's TMA partition, the shared address of A's stage 0 in place of its smem partition, and the
-    `GatherSource` as `scale_loads`."""
+    `GatherSource` as `side_inputs`."""
 
     ROW_WARPS = 4
     GATHER_WARPS = (1, 2, 3)       # beside warp 0: slots 1-3
@@ -119,10 +119,10 @@ class GatheredAMainloop(WgmmaMainloop):
 
     @cute.jit
     def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, a_mcast_mask,
-                  b_mcast_mask, k_count: Int32, scale_loads=None, tile=None, descriptors=None, b_own=None):
+                  b_mcast_mask, k_count: Int32, side_inputs=None, tile=None, descriptors=None, b_own=None):
         """k_count stages of one tile: B by TMA, A's first 32 rows by cp.async (`tAgA`: the tile's first row;
-        `tAsA`: the shared address of A's stage 0; `scale_loads`: the GatherSource)."""
-        rows = self.warp_rows(scale_loads, tAgA, Int32(0), cute.arch.lane_idx(), tAsA)
+        `tAsA`: the shared address of A's stage 0; `side_inputs`: the GatherSource)."""
+        rows = self.warp_rows(side_inputs, tAgA, Int32(0), cute.arch.lane_idx(), tAsA)
         return self.produce_stages(ab_pipeline, prod_state, (None, None, None, tma_atom_b, tBgB, tBsB),
                                    a_mcast_mask, b_mcast_mask, k_count, rows, descriptors, b_own)
 
@@ -277,11 +277,11 @@ class KGroupedGatherMainloop(KGroupedWgmmaMainloop):
 
     @cute.jit
     def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, a_mcast_mask,
-                  b_mcast_mask, k_count: Int32, scale_loads=None, tile=None, descriptors=None, b_own=None):
+                  b_mcast_mask, k_count: Int32, side_inputs=None, tile=None, descriptors=None, b_own=None):
         """k_count stages of the tile (warp 0): the operands not gathered by TMA, slot 0's share of the gathered
         ones by cp.async (a gathered operand's `tXgX` is the tile's first row / column of W, `tXsX` the shared
-        address of its stage 0; `scale_loads`: (TokenSource of A or None, of B or None, W's extents (m_w, n_w)))."""
-        return self._stage_loop(ab_pipeline, prod_state, scale_loads, (tAgA, tAsA, tBgB, tBsB), tile, 0,
+        address of its stage 0; `side_inputs`: (TokenSource of A or None, of B or None, W's extents (m_w, n_w)))."""
+        return self._stage_loop(ab_pipeline, prod_state, side_inputs, (tAgA, tAsA, tBgB, tBsB), tile, 0,
                                 (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, a_mcast_mask, b_mcast_mask))
 
     @cute.jit

@@ -232,7 +232,7 @@ class Mxfp8Mainloop:
     def load_tile(
         self, ab_pipeline, prod_state,
         tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-        a_mcast_mask, b_mcast_mask, k_count: Int32, scale_loads, tile, descriptors=None,
+        a_mcast_mask, b_mcast_mask, k_count: Int32, side_inputs, tile, descriptors=None,
     ):
         """k_count stages of one tile (m_tile, n_tile, expert g of the schedule's tile); SF atom of stage k: the
         tile's first atom + k (one atom per 128 rows per stage): SFA (m/128, Kb) atoms, SFB (L, cdiv(N,128), Kb)
@@ -242,7 +242,7 @@ class Mxfp8Mainloop:
         sfb_atom0 = (g * self.sfb_row_blocks + tile.n_tile) * self.k_tiles
         ab_copies = (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB)
         return WgmmaMainloop.produce_stages(self, ab_pipeline, prod_state, ab_copies, a_mcast_mask, b_mcast_mask,
-                                            k_count, (scale_loads, sfa_atom0, sfb_atom0), descriptors)
+                                            k_count, (side_inputs, sfa_atom0, sfb_atom0), descriptors)
 
     @cute.jit
     def load_stage_scales(self, scales, bar, k: Int32, s: Int32, a_mcast_mask, b_mcast_mask, descriptors):

@@ -8,15 +8,19 @@ the operands exactly to bf16 (dequant.convert_group: the on-chip mainloop's bit 
 mainloop (WgmmaMainloop, TMA from the workspaces) runs unchanged, and only the producer warp waits, per 512-wide K
 chunk of a tile, for that chunk's ready flags.
 
-Jobs: 32 rows x one K chunk of A (an expert's rows) or of B[e] (N rows); a lane converts one 16-wide group of a
-row (FP8: a 16-byte load, FP4: 8 bytes, its SF byte from the MMA-tiled layout) into 32 bytes of bf16 in natural K
-order. Warps take jobs from a global counter (staged_b_flags[0]) in need order -- expert by expert, within an
-expert chunk by chunk, A's slabs before B's -- so the first experts' chunks are ready first; a CTA that has not
-started yet takes none, so no job waits for a CTA (no co-residency assumption). A job publishes its chunk by
-fence.proxy.async.global (its generic stores, read next by the TMA's async proxy) and a release add on the chunk's
-flag (A: per 128-row tile, counting its 4 slabs; B: per expert and 128-row block, counting the block's slabs).
-The producer acquires the flags of a chunk (ld.acquire.gpu spin) and fences the async proxy before its TMA loads.
-The flags and the counter are zeroed by a small kernel launched before the GEMM (gemm.launch).
+Jobs: 32 rows x one K chunk of A (an expert's rows) or of B[e] (N rows; experts without rows have no B jobs); a
+lane converts one 16-wide group of a row (FP8: a 16-byte load, FP4: 8 bytes, its SF byte from the MMA-tiled layout)
+into 32 bytes of bf16 in natural K order. Warps take jobs from a global counter in need order -- expert by expert,
+within an expert chunk by chunk, A's slabs before B's -- so the first experts' chunks are ready first. A job publishes
+its chunk by fence.proxy.async.global (its generic stores, read next by the TMA's async proxy) and a release add on
+the chunk's flag (A: per 128-row tile, counting its 4 slabs; B: per expert and 128-row block, counting the block's
+slabs). The producer acquires the flags of a chunk (ld.acquire.gpu spin) and fences the async proxy before its TMA
+loads.
+
+The job counter and the flags are zeroed by a small kernel launched before the GEMM (gemm.launch). Pacing the
+converters to the producers' progress (a job taken only within a few (expert, chunk) steps of the furthest one a
+producer waits for) measured no faster than this burst (RESULTS run 111): the kernel runs at the board's power limit,
+so its time follows the conversion's energy, not when it is spent.
 
 Exact like the XLA route (cudnn_moe_jax._dequant_first): the same bf16 values (an FP8 / FP4 code times its scale,
 rounded once below 2^-126), the same bf16 kernel and schedule, so the same sums: outputs bit-identical to the route.
@@ -30,7 +34,7 @@ from cutlass import Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv, sf_atom_byte, sf_atom_start
-from cudnn_moe_jax.operands import STAGED_CHUNK_K
+from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS
 
 from .. import dequant as dq
 from .mainloop import TILE_K, WgmmaMainloop, ab_stage_bytes, copy_ab_stage
@@ -132,10 +136,10 @@ class StagedMainloop(WgmmaMainloop):
     # ------------------------------------------------------------------------------------------ producer
     @cute.jit
     def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, a_mcast_mask,
-                  b_mcast_mask, k_count: Int32, scale_loads=None, tile=None, descriptors=None, b_own=None):
+                  b_mcast_mask, k_count: Int32, side_inputs=None, tile=None, descriptors=None, b_own=None):
         """The bf16 producer's k-loop, waiting before each chunk's first stage for that chunk's flags
-        (`scale_loads` = the staged args: (A flags, B flags))."""
-        a_flags, b_flags = scale_loads
+        (`side_inputs` = the staged args: (A flags, B flags))."""
+        a_flags, b_flags = side_inputs
         prod_state.reset_count()
         for _k in cutlass.range(k_count, unroll=1):
             k = prod_state.count
@@ -151,6 +155,8 @@ class StagedMainloop(WgmmaMainloop):
 
     @cute.jit
     def wait_chunk(self, a_flags, b_flags, tile, c: Int32):
+        """Wait for the tile's flags of chunk c."""
+        header = b_flags.iterator.toint()
         if const_expr(self.stage_a):
             wait_flag(a_flags.iterator.toint() + Int64(tile.m_tile * self.k_chunks + c) * 4,
                       Int32(SF_ATOM_ROWS // SLAB))
@@ -159,52 +165,71 @@ class StagedMainloop(WgmmaMainloop):
             if rb < self.n_blocks:
                 slabs = cutlass.min(Int32(SF_ATOM_ROWS // SLAB),
                                     (Int32(self.n) - rb * SF_ATOM_ROWS + SLAB - 1) // SLAB)
-                flag = 1 + (tile.group * self.n_blocks + rb) * self.k_chunks + c
-                wait_flag(b_flags.iterator.toint() + Int64(flag) * 4, slabs)
+                flag = STAGED_HEADER_WORDS + (tile.group * self.n_blocks + rb) * self.k_chunks + c
+                wait_flag(header + Int64(flag) * 4, slabs)
         fence_async_global()
 
     # ------------------------------------------------------------------------------------------ converters
     @cute.jit
-    def convert(self, args, sEnds, sValid):
+    def expert_jobs(self, sEnds, e: Int32):
+        """(first row of A, jobs per K chunk) of expert e: its A slabs (staged A) and, if it has rows, B's."""
+        row0 = Int32(0)
+        if e > 0:
+            row0 = sEnds[e - 1]
+        rows = sEnds[e] - row0
+        per_chunk = Int32(0)
+        if rows > 0:
+            per_chunk = Int32(cdiv(self.n, SLAB))
+            if const_expr(self.stage_a):
+                per_chunk += rows // SLAB
+        return row0, per_chunk
+
+    @cute.jit
+    def walk(self, sEnds, j: Int32, e: Int32, e_first: Int32, row0: Int32, per_chunk: Int32):
+        """The expert walk advanced to job j: (expert, its first job, its first row of A, its jobs per chunk);
+        expert = num_groups past the last job."""
+        while e < self.num_groups and j >= e_first + Int32(self.k_chunks) * per_chunk:
+            e_first += Int32(self.k_chunks) * per_chunk
+            e += 1
+            if e < self.num_groups:
+                row0, per_chunk = self.expert_jobs(sEnds, e)
+        return e, e_first, row0, per_chunk
+
+    @cute.jit
+    def convert(self, args, cta):
         """A converter warp: jobs from the counter until none is left (module docstring)."""
         lane = cute.arch.lane_idx()
-        b_slabs = cdiv(self.n, SLAB)
-        a_rows = sValid[0] if const_expr(self.stage_a) else Int32(0)
-        total = Int32(self.k_chunks) * (a_rows // SLAB + Int32(self.num_groups * b_slabs))
         counter = args.mStagedBFlags.iterator.toint()
-        e = Int32(0)
-        e_first = Int32(0)          # the expert's first job
-        e_row0 = Int32(0)           # its first row of A
-        e_a = (sEnds[0] // SLAB) if const_expr(self.stage_a) else Int32(0)   # its slabs of A
+        row0, per_chunk = self.expert_jobs(cta.sEnds, Int32(0))
         j = self.take_job(counter, lane)
-        while j < total:
-            while j >= e_first + Int32(self.k_chunks) * (e_a + b_slabs):
-                e_first += Int32(self.k_chunks) * (e_a + b_slabs)
-                e_row0 = sEnds[e] if const_expr(self.stage_a) else Int32(0)
-                e += 1
-                if const_expr(self.stage_a):
-                    e_a = (sEnds[e] - e_row0) // SLAB
-            jj = j - e_first
-            c = jj // (e_a + b_slabs)
-            r = jj - c * (e_a + b_slabs)
-            flag = Int64(0)
-            is_b = r >= e_a
-            if const_expr(self.stage_a):
-                if r < e_a:
-                    row0 = e_row0 + r * SLAB
-                    self.convert_slab(args.mCodesA, args.mSFA, args.mStagedA, row0, Int32(0), Int32(SLAB), c, lane)
-                    flag = (args.mStagedAFlags.iterator.toint()
-                            + Int64((row0 // SF_ATOM_ROWS) * self.k_chunks + c) * 4)
-            if is_b:
-                n0 = (r - e_a) * SLAB
-                self.convert_slab(args.mCodesB, args.mSFB, args.mStagedB, n0, e,
-                                  cutlass.min(Int32(SLAB), self.n - n0), c, lane)
-                flag = counter + Int64(1 + (e * self.n_blocks + n0 // SF_ATOM_ROWS) * self.k_chunks + c) * 4
-            fence_async_global()
-            cute.arch.sync_warp()
-            if lane == 0:
-                publish(flag)
+        e, e_first, row0, per_chunk = self.walk(cta.sEnds, j, Int32(0), Int32(0), row0, per_chunk)
+        while e < self.num_groups:
+            c = (j - e_first) // per_chunk
+            self.run_job(args, e, row0, per_chunk, c, j - e_first - c * per_chunk, lane)
             j = self.take_job(counter, lane)
+            e, e_first, row0, per_chunk = self.walk(cta.sEnds, j, e, e_first, row0, per_chunk)
+
+    @cute.jit
+    def run_job(self, args, e: Int32, row0: Int32, per_chunk: Int32, c: Int32, r: Int32, lane: Int32):
+        """Job r of expert e's chunk c (its A slabs, then B's), converted and published."""
+        header = args.mStagedBFlags.iterator.toint()
+        e_a = per_chunk - Int32(cdiv(self.n, SLAB))
+        flag = Int64(0)
+        if const_expr(self.stage_a):
+            if r < e_a:
+                a_row = row0 + r * SLAB
+                self.convert_slab(args.mCodesA, args.mSFA, args.mStagedA, a_row, Int32(0), Int32(SLAB), c, lane)
+                flag = args.mStagedAFlags.iterator.toint() + Int64((a_row // SF_ATOM_ROWS) * self.k_chunks + c) * 4
+        if r >= e_a:
+            n0 = (r - e_a) * SLAB
+            self.convert_slab(args.mCodesB, args.mSFB, args.mStagedB, n0, e, cutlass.min(Int32(SLAB), self.n - n0),
+                              c, lane)
+            flag = header + Int64(STAGED_HEADER_WORDS + (e * self.n_blocks + n0 // SF_ATOM_ROWS) * self.k_chunks
+                                  + c) * 4
+        fence_async_global()
+        cute.arch.sync_warp()
+        if lane == 0:
+            publish(flag)
 
     @cute.jit
     def take_job(self, counter: Int64, lane: Int32) -> Int32:
