@@ -254,12 +254,12 @@ def other_route(shape: str, fmt: str):
     """(label, problem, jitted fn(a, b, [sfa,] sfb, padded_offsets, alpha, prob)) running a block-scaled format
     call the way its public op does not: `fmt`:on-chip where the op dequantizes first
     (cudnn_moe_jax._dequant_first.dequantize_first), else `fmt`:xla-dequant (XLA's conversion, then the bf16
-    kernel); None for an fp16 A (on chip only: no 16-bit type holds both operands exactly)."""
-    from cudnn_moe_jax._dequant_first import dequantize_first
+    kernel); None for an fp16 A beside weights fp16 does not hold exactly (on chip only)."""
+    from cudnn_moe_jax._dequant_first import dequantize_first, has_exact_half
     from lab import bench_kernels, forward_cases
 
     problem = bench_kernels.format_problem(shape, fmt)
-    if problem.a_dtype == "float16":
+    if not has_exact_half(problem):
         return None
     if dequantize_first(problem):
         return f"{fmt}:on-chip", problem, forward_cases.kernel_fn(problem)

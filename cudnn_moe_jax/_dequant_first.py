@@ -6,7 +6,9 @@ bf16) whatever the rows. Converted exactly (an FP8 / FP4 code times its block sc
 and bf16 has fp32's exponent range: the reference's `tensor_core_operands` operands), the bf16 kernel then computes
 the same products and fp32 sums. `dequantize_first` says, by measurement on the H200, which problems go this way
 (benchmarks/RESULTS.md runs 83-88; docs/backends.md); the primitive's CUDA lowering asks it when the call names no
-explicit kernel config and then binds `bf16_problem` on `dequantized_inputs` (`_primitive.bind_dequantized`).
+explicit kernel config and then binds `half_problem` on `dequantized_inputs` (`_primitive.bind_dequantized`). An
+fp16 A (weight-only) goes this way only with weights exact in fp16 (`formats.exact_in_float16`: NVFP4), converted to
+fp16 for the fp16 kernel.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from . import reference
+from . import formats, reference
 from ._problem import GroupedGemmProblem
+from .operands import half_dtype
 from .limits import FP4
 
 # Rows per expert (m / L of the call) from which an M-grouped block-scaled problem is dequantized first, by the width
@@ -35,8 +38,9 @@ def dequantize_first(problem: GroupedGemmProblem) -> bool:
     """Whether the CUDA lowering runs `problem` (m concrete; wgrad: T) as XLA's exact dequantization to bf16
     followed by the bf16 kernel: the on-chip conversion converts each B tile once per M block that reads it, XLA
     once, so with enough rows (tokens) per expert its pass (read the codes, write bf16) pays for itself. Not for an
-    fp16 A (no 16-bit type holds both operands exactly), not for a symbolic extent (a module's, not a call's)."""
-    if not problem.block_scaled or problem.a_dtype == "float16":
+    fp16 A unless fp16 holds the dequantized weights exactly (`formats.exact_in_float16`), not for a symbolic extent
+    (a module's, not a call's)."""
+    if not problem.block_scaled or not has_exact_half(problem):
         return False
     if problem.op == "wgrad":
         return isinstance(problem.k, int) and problem.k // problem.num_groups >= DEQUANT_FIRST_TOKENS
@@ -55,33 +59,39 @@ def staged_problem(problem: GroupedGemmProblem):
     return staged if supports(staged) is None else None
 
 
-def bf16_problem(problem: GroupedGemmProblem) -> GroupedGemmProblem:
-    """The bf16 problem computing `problem` on exactly dequantized operands: same op, shapes, epilogue and operand
-    majors (the bf16 kernel reads every major, so XLA writes the bf16 operands in the codes' own memory order: no
-    transposed copy), A and B bf16, no scale-factor inputs."""
-    return dataclasses.replace(problem, ab_dtype="bfloat16", sf_dtype=None, sf_vec_size=None, a_dtype=None)
+def has_exact_half(problem: GroupedGemmProblem) -> bool:
+    """Whether a 16-bit type holds both operands of a block-scaled problem exactly: bf16 does (block-scaled or bf16
+    A), fp16 only where it holds the dequantized B (`formats.exact_in_float16`)."""
+    return problem.a_dtype != "float16" or formats.exact_in_float16(problem.ab_dtype, problem.sf_dtype)
 
 
-def _bf16(f32_values, major: str):
-    """The reference's exact fp32 dequantization rounded to bf16 (exact but for magnitudes below 2^-126), written as
-    uint32 words of two bf16 values adjacent in memory: XLA:GPU stores a 16-bit fusion output 2 bytes at a time, at
-    half the rate of 4-byte words (an MXFP8 operand 140 -> 91 us, 2.5 -> 3.9 TB/s; RESULTS run 90). The pairs run
-    along the operand's contiguous axis (`major` "k": the last; "m" / "n": the one before it), so the kernel's
-    operand layout reads the words back as bf16 through bitcasts, no copy; decode, scales, rounding and packing
-    are one fusion."""
+def half_problem(problem: GroupedGemmProblem) -> GroupedGemmProblem:
+    """The 16-bit problem computing `problem` on exactly dequantized operands: same op, shapes, epilogue and operand
+    majors (the 16-bit kernel reads every major, so XLA writes the operands in the codes' own memory order: no
+    transposed copy), A and B in `half_dtype`, no scale-factor inputs."""
+    return dataclasses.replace(problem, ab_dtype=half_dtype(problem), sf_dtype=None, sf_vec_size=None, a_dtype=None)
+
+
+def _half(f32_values, major: str, dtype: str = "bfloat16"):
+    """The reference's exact fp32 dequantization rounded to `dtype` (bf16: exact but for magnitudes below 2^-126;
+    fp16: for the formats `formats.exact_in_float16` names), written as uint32 words of two 16-bit values adjacent
+    in memory: XLA:GPU stores a 16-bit fusion output 2 bytes at a time, at half the rate of 4-byte words (an MXFP8
+    operand 140 -> 91 us, 2.5 -> 3.9 TB/s; RESULTS run 90). The pairs run along the operand's contiguous axis
+    (`major` "k": the last; "m" / "n": the one before it), so the kernel's operand layout reads the words back
+    through bitcasts, no copy; decode, scales, rounding and packing are one fusion."""
     axis = -1 if major == "k" else -2
-    x = jnp.moveaxis(f32_values.astype(jnp.bfloat16), axis, -1)
+    x = jnp.moveaxis(f32_values.astype(dtype), axis, -1)
     if x.shape[-1] % 2:
         return jnp.moveaxis(x, -1, axis)
     half = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     pairs = half.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
     words = pairs[..., 0] | (pairs[..., 1] << 16)      # little-endian: element 2j in the low half
-    return jnp.moveaxis(jax.lax.bitcast_convert_type(words, jnp.bfloat16).reshape(x.shape), -1, axis)
+    return jnp.moveaxis(jax.lax.bitcast_convert_type(words, x.dtype).reshape(x.shape), -1, axis)
 
 
 def dequantized_inputs(problem: GroupedGemmProblem, inputs: dict) -> dict:
-    """`inputs` of `problem` ({canonical name: array}, discrete weights as tuples) -> those of `bf16_problem`: A
-    (unless already bf16: weight-only quantization) and B dequantized to bf16, sfa / sfb dropped."""
+    """`inputs` of `problem` ({canonical name: array}, discrete weights as tuples) -> those of `half_problem`: A
+    (unless already 16-bit: weight-only quantization) and B dequantized to its `half_dtype`, sfa / sfb dropped."""
     out = {k: v for k, v in inputs.items() if k not in ("sfa", "sfb")}
     kw = dict(ab_dtype=problem.ab_dtype, sf_dtype=problem.sf_dtype, sf_vec_size=problem.sf_vec_size)
     if problem.op == "wgrad":   # token operands, scales in per-expert segments of the sanitized token ends
@@ -90,15 +100,16 @@ def dequantized_inputs(problem: GroupedGemmProblem, inputs: dict) -> dict:
             major = problem.a_major if name == "a" else problem.b_major
             values = reference.dequantize_tokens(inputs[name], inputs["sf" + name], ends, **kw,
                                                  token_major=major != "k")
-            out[name] = _bf16(values, major)
+            out[name] = _half(values, major)
         return out
     if inputs.get("sfa") is not None:
-        out["a"] = _bf16(reference.dequantize_a(inputs["a"], inputs["sfa"], **kw), problem.a_major)
+        out["a"] = _half(reference.dequantize_a(inputs["a"], inputs["sfa"], **kw), problem.a_major)
+    half = half_dtype(problem)
     b, sfb = inputs["b"], inputs.get("sfb")
     if isinstance(b, (tuple, list)):  # discrete weights stay per-expert arrays
         sfbs = sfb if isinstance(sfb, (tuple, list)) else (None,) * len(b)
-        out["b"] = tuple(_bf16(reference.dequantize_b(bi[None], si, **kw)[0], problem.b_major)
+        out["b"] = tuple(_half(reference.dequantize_b(bi[None], si, **kw)[0], problem.b_major, half)
                          for bi, si in zip(b, sfbs))
     else:
-        out["b"] = _bf16(reference.dequantize_b(b, sfb, **kw), problem.b_major)
+        out["b"] = _half(reference.dequantize_b(b, sfb, **kw), problem.b_major, half)
     return out

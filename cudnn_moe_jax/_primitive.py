@@ -145,15 +145,15 @@ def _reference_on_gpu(ctx, *args, problem, input_names, config):
 
 
 def bind_dequantized(problem: GroupedGemmProblem, inputs: dict, config=None) -> dict:
-    """`bind` of `problem`'s bf16 problem on its exactly dequantized operands (cudnn_moe_jax._dequant_first): the
-    same outputs (the bf16 call lowers to the bf16 kernel, or falls back like any call). Not for an fp16 A: no
-    16-bit type holds it and the dequantized B exactly."""
+    """`bind` of `problem`'s 16-bit problem on its exactly dequantized operands (cudnn_moe_jax._dequant_first): the
+    same outputs (the 16-bit call lowers to the 16-bit kernel, or falls back like any call). Not for an fp16 A
+    beside weights fp16 does not hold exactly (`formats.exact_in_float16`)."""
     from . import _dequant_first
 
-    if problem.a_dtype == "float16":
-        raise NotImplementedError("an fp16 A has no dequantize-first route (no 16-bit type holds both operands "
-                                  "exactly)")
-    return bind(_dequant_first.bf16_problem(problem), _dequant_first.dequantized_inputs(problem, inputs), config)
+    if not _dequant_first.has_exact_half(problem):
+        raise NotImplementedError(f"an fp16 A beside {problem.ab_dtype} weights with {problem.sf_dtype} scales has "
+                                  "no dequantize-first route (fp16 does not hold the weights exactly)")
+    return bind(_dequant_first.half_problem(problem), _dequant_first.dequantized_inputs(problem, inputs), config)
 
 
 def _dequantized_outputs_with(config, problem, input_names, *arrays):

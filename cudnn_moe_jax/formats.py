@@ -77,6 +77,14 @@ with np.errstate(divide="ignore"):
     _E4M3_RECIP = np.float32(1.0) / np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
+def exact_in_float16(ab_dtype: str, sf_dtype) -> bool:
+    """Whether every code of block-scaled data times its block scale is an fp16 value exactly (then an fp16 A pairs
+    with the dequantized B in fp16, as a bf16 A does in bf16): e2m1 (<= 2 significant bits, 0.5 .. 6) times an e4m3
+    scale (<= 4 bits, 2^-9 .. 448; NaN stays NaN) has <= 5 bits within 2^-10 .. 2688, fp16 normal from 2^-14 to
+    65504. An e8m0 scale (2^-127 .. 2^127) or FP8 data with one leaves fp16's range."""
+    return ab_dtype == E2M1 and sf_dtype == E4M3
+
+
 def cdiv(a, b):
     """ceil(a / b) for a >= 0, b > 0. Written -(-a // b): exact for a jax.export symbolic dimension too (the SF
     shapes of a module compiled for the symbolic m, e.g. cdiv(256*m_blocks, 128) = 2*m_blocks)."""

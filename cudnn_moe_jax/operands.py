@@ -375,6 +375,12 @@ STAGED_CHUNK_K = 512
 STAGED_HEADER_WORDS = 1
 
 
+def half_dtype(p) -> str:
+    """The 16-bit type block-scaled operands are converted to (staged here, or by XLA first: _dequant_first): fp16
+    beside an fp16 A (weights fp16 holds exactly: formats.exact_in_float16), else bf16."""
+    return "float16" if p.a_dtype == "float16" else "bfloat16"
+
+
 def staged_b_flag_words(p):
     return (STAGED_HEADER_WORDS + p.num_groups * cdiv(p.n, 128) * cdiv(p.k, STAGED_CHUNK_K),)
 
@@ -388,7 +394,7 @@ WORKSPACES = (
             lambda p: p.discrete_weights and p.op != "wgrad", launch="expert_descriptors"),
     Operand("staged_a", "rows", lambda p: (p.m, p.k), "bfloat16", _stages_a, launch="staged_a"),
     Operand("staged_a_flags", "rows", lambda p: (p.m, 1), "int32", _stages_a, launch="staged_a_flags"),
-    Operand("staged_b", "static", lambda p: (p.num_groups, p.n, p.k), "bfloat16", lambda p: p.staged,
+    Operand("staged_b", "static", lambda p: (p.num_groups, p.n, p.k), half_dtype, lambda p: p.staged,
             launch="staged_b"),
     Operand("staged_b_flags", "static", staged_b_flag_words, "int32", lambda p: p.staged, launch="staged_b_flags"),
 )
@@ -473,7 +479,8 @@ def launch_outputs(problem, config=None) -> list[Bound]:
                              part.dtype))
         else:
             out.append(Bound(r.launch, _eval(r.kind, problem), tuple(r.shape(problem)), _eval(r.dtype, problem)))
-    out += [Bound(r.launch, r.kind, tuple(r.shape(problem)), r.dtype) for r in WORKSPACES if r.present(problem)]
+    out += [Bound(r.launch, r.kind, tuple(r.shape(problem)), _eval(r.dtype, problem)) for r in WORKSPACES
+            if r.present(problem)]
     return out
 
 

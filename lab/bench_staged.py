@@ -19,7 +19,7 @@ import dataclasses
 
 SHAPES = ("fc1", "fc2")
 SWEEP = ("fc1_r1024", "fc1_r512", "small_r1024", "small_r512")   # fewer rows per expert: the rule's threshold
-FORMATS = ("nvfp4", "mxfp8", "mxfp4", "w_nvfp4", "w_mxfp8")
+FORMATS = ("nvfp4", "mxfp8", "mxfp4", "w_nvfp4", "w_mxfp8", "w16_nvfp4")
 ROUTES = ("staged", "xla route", "on chip", "bf16 kernel alone")
 CALLS = 8
 POWER_SECONDS = 2.0
@@ -31,7 +31,7 @@ def problems(shape: str, fmt: str):
     from lab import bench_kernels
 
     base = bench_kernels.format_problem(shape, fmt)
-    return base, dataclasses.replace(base, staged=True), _dequant_first.bf16_problem(base)
+    return base, dataclasses.replace(base, staged=True), _dequant_first.half_problem(base)
 
 
 def bundle_items(shapes=SHAPES, fmts=FORMATS) -> list:
@@ -62,7 +62,7 @@ def inputs(problem, seed: int) -> list:
     fmt = (problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size)
     a32 = jax.random.normal(jax.random.fold_in(key, 0), (m, k), jnp.float32)
     b32 = jax.random.normal(jax.random.fold_in(key, 1), (L, problem.n, k), jnp.float32) / np.sqrt(k)
-    a, sfa = (a32.astype(jnp.bfloat16), None) if problem.a_dtype else formats.to_block_scaled(a32, *fmt)
+    a, sfa = (a32.astype(problem.a_dtype), None) if problem.a_dtype else formats.to_block_scaled(a32, *fmt)
     b, sfb = formats.to_block_scaled(b32, *fmt)
     arrays = dict(a=a, b=b, sfa=sfa, sfb=sfb, padded_offsets=jnp.asarray(np.arange(1, L + 1) * (m // L), jnp.int32),
                   alpha=jnp.ones((L,), jnp.float32),
@@ -94,6 +94,7 @@ def main(argv=None):
     ap.add_argument("--routes", default=",".join(ROUTES), help="timed routes (staged and xla route always run once"
                     " for the bit-identity check)")
     ap.add_argument("--power", action="store_true")
+    ap.add_argument("--calls", type=int, default=CALLS, help="calls per timed program (distinct inputs each)")
     args = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -109,7 +110,8 @@ def main(argv=None):
         for fmt in args.formats.split(","):
             base, staged, bf16 = problems(shape, fmt)
             flops = 2.0 * base.m * base.n * base.k
-            sets = [inputs(base, s) for s in range(CALLS)]
+            calls = args.calls
+            sets = [inputs(base, s) for s in range(calls)]
             names = list(operands.input_specs(base))
             bf16_names = list(operands.input_specs(bf16))
             bf16_sets = []
@@ -131,11 +133,11 @@ def main(argv=None):
                         continue
                     use = bf16_sets if label.startswith("bf16") else sets
                     prog = jax.jit(lambda *flat, fn=fn, n=len(use[0]): [fn(*flat[i * n:(i + 1) * n])
-                                                                      for i in range(CALLS)])
+                                                                      for i in range(calls)])
                     flat = [x for st in use for x in st]
                     run = lambda prog=prog, flat=flat: jax.block_until_ready(prog(*flat))  # noqa: E731
                     run()
-                    t = [timer.time(run, CALLS) if timer else device_timer.host_time(run, CALLS) for _ in range(3)]
+                    t = [timer.time(run, calls) if timer else device_timer.host_time(run, calls) for _ in range(3)]
                     sec = min(x.device if x.device is not None else x.host for x in t)
                     line.append(f"{label} {sec * 1e3:.3f} ms {flops / sec / 1e12:.1f} TFLOP/s")
                     if args.power:

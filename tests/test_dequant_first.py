@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 import blockscaled_checks as checks  # noqa: E402  (tests/gpu on sys.path: tests/conftest.py)
 
-from cudnn_moe_jax import _dequant_first, _lowering, _primitive, operands  # noqa: E402
+from cudnn_moe_jax import _dequant_first, _lowering, _primitive, formats, operands  # noqa: E402
 from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem  # noqa: E402
 from cudnn_moe_jax.kernels.sm90 import config  # noqa: E402
 from lab import blockscaled_cases as cases  # noqa: E402
@@ -47,6 +47,9 @@ def test_rule_by_rows_per_expert_and_width():
     assert not _dequant_first.dequantize_first(_problem(fp4 - 128, FP4, "float8_e4m3fn", 16))
     assert _dequant_first.dequantize_first(_problem(fp8, a_dtype="bfloat16"))            # weight-only, bf16 A
     assert not _dequant_first.dequantize_first(_problem(fp8, a_dtype="float16"))    # fp16 A: no exact 16-bit pair
+    nvfp4 = (FP4, "float8_e4m3fn", 16)   # ... but with NVFP4 weights (e4m3 scales) fp16 holds them exactly
+    assert _dequant_first.dequantize_first(_problem(fp4, *nvfp4, a_dtype="float16"))
+    assert not _dequant_first.dequantize_first(_problem(fp4, FP4, "float8_e8m0fnu", 32, a_dtype="float16"))
     dglu = Epilogue(act="dswiglu", c_dtype="bfloat16")
     assert _dequant_first.dequantize_first(_problem(fp8, op="dglu", epilogue=dglu))
     assert not _dequant_first.dequantize_first(dataclasses.replace(_problem(fp8), sf_dtype=None, sf_vec_size=None,
@@ -60,14 +63,16 @@ def test_rule_by_rows_per_expert_and_width():
     assert not _dequant_first.dequantize_first(_lowering.canonical_problem(wgrad))    # T symbolic
 
 
-def test_bf16_problem_keeps_the_op_and_epilogue():
+def test_half_problem_keeps_the_op_and_epilogue():
     p = dataclasses.replace(_problem(2048, a_dtype="bfloat16"), b_major="n", m_aligned=128)
-    q = _dequant_first.bf16_problem(p)
+    q = _dequant_first.half_problem(p)
     assert (q.ab_dtype, q.sf_dtype, q.sf_vec_size, q.a_dtype, q.a_major, q.b_major) == (
         "bfloat16", None, None, None, "k", "n")     # an N-major B: read in place, as bf16 (no transposed copy)
     assert (q.op, q.m, q.n, q.k, q.num_groups, q.epilogue, q.m_aligned) == (p.op, p.m, p.n, p.k, p.num_groups,
                                                                           p.epilogue, p.m_aligned)
     assert config.supports(q) is None
+    f16 = _dequant_first.half_problem(_problem(2048, FP4, "float8_e4m3fn", 16, a_dtype="float16"))
+    assert (f16.ab_dtype, f16.a_dtype, f16.sf_dtype) == ("float16", None, None) and config.supports(f16) is None
 
 
 def _lowered_problems(fn, args, monkeypatch):
@@ -139,7 +144,9 @@ def test_staged_problem_where_the_kernel_stages_it():
               _problem(rows, op="quant", epilogue=Epilogue()), dataclasses.replace(_problem(rows), m_aligned=128)):
         staged = _dequant_first.staged_problem(p)
         assert staged == dataclasses.replace(p, staged=True) and config.supports(staged) is None
-    assert _dequant_first.staged_problem(_problem(rows, a_dtype="float16")) is None
+    assert _dequant_first.staged_problem(_problem(rows, a_dtype="float16")) is None   # MXFP8: fp16 cannot hold B
+    f16 = _problem(rows, FP4, "float8_e4m3fn", 16, a_dtype="float16")                   # NVFP4: it can
+    assert _dequant_first.staged_problem(f16) == dataclasses.replace(f16, staged=True)
     assert "m_aligned" in config.supports(dataclasses.replace(_problem(rows), m_aligned=64, staged=True))
     assert "block-scaled" in config.supports(dataclasses.replace(_problem(rows), sf_dtype=None, sf_vec_size=None,
                                                                    ab_dtype="bfloat16", staged=True))
@@ -157,6 +164,10 @@ def test_staged_launch_writes_its_workspaces_after_the_outputs():
     assert shapes["staged_b_flags"] == (1 + 2 * 4 * 1,)
     w = dataclasses.replace(p, a_dtype="bfloat16")
     assert [b.name for b in operands.launch_outputs(w)] == ["c", "d", "staged_b", "staged_b_flags"]
+    dtypes = {b.name: b.dtype for b in operands.launch_outputs(p)}
+    assert dtypes["staged_a"] == dtypes["staged_b"] == "bfloat16"
+    w16 = dataclasses.replace(p, ab_dtype=FP4, sf_dtype="float8_e4m3fn", sf_vec_size=16, a_dtype="float16")
+    assert {b.name: b.dtype for b in operands.launch_outputs(w16)}["staged_b"] == "float16"   # for the fp16 kernel
     outs = [np.zeros(1)] * len(names)
     assert len(operands.finish(p)(outs, {})) == 2
 
@@ -173,7 +184,8 @@ def _spy_bind(monkeypatch):
     return calls
 
 
-ROUTED = [c for c in cases.ALL_CASES if cases.a_half(c[2]) is not jnp.float16]   # an fp16 A has no route
+ROUTED = [c for c in cases.ALL_CASES if cases.a_half(c[2]) is not jnp.float16
+          or formats.exact_in_float16(*cases.FORMATS[c[2]][:2])]   # fp16 A: where fp16 holds B
 
 
 @pytest.mark.parametrize("mode", ["exact", "specials"])

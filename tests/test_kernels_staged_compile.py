@@ -16,20 +16,21 @@ from lab.sass import check_sass, compile_or_skip, cuobjdump, sass_of
 
 E4M3, E8M0, FP4, BF = "float8_e4m3fn", "float8_e8m0fnu", "float4_e2m1fn", "bfloat16"
 FORMATS = {"nvfp4": (FP4, E4M3, 16), "mxfp4": (FP4, E8M0, 32), "mxfp8": (E4M3, E8M0, 32)}
-CASES = {   # name: (op, format, bf16 A, epilogue)
-    "nvfp4_swiglu": ("glu", "nvfp4", False, Epilogue(act="swiglu", c_dtype=BF, d_dtype=BF)),
-    "mxfp8_quant_fp8d": ("quant", "mxfp8", False, Epilogue(d_dtype=E4M3, generate_sfd=True)),
-    "mxfp4_srelu": ("srelu", "mxfp4", False, Epilogue(act="srelu", d_dtype=BF)),
-    "w_nvfp4_swiglu": ("glu", "nvfp4", True, Epilogue(act="swiglu", c_dtype=BF, d_dtype=BF)),
-    "w_mxfp8_quant": ("quant", "mxfp8", True, Epilogue(d_dtype=BF)),
+CASES = {   # name: (op, format, 16-bit A (None: block-scaled), epilogue)
+    "nvfp4_swiglu": ("glu", "nvfp4", None, Epilogue(act="swiglu", c_dtype=BF, d_dtype=BF)),
+    "mxfp8_quant_fp8d": ("quant", "mxfp8", None, Epilogue(d_dtype=E4M3, generate_sfd=True)),
+    "mxfp4_srelu": ("srelu", "mxfp4", None, Epilogue(act="srelu", d_dtype=BF)),
+    "w_nvfp4_swiglu": ("glu", "nvfp4", BF, Epilogue(act="swiglu", c_dtype=BF, d_dtype=BF)),
+    "w_mxfp8_quant": ("quant", "mxfp8", BF, Epilogue(d_dtype=BF)),
+    "w16_nvfp4_quant": ("quant", "nvfp4", "float16", Epilogue(d_dtype="float16")),   # B converted to fp16
 }
 
 
 def problem(name: str) -> GroupedGemmProblem:
-    op, fmt, bf16_a, epi = CASES[name]
+    op, fmt, a_dtype, epi = CASES[name]
     data, sf, vec = FORMATS[fmt]
     return GroupedGemmProblem(op=op, m=4096, n=512, k=1024, num_groups=4, ab_dtype=data, sf_dtype=sf,
-                              sf_vec_size=vec, a_dtype=BF if bf16_a else None, epilogue=epi, staged=True)
+                              sf_vec_size=vec, a_dtype=a_dtype, epilogue=epi, staged=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -42,7 +43,9 @@ def test_staged_kernel_compiles_with_its_converters(name):
     check_sass(sass, False)
     for op in ("ATOMG.E.ADD", "REDG.E.ADD.STRONG.GPU", "LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G"):
         assert op in sass, op
-    assert "QGMMA" not in sass   # the converted operands go through the bf16 wgmma
+    assert "QGMMA" not in sass   # the converted operands go through the 16-bit wgmma
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    assert hgmma and all((".BF16" in line) == (CASES[name][2] != "float16") for line in hgmma)   # fp16 A: fp16
 
 
 def test_staged_problem_keeps_its_inputs():

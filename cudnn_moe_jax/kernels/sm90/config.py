@@ -9,7 +9,8 @@ import dataclasses
 from typing import Optional
 
 from cudnn_moe_jax import activations
-from cudnn_moe_jax.operands import STAGED_CHUNK_K
+from cudnn_moe_jax.formats import exact_in_float16
+from cudnn_moe_jax.operands import STAGED_CHUNK_K, half_dtype
 from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FORWARD_D_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES,
                                   MAX_GROUPS, OUT_DTYPES, QUANT_D_DTYPES, SF_GROUP_ALIGN, k_align)
 
@@ -94,8 +95,10 @@ class Config:
 
 def _staged_reason(problem) -> Optional[str]:
     """Why a staged problem (operands converted once in the kernel: mainloop_staged) is not implemented, or None."""
-    if not problem.block_scaled or problem.a_dtype == "float16":
-        return "staged conversion takes block-scaled B with a block-scaled or bf16 A"
+    if not problem.block_scaled or (problem.a_dtype == "float16"
+                                    and not exact_in_float16(problem.ab_dtype, problem.sf_dtype)):
+        return ("staged conversion takes block-scaled B with a block-scaled or bf16 A, or an fp16 A beside weights "
+                "fp16 holds exactly (NVFP4)")
     if problem.op not in ("quant", "srelu", "glu") or problem.discrete_weights or problem.a_rows is not None:
         return "staged conversion is implemented for the forward ops on stacked weights and ungathered A"
     if (problem.a_major, problem.b_major) != ("k", "k") or problem.m_aligned % 128:
@@ -307,10 +310,10 @@ def default_config(problem) -> Config:
     617, 2x2 clusters per SM no better (626 from 24 clusters on 96 SMs); raster group 4 / 16 603 / 602, 1x2 cluster
     602 vs 615.
     """
-    if problem.staged:   # the bf16 kernel's schedule on the converted operands, without tile lists (a tile's rows
+    if problem.staged:   # the 16-bit kernel's schedule on the converted operands, without tile lists (a tile's rows
         # are one expert's: the chunk flags are per 128-row tile)
-        config = default_config(dataclasses.replace(problem, ab_dtype="bfloat16", sf_dtype=None, sf_vec_size=None,
-                                                    a_dtype=None, staged=False))
+        config = default_config(dataclasses.replace(problem, ab_dtype=half_dtype(problem), sf_dtype=None,
+                                                    sf_vec_size=None, a_dtype=None, staged=False))
         return dataclasses.replace(config, cluster_m=1) if _block_scaled_pairs_groups(problem) else config
     if (problem.op == "glu" and problem.block_scaled and problem.a_dtype == "bfloat16"
             and problem.ab_dtype in FP8_DTYPES):

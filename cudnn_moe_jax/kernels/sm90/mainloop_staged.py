@@ -24,6 +24,7 @@ so its time follows the conversion's energy, not when it is spent.
 
 Exact like the XLA route (cudnn_moe_jax._dequant_first): the same bf16 values (an FP8 / FP4 code times its scale,
 rounded once below 2^-126), the same bf16 kernel and schedule, so the same sums: outputs bit-identical to the route.
+Beside an fp16 A (weight-only, weights fp16 holds exactly: NVFP4) B is converted to fp16 and the fp16 kernel runs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from cutlass import Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv, sf_atom_byte, sf_atom_start
-from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS
+from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS, half_dtype
 
 from .. import dequant as dq
 from .mainloop import TILE_K, WgmmaMainloop, ab_stage_bytes, copy_ab_stage
@@ -94,8 +95,15 @@ def wait_flag(addr: Int64, target: Int32):
         pass
 
 
-def _bf16_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
-    return ab_stage_bytes(cutlass.BFloat16, tile_m, tile_n)
+def _half_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
+    return ab_stage_bytes(cutlass.BFloat16, tile_m, tile_n)   # bf16 or fp16: 2 bytes an element
+
+
+@cute.jit
+def bf16x2_to_f16x2(w: Int32) -> Int32:
+    """Two bf16 values (a word) as fp16, exact for the values `formats.exact_in_float16` admits (NaN stays NaN)."""
+    return Int32(_asm(Int32.mlir_type, "{\n.reg .b32 lo, hi;\nshl.b32 lo, $1, 16;\nand.b32 hi, $1, 0xffff0000;\n"
+                      "cvt.rn.f16x2.f32 $0, hi, lo;\n}", "=r,r", Int32(w)))
 
 
 class StagedMainloop(WgmmaMainloop):
@@ -103,11 +111,12 @@ class StagedMainloop(WgmmaMainloop):
 
     CONVERT_WARPS = (1, 2, 3)
     PRODUCER_REGS = 56          # the converters hold a batch of groups' words (mainloop_dequant's FP8 workers: 56)
-    smem_stage_bytes = staticmethod(_bf16_stage_bytes)
-    tx_bytes = staticmethod(_bf16_stage_bytes)
+    smem_stage_bytes = staticmethod(_half_stage_bytes)
+    tx_bytes = staticmethod(_half_stage_bytes)
 
     def __init__(self, problem, tile_m: int, tile_n: int, stages: int):
-        super().__init__(cutlass.BFloat16, tile_m, tile_n, stages)
+        self.f16 = half_dtype(problem) == "float16"   # beside an fp16 A: the converted B in fp16
+        super().__init__(cutlass.Float16 if self.f16 else cutlass.BFloat16, tile_m, tile_n, stages)
         self.data = problem.ab_dtype
         self.sf_dtype, self.vec = problem.sf_dtype, problem.sf_vec_size
         self.stage_a = problem.a_dtype is None
@@ -122,7 +131,7 @@ class StagedMainloop(WgmmaMainloop):
         return cls(problem, config.tile_m, config.tile_n, stages)
 
     def tma_sources(self, t):
-        """(A, B) the TMA reads: the bf16 workspaces (a bf16 A of weight-only quantization as given); staged_b
+        """(A, B) the TMA reads: the 16-bit workspaces (a 16-bit A of weight-only quantization as given); staged_b
         (L, N, K) seen as the kernel's (N, K, L)."""
         sb = t["staged_b"]
         b = cute.make_tensor(sb.iterator, cute.make_layout((self.n, self.k, self.num_groups),
@@ -275,6 +284,8 @@ class StagedMainloop(WgmmaMainloop):
                         pairs = [dq.prmt2(pairs[4 * h + 2 * (q % 2)], pairs[4 * h + 2 * (q % 2) + 1],
                                           0x7632 if q >= 2 else 0x5410)
                                  for h in range(2) for q in (0, 1, 2, 3)]
+                    if const_expr(self.f16):
+                        pairs = [bf16x2_to_f16x2(w) for w in pairs]
                     if i0 + u < rows:
                         dst = out + Int64(i0 + u) * (self.k * 2)
                         dq.st_global_v4(dst, pairs[:4])
