@@ -93,6 +93,8 @@ DGRAD_CASES = [
     ("w_nvfp4_dswiglu", "dglu", "w_nvfp4", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF)),
     ("w16_nvfp4e8_dswiglu", "dglu", "w16_nvfp4e8", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF,
                                                                   generate_dbias=True, dbias_dtype=F32)),
+    ("w16_nvfp4_dswiglu", "dglu", "w16_nvfp4", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF,
+                                                              generate_dbias=True, dbias_dtype=F32)),
 ]
 DGRAD_OPS = {"dglu": cmj.grouped_gemm_dglu, "dsrelu": cmj.grouped_gemm_dsrelu}
 # outputs computed from the accumulator without an activation: exact on "exact" inputs

@@ -117,6 +117,10 @@ FP4_OUT = {
 F16_A = {
     "w16_nvfp4_swiglu": _fwd("glu", fmt=NVFP4, a_dtype=F16, act="swiglu", c_dtype=BF, d_dtype=BF, k=1024),
     "w16_mxfp8_quant_e4m3d": _fwd("quant", fmt=MXFP8E4, a_dtype=F16, d_dtype=E4M3, generate_sfd=True),
+    "w16_nvfp4_dswiglu": GroupedGemmProblem(op="dglu", m=2048, n=512, k=256, num_groups=4, a_dtype=F16,
+                                            ab_dtype=NVFP4[0], sf_dtype=NVFP4[1], sf_vec_size=NVFP4[2],
+                                            epilogue=Epilogue(act="dswiglu", c_dtype=BF, d_dtype=BF,
+                                                              compute_amax=True, dbias_dtype=F32)),
     "w16_mxfp4_dswiglu": GroupedGemmProblem(op="dglu", m=2048, n=512, k=256, num_groups=4, a_dtype=F16,
                                             ab_dtype=MXFP4[0], sf_dtype=MXFP4[1], sf_vec_size=MXFP4[2],
                                             epilogue=Epilogue(act="dswiglu", c_dtype=BF, d_dtype=BF,

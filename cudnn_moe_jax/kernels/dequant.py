@@ -158,6 +158,14 @@ def st_global_v4(addr: Int64, w: list):
 
 
 @cute.jit
+def bf16x2_to_f16x2(w: Int32) -> Int32:
+    """Two bf16 values (a word) as fp16: exact for the products of codes and scales `formats.exact_in_float16`
+    admits (the weights beside an fp16 A); NaN stays NaN."""
+    return _asm("{\n.reg .b32 lo, hi;\nshl.b32 lo, $1, 16;\nand.b32 hi, $1, 0xffff0000;\n"
+                "cvt.rn.f16x2.f32 $0, hi, lo;\n}", w)
+
+
+@cute.jit
 def f16_f32_bits(w: Int32, high: cutlass.Constexpr) -> Int32:
     """fp32 bits of the fp16 in the low (high=False) or high half of w (exact)."""
     half = "h" if high else "l"

@@ -80,7 +80,7 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_KBLOCKS, SF_ATOM_ROWS, sf_atom_byte
+from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_KBLOCKS, SF_ATOM_ROWS, exact_in_float16, sf_atom_byte
 
 from .. import dequant as dq
 from .. import quantize as q8
@@ -115,11 +115,22 @@ class DequantFormat:
         return self.a_half is not None
 
     @property
+    def half(self) -> str:
+        """The 16-bit type of the converted operands and the wgmma: fp16 beside an fp16 A where it holds every
+        weight exactly (formats.exact_in_float16: NVFP4; B converted to bf16, then one exact cvt a word), else
+        bf16."""
+        return "float16" if self.a_half == "float16" and exact_in_float16(self.data, self.sf) else "bfloat16"
+
+    @property
+    def mma_dtype(self):
+        return cutlass.Float16 if self.half == "float16" else BFloat16
+
+    @property
     def a_split(self) -> bool:
-        """fp16 A: each value is the exact sum of two bf16 parts (hi: its top 8 significant bits, lo: the other
-        3), each multiplied by the dequantized B in its own bf16 wgmma (no 16-bit MMA type holds both an fp16 A and
-        a dequantized B exactly)."""
-        return self.a_half == "float16"
+        """Any other fp16 A: each value is the exact sum of two bf16 parts (hi: its top 8 significant bits, lo: the
+        other 3), each multiplied by the dequantized B in its own bf16 wgmma (no 16-bit MMA type holds both that A
+        and the dequantized B exactly)."""
+        return self.a_half == "float16" and self.half == "bfloat16"
 
     @property
     def row_bytes(self) -> int:
@@ -184,7 +195,7 @@ class DequantMainloop(WgmmaMainloop):
 
     def __init__(self, tile_m: int, tile_n: int, stages: int, k: int, n: int, cluster_m: int, cluster_n: int,
                  split_b: bool = False, consumer_b: Optional[int] = 0):
-        super().__init__(BFloat16, tile_m, tile_n, stages)   # the bf16 wgmma and its swizzled stage layouts
+        super().__init__(self.FORMAT.mma_dtype, tile_m, tile_n, stages)   # the wgmma, its swizzled stage layouts
         fmt = self.FORMAT
         self.k, self.n = k, n
         self.k_blocks4 = -(-(-(-k // fmt.vec)) // SF_ATOM_KBLOCKS)   # SF atoms along K (Kb)
@@ -230,7 +241,8 @@ class DequantMainloop(WgmmaMainloop):
     def tiled_mma(self) -> cute.TiledMma:
         """The bf16 wgmma, A from registers (A_IN_REGISTERS) or shared memory."""
         source = warpgroup.OperandSource.RMEM if self.A_IN_REGISTERS else warpgroup.OperandSource.SMEM
-        return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K,
+        mma = self.FORMAT.mma_dtype
+        return sm90_utils.make_trivial_tiled_mma(mma, mma, cute.nvgpu.OperandMajorMode.K,
                                                  cute.nvgpu.OperandMajorMode.K, Float32, (2, 1, 1),
                                                  tiler_mn=(64, self.tile_n), a_source=source)
 
@@ -261,9 +273,9 @@ class DequantMainloop(WgmmaMainloop):
         atoms = sf_atoms(self.tile_m, self.tile_n) * self.stages
         Align, MemRange = cute.struct.Align, cute.struct.MemRange
         fields = [("sSF", Align[MemRange[cutlass.Uint8, atoms * SF_ATOM_BYTES], 128]),
-                  ("sB16", Align[MemRange[BFloat16, cute.cosize(b16)], 1024])]
+                  ("sB16", Align[MemRange[self.FORMAT.mma_dtype, cute.cosize(b16)], 1024])]
         if not self.A_IN_REGISTERS:
-            fields.append(("sA16", Align[MemRange[BFloat16, cute.cosize(a16)], 1024]))
+            fields.append(("sA16", Align[MemRange[self.FORMAT.mma_dtype, cute.cosize(a16)], 1024]))
         return fields
 
     @cute.jit
@@ -444,6 +456,8 @@ class DequantMainloop(WgmmaMainloop):
         kb = (k0 >> (fmt.vec.bit_length() - 1)) & (SF_ATOM_KBLOCKS - 1)
         code = Int32(sf_bytes[(idx * sf_atoms(self.tile_m, self.tile_n) + atom) * SF_ATOM_BYTES
                               + sf_atom_byte(row & 31, (row >> 5) & 3, kb)]) & Int32(0xFF)  # (the u8 load sign-extends)
+        if const_expr(fmt.half == "float16"):
+            store = (lambda p, pair, bf16_store=store: bf16_store(p, dq.bf16x2_to_f16x2(pair)))
         dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid & (k0 < self.k)), store)
 
     @cute.jit
@@ -498,7 +512,8 @@ class DequantMainloop(WgmmaMainloop):
         # the two RS fragments (one per stage in flight; an fp16 A: a hi and a lo fragment each) live in the tile's
         # k-loop only: made outside the tile loop they would be loop-carried, i.e. held through the epilogue
         parts = 2 if const_expr(self.FORMAT.a_split) else 1
-        frags = tuple(tuple(cute.make_rmem_tensor(tCrA, BFloat16) for _ in range(parts)) for _ in range(2))
+        frags = tuple(tuple(cute.make_rmem_tensor(tCrA, self.FORMAT.mma_dtype) for _ in range(parts))
+                      for _ in range(2))
         return self.mma_tile_rs(ab_pipeline, read_state, release_state, tiled_mma, frags, tCrB, self.a_thread(smem),
                                 acc, k_count, stage_mbar, self.b_thread(smem, tile))
 

@@ -99,13 +99,6 @@ def _half_stage_bytes(ab_dtype, tile_m: int, tile_n: int) -> int:
     return ab_stage_bytes(cutlass.BFloat16, tile_m, tile_n)   # bf16 or fp16: 2 bytes an element
 
 
-@cute.jit
-def bf16x2_to_f16x2(w: Int32) -> Int32:
-    """Two bf16 values (a word) as fp16, exact for the values `formats.exact_in_float16` admits (NaN stays NaN)."""
-    return Int32(_asm(Int32.mlir_type, "{\n.reg .b32 lo, hi;\nshl.b32 lo, $1, 16;\nand.b32 hi, $1, 0xffff0000;\n"
-                      "cvt.rn.f16x2.f32 $0, hi, lo;\n}", "=r,r", Int32(w)))
-
-
 class StagedMainloop(WgmmaMainloop):
     """The bf16 mainloop over the staged workspaces, the converter warps and the producer's chunk waits."""
 
@@ -285,7 +278,7 @@ class StagedMainloop(WgmmaMainloop):
                                           0x7632 if q >= 2 else 0x5410)
                                  for h in range(2) for q in (0, 1, 2, 3)]
                     if const_expr(self.f16):
-                        pairs = [bf16x2_to_f16x2(w) for w in pairs]
+                        pairs = [dq.bf16x2_to_f16x2(w) for w in pairs]
                     if i0 + u < rows:
                         dst = out + Int64(i0 + u) * (self.k * 2)
                         dq.st_global_v4(dst, pairs[:4])
