@@ -111,7 +111,7 @@ class DequantFormat:
 
     @property
     def a_plain(self) -> bool:
-        """A is a plain 16-bit operand (bf16, or fp16 split into two bf16 parts): no scales, a swizzled stage."""
+        """A is a plain 16-bit operand (bf16 or fp16: `half`, `a_split`): no scales, a swizzled stage."""
         return self.a_half is not None
 
     @property
@@ -239,7 +239,7 @@ class DequantMainloop(WgmmaMainloop):
         return cls.tx_bytes(ab_dtype, tile_m, tile_n) + unused_sf + bf16_rows * TILE_K * 2 + 8
 
     def tiled_mma(self) -> cute.TiledMma:
-        """The bf16 wgmma, A from registers (A_IN_REGISTERS) or shared memory."""
+        """The 16-bit wgmma (`DequantFormat.half`), A from registers (A_IN_REGISTERS) or shared memory."""
         source = warpgroup.OperandSource.RMEM if self.A_IN_REGISTERS else warpgroup.OperandSource.SMEM
         mma = self.FORMAT.mma_dtype
         return sm90_utils.make_trivial_tiled_mma(mma, mma, cute.nvgpu.OperandMajorMode.K,
