@@ -255,7 +255,8 @@ def other_route(shape: str, fmt: str):
     call the way its public op does not: `fmt`:on-chip where the op dequantizes first
     (cudnn_moe_jax._dequant_first.dequantize_first), else `fmt`:xla-dequant (XLA's conversion, then the bf16
     kernel); None for an fp16 A beside weights fp16 does not hold exactly (on chip only)."""
-    from cudnn_moe_jax._dequant_first import dequantize_first, has_exact_half
+    from cudnn_moe_jax._dequant_first import dequantize_first
+    from cudnn_moe_jax.operands import has_exact_half
     from lab import bench_kernels, forward_cases
 
     problem = bench_kernels.format_problem(shape, fmt)

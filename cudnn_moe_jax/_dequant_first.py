@@ -18,9 +18,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from . import formats, reference
+from . import reference
 from ._problem import GroupedGemmProblem
-from .operands import half_dtype
+from .operands import half_dtype, has_exact_half
 from .limits import FP4
 
 # Rows per expert (m / L of the call) from which an M-grouped block-scaled problem is dequantized first, by the width
@@ -57,12 +57,6 @@ def staged_problem(problem: GroupedGemmProblem):
 
     staged = dataclasses.replace(problem, staged=True)
     return staged if supports(staged) is None else None
-
-
-def has_exact_half(problem: GroupedGemmProblem) -> bool:
-    """Whether a 16-bit type holds both operands of a block-scaled problem exactly: bf16 does (block-scaled or bf16
-    A), fp16 only where it holds the dequantized B (`formats.exact_in_float16`)."""
-    return problem.a_dtype != "float16" or formats.exact_in_float16(problem.ab_dtype, problem.sf_dtype)
 
 
 def half_problem(problem: GroupedGemmProblem) -> GroupedGemmProblem:

@@ -150,7 +150,7 @@ def bind_dequantized(problem: GroupedGemmProblem, inputs: dict, config=None) -> 
     beside weights fp16 does not hold exactly (`formats.exact_in_float16`)."""
     from . import _dequant_first
 
-    if not _dequant_first.has_exact_half(problem):
+    if not operands.has_exact_half(problem):
         raise NotImplementedError(f"an fp16 A beside {problem.ab_dtype} weights with {problem.sf_dtype} scales has "
                                   "no dequantize-first route (fp16 does not hold the weights exactly)")
     return bind(_dequant_first.half_problem(problem), _dequant_first.dequantized_inputs(problem, inputs), config)

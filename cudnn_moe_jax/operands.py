@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Union
 
-from .formats import SF_ATOM_ROWS, cdiv, sf_physical_shape, sf_segment_bytes
+from .formats import SF_ATOM_ROWS, cdiv, exact_in_float16, sf_physical_shape, sf_segment_bytes
 from .limits import FP4, values_per_byte
 
 Rule = Callable[[Any], Any]
@@ -377,8 +377,14 @@ STAGED_HEADER_WORDS = 1
 
 def half_dtype(p) -> str:
     """The 16-bit type block-scaled operands are converted to (staged here, or by XLA first: _dequant_first): fp16
-    beside an fp16 A (weights fp16 holds exactly: formats.exact_in_float16), else bf16."""
+    beside an fp16 A (where `has_exact_half`), else bf16."""
     return "float16" if p.a_dtype == "float16" else "bfloat16"
+
+
+def has_exact_half(p) -> bool:
+    """Whether `half_dtype` holds both operands of a block-scaled problem exactly: bf16 does (block-scaled or bf16
+    A), fp16 only where it holds the dequantized B (`formats.exact_in_float16`)."""
+    return p.a_dtype != "float16" or exact_in_float16(p.ab_dtype, p.sf_dtype)
 
 
 def staged_b_flag_words(p):

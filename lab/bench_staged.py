@@ -4,13 +4,13 @@ bf16 operands: the format benchmark's calls (lab.bench_kernels.format_problem: S
 on fc2; SWEEP: fewer rows per expert), every output of the staged kernel compared bit for bit with the route's,
 then each timed on the device (CUPTI span of CALLS calls on distinct inputs, best of 3 rounds).
 
-    python -m lab.bench_staged [--shapes fc1,fc2] [--formats nvfp4,mxfp8,mxfp4,w_nvfp4,w_mxfp8] [--routes ...]
+    python -m lab.bench_staged [--shapes fc1,fc2] [--formats nvfp4,...,w16_nvfp4] [--routes ...] [--calls N]
                                [--power]
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_staged:bundle_items
 
 --power: each route also runs back to back for POWER_SECONDS while nvidia-smi samples the SM clock and the board
-power (median of the samples; the tensor cores are power-limited, so a route's clock says how much power its work
-costs beside the GEMM).
-    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_staged:bundle_items"""
+power (median of the samples; the card runs at its power limit, so a route's clock says how much power its work
+costs). "bf16 kernel alone" is the 16-bit kernel (fp16 beside an fp16 A)."""
 
 from __future__ import annotations
 

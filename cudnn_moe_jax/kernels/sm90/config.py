@@ -9,8 +9,7 @@ import dataclasses
 from typing import Optional
 
 from cudnn_moe_jax import activations
-from cudnn_moe_jax.formats import exact_in_float16
-from cudnn_moe_jax.operands import STAGED_CHUNK_K, half_dtype
+from cudnn_moe_jax.operands import STAGED_CHUNK_K, half_dtype, has_exact_half
 from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FORWARD_D_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES,
                                   MAX_GROUPS, OUT_DTYPES, QUANT_D_DTYPES, SF_GROUP_ALIGN, k_align)
 
@@ -95,8 +94,7 @@ class Config:
 
 def _staged_reason(problem) -> Optional[str]:
     """Why a staged problem (operands converted once in the kernel: mainloop_staged) is not implemented, or None."""
-    if not problem.block_scaled or (problem.a_dtype == "float16"
-                                    and not exact_in_float16(problem.ab_dtype, problem.sf_dtype)):
+    if not problem.block_scaled or not has_exact_half(problem):
         return ("staged conversion takes block-scaled B with a block-scaled or bf16 A, or an fp16 A beside weights "
                 "fp16 holds exactly (NVFP4)")
     if problem.op not in ("quant", "srelu", "glu") or problem.discrete_weights or problem.a_rows is not None:

@@ -80,7 +80,8 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_KBLOCKS, SF_ATOM_ROWS, exact_in_float16, sf_atom_byte
+from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_KBLOCKS, SF_ATOM_ROWS, sf_atom_byte
+from cudnn_moe_jax.operands import half_dtype, has_exact_half
 
 from .. import dequant as dq
 from .. import quantize as q8
@@ -98,28 +99,25 @@ _CUTLASS = {dq.E4M3: cutlass.Float8E4M3FN, dq.E5M2: cutlass.Float8E5M2, dq.E2M1:
 @dataclasses.dataclass(frozen=True)
 class DequantFormat:
     """The operands of a problem: B's (and A's) data dtype, SF dtype and vec size; `a_half`: A's dtype where A is a
-    plain 16-bit operand without scales (weight-only quantization: "bfloat16" or "float16"), else None."""
+    plain 16-bit operand without scales (weight-only quantization: "bfloat16" or "float16"), else None; `half`: the
+    16-bit type of the converted operands and the wgmma -- fp16 beside an fp16 A where it holds every weight exactly
+    (operands.has_exact_half: NVFP4; B converted to bf16, then one exact cvt a word), else bf16."""
 
     data: str
     sf: str
     vec: int
     a_half: Optional[str] = None
+    half: str = "bfloat16"
 
     @classmethod
     def of(cls, problem) -> "DequantFormat":
-        return cls(problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size, problem.a_dtype)
+        half = half_dtype(problem) if has_exact_half(problem) else "bfloat16"
+        return cls(problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size, problem.a_dtype, half)
 
     @property
     def a_plain(self) -> bool:
         """A is a plain 16-bit operand (bf16 or fp16: `half`, `a_split`): no scales, a swizzled stage."""
         return self.a_half is not None
-
-    @property
-    def half(self) -> str:
-        """The 16-bit type of the converted operands and the wgmma: fp16 beside an fp16 A where it holds every
-        weight exactly (formats.exact_in_float16: NVFP4; B converted to bf16, then one exact cvt a word), else
-        bf16."""
-        return "float16" if self.a_half == "float16" and exact_in_float16(self.data, self.sf) else "bfloat16"
 
     @property
     def mma_dtype(self):
