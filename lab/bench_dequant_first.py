@@ -1,9 +1,10 @@
 """The block-scaled rows of benchmarks/bench_moe_ops.py (forward, dglu and wgrad GEMMs of the fc step with MXFP8 /
-NVFP4 / MXFP4 operands) timed twice in one process: every block-scaled call converted on chip, then every one
-dequantized by XLA before the bf16 kernel (cudnn_moe_jax._dequant_first), whatever the library's rule
-(`dequantize_first`) would pick -- the measurement behind that rule, for wgrad and dglu.
+NVFP4 / MXFP4 operands) timed per route in one process: every block-scaled call converted on chip, then every one
+dequantized by XLA before the bf16 kernel (cudnn_moe_jax._dequant_first), then the forward and dglu rows staged in
+the kernel (kernels/sm90/mainloop_staged.py; wgrad is not staged), whatever the library's rule (`dequantize_first`)
+would pick -- the measurement behind that rule, for wgrad and dglu, and the backward ops beside the forward ones.
 
-    python -m lab.bench_dequant_first [--only NAME_PART] [--shape fc]
+    python -m lab.bench_dequant_first [--only NAME_PART] [--shape fc] [--routes on-chip,xla-dequant,staged]
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_dequant_first:bundle_items
 
 TOKEN_SWEEP adds step shapes with fewer tokens per expert (the same m = 16384) to bench_moe_step's table: the fc
@@ -21,17 +22,18 @@ from lab import harness
 TOKEN_SWEEP = {"fc_t1024": ([1024] * 16, 7168, 2048), "fc_t512": ([512] * 32, 7168, 2048),
                "e128": ([128] * 128, 4096, 1024)}     # issue 19's memory-bound shape (128 experts x 128 rows)
 bench_moe_step.SHAPES.update(TOKEN_SWEEP)
+ROUTES = (*harness.BLOCK_SCALED_ROUTES, "staged")
 
 
 def bundle_items(shape: str = "fc", only: str = "") -> list:
-    """The block-scaled rows of bench_moe_ops (names containing `only`) lowered under both routes."""
+    """The block-scaled rows of bench_moe_ops (names containing `only`) lowered under every route."""
     import jax
 
     def item(fn, avals):
         return lambda: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
 
-    return [harness.on_route(route, item(fn, avals)) for route in harness.BLOCK_SCALED_ROUTES
-            for fn, avals in _rows(shape, only)]
+    return [harness.on_route(route, item(fn, avals)) for route in ROUTES
+            for fn, avals in _rows(shape, only, route)]
 
 
 def token_sweep_items() -> list:
@@ -47,13 +49,20 @@ def shape_items() -> list:
     return [i for shape in ("small", "e128") for i in bundle_items(shape) + bench_moe_ops.bundle_items((shape,))]
 
 
-def _rows(shape: str, only: str = ""):
+def _row_names(only: str, route: str) -> list:
+    """The rows named with `only` that run under `route` (no wgrad row is staged)."""
+    wgrad = [] if route == "staged" else list(bench_moe_ops.BS_WGRAD)
+    return [n for n in wgrad + list(bench_moe_ops.BS_OPS) if only in n]
+
+
+def _rows(shape: str, only: str = "", route: str = "on-chip"):
+    names = _row_names(only, route)
     for name in bench_moe_ops.BS_WGRAD:
-        if only in name:
+        if name in names:
             fn, avals, _, _ = bench_moe_ops._bs_wgrad(shape, name)
             yield fn, avals
     for name in bench_moe_ops.BS_OPS:
-        if only not in name:
+        if name not in names:
             continue
         fn, _, _ = bench_moe_ops._bs_op(shape, name)
         yield fn, bench_moe_ops._bs_op_avals(shape, name)
@@ -63,12 +72,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="fc")
     ap.add_argument("--only", default="", help="rows whose name contains this (default: every block-scaled row)")
+    ap.add_argument("--routes", default=",".join(ROUTES))
     args = ap.parse_args(argv)
-    names = [n for n in list(bench_moe_ops.BS_WGRAD) + list(bench_moe_ops.BS_OPS) if args.only in n]
-    for name in harness.BLOCK_SCALED_ROUTES:
+    for name in args.routes.split(","):
         print(f"== route {name}", flush=True)
         with harness.block_scaled_route(name):
-            for row in names:
+            for row in _row_names(args.only, name):
                 bench_moe_ops.main(["--shape", args.shape, "--only", row])
 
 

@@ -171,10 +171,10 @@ def call(case, x, discrete: bool = False):
 
 
 ALL_CASES = CASES + DGRAD_CASES
-# the forward cases whose operands the kernel can stage (kernels/sm90/mainloop_staged.py: a block-scaled or bf16 A,
-# or an fp16 A beside NVFP4 weights; K-major B), run under harness.block_scaled_route("staged") on the multi-expert
-# patterns
-STAGED_CASES = [c for c in CASES if (not c[2].startswith("w16_") or exact_in_float16(*FORMATS[c[2]][:2]))
+# the forward and dgrad cases whose operands the kernel can stage (kernels/sm90/mainloop_staged.py: a block-scaled or
+# bf16 A, or an fp16 A beside NVFP4 weights; K-major B), run under harness.block_scaled_route("staged") on the
+# multi-expert patterns
+STAGED_CASES = [c for c in ALL_CASES if (not c[2].startswith("w16_") or exact_in_float16(*FORMATS[c[2]][:2]))
                 and c[5].get("b_major", "k") == "k"]
 STAGED_RUNS = (("empty_and_tail", "exact"), ("unsanitized", "adversarial"), ("empty_and_tail", "specials"))
 

@@ -3,8 +3,8 @@
 - the rule (`_dequant_first.dequantize_first`): by rows per expert and data width (wgrad: tokens per expert); never
   an fp16 A or a symbolic m / T;
 - the CUDA lowering hands the kernel lowering the block-scaled problem staged in the kernel where the rule says so
-  and the kernel stages it (forward ops, K-major operands, stacked weights), the bf16 problem on XLA's conversion
-  where it does not (dgrad, an N-major B, discrete weights), the block-scaled problem itself otherwise or under an
+  and the kernel stages it (forward and dgrad ops, K-major operands, stacked weights), the bf16 problem on XLA's
+  conversion where it does not (an N-major B, discrete weights), the block-scaled problem itself otherwise or under an
   explicit Config, with no fallback to the reference; a staged launch's workspaces come after its outputs;
 - the route's outputs equal the block-scaled reference's bit for bit on every case of the block-scaled GPU suites
   (forward and dgrad, every format, stacked and discrete weights; wgrad with segment scales, token-major operands,
@@ -123,11 +123,9 @@ def test_explicit_config_pins_the_dequantizing_kernel(monkeypatch):
 
 
 def test_problems_the_kernel_does_not_stage_take_xla_route(monkeypatch):
-    """dgrad, an N-major B and discrete weights past the rule: XLA's conversion, then the bf16 problem."""
+    """An N-major B and discrete weights past the rule: XLA's conversion, then the bf16 problem."""
     rows = _dequant_first.DEQUANT_FIRST_ROWS["fp8"]
-    dglu = _problem(rows, groups=2, op="dglu",
-                    epilogue=Epilogue(act="dswiglu", c_dtype="bfloat16", d_dtype="bfloat16"))
-    for p in (dglu, dataclasses.replace(_problem(rows, groups=2), b_major="n"),
+    for p in (dataclasses.replace(_problem(rows, groups=2), b_major="n"),
               dataclasses.replace(_problem(rows, groups=2), discrete_weights=True)):
         assert _dequant_first.staged_problem(p) is None
         specs = operands.input_specs(p)
@@ -141,7 +139,10 @@ def test_problems_the_kernel_does_not_stage_take_xla_route(monkeypatch):
 def test_staged_problem_where_the_kernel_stages_it():
     rows = _dequant_first.DEQUANT_FIRST_ROWS["fp4"]
     for p in (_problem(rows), _problem(rows, FP4, "float8_e4m3fn", 16), _problem(rows, a_dtype="bfloat16"),
-              _problem(rows, op="quant", epilogue=Epilogue()), dataclasses.replace(_problem(rows), m_aligned=128)):
+              _problem(rows, op="quant", epilogue=Epilogue()), dataclasses.replace(_problem(rows), m_aligned=128),
+              _problem(rows, op="dglu", epilogue=Epilogue(act="dswiglu", c_dtype="bfloat16", d_dtype="bfloat16")),
+              _problem(rows, FP4, "float8_e4m3fn", 16, op="dsrelu",
+                       epilogue=Epilogue(act="dsrelu", c_dtype="bfloat16", d_dtype="bfloat16"))):
         staged = _dequant_first.staged_problem(p)
         assert staged == dataclasses.replace(p, staged=True) and config.supports(staged) is None
     assert _dequant_first.staged_problem(_problem(rows, a_dtype="float16")) is None   # MXFP8: fp16 cannot hold B

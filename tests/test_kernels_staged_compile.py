@@ -1,8 +1,8 @@
 """CPU checks of the staged kernels (kernels/sm90/mainloop_staged.py: block-scaled operands converted once inside the
-bf16 kernel): each format and epilogue kind compiles for sm_90a with the bf16 kernel's wgmma not serialized, TMA
-loads and stores and no local memory; the converters' job counter (ATOMG), their release adds (REDG), the
-producer's acquire loads and the async-proxy fence on global memory are in the SASS. Skipped without the CuTe DSL
-compiler. ~5 variants x ~4 s.
+bf16 kernel): each format and epilogue kind, forward and dgrad, compiles for sm_90a with the bf16 kernel's wgmma not
+serialized, TMA loads and stores and no local memory; the converters' job counter (ATOMG), their release adds
+(REDG), the producer's acquire loads and the async-proxy fence on global memory are in the SASS. Skipped without the CuTe DSL
+compiler. ~9 variants x ~5 s.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ CASES = {   # name: (op, format, 16-bit A (None: block-scaled), epilogue)
     "w_nvfp4_swiglu": ("glu", "nvfp4", BF, Epilogue(act="swiglu", c_dtype=BF, d_dtype=BF)),
     "w_mxfp8_quant": ("quant", "mxfp8", BF, Epilogue(d_dtype=BF)),
     "w16_nvfp4_quant": ("quant", "nvfp4", "float16", Epilogue(d_dtype="float16")),   # B converted to fp16
+    # dgrad: block-scaled dY and W^T staged, the dgrad epilogue on the bf16 accumulators
+    "nvfp4_dswiglu_bias_amax": ("dglu", "nvfp4", None, Epilogue(act="dswiglu", c_dtype=BF, d_dtype=BF,
+                                                                 compute_amax=True, dbias_dtype="float32")),
+    "mxfp8_dsrelu_fp8d": ("dsrelu", "mxfp8", None, Epilogue(act="dsrelu", c_dtype=BF, d_dtype=E4M3,
+                                                            generate_sfd=True)),
+    "w_mxfp4_dswiglu": ("dglu", "mxfp4", BF, Epilogue(act="dswiglu", c_dtype=BF, d_dtype=BF)),
 }
 
 
