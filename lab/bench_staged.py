@@ -1,10 +1,11 @@
 """Block-scaled operands staged in the kernel (`problem.staged`, kernels/sm90/mainloop_staged.py) beside the XLA
 route (cudnn_moe_jax._dequant_first), the on-chip dequantizing mainloop and the bf16 kernel alone on the route's
 bf16 operands: the format benchmark's calls (lab.bench_kernels.format_problem: SwiGLU with C and D on fc1, plain D
-on fc2; SWEEP: fewer rows per expert), every output of the staged kernel compared bit for bit with the route's,
-then each timed on the device (CUPTI span of CALLS calls on distinct inputs, best of 3 rounds).
+on fc2; SWEEP: fewer rows per expert) and fc2's dgrad (`fc2_dglu`: dY (m, H) by W2^T (I, H), dSwiGLU with the
+saved C, bf16 D and amax: the backward op on fc2's FLOPs), every output of the staged kernel compared bit for bit
+with the route's, then each timed on the device (CUPTI span of CALLS calls on distinct inputs, best of 3 rounds).
 
-    python -m lab.bench_staged [--shapes fc1,fc2] [--formats nvfp4,...,w16_nvfp4] [--routes ...] [--calls N]
+    python -m lab.bench_staged [--shapes fc1,fc2,fc2_dglu] [--formats nvfp4,...,w16_nvfp4] [--routes ...] [--calls N]
                                [--power]
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_staged:bundle_items
 
@@ -26,11 +27,17 @@ POWER_SECONDS = 2.0
 
 
 def problems(shape: str, fmt: str):
-    """(route problem, staged problem, the route's bf16 problem) of a format call."""
+    """(route problem, staged problem, the route's bf16 problem) of a format call (`fc2_dglu`: fc2's dglu)."""
     from cudnn_moe_jax import _dequant_first
+    from cudnn_moe_jax._problem import Epilogue
     from lab import bench_kernels
 
-    base = bench_kernels.format_problem(shape, fmt)
+    if shape == "fc2_dglu":
+        fc2 = bench_kernels.format_problem("fc2", fmt)
+        base = dataclasses.replace(fc2, op="dglu", n=fc2.k, k=fc2.n, epilogue=Epilogue(
+            act="dswiglu", c_dtype="bfloat16", d_dtype="bfloat16", compute_amax=True))
+    else:
+        base = bench_kernels.format_problem(shape, fmt)
     return base, dataclasses.replace(base, staged=True), _dequant_first.half_problem(base)
 
 
@@ -50,7 +57,7 @@ def bundle_items(shapes=SHAPES, fmts=FORMATS) -> list:
 
 def inputs(problem, seed: int) -> list:
     """The problem's inputs in the operand table's order: N(0, 1) data quantized to its format (B / sqrt(K)),
-    equal experts, alpha 1, prob uniform in [0.1, 1)."""
+    equal experts, alpha 1, prob uniform in [0.1, 1); dglu: the saved C N(0, 1) in bf16, beta 1."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -66,7 +73,10 @@ def inputs(problem, seed: int) -> list:
     b, sfb = formats.to_block_scaled(b32, *fmt)
     arrays = dict(a=a, b=b, sfa=sfa, sfb=sfb, padded_offsets=jnp.asarray(np.arange(1, L + 1) * (m // L), jnp.int32),
                   alpha=jnp.ones((L,), jnp.float32),
-                  prob=jax.random.uniform(jax.random.fold_in(key, 2), (m,), jnp.float32, 0.1, 1.0))
+                  prob=jax.random.uniform(jax.random.fold_in(key, 2), (m,), jnp.float32, 0.1, 1.0),
+                  beta=jnp.ones((L,), jnp.float32))
+    if problem.op == "dglu":
+        arrays["c"] = jax.random.normal(jax.random.fold_in(key, 3), (m, 2 * problem.n), jnp.bfloat16)
     return [arrays[name] for name in operands.input_specs(problem)]
 
 
