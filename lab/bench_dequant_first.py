@@ -56,16 +56,13 @@ def _row_names(only: str, route: str) -> list:
 
 
 def _rows(shape: str, only: str = "", route: str = "on-chip"):
-    names = _row_names(only, route)
-    for name in bench_moe_ops.BS_WGRAD:
-        if name in names:
+    for name in _row_names(only, route):
+        if name in bench_moe_ops.BS_WGRAD:
             fn, avals, _, _ = bench_moe_ops._bs_wgrad(shape, name)
             yield fn, avals
-    for name in bench_moe_ops.BS_OPS:
-        if name not in names:
-            continue
-        fn, _, _ = bench_moe_ops._bs_op(shape, name)
-        yield fn, bench_moe_ops._bs_op_avals(shape, name)
+        else:
+            fn, _, _ = bench_moe_ops._bs_op(shape, name)
+            yield fn, bench_moe_ops._bs_op_avals(shape, name)
 
 
 def main(argv=None):

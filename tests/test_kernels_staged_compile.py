@@ -1,8 +1,8 @@
 """CPU checks of the staged kernels (kernels/sm90/mainloop_staged.py: block-scaled operands converted once inside the
 bf16 kernel): each format and epilogue kind, forward and dgrad, compiles for sm_90a with the bf16 kernel's wgmma not
 serialized, TMA loads and stores and no local memory; the converters' job counter (ATOMG), their release adds
-(REDG), the producer's acquire loads and the async-proxy fence on global memory are in the SASS. Skipped without the CuTe DSL
-compiler. ~9 variants x ~5 s.
+(REDG), the producer's acquire loads and the async-proxy fence on global memory are in the SASS. Skipped without
+the CuTe DSL compiler. ~9 variants x ~5 s.
 """
 
 from __future__ import annotations

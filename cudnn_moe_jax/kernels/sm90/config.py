@@ -9,6 +9,7 @@ import dataclasses
 from typing import Optional
 
 from cudnn_moe_jax import activations
+from cudnn_moe_jax._problem import DGRAD_OPS
 from cudnn_moe_jax.operands import STAGED_CHUNK_K, half_dtype, has_exact_half
 from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FORWARD_D_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES,
                                   MAX_GROUPS, OUT_DTYPES, QUANT_D_DTYPES, SF_GROUP_ALIGN, k_align)
@@ -97,7 +98,7 @@ def _staged_reason(problem) -> Optional[str]:
     if not problem.block_scaled or not has_exact_half(problem):
         return ("staged conversion takes block-scaled B with a block-scaled or bf16 A, or an fp16 A beside weights "
                 "fp16 holds exactly (NVFP4)")
-    if (problem.op not in ("quant", "srelu", "glu", *DGRAD_ACTS) or problem.discrete_weights
+    if (problem.op not in ("quant", "srelu", "glu") + DGRAD_OPS or problem.discrete_weights
             or problem.a_rows is not None):
         return "staged conversion is implemented for the forward and dgrad ops on stacked weights and ungathered A"
     if (problem.a_major, problem.b_major) != ("k", "k") or problem.m_aligned % 128:
