@@ -391,18 +391,49 @@ def staged_b_flag_words(p):
     return (STAGED_HEADER_WORDS + p.num_groups * cdiv(p.n, 128) * cdiv(p.k, STAGED_CHUNK_K),)
 
 
-def _stages_a(p) -> bool:
-    return p.staged and p.a_dtype is None
+# A staged block-scaled A in the kernel's registers: FP4 everywhere, FP8 up to this N (RESULTS run 118, fc step
+# TFLOP/s against A staged in a workspace: MXFP8 dglu N 2048 683 vs 645, fc1 N 4096 718 vs 721, fc2 N 7168 693
+# vs 722; NVFP4 dglu 740 vs 656, fc1 796 vs 740, fc2 742 vs 744)
+STAGED_FP8_A_REGISTERS_MAX_N = 2048
+
+
+def staged_a_in_registers(p) -> bool:
+    """Whether a staged problem leaves its block-scaled A to the consumers' registers (converted once per N tile
+    into the RS wgmma's operand, B staged in the on-chip K slot order, which permutes within 64-wide stages: K % 64
+    == 0) instead of converting it once into a bf16 workspace: FP4 data, or FP8 with N <= 2048 -- per N tile the
+    registers cost one conversion of A and save reading a bf16 A stage, the workspace writes A once for all N tiles
+    (the kernels' default; `Config.dequant_a` "registers" / "workspace" overrides it)."""
+    return (p.staged and p.a_dtype is None and p.k % 64 == 0
+            and (p.ab_dtype == FP4 or p.n <= STAGED_FP8_A_REGISTERS_MAX_N))
+
+
+def _stages_a(p, config=None) -> bool:
+    if not (p.staged and p.a_dtype is None):
+        return False
+    return config.dequant_a == "workspace" if config is not None else not staged_a_in_registers(p)
+
+
+class Workspace(NamedTuple):
+    """A launch-only output that stands for no op output; `present(problem, kernel config or None)`."""
+
+    name: str
+    kind: str
+    shape: Rule
+    dtype: Union[str, Rule]
+    present: Callable[[Any, Any], bool]
+
+    @property
+    def launch(self) -> str:
+        return self.name
 
 
 WORKSPACES = (
-    Operand("expert_descriptors", "static", _descriptor_table_bytes, "uint8",
-            lambda p: p.discrete_weights and p.op != "wgrad", launch="expert_descriptors"),
-    Operand("staged_a", "rows", lambda p: (p.m, p.k), "bfloat16", _stages_a, launch="staged_a"),
-    Operand("staged_a_flags", "rows", lambda p: (p.m, 1), "int32", _stages_a, launch="staged_a_flags"),
-    Operand("staged_b", "static", lambda p: (p.num_groups, p.n, p.k), half_dtype, lambda p: p.staged,
-            launch="staged_b"),
-    Operand("staged_b_flags", "static", staged_b_flag_words, "int32", lambda p: p.staged, launch="staged_b_flags"),
+    Workspace("expert_descriptors", "static", _descriptor_table_bytes, "uint8",
+              lambda p, config=None: p.discrete_weights and p.op != "wgrad"),
+    Workspace("staged_a", "rows", lambda p: (p.m, p.k), "bfloat16", _stages_a),
+    Workspace("staged_a_flags", "rows", lambda p: (p.m, 1), "int32", _stages_a),
+    Workspace("staged_b", "static", lambda p: (p.num_groups, p.n, p.k), half_dtype, lambda p, config=None: p.staged),
+    Workspace("staged_b_flags", "static", staged_b_flag_words, "int32", lambda p, config=None: p.staged),
 )
 
 
@@ -486,7 +517,7 @@ def launch_outputs(problem, config=None) -> list[Bound]:
         else:
             out.append(Bound(r.launch, _eval(r.kind, problem), tuple(r.shape(problem)), _eval(r.dtype, problem)))
     out += [Bound(r.launch, r.kind, tuple(r.shape(problem)), _eval(r.dtype, problem)) for r in WORKSPACES
-            if r.present(problem)]
+            if r.present(problem, config)]
     return out
 
 

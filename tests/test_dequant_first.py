@@ -154,18 +154,29 @@ def test_staged_problem_where_the_kernel_stages_it():
 
 
 def test_staged_launch_writes_its_workspaces_after_the_outputs():
-    """A staged launch writes the op's outputs, then its bf16 workspaces and ready flags (A's only where A is
-    block-scaled), which `finish` drops."""
+    """A staged launch writes the op's outputs, then its bf16 workspaces and ready flags (A's only where a
+    block-scaled A is staged in a workspace: a K tail, FP8 with N > 2048, or `Config.dequant_a='workspace'`; else
+    the kernel's consumers convert A in registers), which `finish` drops."""
+    from cudnn_moe_jax.kernels.sm90.config import Config
+
     p = dataclasses.replace(_problem(1024, groups=2), staged=True)
-    names = [b.name for b in operands.launch_outputs(p)]
+    assert operands.staged_a_in_registers(p)
+    assert [b.name for b in operands.launch_outputs(p)] == ["c", "d", "staged_b", "staged_b_flags"]
+    workspace = Config(dequant_a="workspace")
+    names = [b.name for b in operands.launch_outputs(p, workspace)]
     assert names == ["c", "d", "staged_a", "staged_a_flags", "staged_b", "staged_b_flags"]
-    shapes = {b.name: b.shape for b in operands.launch_outputs(p)}
+    for q in (dataclasses.replace(p, k=p.k + 32), dataclasses.replace(p, n=2048 + 128)):   # K tail; FP8, N > 2048
+        assert not operands.staged_a_in_registers(q)
+        assert [b.name for b in operands.launch_outputs(q)] == names
+    assert operands.staged_a_in_registers(dataclasses.replace(p, n=4096, ab_dtype=FP4, sf_dtype="float8_e4m3fn",
+                                                              sf_vec_size=16))
+    shapes = {b.name: b.shape for b in operands.launch_outputs(p, workspace)}
     assert shapes["staged_a"] == (p.m, p.k) and shapes["staged_b"] == (2, p.n, p.k)
     # the job counter, then 2 experts x 4 row blocks x 1 chunk
     assert shapes["staged_b_flags"] == (1 + 2 * 4 * 1,)
     w = dataclasses.replace(p, a_dtype="bfloat16")
-    assert [b.name for b in operands.launch_outputs(w)] == ["c", "d", "staged_b", "staged_b_flags"]
-    dtypes = {b.name: b.dtype for b in operands.launch_outputs(p)}
+    assert [b.name for b in operands.launch_outputs(w, workspace)] == ["c", "d", "staged_b", "staged_b_flags"]
+    dtypes = {b.name: b.dtype for b in operands.launch_outputs(p, workspace)}
     assert dtypes["staged_a"] == dtypes["staged_b"] == "bfloat16"
     w16 = dataclasses.replace(p, ab_dtype=FP4, sf_dtype="float8_e4m3fn", sf_vec_size=16, a_dtype="float16")
     assert {b.name: b.dtype for b in operands.launch_outputs(w16)}["staged_b"] == "float16"   # for the fp16 kernel

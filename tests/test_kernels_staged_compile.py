@@ -8,6 +8,7 @@ the CuTe DSL compiler. ~9 variants x ~5 s.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -52,6 +53,30 @@ def test_staged_kernel_compiles_with_its_converters(name):
     assert "QGMMA" not in sass   # the converted operands go through the 16-bit wgmma
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     assert hgmma and all((".BF16" in line) == (CASES[name][2] != "float16") for line in hgmma)   # fp16 A: fp16
+    # a block-scaled A (K % 64 == 0) is converted into the RS wgmma's register operand; a 16-bit A is read by TMA
+    register_a = CASES[name][2] is None
+    assert all(bool(re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", line)) == register_a for line in hgmma), hgmma[0]
+
+
+def test_staged_a_where_the_config_says():
+    """A block-scaled A stays in the consumers' registers (B staged in the K slot order) where K % 64 == 0; a K
+    tail, a 16-bit A or Config(dequant_a='workspace') take the workspace mainloop (A staged like B)."""
+    from cudnn_moe_jax.kernels.sm90 import config, mainloop_staged
+
+    p = problem("mxfp8_quant_fp8d")
+    cfg = config.default_config(p)
+    assert cfg.dequant_a == "registers"
+    assert issubclass(mainloop_staged.mainloop_class(p, cfg), mainloop_staged.StagedBMainloop)
+    ws = dataclasses.replace(cfg, dequant_a="workspace")
+    assert mainloop_staged.mainloop_class(p, ws) is mainloop_staged.StagedMainloop
+    tail = dataclasses.replace(p, k=992)
+    assert config.default_config(tail).dequant_a == "workspace"
+    with pytest.raises(NotImplementedError, match="K % 64 == 0"):
+        mainloop_staged.mainloop_class(tail, cfg)
+    w = problem("w_nvfp4_swiglu")
+    assert mainloop_staged.mainloop_class(w, config.default_config(w)) is mainloop_staged.StagedMainloop
+    with pytest.raises(NotImplementedError, match="registers"):
+        mainloop_staged.mainloop_class(p, dataclasses.replace(cfg, dequant_a="workers"))
 
 
 def test_staged_problem_keeps_its_inputs():

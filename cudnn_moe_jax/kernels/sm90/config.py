@@ -10,7 +10,7 @@ from typing import Optional
 
 from cudnn_moe_jax import activations
 from cudnn_moe_jax._problem import DGRAD_OPS
-from cudnn_moe_jax.operands import STAGED_CHUNK_K, half_dtype, has_exact_half
+from cudnn_moe_jax.operands import STAGED_CHUNK_K, half_dtype, has_exact_half, staged_a_in_registers
 from cudnn_moe_jax.limits import (FLOAT_OUT_DTYPES, FORWARD_D_DTYPES, FP4, FP8_DTYPES, GROUP_ALIGN, HALF_DTYPES,
                                   MAX_GROUPS, OUT_DTYPES, QUANT_D_DTYPES, SF_GROUP_ALIGN, k_align)
 
@@ -43,8 +43,9 @@ class Config:
       take the rest of shared memory (3 for GLU with a 16-bit C, else 4);
     group_m: M blocks per raster swizzle group (L2 reuse);
     dequant_a: block-scaled inputs: where A is converted to bf16 -- "registers": by the consumer warps into the
-      register operand of an RS wgmma (B by the producer warpgroup's stage workers), "workers": by the stage
-      workers into a bf16 shared-memory stage like B (SS wgmma);
+      register operand of an RS wgmma (B by the producer warpgroup's stage workers, or staged), "workers": by the
+      stage workers into a bf16 shared-memory stage like B (SS wgmma), "workspace" (staged problems): once, by the
+      converter warps, into a bf16 workspace like B (default_config: `operands.staged_a_in_registers`);
     mxfp8_wgmma: MXFP8 inputs through the FP8-wgmma mainloop (mainloop_mxfp8; tile_n 128) instead of exact
       dequantization to bf16 (mainloop_dequant, the default). Opt-in: the FP8 wgmma does not sum a 32-K block's
       products at fp32 precision (docs/numerics.md);
@@ -87,8 +88,8 @@ class Config:
             raise ValueError("mx_n_parts must be 1, 2 or 4")
         if self.group_m < 1:
             raise ValueError("group_m must be >= 1")
-        if self.dequant_a not in ("registers", "workers"):
-            raise ValueError("dequant_a must be 'registers' or 'workers'")
+        if self.dequant_a not in ("registers", "workers", "workspace"):
+            raise ValueError("dequant_a must be 'registers', 'workers' or 'workspace'")
         if self.mxfp8_wgmma and self.tile_n != 128:
             raise ValueError("mxfp8_wgmma runs 128 x 128 tiles (tile_n=128)")
 
@@ -314,6 +315,8 @@ def default_config(problem) -> Config:
         # are one expert's: the chunk flags are per 128-row tile)
         config = default_config(dataclasses.replace(problem, ab_dtype=half_dtype(problem), sf_dtype=None,
                                                     sf_vec_size=None, a_dtype=None, staged=False))
+        # a block-scaled A: in the consumers' registers (mainloop_staged.StagedBMainloop) or once into a workspace
+        config = dataclasses.replace(config, dequant_a="registers" if staged_a_in_registers(problem) else "workspace")
         return dataclasses.replace(config, cluster_m=1) if _block_scaled_pairs_groups(problem) else config
     if (problem.op == "glu" and problem.block_scaled and problem.a_dtype == "bfloat16"
             and problem.ab_dtype in FP8_DTYPES):

@@ -61,7 +61,7 @@ from .experts import templates as expert_templates
 from .mainloop import WgmmaMainloop, consumer_regs
 from .loads import OperandLoads
 from .mainloop_gather import GatheredAMainloop
-from .mainloop_staged import StagedMainloop
+from . import mainloop_staged
 from .operands import unpack
 
 DTYPES = {
@@ -318,7 +318,7 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
         if self.gather_a:
             return GatheredAMainloop
         if problem.staged:
-            return StagedMainloop
+            return mainloop_staged.mainloop_class(problem, self.config)
         if not problem.block_scaled:
             return WgmmaMainloop
         if not self.config.mxfp8_wgmma:
@@ -357,8 +357,9 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
         """A/B stages that fit next to `epi_stages` epilogue buffers (exact layout of SharedStorage)."""
         header = 16 * 8 + 4 * self.sched.ends_words() + 32 + 4 * (self.tile_m + self.tile_n)  # mbarriers (<= 8 ..
         header = -(-header // 1024) * 1024  # sA/sB/sC/sD are 1024-aligned, each a multiple of 1 KiB
-        return (SMEM_CAPACITY - header - self.epilogue_smem_bytes(epi_stages)) // self.mainloop_class.smem_stage_bytes(
-            self.ab_dtype, self.tile_m, self.tile_n)
+        fixed = header + self.epilogue_smem_bytes(epi_stages) + self.mainloop_class.SMEM_FIXED_BYTES
+        stage = self.mainloop_class.smem_stage_bytes(self.ab_dtype, self.tile_m, self.tile_n)
+        return (SMEM_CAPACITY - fixed) // stage
 
     def _d_bytes(self) -> int:
         """Bytes per element of D's smem buffers (FP8 D: D and D_col; FP4: half a byte each, rounded up)."""
@@ -389,7 +390,7 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
 
     def _unpack(self, tensors):
         """Launcher tensors by name (the operand table's, `operands.unpack`); absent ones None."""
-        return unpack(self.problem, tensors)
+        return unpack(self.problem, tensors, self.config)
 
     def output_operands(self, t):
         """(D, alpha, beta, the old D to add to) tensors of the launch (absent ones None)."""

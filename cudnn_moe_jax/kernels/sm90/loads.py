@@ -48,11 +48,8 @@ class OperandLoads:
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         if const_expr(self.gather_a or self.gather_b):   # what the gathering mainloop reads its rows from
             side_inputs = self.gather_source(args, cta)
-        elif const_expr(self.problem.staged):             # the chunks' ready flags (mainloop_staged)
-            side_inputs = (args.mStagedAFlags, args.mStagedBFlags)
-        else:
-            side_inputs = self.mainloop.partition_scale_loads(args.tma_atom_sfa, args.mSFA, args.tma_atom_sfb,
-                                                              args.mSFB, cta.ml_smem, rank_m, rank_n)
+        else:   # scale partitions; staged: the chunks' ready flags
+            side_inputs = self.mainloop.producer_inputs(args, cta.ml_smem, rank_m, rank_n)
         work = self.sched.work(cta.sValid, cta.m_rows, self.ab_k_tiles(ab))
         t = work.first
         while t < work.total:

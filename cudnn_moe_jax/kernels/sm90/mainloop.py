@@ -93,7 +93,10 @@ class WgmmaMainloop:
       `tiled_mma()`, `ab_smem_layouts()`          the wgmma and the staged A / B layouts;
       `tma_operands()`                            element type and TMA box K of the loaded A / B stages;
       `smem_fields()`, `smem_tensors()`           the mainloop's own shared memory (none here) and its views;
+      `SMEM_FIXED_BYTES`                          of it, the bytes outside the A/B stages (the stage fit);
       `scale_tmas()`, `partition_scale_loads()`   TMA atoms / partitions of scale factors (none here);
+      `producer_inputs()`                         what the producer reads besides A / B (default: the scale
+                                                  partitions; staged mainloops: their chunks' flags);
       `tma_sources()`                             the launcher tensors the producer's TMA reads as A / B (the
                                                   staged mainloop: its bf16 workspaces);
       `CONVERT_WARPS`, `convert()`                warps of the producer warpgroup that convert the operands once
@@ -123,6 +126,7 @@ class WgmmaMainloop:
     REGISTER_TIGHT = False
     PRODUCER_REGS = 40
     PRODUCER_ARRIVALS = 1
+    SMEM_FIXED_BYTES = 0
 
     def __init__(self, ab_dtype, tile_m: int, tile_n: int, stages: int, a_mn: bool = False, b_mn: bool = False):
         self.ab_dtype = ab_dtype
@@ -170,6 +174,11 @@ class WgmmaMainloop:
     def partition_scale_loads(self, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, smem, rank_m, rank_n):
         """The producer's TMA partitions of the scale factors (none without scales)."""
         return None
+
+    def producer_inputs(self, args, smem, rank_m, rank_n):
+        """What `load_tile` reads besides A / B (its `side_inputs`): the scale factors' partitions."""
+        return self.partition_scale_loads(args.tma_atom_sfa, args.mSFA, args.tma_atom_sfb, args.mSFB, smem, rank_m,
+                                          rank_n)
 
     @cute.jit
     def consumer_operands(self, tiled_mma, sA, sB, smem, wg: Int32):

@@ -362,7 +362,11 @@ class DequantMainloop(WgmmaMainloop):
     # ------------------------------------------------------------------------------------------ workers
     def stage_arrivals(self) -> int:
         """Every lane of the stage workers, and one per consumer warp that converts B passes."""
-        return 32 * len(WORKERS) + min(self.consumer_b, CONSUMER_WARPS)
+        return 32 * len(self.STAGE_WORKERS) + min(self.consumer_b, CONSUMER_WARPS)
+
+    def stage_atoms(self) -> int:
+        """SF atom slots of a stage in shared memory (`sf_atoms`)."""
+        return sf_atoms(self.tile_m, self.tile_n)
 
     def consumer_warp_passes(self) -> int:
         """B passes of the consumer warp that converts the most (warp w: passes w, w + 8, ... < consumer_b)."""
@@ -452,7 +456,7 @@ class DequantMainloop(WgmmaMainloop):
         # shifts and masks: the coordinates are non-negative, and signed // and % cost sign fix-ups)
         atom = 0 if const_expr(operand == 0) else 1 + (row >> 7)
         kb = (k0 >> (fmt.vec.bit_length() - 1)) & (SF_ATOM_KBLOCKS - 1)
-        code = Int32(sf_bytes[(idx * sf_atoms(self.tile_m, self.tile_n) + atom) * SF_ATOM_BYTES
+        code = Int32(sf_bytes[(idx * self.stage_atoms() + atom) * SF_ATOM_BYTES
                               + sf_atom_byte(row & 31, (row >> 5) & 3, kb)]) & Int32(0xFF)  # (the u8 load sign-extends)
         if const_expr(fmt.half == "float16"):
             store = (lambda p, pair, bf16_store=store: bf16_store(p, dq.bf16x2_to_f16x2(pair)))
@@ -660,7 +664,8 @@ class DequantMainloop(WgmmaMainloop):
         if const_expr(self.consumer_b > 0):
             self._convert_b_share(b_thread, read_state.index, k, stage_mbar)
         self._convert_a(frag, a_thread, read_state.index, k)
-        cute.arch.mbarrier_wait(stage_mbar + read_state.index, read_state.phase)
+        if const_expr(self.stage_arrivals() > 0):
+            cute.arch.mbarrier_wait(stage_mbar + read_state.index, read_state.phase)
         self._issue(tiled_mma, acc, frag, tCrB, read_state.index)
 
 

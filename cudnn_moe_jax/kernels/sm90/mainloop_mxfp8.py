@@ -164,6 +164,8 @@ class Mxfp8Mainloop:
     stage_arrivals = WgmmaMainloop.stage_arrivals
     tma_sources = WgmmaMainloop.tma_sources       # A and B as given
     CONVERT_WARPS = WgmmaMainloop.CONVERT_WARPS   # none
+    SMEM_FIXED_BYTES = WgmmaMainloop.SMEM_FIXED_BYTES
+    producer_inputs = WgmmaMainloop.producer_inputs   # its scale partitions
 
     def smem_fields(self):
         """Raw SF atoms of each stage, then the bf16 scale operands A' / B'."""

@@ -28,10 +28,10 @@ def input_output_aliases(problem) -> dict:
     return table.input_output_aliases(problem)
 
 
-def unpack(problem, tensors) -> dict:
+def unpack(problem, tensors, config=None) -> dict:
     """The launcher's tensors by name (`launcher_operands` order); every other launcher name None. Aliased outputs
     do not reach the launcher (cutlass_call passes only their input); absent tensors may arrive as None."""
-    ins, outs = launcher_operands(problem)
+    ins, outs = launcher_operands(problem, config)
     aliased = set(input_output_aliases(problem).values())
     names = [name for name, _ in ins] + [name for j, (name, _) in enumerate(outs) if j not in aliased]
     present = [x for x in tensors if x is not None]
