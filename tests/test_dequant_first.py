@@ -155,8 +155,8 @@ def test_staged_problem_where_the_kernel_stages_it():
 
 def test_staged_launch_writes_its_workspaces_after_the_outputs():
     """A staged launch writes the op's outputs, then its bf16 workspaces and ready flags (A's only where a
-    block-scaled A is staged in a workspace: a K tail, FP8 with N > 2048, or `Config.dequant_a='workspace'`; else
-    the kernel's consumers convert A in registers), which `finish` drops."""
+    block-scaled A is staged in a workspace: a K tail, FP8 with N > 2048, FP4 with N > 4096, or
+    `Config.dequant_a='workspace'`; else the kernel's consumers convert A in registers), which `finish` drops."""
     from cudnn_moe_jax.kernels.sm90.config import Config
 
     p = dataclasses.replace(_problem(1024, groups=2), staged=True)
@@ -168,8 +168,8 @@ def test_staged_launch_writes_its_workspaces_after_the_outputs():
     for q in (dataclasses.replace(p, k=p.k + 32), dataclasses.replace(p, n=2048 + 128)):   # K tail; FP8, N > 2048
         assert not operands.staged_a_in_registers(q)
         assert [b.name for b in operands.launch_outputs(q)] == names
-    assert operands.staged_a_in_registers(dataclasses.replace(p, n=4096, ab_dtype=FP4, sf_dtype="float8_e4m3fn",
-                                                              sf_vec_size=16))
+    fp4 = dataclasses.replace(p, n=4096, ab_dtype=FP4, sf_dtype="float8_e4m3fn", sf_vec_size=16)
+    assert operands.staged_a_in_registers(fp4) and not operands.staged_a_in_registers(dataclasses.replace(fp4, n=4224))
     shapes = {b.name: b.shape for b in operands.launch_outputs(p, workspace)}
     assert shapes["staged_a"] == (p.m, p.k) and shapes["staged_b"] == (2, p.n, p.k)
     # the job counter, then 2 experts x 4 row blocks x 1 chunk
