@@ -391,10 +391,10 @@ def staged_b_flag_words(p):
     return (STAGED_HEADER_WORDS + p.num_groups * cdiv(p.n, 128) * cdiv(p.k, STAGED_CHUNK_K),)
 
 
-# A staged block-scaled A in the kernel's registers up to this N, by data width (RESULTS run 118, fc step TFLOP/s,
-# registers vs A in a workspace: MXFP8 N 2048 (dglu) 690 vs 647, N 4096 (fc1) 718 vs 721, N 7168 (fc2) 693 vs 722;
-# NVFP4 / MXFP4 N 2048 745 / 755 vs 656 / 658, N 4096 801 / 817 vs 741 / 744, N 7168 745 / 751 vs 749 / 762)
-STAGED_A_REGISTERS_MAX_N = {"fp4": 4096, "fp8": 2048}
+# A staged block-scaled A in the kernel's registers up to this N (fc step TFLOP/s, registers vs A in a workspace:
+# NVFP4 / MXFP4 N 2048 (dglu) 745 / 755 vs 656 / 658, N 4096 (fc1) 801 / 817 vs 741 / 744, N 7168 (fc2) 745 / 751 vs
+# 749 / 762 (RESULTS run 118); MXFP8 N 2048 690 vs 647 (run 118), N 4096 738 vs 720, N 7168 705 vs 725 (run 119))
+STAGED_A_REGISTERS_MAX_N = 4096
 
 
 def staged_a_in_registers(p) -> bool:
@@ -403,8 +403,7 @@ def staged_a_in_registers(p) -> bool:
     == 0) instead of converting it once into a bf16 workspace: per N tile the registers cost one conversion of A
     and save reading a bf16 A stage, the workspace writes A once for all N tiles, so the registers win up to an N
     (`STAGED_A_REGISTERS_MAX_N`; the kernels' default, `Config.dequant_a` "registers" / "workspace" overrides it)."""
-    width = "fp4" if p.ab_dtype == FP4 else "fp8"
-    return p.staged and p.a_dtype is None and p.k % 64 == 0 and p.n <= STAGED_A_REGISTERS_MAX_N[width]
+    return p.staged and p.a_dtype is None and p.k % 64 == 0 and p.n <= STAGED_A_REGISTERS_MAX_N
 
 
 def _stages_a(p, config=None) -> bool:

@@ -21,7 +21,8 @@ import dataclasses
 SHAPES = ("fc1", "fc2")
 SWEEP = ("fc1_r1024", "fc1_r512", "small_r1024", "small_r512")   # fewer rows per expert: the rule's threshold
 FORMATS = ("nvfp4", "mxfp8", "mxfp4", "w_nvfp4", "w_mxfp8", "w16_nvfp4")
-ROUTES = ("staged", "staged (A workspace)", "xla route", "on chip", "bf16 kernel alone")
+A_WHERE = ("workspace", "registers")
+ROUTES = ("staged", *(f"staged (A {w})" for w in A_WHERE), "xla route", "on chip", "bf16 kernel alone")
 CALLS = 8
 POWER_SECONDS = 2.0
 
@@ -52,17 +53,17 @@ def bundle_items(shapes=SHAPES, fmts=FORMATS) -> list:
             items += [forward_cases.lowering_item(staged), forward_cases.lowering_item(base, default_config(base)),
                       forward_cases.lowering_item(base, fn=forward_cases.dequant_first_fn(base))]
             if base.a_dtype is None:
-                items.append(forward_cases.lowering_item(staged, workspace_config(staged)))
+                items += [forward_cases.lowering_item(staged, a_config(staged, where)) for where in A_WHERE]
         items.append(forward_cases.lowering_item(bf16))   # one bf16 problem per shape
     return items
 
 
-def workspace_config(staged):
-    """The staged problem's config with A converted once into a workspace (the default converts a block-scaled A
-    in the consumers' registers)."""
+def a_config(staged, where: str):
+    """The staged problem's config with a block-scaled A converted once into a workspace or by the consumers in
+    registers (`where`; the default picks by `operands.staged_a_in_registers`)."""
     from cudnn_moe_jax.kernels.sm90.config import default_config
 
-    return dataclasses.replace(default_config(staged), dequant_a="workspace")
+    return dataclasses.replace(default_config(staged), dequant_a=where)
 
 
 def inputs(problem, seed: int) -> list:
@@ -161,12 +162,12 @@ def main(argv=None):
                        "on chip": forward_cases.kernel_fn(base, default_config(base)),
                        "bf16 kernel alone": forward_cases.kernel_fn(bf16)}
                 if base.a_dtype is None:
-                    fns["staged (A workspace)"] = forward_cases.kernel_fn(staged, workspace_config(staged))
+                    fns.update({f"staged (A {w})": forward_cases.kernel_fn(staged, a_config(staged, w))
+                                for w in A_WHERE})
                 want = fns["xla route"](*sets[0])
                 line = [f"{shape:4s} {fmt:8s}"]
-                for label in ("staged", "staged (A workspace)"):
-                    if label in fns:
-                        line.append(f"{label}: " + compare(fns[label](*sets[0]), want))
+                for label in [r for r in ROUTES if r.startswith("staged") and r in fns]:
+                    line.append(f"{label}: " + compare(fns[label](*sets[0]), want))
                 for label, fn in fns.items():
                     if label not in args.routes.split(","):
                         continue

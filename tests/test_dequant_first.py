@@ -155,8 +155,8 @@ def test_staged_problem_where_the_kernel_stages_it():
 
 def test_staged_launch_writes_its_workspaces_after_the_outputs():
     """A staged launch writes the op's outputs, then its bf16 workspaces and ready flags (A's only where a
-    block-scaled A is staged in a workspace: a K tail, FP8 with N > 2048, FP4 with N > 4096, or
-    `Config.dequant_a='workspace'`; else the kernel's consumers convert A in registers), which `finish` drops."""
+    block-scaled A is staged in a workspace: a K tail, N > 4096, or `Config.dequant_a='workspace'`; else the
+    kernel's consumers convert A in registers), which `finish` drops."""
     from cudnn_moe_jax.kernels.sm90.config import Config
 
     p = dataclasses.replace(_problem(1024, groups=2), staged=True)
@@ -165,7 +165,7 @@ def test_staged_launch_writes_its_workspaces_after_the_outputs():
     workspace = Config(dequant_a="workspace")
     names = [b.name for b in operands.launch_outputs(p, workspace)]
     assert names == ["c", "d", "staged_a", "staged_a_flags", "staged_b", "staged_b_flags"]
-    for q in (dataclasses.replace(p, k=p.k + 32), dataclasses.replace(p, n=2048 + 128)):   # K tail; FP8, N > 2048
+    for q in (dataclasses.replace(p, k=p.k + 32), dataclasses.replace(p, n=4096 + 128)):   # K tail; N > 4096
         assert not operands.staged_a_in_registers(q)
         assert [b.name for b in operands.launch_outputs(q)] == names
     fp4 = dataclasses.replace(p, n=4096, ab_dtype=FP4, sf_dtype="float8_e4m3fn", sf_vec_size=16)

@@ -250,18 +250,37 @@ def _fp4_pair(w: Int32, k: cutlass.Constexpr) -> Int32:
 
 
 @cute.jit
-def convert_group(words, data_dtype: cutlass.Constexpr, scale2, store):
+def convert_group(words, data_dtype: cutlass.Constexpr, scale2, store, nan_by_group: cutlass.Constexpr = False):
     """One group: its 32-bit words (FP8: 4, FP4: 2) and the block scale (bf16x2) -> its 8 bf16x2 pairs (module
     docstring), val(code) * scale each, handed to `store(p, pair)` as they are made (few live registers: the
     producer warpgroup's threads have 40). `scale2` may be a function of the pair (p -> bf16x2): the two halves of
     a pair then take their own scales (a group over two scale blocks; the pair of two rows of a token-major
-    operand)."""
+    operand). `nan_by_group` (e4m3, one scale): a NaN code makes the whole group NaN (`group_nan_scale`) instead
+    of only its element -- for a caller whose group is part of one row of an operand that every K of one output
+    row (A) or column (B) sums, where one NaN makes that whole row or column NaN anyway."""
+    by_group = const_expr(nan_by_group and data_dtype == E4M3 and not callable(scale2))
+    if const_expr(by_group):
+        scale2 = group_nan_scale(words, scale2)
     for p in cutlass.range_constexpr(PAIRS):
         if const_expr(data_dtype == E2M1):
             x = _fp4_pair(words[p // 4], p % 4)
         else:
             x = fp8_pair(words[p // 2], data_dtype, p % 2)
-        store(p, scale_pair(x, data_dtype, scale2(p) if const_expr(callable(scale2)) else scale2))
+        if const_expr(by_group):
+            store(p, mul_bf16x2(mul_bf16x2(x, _i32(bias_bits(data_dtype))), scale2))
+        else:
+            store(p, scale_pair(x, data_dtype, scale2(p) if const_expr(callable(scale2)) else scale2))
+
+
+@cute.jit
+def group_nan_scale(words, scale2: Int32) -> Int32:
+    """`scale2`, or NaN where any e4m3 code of the group's words is NaN (0x7F / 0xFF): a byte's magnitude plus one
+    sets its bit 7 exactly for 0x7F (no carry leaves a byte), so the pairs need no per-element probe (2 of their 4
+    floating-point operations; the placed NaN code is finite, +-480, and times a NaN scale NaN)."""
+    flags = Int32(0)
+    for w in words:
+        flags = flags | ((w & Int32(0x7F7F7F7F)) + Int32(0x01010101))
+    return Int32(cutlass.select_((flags & _i32(0x80808080)) != Int32(0), Int32(0x7FC07FC0), scale2))
 
 
 @cute.jit

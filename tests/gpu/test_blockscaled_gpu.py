@@ -31,8 +31,9 @@ def test_blockscaled_op_matches_float64(case, pattern, mode):
 @pytest.mark.parametrize("pattern,mode", cases.STAGED_RUNS)
 @pytest.mark.parametrize("case", cases.STAGED_CASES, ids=[c[0] for c in cases.STAGED_CASES])
 def test_staged_op_matches_float64(case, pattern, mode):
-    """The forward cases with their operands staged in the kernel (kernels/sm90/mainloop_staged.py: converted once
-    into bf16 workspaces beside the GEMM) on routings with an empty expert, unsanitized offsets and m > valid_m."""
+    """The forward and dgrad cases with their operands staged in the kernel (kernels/sm90/mainloop_staged.py: B
+    converted once into a bf16 workspace beside the GEMM, a block-scaled A in the consumers' registers or, with a
+    K tail, in a workspace too) on routings with an empty expert, unsanitized offsets and m > valid_m."""
     with harness.block_scaled_route("staged"):
         errs = checks.run_case(case, pattern, mode)
     assert not errs, errs

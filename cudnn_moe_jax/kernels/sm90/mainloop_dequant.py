@@ -460,7 +460,8 @@ class DequantMainloop(WgmmaMainloop):
                               + sf_atom_byte(row & 31, (row >> 5) & 3, kb)]) & Int32(0xFF)  # (the u8 load sign-extends)
         if const_expr(fmt.half == "float16"):
             store = (lambda p, pair, bf16_store=store: bf16_store(p, dq.bf16x2_to_f16x2(pair)))
-        dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid & (k0 < self.k)), store)
+        # a group is part of one row of A or B whose every K feeds one output row / column: NaN by group
+        dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid & (k0 < self.k)), store, True)
 
     @cute.jit
     def group_words(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32):

@@ -313,7 +313,7 @@ class StagedConverters:
                 def keep(p, pair, pairs=pairs):
                     pairs[p] = pair
 
-                dq.convert_group(words, self.data, scale, keep)
+                dq.convert_group(words, self.data, scale, keep, True)   # a row of an M-grouped operand
                 dst = out + Int64(i0 + u) * (self.k * 2)
                 store = live & (i0 + u < rows)
                 if const_expr(scratch is not None):
