@@ -130,8 +130,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--routes", default=",".join(ROUTES), help="timed routes (staged and xla route always run once"
-                    " for the bit-identity check)")
+    ap.add_argument("--routes", default=",".join(ROUTES), help="timed routes (staged and the xla route always run "
+                    "once: every staged route timed is compared with the xla route's outputs)")
     ap.add_argument("--power", action="store_true")
     ap.add_argument("--calls", type=int, default=CALLS, help="calls per timed program (distinct inputs each)")
     args = ap.parse_args(argv)
@@ -166,10 +166,12 @@ def main(argv=None):
                                 for w in A_WHERE})
                 want = fns["xla route"](*sets[0])
                 line = [f"{shape:4s} {fmt:8s}"]
-                for label in [r for r in ROUTES if r.startswith("staged") and r in fns]:
+                routes = args.routes.split(",")
+                staged_routes = [r for r in ROUTES if r.startswith("staged") and r in fns]
+                for label in [r for r in staged_routes if r == "staged" or r in routes]:
                     line.append(f"{label}: " + compare(fns[label](*sets[0]), want))
                 for label, fn in fns.items():
-                    if label not in args.routes.split(","):
+                    if label not in routes:
                         continue
                     use = bf16_sets if label.startswith("bf16") else sets
                     prog = jax.jit(lambda *flat, fn=fn, n=len(use[0]): [fn(*flat[i * n:(i + 1) * n])
