@@ -27,7 +27,8 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
   alias    outputs the launch writes into an input's buffer (`input_output_aliases`)
 
 Workspaces (`WORKSPACES`) are launch-only outputs that stand for no op output: scratch the launch writes and reads
-itself (the discrete-weights TMA descriptor table), passed after the op's outputs and dropped by `finish`.
+itself (the discrete-weights TMA descriptor table, the staged operands' bf16 copies and flags), passed after the
+op's outputs and dropped by `finish`; whether one is present may follow the kernel config (`Workspace.present`).
 
 The tables (`TABLES`, one per op) are the one statement of the operand contract; the binding order of the public
 ops, the output avals, the dynamic axes, the launcher's operands and TensorSpecs and its unpacking are read from

@@ -14,7 +14,7 @@ the weights exactly to bf16 (dequant.convert_group: the on-chip mainloop's bit p
   "workspace"  (StagedMainloop) the converters also write A once into staged_a (m, K) in natural K order and the
                16-bit mainloop (WgmmaMainloop, TMA from the workspaces) runs unchanged (also every 16-bit A).
 Per N tile the registers cost one conversion of A's stage and save reading a bf16 A stage; the workspace writes A
-once for all N tiles (RESULTS run 118: registers win for FP4 everywhere measured, for FP8 at N <= 2048).
+once for all N tiles (RESULTS runs 118-119: the registers win up to N 4096 measured, lose at 7168).
 
 Jobs: 32 rows x one K chunk of A (an expert's rows; "workspace") or of B[e] (N rows; experts without rows have no B
 jobs); a lane converts one 16-wide group of a row (FP8: a 16-byte load, FP4: 8 bytes, its SF byte from the MMA-tiled
