@@ -85,3 +85,18 @@ def test_staged_problem_keeps_its_inputs():
 
     p = problem("nvfp4_swiglu")
     assert operands.input_specs(p) == operands.input_specs(dataclasses.replace(p, staged=False))
+
+
+def test_staged_a_in_a_workspace_compiles():
+    """Config(dequant_a='workspace'): A staged like B, both read by TMA (SS wgmma), no local memory."""
+    from cudnn_moe_jax.kernels.sm90 import config
+
+    p = problem("mxfp8_quant_fp8d")
+    module = compile_or_skip(p, dataclasses.replace(config.default_config(p), dequant_a="workspace"))
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    sass = sass_of(module, tool)
+    check_sass(sass, False)
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    assert hgmma and all(re.search(r"HGMMA\.\S+ R\d+, gdesc", line) for line in hgmma), hgmma[0]
