@@ -2,8 +2,11 @@
 route (cudnn_moe_jax._dequant_first), the on-chip dequantizing mainloop and the bf16 kernel alone on the route's
 bf16 operands: the format benchmark's calls (lab.bench_kernels.format_problem: SwiGLU with C and D on fc1, plain D
 on fc2; SWEEP: fewer rows per expert) and fc2's dgrad (`fc2_dglu`: dY (m, H) by W2^T (I, H), dSwiGLU with the
-saved C, bf16 D and amax: the backward op on fc2's FLOPs), every output of the staged kernel compared bit for bit
-with the route's, then each timed on the device (CUPTI span of CALLS calls on distinct inputs, best of 3 rounds).
+saved C, bf16 D and amax: the backward op on fc2's FLOPs), every output of each staged kernel timed compared with
+the route's (bit for bit where A is staged in a workspace or 16-bit; with A in registers the sums run in the K slot
+order: the differing bytes and the largest difference are printed), then each timed on the device (CUPTI span of
+CALLS calls on distinct inputs, best of 3 rounds). Staged routes: the library's choice ("staged") and A placed
+explicitly in a workspace or in registers (`a_config`).
 
     python -m lab.bench_staged [--shapes fc1,fc2,fc2_dglu] [--formats nvfp4,...,w16_nvfp4] [--routes ...] [--calls N]
                                [--power]
