@@ -151,6 +151,12 @@ def sf_atoms(tile_m: int, tile_n: int) -> int:
     return (tile_m + tile_n) // SF_ATOM_ROWS
 
 
+def narrow_stage_layout(rows: int, box: int, stages: int):
+    """Narrow (FP8 / packed FP4) stages (rows, box bytes, stages), row-major and unswizzled."""
+    layout = cute.make_layout((rows, box, stages), stride=(box, 1, rows * box))
+    return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, layout)
+
+
 def bf16_stage_layout(rows: int, stages: int):
     """bf16 stages (rows, 64, stages), K-major without swizzle ("interleaved" wgmma operand): 8 x 8 core matrices
     of 128 contiguous bytes, the 8 K chunks of an 8-row group side by side (1 KiB a group). Element (r, k) sits at
@@ -257,9 +263,7 @@ class DequantMainloop(WgmmaMainloop):
             if operand == 0 and self.FORMAT.a_plain:
                 out.append(make_ab_smem_layouts(self.FORMAT.tma(0)[0], self.tile_m, self.tile_n, self.stages)[0])
                 continue
-            box = self.FORMAT.tma(operand)[1]
-            layout = cute.make_layout((rows, box, self.stages), stride=(box, 1, rows * box))
-            out.append(cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, layout))
+            out.append(narrow_stage_layout(rows, self.FORMAT.tma(operand)[1], self.stages))
         return tuple(out)
 
     def bf16_layouts(self):
@@ -313,16 +317,20 @@ class DequantMainloop(WgmmaMainloop):
         return (*sfa, *sf_atom_tma(tensors["sfb"], cluster_m))
 
     @cute.jit
+    def partition_sfa(self, tma_atom_sfa, mSFA, sSF, rank_n):
+        """(smem, gmem) SFA TMA partitions over (atom coordinate, stage), multicast along the cluster's N."""
+        return cpasync.tma_partition(
+            tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(sSF[(None, None, 0, None)], 0, 2),
+            cute.group_modes(cute.local_tile(mSFA, (SF_ATOM_ROWS, SF_ATOM_KBLOCKS), (None, None)), 0, 2))
+
+    @cute.jit
     def partition_scale_loads(self, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, smem, rank_m, rank_n):
         """The SFA / SFB TMA partitions over (atom coordinate, stage): one (128, 4) box = one SF atom."""
         sSF = smem[0]
         tile = (SF_ATOM_ROWS, SF_ATOM_KBLOCKS)
         tSAs = tSAg = None
         if const_expr(not self.FORMAT.a_plain):
-            tSAs, tSAg = cpasync.tma_partition(
-                tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n),
-                cute.group_modes(sSF[(None, None, 0, None)], 0, 2),
-                cute.group_modes(cute.local_tile(mSFA, tile, (None, None)), 0, 2))
+            tSAs, tSAg = self.partition_sfa(tma_atom_sfa, mSFA, sSF, rank_n)
         gSB = cute.group_modes(cute.local_tile(mSFB, tile, (None, None)), 0, 2)
         tSBs = []  # one destination per B row block of the tile
         for i in cutlass.range_constexpr(self.tile_n // SF_ATOM_ROWS):

@@ -43,14 +43,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv, sf_atom_byte, sf_atom_start
 from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS, half_dtype
 
 from .. import dequant as dq
 from .mainloop import TILE_K, WgmmaMainloop, ab_stage_bytes, copy_ab_stage, make_ab_smem_layouts
-from .mainloop_dequant import DequantFormat, DequantMainloop
+from .mainloop_dequant import DequantFormat, DequantMainloop, narrow_stage_layout
 from .mainloop_mxfp8 import sf_atom_tma
 
 SLAB = 32                                # rows per job
@@ -426,10 +425,8 @@ class StagedBMainloop(StagedConverters, DequantMainloop):
 
     def ab_smem_layouts(self):
         """A's narrow stages as on chip, B's the 16-bit kernel's swizzled K-major stages."""
-        box = self.FORMAT.row_bytes
-        a = cute.make_layout((self.tile_m, box, self.stages), stride=(box, 1, self.tile_m * box))
-        b = make_ab_smem_layouts(cutlass.BFloat16, self.tile_m, self.tile_n, self.stages)[1]
-        return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, a), b
+        return (narrow_stage_layout(self.tile_m, self.FORMAT.row_bytes, self.stages),
+                make_ab_smem_layouts(cutlass.BFloat16, self.tile_m, self.tile_n, self.stages)[1])
 
     def smem_fields(self):
         Align, MemRange = cute.struct.Align, cute.struct.MemRange
@@ -461,10 +458,7 @@ class StagedBMainloop(StagedConverters, DequantMainloop):
     @cute.jit
     def producer_inputs(self, args, smem, rank_m, rank_n):
         """((no A flags, B's chunk flags), the SFA TMA partition over (atom coordinate, stage))."""
-        tSAs, tSAg = cpasync.tma_partition(
-            args.tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n),
-            cute.group_modes(smem[0][(None, None, 0, None)], 0, 2),
-            cute.group_modes(cute.local_tile(args.mSFA, (SF_ATOM_ROWS, 4), (None, None)), 0, 2))
+        tSAs, tSAg = self.partition_sfa(args.tma_atom_sfa, args.mSFA, smem[0], rank_n)
         return (None, args.mStagedBFlags), (args.tma_atom_sfa, tSAg, tSAs)
 
     @cute.jit
