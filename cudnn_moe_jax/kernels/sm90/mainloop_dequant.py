@@ -320,7 +320,8 @@ class DequantMainloop(WgmmaMainloop):
     def partition_sfa(self, tma_atom_sfa, mSFA, sSF, rank_n):
         """(smem, gmem) SFA TMA partitions over (atom coordinate, stage), multicast along the cluster's N."""
         return cpasync.tma_partition(
-            tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n), cute.group_modes(sSF[(None, None, 0, None)], 0, 2),
+            tma_atom_sfa, rank_n, cute.make_layout(self.cluster_n),
+            cute.group_modes(sSF[(None, None, 0, None)], 0, 2),
             cute.group_modes(cute.local_tile(mSFA, (SF_ATOM_ROWS, SF_ATOM_KBLOCKS), (None, None)), 0, 2))
 
     @cute.jit
