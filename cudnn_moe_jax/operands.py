@@ -11,7 +11,8 @@ A row (`Operand`) describes one tensor of an op kind, as rules over the `Grouped
            partials; "tokens" wgrad's A (m_w, T) / B (n_w, T), T dynamic; "gathered_rows" a gathered A
            (a_rows, K) (problem.a_rows: its rows are picked by the "a_index" m_vector), a_rows dynamic, any value;
            "gathered_tokens" wgrad's gathered token-major A (m_w, a_rows) / B (n_w, b_rows) ("a_index" / "b_index");
-           "static": its shape involves neither
+           "staged_tokens" / "token_chunks" the staged wgrad's workspaces (rows, padded T) / (flag words,), T
+           dynamic; "static": its shape involves neither
   shape    (dims) of the problem; `m` (wgrad: the token count `k`) and `a_rows` may be jax.export symbolic
            dimensions
   dtype    dtype name ("uint8": packed FP4 data and scale-factor bytes)
@@ -372,8 +373,12 @@ def _descriptor_table_bytes(p):
 # Staged problems (kernels/sm90/mainloop_staged.py): the bf16 copies of the block-scaled operands the kernel writes
 # and reads back, and the ready flags of their 512-wide K chunks -- A's per 128-row tile in an (m, 1) column (at
 # most m / 128 * cdiv(K, 512) <= m of them), B's per expert and 128-row block after a header word (the job counter).
+# The staged wgrad (kernels/sm90/mainloop_staged_wgrad.py) converts A (m_w, T) and B (n_w, T) into token ranges
+# padded to STAGED_TOKEN_TILE per expert ((rows, T + STAGED_TOKEN_TILE * L) bounds them), one flag per 128-row
+# block of A, then of B, and 512-token chunk, after the header word.
 STAGED_CHUNK_K = 512
 STAGED_HEADER_WORDS = 1
+STAGED_TOKEN_TILE = 64
 
 
 def half_dtype(p) -> str:
@@ -388,8 +393,19 @@ def has_exact_half(p) -> bool:
     return p.a_dtype != "float16" or exact_in_float16(p.ab_dtype, p.sf_dtype)
 
 
+def staged_tokens(p):
+    """The staged wgrad's padded token extent: every expert's tokens from a STAGED_TOKEN_TILE boundary."""
+    return p.k + STAGED_TOKEN_TILE * p.num_groups
+
+
 def staged_b_flag_words(p):
+    if p.op == "wgrad":
+        return (STAGED_HEADER_WORDS + (cdiv(p.m, 128) + cdiv(p.n, 128)) * cdiv(staged_tokens(p), STAGED_CHUNK_K),)
     return (STAGED_HEADER_WORDS + p.num_groups * cdiv(p.n, 128) * cdiv(p.k, STAGED_CHUNK_K),)
+
+
+def _staged_b_shape(p):
+    return (p.n, staged_tokens(p)) if p.op == "wgrad" else (p.num_groups, p.n, p.k)
 
 
 # A staged block-scaled A in the kernel's registers up to this N (fc step TFLOP/s, registers vs A in a workspace:
@@ -404,20 +420,28 @@ def staged_a_in_registers(p) -> bool:
     == 0) instead of converting it once into a bf16 workspace: per N tile the registers cost one conversion of A
     and save reading a bf16 A stage, the workspace writes A once for all N tiles, so the registers win up to an N
     (`STAGED_A_REGISTERS_MAX_N`; the kernels' default, `Config.dequant_a` "registers" / "workspace" overrides it)."""
-    return p.staged and p.a_dtype is None and p.k % 64 == 0 and p.n <= STAGED_A_REGISTERS_MAX_N
+    return (p.staged and p.op != "wgrad" and p.a_dtype is None and p.k % 64 == 0
+            and p.n <= STAGED_A_REGISTERS_MAX_N)
 
 
 def _stages_a(p, config=None) -> bool:
     if not (p.staged and p.a_dtype is None):
         return False
+    if p.op == "wgrad":
+        return True
     return config.dequant_a == "workspace" if config is not None else not staged_a_in_registers(p)
+
+
+def _wgrad_kind(wgrad: str, other: str) -> Rule:
+    """A workspace's kind: `wgrad`'s for the staged wgrad (its shape follows T), else `other`."""
+    return lambda p: wgrad if p.op == "wgrad" else other
 
 
 class Workspace(NamedTuple):
     """A launch-only output that stands for no op output; `present(problem, kernel config or None)`."""
 
     name: str
-    kind: str
+    kind: Union[str, Rule]
     shape: Rule
     dtype: Union[str, Rule]
     present: Callable[[Any, Any], bool]
@@ -430,10 +454,14 @@ class Workspace(NamedTuple):
 WORKSPACES = (
     Workspace("expert_descriptors", "static", _descriptor_table_bytes, "uint8",
               lambda p, config=None: p.discrete_weights and p.op != "wgrad"),
-    Workspace("staged_a", "rows", lambda p: (p.m, p.k), "bfloat16", _stages_a),
-    Workspace("staged_a_flags", "rows", lambda p: (p.m, 1), "int32", _stages_a),
-    Workspace("staged_b", "static", lambda p: (p.num_groups, p.n, p.k), half_dtype, lambda p, config=None: p.staged),
-    Workspace("staged_b_flags", "static", staged_b_flag_words, "int32", lambda p, config=None: p.staged),
+    Workspace("staged_a", _wgrad_kind("staged_tokens", "rows"),
+              lambda p: (p.m, staged_tokens(p) if p.op == "wgrad" else p.k), "bfloat16", _stages_a),
+    Workspace("staged_a_flags", "rows", lambda p: (p.m, 1), "int32",
+              lambda p, config=None: p.op != "wgrad" and _stages_a(p, config)),
+    Workspace("staged_b", _wgrad_kind("staged_tokens", "static"), _staged_b_shape, half_dtype,
+              lambda p, config=None: p.staged),
+    Workspace("staged_b_flags", _wgrad_kind("token_chunks", "static"), staged_b_flag_words, "int32",
+              lambda p, config=None: p.staged),
 )
 
 
@@ -516,8 +544,8 @@ def launch_outputs(problem, config=None) -> list[Bound]:
                              part.dtype))
         else:
             out.append(Bound(r.launch, _eval(r.kind, problem), tuple(r.shape(problem)), _eval(r.dtype, problem)))
-    out += [Bound(r.launch, r.kind, tuple(r.shape(problem)), _eval(r.dtype, problem)) for r in WORKSPACES
-            if r.present(problem, config)]
+    out += [Bound(r.launch, _eval(r.kind, problem), tuple(r.shape(problem)), _eval(r.dtype, problem))
+            for r in WORKSPACES if r.present(problem, config)]
     return out
 
 

@@ -1,8 +1,9 @@
 """The block-scaled rows of benchmarks/bench_moe_ops.py (forward, dglu and wgrad GEMMs of the fc step with MXFP8 /
 NVFP4 / MXFP4 operands) timed per route in one process: every block-scaled call converted on chip, then every one
-dequantized by XLA before the bf16 kernel (cudnn_moe_jax._dequant_first), then the forward and dglu rows staged in
-the kernel (kernels/sm90/mainloop_staged.py; wgrad is not staged), whatever the library's rule (`dequantize_first`)
-would pick -- the measurement behind that rule, for wgrad and dglu, and the backward ops beside the forward ones.
+dequantized by XLA before the bf16 kernel (cudnn_moe_jax._dequant_first), then every row staged in the kernel
+(kernels/sm90/mainloop_staged.py, mainloop_staged_wgrad.py; token-major wgrad operands go XLA's way), whatever the
+library's rule (`dequantize_first`) would pick -- the measurement behind that rule, for wgrad and dglu, and the
+backward ops beside the forward ones.
 
     python -m lab.bench_dequant_first [--only NAME_PART] [--shape fc] [--routes on-chip,xla-dequant,staged]
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_dequant_first:bundle_items
@@ -50,9 +51,9 @@ def shape_items() -> list:
 
 
 def _row_names(only: str, route: str) -> list:
-    """The rows named with `only` that run under `route` (no wgrad row is staged)."""
-    wgrad = [] if route == "staged" else list(bench_moe_ops.BS_WGRAD)
-    return [n for n in wgrad + list(bench_moe_ops.BS_OPS) if only in n]
+    """The rows named with `only` (every route runs every row; the staged route takes XLA's way where the kernel
+    stages no such problem: token-major wgrad operands)."""
+    return [n for n in list(bench_moe_ops.BS_WGRAD) + list(bench_moe_ops.BS_OPS) if only in n]
 
 
 def _rows(shape: str, only: str = "", route: str = "on-chip"):

@@ -237,8 +237,8 @@ def bs_call(case, x):
 
 
 def bs_bundle_items():
-    """BS_CASES lowered on both routes of a block-scaled call (lab.harness.block_scaled_route): the on-chip kernel,
-    which tests/gpu/test_wgrad_gpu.py checks whatever the lowering's rule picks for the suite's token counts, and
-    XLA's conversion then the bf16 kernel (its `dequantized_first` test)."""
-    return [harness.on_route(route, item) for route in harness.BLOCK_SCALED_ROUTES
+    """BS_CASES lowered on every route of a block-scaled call (lab.harness.block_scaled_route): the on-chip kernel,
+    which tests/gpu/test_wgrad_gpu.py checks whatever the lowering's rule picks for the suite's token counts, XLA's
+    conversion then the bf16 kernel (its `dequantized_first` test), and the staged kernel (its `staged` test)."""
+    return [harness.on_route(route, item) for route in (*harness.BLOCK_SCALED_ROUTES, "staged")
             for item in aot.lowering_items(BS_CASES, bs_inputs, bs_call)]

@@ -100,3 +100,41 @@ def test_staged_a_in_a_workspace_compiles():
     check_sass(sass, False)
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     assert hgmma and all(re.search(r"HGMMA\.\S+ R\d+, gdesc", line) for line in hgmma), hgmma[0]
+
+
+def wgrad_problem(fmt: str, k: int = 2048) -> GroupedGemmProblem:
+    data, sf, vec = FORMATS[fmt]
+    return GroupedGemmProblem(op="wgrad", m=512, n=320, k=k, num_groups=5, ab_dtype=data, sf_dtype=sf,
+                              sf_vec_size=vec, wgrad_dtype=BF, staged=True)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_staged_wgrad_compiles_with_its_converters(fmt):
+    """The staged wgrad (mainloop_staged_wgrad): the bf16 K-grouped kernel over the padded workspaces (SS HGMMA,
+    no masker), the converters' job counter, release adds, acquire loads, async-proxy fence and the funnel shifts of
+    unaligned groups; no local memory."""
+    sass = sass_of(compile_or_skip(wgrad_problem(fmt)), cuobjdump() or pytest.skip("cuobjdump not found"))
+    check_sass(sass, False)
+    for op in ("ATOMG.E.ADD", "REDG.E.ADD.STRONG.GPU", "LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G", "SHF.R.U32"):
+        assert op in sass, op
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    assert hgmma and all(re.search(r"HGMMA\.\S+ R\d+, gdesc", line) for line in hgmma), hgmma[0]
+
+
+def test_staged_wgrad_workspaces_follow_the_token_count():
+    """A (m_w, T + 64 L) and B (n_w, T + 64 L) in bf16 (every expert's tokens from a 64-token boundary), one flag
+    per 128-row block of A and B and 512-token chunk after the job counter, all dynamic in T (one module serves
+    every T); no A flags column. Supported token-contiguous and ungathered only."""
+    from cudnn_moe_jax import operands
+    from cudnn_moe_jax.kernels.sm90 import config, jax_bridge
+
+    p = wgrad_problem("mxfp8", k=2000)
+    out = {b.name: b for b in operands.launch_outputs(p, config.default_config(p))}
+    assert out["staged_a"].shape == (512, 2000 + 64 * 5) and out["staged_b"].shape == (320, 2000 + 64 * 5)
+    assert out["staged_b_flags"].shape == (1 + (4 + 3) * 5,) and "staged_a_flags" not in out
+    assert {out[n].dtype for n in ("staged_a", "staged_b")} == {"bfloat16"}
+    specs = dict(zip([b.name for b in operands.launch_outputs(p, config.default_config(p))],
+                     jax_bridge.tensor_specs(p, config.default_config(p))[1]))
+    assert not specs["staged_a"].static and not specs["staged_b_flags"].static
+    assert config.supports(p) is None
+    assert "token-contiguous" in config.supports(dataclasses.replace(p, a_major="m", b_major="n"))

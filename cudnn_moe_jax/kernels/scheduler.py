@@ -25,7 +25,10 @@ Groupings (`M_GROUPED`, `K_GROUPED`):
   M block, N block) of W (L, m_w, n_w), every expert's tiles in turn (M fastest: consecutive clusters share B
   columns in L2); the reduction runs over the expert's tokens `[end_{e-1}, end_e)`, in k-tiles from its first
   token rounded down to `tile_k` (`k_start`; the mainloop masks the neighbours' tokens at both ends, `k_head` /
-  `k_keep`). An expert without tokens still owns its tiles: they store zeros.
+  `k_keep`). An expert without tokens still owns its tiles: they store zeros. Padded tokens (`padded_tokens`,
+  the staged wgrad: its operands are converted into a workspace where each expert's tokens start on a `tile_k`
+  boundary and its last k-tile is zero-filled): expert e's k-tiles start at `tile_k * tile_end_{e-1}` with
+  `tile_end_g = sum_{j <= g} ceil(|j| / tile_k)` (the tile-list scan over k-tiles), nothing to mask.
 
 Cluster `c` of `C` handles `t = c, c + C, c + 2C, ...` (static persistent schedule; all CTAs of a cluster walk the
 same sequence, which TMA multicast needs). Each warp role runs its own copy of the schedule; nothing about it is
@@ -95,7 +98,7 @@ class GroupedTileScheduler:
 
     def __init__(self, grouping: str, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, num_groups: int,
                  n_blocks: int, tile_k: int, *, k_tiles: int = None, group_m: int = 8, m_blocks: int = None,
-                 m_aligned: int = GROUP_ALIGN, tokens_per_unit: int = 1):
+                 m_aligned: int = GROUP_ALIGN, tokens_per_unit: int = 1, padded_tokens: bool = False):
         if grouping not in (M_GROUPED, K_GROUPED):
             raise ValueError(f"grouping must be {M_GROUPED!r} or {K_GROUPED!r}")
         self.grouping = grouping
@@ -116,6 +119,7 @@ class GroupedTileScheduler:
         else:
             self.align = 1  # token ends: any alignment
             self.m_blocks = m_blocks
+        self.padded_tokens = padded_tokens   # K-grouped: the k-tile ends of padded token ranges after the ends
         self.tokens_per_unit = tokens_per_unit
         # ends are scanned by one warp: each lane owns a contiguous chunk of ceil(L/32) groups
         self.chunk = (num_groups + 31) // 32
@@ -135,7 +139,7 @@ class GroupedTileScheduler:
 
     def ends_words(self) -> int:
         """Int32 words of the group ends in shared memory: the ends (tile lists: then the tile ends)."""
-        return self.num_groups * (2 if self.by_tiles else 1)
+        return self.num_groups * (2 if self.by_tiles or self.padded_tokens else 1)
 
     def group_extent(self, mA: cute.Tensor):
         """The extent the offsets index: A's rows (M-grouped) or its tokens (K-grouped: A is (m_w, T), packed FP4
@@ -149,7 +153,7 @@ class GroupedTileScheduler:
     def load_group_ends(self, mOffsets: cute.Tensor, extent: Int32, sEnds: cute.Tensor, sValid: cute.Tensor):
         """Warp-collective (call from one full warp). sEnds: (ends_words(),) Int32 smem; sValid: (2,) Int32 smem.
         Ends are clipped to `extent` and rounded down to `self.align`; tile lists: sEnds[L + g] = tile_end_g and
-        sValid[1] = the list's tiles."""
+        sValid[1] = the list's tiles (padded tokens: k-tiles)."""
         lane = cute.arch.lane_idx()
         L = self.num_groups
         run = Int32(0)
@@ -170,22 +174,23 @@ class GroupedTileScheduler:
                 sEnds[j] = cutlass.max(sEnds[j], excl)
         if lane == 0:
             sValid[0] = total
-        if const_expr(self.by_tiles):
+        if const_expr(self.by_tiles or self.padded_tokens):
             self._load_tile_ends(sEnds, sValid, lane, excl)
 
     @cute.jit
     def _load_tile_ends(self, sEnds: cute.Tensor, sValid: cute.Tensor, lane: Int32, prev_end: Int32):
-        """tile_end_g = sum_{j <= g} ceil((end_j - end_{j-1}) / tile_m) into sEnds[L + g] (a chunked warp sum scan;
-        each lane reads only the ends it wrote, `prev_end` being the end before its chunk); the total to
-        sValid[1]."""
+        """tile_end_g = sum_{j <= g} ceil((end_j - end_{j-1}) / tile) into sEnds[L + g], tile = tile_m (tile_k for
+        padded tokens) (a chunked warp sum scan; each lane reads only the ends it wrote, `prev_end` being the end
+        before its chunk); the total to sValid[1]."""
         L = self.num_groups
+        tile = self.tile_k if const_expr(self.padded_tokens) else self.tile_m
         run = Int32(0)
         end_before = prev_end
         for i in cutlass.range_constexpr(self.chunk):
             j = lane * self.chunk + i
             if j < L:
                 e = sEnds[j]
-                run = run + (e - end_before + (self.tile_m - 1)) // self.tile_m
+                run = run + (e - end_before + (tile - 1)) // tile
                 end_before = e
                 sEnds[L + j] = run
         excl, total = self._warp_scan(run, lane, add=True)
@@ -359,12 +364,19 @@ class GroupedTileScheduler:
     def token_tiles(self, e: Int32, sEnds: cute.Tensor):
         """Expert e's k-tiles: (first token of k-tile 0 = its first token rounded down to tile_k, k-tile count,
         tokens to drop at the head of k-tile 0, tokens to keep in the last k-tile). TMA boxes then start on
-        tile_k boundaries; the masker zeroes the other experts' tokens at both ends."""
+        tile_k boundaries; the masker zeroes the other experts' tokens at both ends. Padded tokens: the expert's
+        k-tiles in the padded ranges (class docstring), nothing at the head."""
         tile_k = self.tile_k
         start = Int32(0)
         if e > 0:
             start = sEnds[e - 1]
         end = sEnds[e]
+        if const_expr(self.padded_tokens):
+            first = Int32(0)
+            if e > 0:
+                first = sEnds[self.num_groups + e - 1]
+            k_count = sEnds[self.num_groups + e] - first
+            return first * tile_k, k_count, Int32(0), end - start - (k_count - 1) * tile_k
         k0 = start - start % tile_k
         k_count = Int32(0)
         if end > start:

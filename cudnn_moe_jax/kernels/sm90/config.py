@@ -99,9 +99,15 @@ def _staged_reason(problem) -> Optional[str]:
     if not problem.block_scaled or not has_exact_half(problem):
         return ("staged conversion takes block-scaled B with a block-scaled or bf16 A, or an fp16 A beside weights "
                 "fp16 holds exactly (NVFP4)")
+    if problem.op == "wgrad":
+        gathered = problem.a_rows is not None or problem.b_rows is not None
+        if (problem.a_major, problem.b_major) != ("k", "k") or gathered:
+            return "the staged wgrad reads token-contiguous, ungathered A and B (cuDNN's layout)"
+        return None
     if (problem.op not in ("quant", "srelu", "glu") + DGRAD_OPS or problem.discrete_weights
             or problem.a_rows is not None):
-        return "staged conversion is implemented for the forward and dgrad ops on stacked weights and ungathered A"
+        return ("staged conversion is implemented for the forward, dgrad and wgrad ops on stacked weights and "
+                "ungathered A")
     if (problem.a_major, problem.b_major) != ("k", "k") or problem.m_aligned % 128:
         return "staged conversion needs K-major A and B and m_aligned % 128 == 0"
     if problem.k > 128 * STAGED_CHUNK_K:

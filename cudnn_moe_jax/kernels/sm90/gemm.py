@@ -588,7 +588,9 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
 
         sEnds = storage.ends.get_tensor(cute.make_layout(self.sched.ends_words()))
         sValid = storage.valid.get_tensor(cute.make_layout(4))
-        m_rows, extent = self.rows_and_extent(args.mA, args.mAIndex, args.mBIndex)
+        # staged: the codes the converters read (the workspaces' extents are padded)
+        m_rows, extent = self.rows_and_extent(args.mCodesA if const_expr(self.problem.staged) else args.mA,
+                                              args.mAIndex, args.mBIndex)
         sZero = self.init_epilogue_smem(storage, tidx)
         if warp_idx == 0:
             self.sched.load_group_ends(args.mOffsets, extent, sEnds, sValid)

@@ -30,6 +30,10 @@ def _spec(problem, operand: table.Bound) -> TensorSpec:
         token_major = (problem.a_major, problem.b_major)[name == "b"] != "k"
         return TensorSpec(layout=(0, 1) if token_major else None,   # packed FP4: (rows, T / 2) bytes
                           divisibility=(shape[0], k_align(problem.ab_dtype) // values_per_byte(problem.ab_dtype)))
+    if kind == "staged_tokens":   # the staged wgrad's bf16 (rows, T + 64 L), T dynamic
+        return TensorSpec(divisibility=(shape[0], k_align(problem.ab_dtype)))
+    if kind == "token_chunks":    # its flags, a number of 512-token chunks of the padded T
+        return TensorSpec(divisibility=(1,))
     if kind == "weights" and len(shape) == 2:  # discrete: one expert's (N, K) (N contiguous for b_major "n")
         return TensorSpec(static=True, layout=(0, 1) if problem.b_major == "n" else None)
     if kind == "weights" and problem.b_major == "n":
@@ -78,11 +82,12 @@ def cutlass_call_kwargs(kernel) -> dict:
     return kwargs
 
 
-def launch_shape_dtypes(problem, config, m):
-    """The launch's output ShapeDtypeStructs for `m` rows (`m` may be symbolic; wgrad: m is W's static rows)."""
+def launch_shape_dtypes(problem, config, m, k=None):
+    """The launch's output ShapeDtypeStructs for `m` rows (`m` may be symbolic; wgrad: m is W's static rows and
+    `k` the token count, which the staged wgrad's workspaces follow)."""
     import jax
 
-    launch = table.launch_outputs(dataclasses.replace(problem, m=m), config)
+    launch = table.launch_outputs(dataclasses.replace(problem, m=m, k=problem.k if k is None else k), config)
     return [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in launch]
 
 
@@ -94,11 +99,15 @@ def call_of(kernel):
     gathered = kernel.problem.a_rows is not None and kernel.problem.op != "wgrad"
     m_source = table.input_names(kernel.problem).index("a_index") if gathered else 0
 
+    field, axes = table.dynamic_axes(kernel.problem)
+    token_axis = axes.get("a") if field == "k" else None   # wgrad's A (m_w, T / per byte): the token count
+
     def call(*arrays):
         m = arrays[m_source].shape[0]
+        k = None if token_axis is None else arrays[0].shape[token_axis[0]] * token_axis[1]
         fn = cutlass_call(
             kernel,
-            output_shape_dtype=tuple(launch_shape_dtypes(kernel.problem, kernel.config, m)),
+            output_shape_dtype=tuple(launch_shape_dtypes(kernel.problem, kernel.config, m, k)),
             input_spec=kwargs["input_spec"],
             output_spec=kwargs["output_spec"],
             input_output_aliases=kwargs.get("input_output_aliases", {}),

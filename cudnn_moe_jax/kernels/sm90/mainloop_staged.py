@@ -75,9 +75,10 @@ def ld_global_words(addr: Int64, n: cutlass.Constexpr):
 
 
 @cute.jit
-def ld_global_byte(addr: Int64) -> Int32:
-    return Int32(llvm.inline_asm(Int32.mlir_type, [Int64(addr).ir_value()], "ld.global.nc.u8 $0, [$1];", "=r,l",
-                                 has_side_effects=False, is_align_stack=False,
+def ld_global_scalar(addr: Int64, kind: cutlass.Constexpr = "u8") -> Int32:
+    """A byte ("u8", zero-extended) or a 32-bit word ("b32") at a global address, through the read-only path."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int64(addr).ir_value()], f"ld.global.nc.{kind} $0, [$1];",
+                                 "=r,l", has_side_effects=False, is_align_stack=False,
                                  asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
@@ -85,6 +86,15 @@ def ld_global_byte(addr: Int64) -> Int32:
 def next_job(addr: Int64) -> Int32:
     """The job counter's old value, incremented by one (relaxed: a job's data is published by its flag)."""
     return Int32(_asm(Int32.mlir_type, "atom.global.add.u32 $0, [$1], 1;", "=r,l", Int64(addr)))
+
+
+@cute.jit
+def take_job(counter: Int64, lane: Int32) -> Int32:
+    """The warp's next job (lane 0 takes it from the counter, every lane gets it)."""
+    j = Int32(0)
+    if lane == 0:
+        j = next_job(counter)
+    return cute.arch.shuffle_sync(j, 0)
 
 
 @cute.jit
@@ -239,12 +249,12 @@ class StagedConverters:
         counter = args.mStagedBFlags.iterator.toint()
         scratch = self.scratch(cta.ml_smem)
         row0, per_chunk = self.expert_jobs(cta.sEnds, Int32(0))
-        j = self.take_job(counter, lane)
+        j = take_job(counter, lane)
         e, e_first, row0, per_chunk = self.walk(cta.sEnds, j, Int32(0), Int32(0), row0, per_chunk)
         while e < self.num_groups:
             c = (j - e_first) // per_chunk
             self.run_job(args, e, row0, per_chunk, c, j - e_first - c * per_chunk, lane, scratch)
-            j = self.take_job(counter, lane)
+            j = take_job(counter, lane)
             e, e_first, row0, per_chunk = self.walk(cta.sEnds, j, e, e_first, row0, per_chunk)
 
     @cute.jit
@@ -268,13 +278,6 @@ class StagedConverters:
         cute.arch.sync_warp()
         if lane == 0:
             publish(flag)
-
-    @cute.jit
-    def take_job(self, counter: Int64, lane: Int32) -> Int32:
-        j = Int32(0)
-        if lane == 0:
-            j = next_job(counter)
-        return cute.arch.shuffle_sync(j, 0)
 
     @cute.jit
     def convert_slab(self, mCodes, mSF, mOut, row0: Int32, e: Int32, rows: Int32, c: Int32, lane: Int32,
@@ -303,7 +306,7 @@ class StagedConverters:
                 sf_off = sf_atom_start(row >> 7, kb >> 2, self.kb_atoms) + sf_atom_byte(row & 31, (row >> 5) & 3,
                                                                                       kb & 3)
                 loaded.append((ld_global_words(codes + Int64(i) * self.row_bytes, nbytes // 4),
-                               ld_global_byte(sf_base + sf_off)))
+                               ld_global_scalar(sf_base + sf_off)))
             for u in cutlass.range_constexpr(BATCH[fp4]):
                 words, code = loaded[u]
                 scale = dq.scale_bf16x2(code, self.sf_dtype, cutlass.Boolean(True))

@@ -27,6 +27,7 @@ from .forward import GroupedGemmSm90Forward
 from . import mainloop_dequant_wgrad
 from .mainloop import KGroupedWgmmaMainloop
 from .mainloop_gather import TokenSource, kgrouped_class
+from .mainloop_staged_wgrad import StagedKGroupedMainloop
 
 
 class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
@@ -40,7 +41,10 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
             b_rows=None))
 
     def mainloop_class_for(self, problem):
-        """bf16 / fp16: the token-masking bf16 mainloop; block-scaled: the K-grouped dequantizing mainloop."""
+        """bf16 / fp16: the token-masking bf16 mainloop; block-scaled: the K-grouped dequantizing mainloop, or
+        staged (converted once into padded bf16 workspaces, then the bf16 mainloop without the masker)."""
+        if problem.staged:
+            return StagedKGroupedMainloop
         if problem.block_scaled:
             return mainloop_dequant_wgrad.mainloop_class(problem, self.config)
         if self.gather_a or self.gather_b:
@@ -49,11 +53,11 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
 
     def make_scheduler(self, problem):
         """K-grouped; the token count T is dynamic: the kernel reads it from A's shape (load_group_ends; packed FP4
-        A is (m_w, T / 2) bytes: two tokens a column)."""
+        A is (m_w, T / 2) bytes: two tokens a column); staged, over the padded token ranges of its workspaces."""
         return GroupedTileScheduler(K_GROUPED, self.tile_m, self.tile_n, self.cluster_m, self.cluster_n,
                                     self.num_groups, self.n_blocks, self.tile_k,
                                     m_blocks=problem.m // (self.tile_m * self.cluster_m),
-                                    tokens_per_unit=values_per_byte(problem.ab_dtype))
+                                    tokens_per_unit=values_per_byte(problem.ab_dtype), padded_tokens=problem.staged)
 
     def output_operands(self, t):
         """W (L, m_w, n_w) as (L * m_w, n_w): expert e's rows start at e * m_w; the global scales in the alpha /

@@ -1,0 +1,296 @@
+"""The staged weight gradient (`problem.staged`, wgrad): block-scaled A (m_w, T) and B (n_w, T) with per-expert SF
+segments converted once, inside the bf16 K-grouped kernel, beside its GEMM (the forward's staging:
+mainloop_staged.py).
+
+Padded token ranges. The converters write A and B in bf16 into workspaces (rows, T + 64 L) (`operands.WORKSPACES`)
+where each expert's tokens start on a 64-token boundary and the rest of its last 64 tokens is zero: expert e's
+tokens [start_e, end_e) land at [64 P_{e-1}, 64 P_{e-1} + |e|), P_g = sum_{j <= g} ceil(|j| / 64) (the scheduler's
+`padded_tokens` ends). So every k-tile holds one expert's tokens: the bf16 K-grouped mainloop runs without its
+masker (no stage worker), and a 16-token group of the workspace lies in one expert and, its first token a multiple
+of 16 from the expert's first, in one scale block of its segment (`formats.segment_token_scales`: local block
+(t - start_e) // vec at byte base_e + ((row // 128) * Kb_e + block // 4) * 512 + sf_row_byte(row, block)).
+
+Jobs: 32 rows x one 512-token chunk of the padded range, A's slabs then B's, chunk by chunk (the schedule walks
+every expert's tokens from its first: the first chunks are needed first); a lane converts its 16 padded tokens of
+each row (dequant.convert_group, the forward's bit placement, NaN by group: a NaN code in row r of A makes W[e]'s
+row r NaN anyway, of B its column). Its expert's tokens start at any token of the codes: where a warp's groups do
+not all start on 16 tokens, each lane loads the aligned words around its group and funnel-shifts them (FP8 by
+bytes, packed FP4 by nibbles); codes past the expert's end are zeroed before the conversion (the next expert's
+NaN codes stay out of the group), the pad after it (a NaN scale times zero) after it. A job publishes its chunk
+like the forward's (fence.proxy.async.global, a release add on the flag of its 128-row block of A or B and chunk);
+the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk.
+
+Exact like the XLA route (the same bf16 values and the bf16 kernel): the sums are the reference's up to their
+order, which the padding moves against the route's k-tiles.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+
+from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv
+from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS, STAGED_TOKEN_TILE
+
+from .. import dequant as dq
+from .mainloop import TILE_K, WgmmaMainloop, copy_ab_stage
+from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar,
+                              ld_global_words, publish, take_job, wait_flag)
+
+assert STAGED_TOKEN_TILE == TILE_K
+
+
+@cute.jit
+def funnel_right(lo: Int32, hi: Int32, shift: Int32) -> Int32:
+    """The low 32 bits of (hi:lo) >> shift (0..31)."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(lo).ir_value(), Int32(hi).ir_value(),
+                                                   Int32(shift).ir_value()],
+                                 "shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def low_bits_mask(bits: Int32, width: cutlass.Constexpr) -> Int32:
+    """Ones in the low `bits` (0..width) bits of a word."""
+    return Int32(cutlass.select_(bits >= width, Int32(-1), (Int32(1) << bits) - 1))
+
+
+class TokenGroup(NamedTuple):
+    """A lane's 16 padded tokens of a chunk (per job: every row of its slab shares them)."""
+
+    live: cutlass.Boolean   # inside the padded range (else nothing is stored)
+    token: Int32            # the codes' token of the first (0 where none is valid)
+    valid: Int32            # tokens of the expert, 0..16 (the rest is padding)
+    block: Int32            # the local scale block of the expert's segment
+    quads: Int32            # Kb_e: 4-block quads of the segment
+    start: Int32            # the expert's first token (its segment's base)
+
+
+class StagedKGroupedMainloop(WgmmaMainloop):
+    """The bf16 K-grouped mainloop over the padded workspaces (module docstring): no masker, the converter warps,
+    the producer's chunk waits."""
+
+    STAGE_WORKERS = ()
+    CONVERT_WARPS = (1, 2, 3)
+    PRODUCER_REGS = 56          # as the forward's converters (mainloop_staged)
+    smem_stage_bytes = staticmethod(_half_stage_bytes)   # bf16 stages, whatever the codes' width
+    tx_bytes = staticmethod(_half_stage_bytes)
+
+    def __init__(self, problem, config, stages: int):
+        super().__init__(BFloat16, config.tile_m, config.tile_n, stages)
+        self.data, self.sf_dtype, self.vec = problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size
+        self.fp4 = problem.ab_dtype == dq.E2M1
+        self.log_vec = self.vec.bit_length() - 1
+        self.m, self.n, self.num_groups = problem.m, problem.n, problem.num_groups
+        self.a_blocks, self.b_blocks = cdiv(problem.m, SF_ATOM_ROWS), cdiv(problem.n, SF_ATOM_ROWS)
+        self.a_slabs, self.b_slabs = cdiv(problem.m, SLAB), cdiv(problem.n, SLAB)
+        self.search_steps = [1 << s for s in reversed(range(max(1, math.ceil(math.log2(self.num_groups + 1)))))]
+
+    @classmethod
+    def from_problem(cls, problem, config, ab_dtype, stages: int):
+        return cls(problem, config, stages)
+
+    def tma_sources(self, t):
+        """(A, B) the TMA reads: the padded bf16 workspaces (m_w, T + 64 L), (n_w, T + 64 L)."""
+        return t["staged_a"], t["staged_b"]
+
+    def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
+        """No scale TMA: the converters read the SF segments (KernelArgs.mSFA / mSFB) as memory."""
+        return None, tensors["sfa"], None, tensors["sfb"]
+
+    def producer_inputs(self, args, smem, rank_m, rank_n):
+        return args.mStagedBFlags
+
+    # ------------------------------------------------------------------------------------------ producer
+    @cute.jit
+    def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, a_mcast_mask,
+                  b_mcast_mask, k_count: Int32, side_inputs=None, tile=None, descriptors=None, b_own=None):
+        """The tile's k-tiles (its expert's padded range from tile.k_start), each after the flags of its chunk the
+        first time the tile reads from it (`side_inputs`: the flag words)."""
+        header = side_inputs.iterator.toint()
+        prod_state.reset_count()
+        for _k in cutlass.range(k_count, unroll=1):
+            k = prod_state.count
+            token = tile.k_start + k * TILE_K
+            if (k == 0) | (token % STAGED_CHUNK_K == 0):
+                self.wait_chunk(header, tile, token // STAGED_CHUNK_K)
+            ab_pipeline.producer_acquire(prod_state)
+            bar = ab_pipeline.producer_get_barrier(prod_state)
+            copy_ab_stage(tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, bar, k, prod_state.index, a_mcast_mask,
+                          b_mcast_mask)
+            ab_pipeline.producer_commit(prod_state)
+            prod_state.advance()
+        return prod_state
+
+    @cute.jit
+    def wait_chunk(self, header: Int64, tile, c: Int32):
+        """Wait for chunk c of the tile's 128-row blocks of A (4 slabs each: m_w % 128 == 0) and of B."""
+        first = Int64(STAGED_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks)
+        for h in cutlass.range_constexpr(self.tile_m // SF_ATOM_ROWS):
+            block = tile.m_tile * (self.tile_m // SF_ATOM_ROWS) + h
+            wait_flag(header + (first + block) * 4, Int32(SF_ATOM_ROWS // SLAB))
+        for h in cutlass.range_constexpr(self.tile_n // SF_ATOM_ROWS):
+            block = tile.n_tile * (self.tile_n // SF_ATOM_ROWS) + h
+            if block < self.b_blocks:
+                slabs = cutlass.min(Int32(SF_ATOM_ROWS // SLAB),
+                                    (Int32(self.n) - block * SF_ATOM_ROWS + SLAB - 1) // SLAB)
+                wait_flag(header + (first + self.a_blocks + block) * 4, slabs)
+        fence_async_global()
+
+    # ------------------------------------------------------------------------------------------ converters
+    @cute.jit
+    def convert(self, args, cta):
+        """A converter warp: jobs from the counter until the padded range's are done (module docstring)."""
+        lane = cute.arch.lane_idx()
+        header = args.mStagedBFlags.iterator.toint()
+        padded = cta.sValid[1] * TILE_K
+        per_chunk = Int32(self.a_slabs + self.b_slabs)
+        jobs = (padded + STAGED_CHUNK_K - 1) // STAGED_CHUNK_K * per_chunk
+        j = take_job(header, lane)
+        while j < jobs:
+            c = j // per_chunk
+            r = j - c * per_chunk
+            group = self.token_group(cta.sEnds, padded, c, lane)
+            block = Int32(0)
+            if r < self.a_slabs:
+                self.convert_slab(args.mCodesA, args.mSFA, args.mStagedA, self.m, r * SLAB, c, lane, group)
+                block = r * SLAB // SF_ATOM_ROWS
+            else:
+                row0 = (r - self.a_slabs) * SLAB
+                self.convert_slab(args.mCodesB, args.mSFB, args.mStagedB, self.n, row0, c, lane, group)
+                block = self.a_blocks + row0 // SF_ATOM_ROWS
+            fence_async_global()
+            cute.arch.sync_warp()
+            if lane == 0:
+                flag = Int64(STAGED_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks) + block
+                publish(header + flag * 4)
+            j = take_job(header, lane)
+
+    @cute.jit
+    def token_group(self, sEnds, padded: Int32, c: Int32, lane: Int32) -> TokenGroup:
+        """Lane `lane`'s group of chunk c: its expert (a binary search over the padded k-tile ends sEnds[L + g])
+        and where its tokens are in the codes and the expert's SF segment."""
+        L = self.num_groups
+        tp = c * STAGED_CHUNK_K + lane * dq.GROUP
+        unit = tp // TILE_K
+        e = Int32(0)
+        for step in cutlass.range_constexpr(len(self.search_steps)):
+            s = self.search_steps[step]
+            probe = cutlass.min(e + (s - 1), Int32(L - 1))
+            if e + s <= L:
+                if sEnds[L + probe] <= unit:
+                    e = e + s
+        e = cutlass.min(e, Int32(L - 1))
+        start = Int32(0)
+        first = Int32(0)
+        if e > 0:
+            start = sEnds[e - 1]
+            first = sEnds[L + e - 1]
+        length = sEnds[e] - start
+        local = tp - first * TILE_K
+        live = tp < padded
+        valid = cutlass.min(cutlass.max(length - local, Int32(0)), Int32(dq.GROUP))
+        valid = cutlass.select_(live, valid, Int32(0))
+        token = cutlass.select_(valid > 0, start + local, Int32(0))
+        quads = (((length + self.vec - 1) >> self.log_vec) + 3) >> 2
+        return TokenGroup(live, token, valid, local >> self.log_vec, quads, start)
+
+    @cute.jit
+    def convert_slab(self, mCodes, mSF, mOut, rows_total: cutlass.Constexpr, row0: Int32, c: Int32, lane: Int32,
+                     g: TokenGroup):
+        """Rows row0 .. row0 + 32 (< rows_total) of an operand in chunk c: the lanes' groups into the workspace.
+        Warp-uniform variants: groups all on 16-token starts or not (`general`), any of them short (`masked`)."""
+        general = cute.arch.vote_any_sync((g.token & (dq.GROUP - 1)) != 0)
+        masked = cute.arch.vote_any_sync(g.live & (g.valid < dq.GROUP))
+        if general:
+            if masked:
+                self.convert_rows(mCodes, mSF, mOut, rows_total, row0, c, lane, g, True, True)
+            else:
+                self.convert_rows(mCodes, mSF, mOut, rows_total, row0, c, lane, g, True, False)
+        else:
+            if masked:
+                self.convert_rows(mCodes, mSF, mOut, rows_total, row0, c, lane, g, False, True)
+            else:
+                self.convert_rows(mCodes, mSF, mOut, rows_total, row0, c, lane, g, False, False)
+
+    @cute.jit
+    def convert_rows(self, mCodes, mSF, mOut, rows_total: cutlass.Constexpr, row0: Int32, c: Int32, lane: Int32,
+                     g: TokenGroup, general: cutlass.Constexpr, masked: cutlass.Constexpr):
+        rows = cutlass.min(Int32(SLAB), Int32(rows_total) - row0)
+        row_bytes = mCodes.shape[1]                      # packed FP4: T / 2
+        out_row = Int64(mOut.shape[1]) * 2               # bytes of a workspace row
+        codes = mCodes.iterator.toint() + Int64(row0) * row_bytes
+        out = mOut.iterator.toint() + Int64(row0) * out_row + Int64(c * STAGED_CHUNK_K + lane * dq.GROUP) * 2
+        # the SF byte of (row0 + i, the group's block): the slab lies in one 128-row block and one 32-row quarter
+        rows_pad = cdiv(rows_total, SF_ATOM_ROWS) * SF_ATOM_ROWS
+        sf_off = (Int64(rows_pad >> self.log_vec) * g.start
+                  + Int64((row0 >> 7) * g.quads + (g.block >> 2)) * SF_ATOM_BYTES + ((row0 >> 5) & 3) * 4
+                  + (g.block & 3))
+        sf_size = Int64(cute.size(mSF))
+        sf = mSF.iterator.toint()
+        batch = BATCH[self.fp4] // (2 if general else 1)
+        for i0 in cutlass.range(0, SLAB, batch, unroll=1):
+            loaded = []
+            for u in cutlass.range_constexpr(batch):
+                i = cutlass.min(i0 + u, rows - 1)
+                off = sf_off + i * 16
+                ok = off < sf_size
+                loaded.append((self.load_codes(codes + Int64(i) * row_bytes, row_bytes, g.token, general),
+                               ld_global_scalar(sf + cutlass.select_(ok, off, Int64(0))), ok))
+            for u in cutlass.range_constexpr(batch):
+                raw, code, ok = loaded[u]
+                words = self.place_codes(raw, g.token, g.valid, general, masked)
+                scale = dq.scale_bf16x2(cutlass.select_(ok, code, Int32(0)), self.sf_dtype, cutlass.Boolean(True))
+                pairs = [Int32(0)] * dq.PAIRS
+
+                def keep(p, pair, pairs=pairs):
+                    pairs[p] = pair
+
+                dq.convert_group(words, self.data, scale, keep, True)
+                if g.live & (i0 + u < rows):
+                    self.store_group(pairs, out + Int64(i0 + u) * out_row, g.valid, masked)
+
+    @cute.jit
+    def load_codes(self, row: Int64, row_bytes: Int32, token: Int32, general: cutlass.Constexpr) -> list:
+        """The group's code words: aligned, one vector load (FP8: 16 bytes, FP4: 8); general, the aligned words
+        that cover it (FP8: 5, FP4: 3; past the row's end the last word again: only tokens past T, zeroed)."""
+        if const_expr(not general):
+            return ld_global_words(row + (token // 2 if const_expr(self.fp4) else token), 2 if self.fp4 else 4)
+        last = row_bytes // 4 - 1
+        first = token // 8 if const_expr(self.fp4) else token // 4
+        return [ld_global_scalar(row + Int64(cutlass.min(first + w, last)) * 4, "b32")
+                for w in range(3 if self.fp4 else 5)]
+
+    @cute.jit
+    def place_codes(self, raw: list, token: Int32, valid: Int32, general: cutlass.Constexpr,
+                    masked: cutlass.Constexpr) -> list:
+        """The group's codes in 4 (FP8) / 2 (FP4) words, first token in the low bits (general: the loaded words
+        funnel-shifted by the token's place in its word); masked: codes past `valid` tokens zeroed."""
+        per_word = 8 if const_expr(self.fp4) else 4       # tokens a word holds
+        bits = 32 // per_word
+        words = raw
+        if const_expr(general):
+            shift = (token % per_word) * bits
+            words = [funnel_right(raw[w], raw[w + 1], shift) for w in range(len(raw) - 1)]
+        if const_expr(masked):
+            words = [words[w] & low_bits_mask(cutlass.min(cutlass.max(valid - per_word * w, Int32(0)),
+                                                          Int32(per_word)) * bits, 32)
+                     for w in range(len(words))]
+        return words
+
+    @cute.jit
+    def store_group(self, pairs: list, dst: Int64, valid: Int32, masked: cutlass.Constexpr):
+        """A group's 8 pairs in natural token order (32 bytes at `dst`); masked: tokens past `valid` zero."""
+        if const_expr(self.fp4):   # pair p = elements (8 (p // 4) + p % 4, + 4): back to natural order
+            pairs = [dq.prmt2(pairs[4 * h + 2 * (q % 2)], pairs[4 * h + 2 * (q % 2) + 1],
+                              0x7632 if q >= 2 else 0x5410) for h in range(2) for q in (0, 1, 2, 3)]
+        if const_expr(masked):
+            pairs = [pairs[p] & low_bits_mask(cutlass.min(cutlass.max(valid - 2 * p, Int32(0)), Int32(2)) * 16, 32)
+                     for p in range(dq.PAIRS)]
+        dq.st_global_v4(dst, pairs[:4])
+        dq.st_global_v4(dst + 16, pairs[4:])
