@@ -34,6 +34,11 @@ DEQUANT_FIRST_ROWS = {"fp8": 1024, "fp4": 1024}
 # Token-contiguous operands are then staged in the kernel (`staged_problem`), which beat XLA's pass at 2048, 256 and
 # 128 tokens per expert (RESULTS run 123, W1 and W2: +11..+16%, +16..+28%, +18..+27%)
 DEQUANT_FIRST_TOKENS = 128
+# Token-major (FP8) wgrad operands are staged where the GEMM does at least this many FLOPs per converted code,
+# 2 m_w n_w / (m_w + n_w) (their converters spend more per code: each pair of rows its own scales, NaN per element):
+# staged vs XLA's pass (RESULTS run 124) fc W2 (3186) +6%, W1 (5213) +4%; e128 W2 (1638) +3%, W1 (2731) +7%; small W1
+# (1755) +5%, W2 (1117) -8%
+STAGED_TOKEN_MAJOR_FLOPS_PER_CODE = 1400
 
 
 def dequantize_first(problem: GroupedGemmProblem) -> bool:
@@ -51,13 +56,18 @@ def dequantize_first(problem: GroupedGemmProblem) -> bool:
     return problem.m // problem.num_groups >= DEQUANT_FIRST_ROWS["fp4" if problem.ab_dtype == FP4 else "fp8"]
 
 
-def staged_problem(problem: GroupedGemmProblem):
+def staged_problem(problem: GroupedGemmProblem, by_size: bool = True):
     """`problem` with its operands staged inside the kernel (kernels/sm90/mainloop_staged.py: converted once into
     bf16 workspaces beside the GEMM, the same values and the same bf16 kernel as XLA's route below) where the kernel
-    implements that for it, else None (XLA's conversion then the bf16 kernel)."""
+    implements that for it, else None (XLA's conversion then the bf16 kernel); token-major wgrad operands only where
+    the GEMM is large enough for their costlier conversion (`STAGED_TOKEN_MAJOR_FLOPS_PER_CODE`; `by_size` False:
+    wherever the kernel stages them, for the suites and benchmarks that pin the staged kernel)."""
     from .kernels.sm90.config import supports
 
     staged = dataclasses.replace(problem, staged=True)
+    if by_size and problem.op == "wgrad" and problem.a_major == "m":
+        if 2 * problem.m * problem.n < STAGED_TOKEN_MAJOR_FLOPS_PER_CODE * (problem.m + problem.n):
+            return None
     return staged if supports(staged) is None else None
 
 

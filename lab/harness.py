@@ -61,15 +61,17 @@ BLOCK_SCALED_ROUTES = ("on-chip", "xla-dequant")
 def block_scaled_route(name: str):
     """Every block-scaled call traced and lowered inside takes route `name` (BLOCK_SCALED_ROUTES: the dequantizing
     kernel, or XLA's exact conversion then the bf16 kernel; or "staged": converted once inside the bf16 kernel,
-    mainloop_staged, where it implements the problem, else XLA's) whatever `cudnn_moe_jax._dequant_first` would pick
-    for its shape: a GPU suite pins the kernel it tests, the lab times the routes (an fp16 A always stays on chip:
-    no exact 16-bit pair)."""
+    mainloop_staged, wherever it implements the problem (also below the library's size rule), else XLA's) whatever
+    `cudnn_moe_jax._dequant_first` would pick for its shape: a GPU suite pins the kernel it tests, the lab times the
+    routes (an fp16 A always stays on chip: no exact 16-bit pair)."""
     from cudnn_moe_jax import _dequant_first
 
     rule, staged = _dequant_first.dequantize_first, _dequant_first.staged_problem
     _dequant_first.dequantize_first = lambda p: name != "on-chip" and p.block_scaled and p.a_dtype != "float16"
     if name == "xla-dequant":
         _dequant_first.staged_problem = lambda p: None
+    if name == "staged":
+        _dequant_first.staged_problem = lambda p: staged(p, by_size=False)
     try:
         yield
     finally:

@@ -30,7 +30,7 @@ from cudnn_moe_jax.kernels.sm90 import config  # noqa: E402
 from lab import blockscaled_cases as cases  # noqa: E402
 from lab import wgrad_cases  # noqa: E402
 
-E4M3, FP4 = "float8_e4m3fn", "float4_e2m1fn"
+E4M3, FP4, E8M0 = "float8_e4m3fn", "float4_e2m1fn", "float8_e8m0fnu"
 GLU = Epilogue(act="swiglu", c_dtype="bfloat16")
 
 
@@ -151,6 +151,25 @@ def test_staged_problem_where_the_kernel_stages_it():
     assert "m_aligned" in config.supports(dataclasses.replace(_problem(rows), m_aligned=64, staged=True))
     assert "block-scaled" in config.supports(dataclasses.replace(_problem(rows), sf_dtype=None, sf_vec_size=None,
                                                                    ab_dtype="bfloat16", staged=True))
+
+
+def test_staged_wgrad_by_layout_and_size():
+    """The block-scaled wgrad past the token rule is staged: token-contiguous always, token-major FP8 where the GEMM
+    does enough FLOPs per converted code (`STAGED_TOKEN_MAJOR_FLOPS_PER_CODE`: the fc step's W2, not `small`'s);
+    token-major FP4 never (XLA's way)."""
+    from cudnn_moe_jax._problem import GroupedGemmProblem
+
+    def wgrad(m, n, data=E4M3, sf=E8M0, vec=32, **majors):
+        return GroupedGemmProblem(op="wgrad", m=m, n=n, k=16384, num_groups=8, ab_dtype=data, sf_dtype=sf,
+                                  sf_vec_size=vec, wgrad_dtype="bfloat16", **majors)
+
+    tok = dict(a_major="m", b_major="n")
+    for p in (wgrad(7168, 2048), wgrad(2048, 768), wgrad(7168, 2048, FP4, E8M0), wgrad(7168, 2048, **tok),
+              wgrad(4096, 1024, **tok)):
+        assert _dequant_first.dequantize_first(p)
+        assert _dequant_first.staged_problem(p) == dataclasses.replace(p, staged=True)
+    for p in (wgrad(2048, 768, **tok), wgrad(7168, 2048, FP4, E8M0, **tok)):
+        assert _dequant_first.staged_problem(p) is None
 
 
 def test_staged_launch_writes_its_workspaces_after_the_outputs():

@@ -102,23 +102,27 @@ def test_staged_a_in_a_workspace_compiles():
     assert hgmma and all(re.search(r"HGMMA\.\S+ R\d+, gdesc", line) for line in hgmma), hgmma[0]
 
 
-def wgrad_problem(fmt: str, k: int = 2048) -> GroupedGemmProblem:
+def wgrad_problem(fmt: str, k: int = 2048, token_major: bool = False) -> GroupedGemmProblem:
     data, sf, vec = FORMATS[fmt]
+    majors = dict(a_major="m", b_major="n") if token_major else {}
     return GroupedGemmProblem(op="wgrad", m=512, n=320, k=k, num_groups=5, ab_dtype=data, sf_dtype=sf,
-                              sf_vec_size=vec, wgrad_dtype=BF, staged=True)
+                              sf_vec_size=vec, wgrad_dtype=BF, staged=True, **majors)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_staged_wgrad_compiles_with_its_converters(fmt):
+@pytest.mark.parametrize("fmt,token_major", [(f, False) for f in FORMATS] + [("mxfp8", True)])
+def test_staged_wgrad_compiles_with_its_converters(fmt, token_major):
     """The staged wgrad (mainloop_staged_wgrad): the bf16 K-grouped kernel over the padded workspaces (SS HGMMA,
-    no masker), the converters' job counter, release adds, acquire loads, async-proxy fence and the funnel shifts of
-    unaligned groups; no local memory."""
-    sass = sass_of(compile_or_skip(wgrad_problem(fmt)), cuobjdump() or pytest.skip("cuobjdump not found"))
+    no masker; token-major: MN-major stages), the converters' job counter, release adds, acquire loads, async-proxy
+    fence and (token-contiguous) the funnel shifts of unaligned groups; no local memory."""
+    sass = sass_of(compile_or_skip(wgrad_problem(fmt, token_major=token_major)),
+                   cuobjdump() or pytest.skip("cuobjdump not found"))
     check_sass(sass, False)
-    for op in ("ATOMG.E.ADD", "REDG.E.ADD.STRONG.GPU", "LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G", "SHF.R.U32"):
+    for op in ("ATOMG.E.ADD", "REDG.E.ADD.STRONG.GPU", "LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G"):
         assert op in sass, op
+    assert token_major or "SHF.R.U32" in sass
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     assert hgmma and all(re.search(r"HGMMA\.\S+ R\d+, gdesc", line) for line in hgmma), hgmma[0]
+    assert all((".tnspA.tnspB" in line) == token_major for line in hgmma), hgmma[0]
 
 
 def test_staged_wgrad_workspaces_follow_the_token_count():
@@ -137,4 +141,6 @@ def test_staged_wgrad_workspaces_follow_the_token_count():
                      jax_bridge.tensor_specs(p, config.default_config(p))[1]))
     assert not specs["staged_a"].static and not specs["staged_b_flags"].static
     assert config.supports(p) is None
-    assert "token-contiguous" in config.supports(dataclasses.replace(p, a_major="m", b_major="n"))
+    assert config.supports(dataclasses.replace(p, a_major="m", b_major="n")) is None   # FP8 token-major
+    assert "token-major" in config.supports(dataclasses.replace(wgrad_problem("nvfp4"), a_major="m", b_major="n"))
+    assert "token-major" in config.supports(dataclasses.replace(p, a_major="m"))

@@ -42,7 +42,7 @@ SANITIZE = {"c2_bf16_tokmajor-empty_and_tail",   # 2x1 clusters, token-major, 3 
             "bs_mxfp8_tok_c2-unaligned-exact",
             # staged: the converters' funnel-shifted groups (unaligned starts, odd ones for FP4), flags, padding
             "staged-bs_mxfp8_c1-unaligned-exact", "staged-bs_mxfp4_c2-unaligned-exact",
-            "staged-bs_nvfp4_c1_gs-empty_and_tail-adversarial"}
+            "staged-bs_nvfp4_c1_gs-empty_and_tail-adversarial", "staged-bs_mxfp8_tok_c2-unaligned-exact"}
 
 
 def _run_twice(fn, x):
@@ -217,8 +217,9 @@ def test_blockscaled_wgrad_dequantized_first_matches_float64(case, pattern, mode
     [(f"staged-{c[0]}-{p}-{m}", (c, p, m)) for c in cases.BS_CASES for p, m in cases.BS_RUNS], SANITIZE))
 def test_blockscaled_wgrad_staged_matches_float64(case, pattern, mode):
     """The staged wgrad (kernels/sm90/mainloop_staged_wgrad.py: A and B converted once in the kernel into padded
-    bf16 workspaces; token-major operands go XLA's way): the same checks as on chip, on every routing -- unaligned
-    and odd expert starts (nibble-shifted FP4 groups), empty experts, tokens in no expert, unsanitized offsets."""
+    bf16 workspaces, token-major FP8 too; token-major FP4 goes XLA's way): the same checks as on chip, on every
+    routing -- unaligned and odd expert starts (nibble-shifted FP4 groups), empty experts, tokens in no expert,
+    unsanitized offsets."""
     with harness.block_scaled_route("staged"):
         errs = run_bs_case(case, pattern, mode)
     assert not errs, errs

@@ -101,8 +101,10 @@ def _staged_reason(problem) -> Optional[str]:
                 "fp16 holds exactly (NVFP4)")
     if problem.op == "wgrad":
         gathered = problem.a_rows is not None or problem.b_rows is not None
-        if (problem.a_major, problem.b_major) != ("k", "k") or gathered:
-            return "the staged wgrad reads token-contiguous, ungathered A and B (cuDNN's layout)"
+        majors = (problem.a_major, problem.b_major)
+        if gathered or majors not in (("k", "k"), ("m", "n")) or (majors == ("m", "n") and problem.ab_dtype == FP4):
+            return ("the staged wgrad reads ungathered A and B, both token-contiguous (cuDNN's layout) or, FP8, "
+                    "both token-major")
         return None
     if (problem.op not in ("quant", "srelu", "glu") + DGRAD_OPS or problem.discrete_weights
             or problem.a_rows is not None):

@@ -30,8 +30,9 @@ def _spec(problem, operand: table.Bound) -> TensorSpec:
         token_major = (problem.a_major, problem.b_major)[name == "b"] != "k"
         return TensorSpec(layout=(0, 1) if token_major else None,   # packed FP4: (rows, T / 2) bytes
                           divisibility=(shape[0], k_align(problem.ab_dtype) // values_per_byte(problem.ab_dtype)))
-    if kind == "staged_tokens":   # the staged wgrad's bf16 (rows, T + 64 L), T dynamic
-        return TensorSpec(divisibility=(shape[0], k_align(problem.ab_dtype)))
+    if kind == "staged_tokens":   # the staged wgrad's bf16 (rows, T + 64 L), T dynamic; token-major as the codes
+        return TensorSpec(layout=(0, 1) if problem.a_major == "m" else None,
+                          divisibility=(shape[0], k_align(problem.ab_dtype)))
     if kind == "token_chunks":    # its flags, a number of 512-token chunks of the padded T
         return TensorSpec(divisibility=(1,))
     if kind == "weights" and len(shape) == 2:  # discrete: one expert's (N, K) (N contiguous for b_major "n")

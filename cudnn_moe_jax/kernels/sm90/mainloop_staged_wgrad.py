@@ -39,8 +39,9 @@ from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS, STAGED_T
 
 from .. import dequant as dq
 from .mainloop import TILE_K, WgmmaMainloop, copy_ab_stage
+from .mainloop_dequant_wgrad import KGroupedDequantMainloop
 from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar,
-                              ld_global_words, publish, take_job, wait_flag)
+                              ld_global_words, ld_shared_v4, publish, st_shared_word, take_job, wait_flag)
 
 assert STAGED_TOKEN_TILE == TILE_K
 
@@ -71,6 +72,14 @@ class TokenGroup(NamedTuple):
     start: Int32            # the expert's first token (its segment's base)
 
 
+def mainloop_class(problem):
+    """The staged wgrad's mainloop for `problem`'s majors (token-major: the converters' shared scratch)."""
+    if problem.a_major != "m":
+        return StagedKGroupedMainloop
+    return type("StagedKGroupedMainloop_token_major", (StagedKGroupedMainloop,),
+                {"TOKEN_MAJOR": True, "SMEM_FIXED_BYTES": SLAB * 4 * len(StagedKGroupedMainloop.CONVERT_WARPS)})
+
+
 class StagedKGroupedMainloop(WgmmaMainloop):
     """The bf16 K-grouped mainloop over the padded workspaces (module docstring): no masker, the converter warps,
     the producer's chunk waits."""
@@ -78,11 +87,12 @@ class StagedKGroupedMainloop(WgmmaMainloop):
     STAGE_WORKERS = ()
     CONVERT_WARPS = (1, 2, 3)
     PRODUCER_REGS = 56          # as the forward's converters (mainloop_staged)
+    TOKEN_MAJOR = False         # FP8 (T, rows) codes and workspaces, MN-major stages (`mainloop_class`)
     smem_stage_bytes = staticmethod(_half_stage_bytes)   # bf16 stages, whatever the codes' width
     tx_bytes = staticmethod(_half_stage_bytes)
 
     def __init__(self, problem, config, stages: int):
-        super().__init__(BFloat16, config.tile_m, config.tile_n, stages)
+        super().__init__(BFloat16, config.tile_m, config.tile_n, stages, self.TOKEN_MAJOR, self.TOKEN_MAJOR)
         self.data, self.sf_dtype, self.vec = problem.ab_dtype, problem.sf_dtype, problem.sf_vec_size
         self.fp4 = problem.ab_dtype == dq.E2M1
         self.log_vec = self.vec.bit_length() - 1
@@ -94,6 +104,19 @@ class StagedKGroupedMainloop(WgmmaMainloop):
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
         return cls(problem, config, stages)
+
+    def smem_fields(self):
+        """Token-major: each converter warp's 32 shared words (its rows' SF words, exchanged)."""
+        if not self.TOKEN_MAJOR:
+            return []
+        return [("sScratch", cute.struct.Align[cute.struct.MemRange[Int32, SLAB * len(self.CONVERT_WARPS)], 16])]
+
+    @cute.jit
+    def smem_tensors(self, storage, tidx: Int32, nthreads: cutlass.Constexpr):
+        """The scratch's shared address (token-major), else None."""
+        if const_expr(not self.TOKEN_MAJOR):
+            return None
+        return storage.sScratch.data_ptr().toint()
 
     def tma_sources(self, t):
         """(A, B) the TMA reads: the padded bf16 workspaces (m_w, T + 64 L), (n_w, T + 64 L)."""
@@ -149,20 +172,25 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         lane = cute.arch.lane_idx()
         header = args.mStagedBFlags.iterator.toint()
         padded = cta.sValid[1] * TILE_K
+        scratch = None
+        if const_expr(self.TOKEN_MAJOR):
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            scratch = cta.ml_smem + (warp - self.CONVERT_WARPS[0]) * (SLAB * 4)
         per_chunk = Int32(self.a_slabs + self.b_slabs)
         jobs = (padded + STAGED_CHUNK_K - 1) // STAGED_CHUNK_K * per_chunk
         j = take_job(header, lane)
         while j < jobs:
             c = j // per_chunk
             r = j - c * per_chunk
-            group = self.token_group(cta.sEnds, padded, c, lane)
             block = Int32(0)
             if r < self.a_slabs:
-                self.convert_slab(args.mCodesA, args.mSFA, args.mStagedA, self.m, r * SLAB, c, lane, group)
+                self.convert_job(args.mCodesA, args.mSFA, args.mStagedA, self.m, r * SLAB, c, lane, cta.sEnds, padded,
+                                 scratch)
                 block = r * SLAB // SF_ATOM_ROWS
             else:
                 row0 = (r - self.a_slabs) * SLAB
-                self.convert_slab(args.mCodesB, args.mSFB, args.mStagedB, self.n, row0, c, lane, group)
+                self.convert_job(args.mCodesB, args.mSFB, args.mStagedB, self.n, row0, c, lane, cta.sEnds, padded,
+                                 scratch)
                 block = self.a_blocks + row0 // SF_ATOM_ROWS
             fence_async_global()
             cute.arch.sync_warp()
@@ -172,11 +200,20 @@ class StagedKGroupedMainloop(WgmmaMainloop):
             j = take_job(header, lane)
 
     @cute.jit
-    def token_group(self, sEnds, padded: Int32, c: Int32, lane: Int32) -> TokenGroup:
-        """Lane `lane`'s group of chunk c: its expert (a binary search over the padded k-tile ends sEnds[L + g])
-        and where its tokens are in the codes and the expert's SF segment."""
+    def convert_job(self, mCodes, mSF, mOut, rows_total: cutlass.Constexpr, row0: Int32, c: Int32, lane: Int32,
+                    sEnds, padded: Int32, scratch):
+        """Rows row0 .. row0 + 32 of an operand in chunk c of the padded range (`scratch`: the warp's shared
+        words, token-major)."""
+        if const_expr(self.TOKEN_MAJOR):
+            self.convert_tokens(mCodes, mSF, mOut, rows_total, row0, c, lane, sEnds, padded, scratch)
+        else:
+            self.convert_slab(mCodes, mSF, mOut, rows_total, row0, c, lane, self.token_group(sEnds, padded, c, lane))
+
+    @cute.jit
+    def expert_range(self, sEnds, tp: Int32):
+        """(first token, first padded k-tile, token count) of the expert of padded token tp: a binary search over
+        the padded k-tile ends sEnds[L + g] (the last expert past the range)."""
         L = self.num_groups
-        tp = c * STAGED_CHUNK_K + lane * dq.GROUP
         unit = tp // TILE_K
         e = Int32(0)
         for step in cutlass.range_constexpr(len(self.search_steps)):
@@ -191,7 +228,14 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         if e > 0:
             start = sEnds[e - 1]
             first = sEnds[L + e - 1]
-        length = sEnds[e] - start
+        return start, first, sEnds[e] - start
+
+    @cute.jit
+    def token_group(self, sEnds, padded: Int32, c: Int32, lane: Int32) -> TokenGroup:
+        """Lane `lane`'s group of chunk c (token-contiguous): its expert and where its tokens are in the codes and
+        the expert's SF segment."""
+        tp = c * STAGED_CHUNK_K + lane * dq.GROUP
+        start, first, length = self.expert_range(sEnds, tp)
         local = tp - first * TILE_K
         live = tp < padded
         valid = cutlass.min(cutlass.max(length - local, Int32(0)), Int32(dq.GROUP))
@@ -282,6 +326,68 @@ class StagedKGroupedMainloop(WgmmaMainloop):
                                                           Int32(per_word)) * bits, 32)
                      for w in range(len(words))]
         return words
+
+    @cute.jit
+    def convert_tokens(self, mCodes, mSF, mOut, rows_total: cutlass.Constexpr, row0: Int32, c: Int32, lane: Int32,
+                       sEnds, padded: Int32, scratch: Int32):
+        """Token-major FP8 (codes and workspace (T, rows)): per 64-token step of chunk c (one expert's), lane
+        (quad q = lane // 2, half h = lane % 2) converts rows row0 + 16 h .. + 16 of the step's tokens 4q .. 4q + 3,
+        16 bytes each; each pair of rows takes its own two scales (`row_pair_scales`) and e4m3 NaN per element (a
+        group is 16 rows: no group decode); tokens past the expert's end are stored as zeros. The steps' experts are
+        found once (lane s searches step s's); a step's 64 tokens lie in one 4-block quad of the expert's segment, so
+        each lane loads one SF word (its row's quad) and the warp exchanges them through its shared `scratch`."""
+        q, h = lane >> 1, lane & 1
+        r0 = row0 + 16 * h
+        r_load = cutlass.min(r0, Int32(rows_total - 16))        # a half past the rows loads the last ones
+        rows_pad = cdiv(rows_total, SF_ATOM_ROWS) * SF_ATOM_ROWS
+        sf_size = Int64(cute.size(mSF))
+        sf = mSF.iterator.toint()
+        codes = mCodes.iterator.toint() + r_load
+        out = mOut.iterator.toint() + Int64(r0) * 2
+        steps = STAGED_CHUNK_K // TILE_K
+        starts, firsts, lengths = self.expert_range(sEnds, c * STAGED_CHUNK_K + cutlass.min(lane, Int32(steps - 1))
+                                                    * TILE_K)
+        for step in cutlass.range(steps, unroll=1):
+            tp0 = c * STAGED_CHUNK_K + step * TILE_K
+            start = cute.arch.shuffle_sync(starts, step)
+            first = cute.arch.shuffle_sync(firsts, step)
+            length = cute.arch.shuffle_sync(lengths, step)
+            if tp0 < padded:
+                base = tp0 - first * TILE_K
+                quads = (((length + self.vec - 1) >> self.log_vec) + 3) >> 2
+                r = row0 + lane
+                off = (Int64(rows_pad >> self.log_vec) * start
+                       + Int64((r >> 7) * quads + (base >> (self.log_vec + 2))) * SF_ATOM_BYTES
+                       + (r & 31) * 16 + ((r >> 5) & 3) * 4)
+                ok = (r < rows_total) & (off + 4 <= sf_size)
+                word = ld_global_scalar(sf + cutlass.select_(ok, off, Int64(0)), "b32")
+                cute.arch.sync_warp()                           # the previous step's reads are done
+                st_shared_word(scratch + lane * 4, Int32(cutlass.select_(ok, word, Int32(0))))
+                cute.arch.sync_warp()
+                words = []
+                for i in cutlass.range_constexpr(4):
+                    words += ld_shared_v4(scratch + (16 * h + 4 * i) * 4)
+                local = base + 4 * q
+                sel = KGroupedDequantMainloop.byte_selector(local >> self.log_vec)
+                scales = [KGroupedDequantMainloop.row_pair_scales(words[2 * p], words[2 * p + 1], sel)
+                          for p in range(dq.PAIRS)]
+                loaded = []
+                for j in cutlass.range_constexpr(4):
+                    valid = local + j < length
+                    token = start + cutlass.select_(valid, local + j, Int32(0))
+                    loaded.append((ld_global_words(codes + Int64(token) * rows_total, 4), valid))
+                for j in cutlass.range_constexpr(4):
+                    raw, valid = loaded[j]
+                    pairs = [Int32(0)] * dq.PAIRS
+
+                    def keep(p, pair, pairs=pairs, valid=valid):
+                        pairs[p] = Int32(cutlass.select_(valid, pair, Int32(0)))
+
+                    dq.convert_group(raw, self.data, lambda p: scales[p], keep)
+                    if r0 < rows_total:
+                        dst = out + Int64(tp0 + 4 * q + j) * (rows_total * 2)
+                        dq.st_global_v4(dst, pairs[:4])
+                        dq.st_global_v4(dst + 16, pairs[4:])
 
     @cute.jit
     def store_group(self, pairs: list, dst: Int64, valid: Int32, masked: cutlass.Constexpr):

@@ -24,10 +24,9 @@ from cudnn_moe_jax.limits import values_per_byte
 
 from ..scheduler import K_GROUPED, GroupedTileScheduler
 from .forward import GroupedGemmSm90Forward
-from . import mainloop_dequant_wgrad
+from . import mainloop_dequant_wgrad, mainloop_staged_wgrad
 from .mainloop import KGroupedWgmmaMainloop
 from .mainloop_gather import TokenSource, kgrouped_class
-from .mainloop_staged_wgrad import StagedKGroupedMainloop
 
 
 class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
@@ -44,7 +43,7 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
         """bf16 / fp16: the token-masking bf16 mainloop; block-scaled: the K-grouped dequantizing mainloop, or
         staged (converted once into padded bf16 workspaces, then the bf16 mainloop without the masker)."""
         if problem.staged:
-            return StagedKGroupedMainloop
+            return mainloop_staged_wgrad.mainloop_class(problem)
         if problem.block_scaled:
             return mainloop_dequant_wgrad.mainloop_class(problem, self.config)
         if self.gather_a or self.gather_b:
