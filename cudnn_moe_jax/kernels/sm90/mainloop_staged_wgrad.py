@@ -20,6 +20,10 @@ NaN codes stay out of the group), the pad after it (a NaN scale times zero) afte
 like the forward's (fence.proxy.async.global, a release add on the flag of its 128-row block of A or B and chunk);
 the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk.
 
+Token-major FP8 operands (codes (T, rows): `mainloop_class`) go into token-major workspaces (T + 64 L, rows) that
+the bf16 kernel reads MN-major; there a lane converts 16 rows of 4 tokens (`convert_tokens`: each token its own
+line, so no shifting; each pair of rows its own scales; NaN per element, a group being 16 rows).
+
 Exact like the XLA route (the same bf16 values and the bf16 kernel): the sums are the reference's up to their
 order, which the padding moves against the route's k-tiles.
 """
