@@ -365,21 +365,21 @@ class StagedKGroupedMainloop(WgmmaMainloop):
                        + (r & 31) * 16 + ((r >> 5) & 3) * 4)
                 ok = (r < rows_total) & (off + 4 <= sf_size)
                 word = ld_global_scalar(sf + cutlass.select_(ok, off, Int64(0)), "b32")
+                local = base + 4 * q
+                loaded = []     # the codes' loads issued with the SF word's, before the exchange waits for it
+                for j in cutlass.range_constexpr(4):
+                    valid = local + j < length
+                    token = start + cutlass.select_(valid, local + j, Int32(0))
+                    loaded.append((ld_global_words(codes + Int64(token) * rows_total, 4), valid))
                 cute.arch.sync_warp()                           # the previous step's reads are done
                 st_shared_word(scratch + lane * 4, Int32(cutlass.select_(ok, word, Int32(0))))
                 cute.arch.sync_warp()
                 words = []
                 for i in cutlass.range_constexpr(4):
                     words += ld_shared_v4(scratch + (16 * h + 4 * i) * 4)
-                local = base + 4 * q
                 sel = KGroupedDequantMainloop.byte_selector(local >> self.log_vec)
                 scales = [KGroupedDequantMainloop.row_pair_scales(words[2 * p], words[2 * p + 1], sel)
                           for p in range(dq.PAIRS)]
-                loaded = []
-                for j in cutlass.range_constexpr(4):
-                    valid = local + j < length
-                    token = start + cutlass.select_(valid, local + j, Int32(0))
-                    loaded.append((ld_global_words(codes + Int64(token) * rows_total, 4), valid))
                 for j in cutlass.range_constexpr(4):
                     raw, valid = loaded[j]
                     pairs = [Int32(0)] * dq.PAIRS
