@@ -123,7 +123,6 @@ class GroupedTileScheduler:
         self.tokens_per_unit = tokens_per_unit
         # ends are scanned by one warp: each lane owns a contiguous chunk of ceil(L/32) groups
         self.chunk = (num_groups + 31) // 32
-        self.search_steps = [1 << s for s in reversed(range(max(1, math.ceil(math.log2(num_groups + 1)))))]
 
     # ---------------------------------------------------------------------------------------- host
     def num_tiles(self, m_rows):
@@ -321,15 +320,7 @@ class GroupedTileScheduler:
     def group_of_row(self, row: Int32, sEnds: cute.Tensor) -> Int32:
         """#{g : end_g <= row}: the group owning `row` (L when row >= valid_m); over the tile ends, the group of a
         list tile."""
-        L = self.num_groups
-        g = Int32(0)
-        for step in cutlass.range_constexpr(len(self.search_steps)):
-            s = self.search_steps[step]
-            probe = cutlass.min(g + (s - 1), Int32(L - 1))
-            if g + s <= L:
-                if sEnds[probe] <= row:
-                    g = g + s
-        return g
+        return count_ends_at_most(sEnds, row, self.num_groups)
 
     @cute.jit
     def decode(self, t: Int32, valid_blocks: Int32, n_tiles: Int32):
@@ -382,3 +373,19 @@ class GroupedTileScheduler:
         if end > start:
             k_count = (end - k0 + tile_k - 1) // tile_k
         return k0, k_count, start - k0, end - (k0 + (k_count - 1) * tile_k)
+
+
+@cute.jit
+def count_ends_at_most(ends: cute.Tensor, value: Int32, num_groups: cutlass.Constexpr) -> Int32:
+    """#{g < num_groups : ends[g] <= value} of non-decreasing ends: a branch-free binary search
+    (ceil(log2(num_groups + 1)) shared-memory reads)."""
+    steps = [1 << s for s in reversed(range(max(1, math.ceil(math.log2(num_groups + 1)))))]
+    g = Int32(0)
+    for step in cutlass.range_constexpr(len(steps)):
+        s = steps[step]
+        probe = cutlass.min(g + (s - 1), Int32(num_groups - 1))
+        if g + s <= num_groups:
+            if ends[probe] <= value:
+                g = g + s
+    return g
+

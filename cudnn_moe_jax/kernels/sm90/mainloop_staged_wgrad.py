@@ -30,7 +30,6 @@ order, which the padding moves against the route's k-tiles.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import cutlass
@@ -42,6 +41,7 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv
 from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS, STAGED_TOKEN_TILE
 
 from .. import dequant as dq
+from ..scheduler import count_ends_at_most
 from .mainloop import TILE_K, WgmmaMainloop, copy_ab_stage
 from .mainloop_dequant_wgrad import KGroupedDequantMainloop
 from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar,
@@ -103,7 +103,6 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         self.m, self.n, self.num_groups = problem.m, problem.n, problem.num_groups
         self.a_blocks, self.b_blocks = cdiv(problem.m, SF_ATOM_ROWS), cdiv(problem.n, SF_ATOM_ROWS)
         self.a_slabs, self.b_slabs = cdiv(problem.m, SLAB), cdiv(problem.n, SLAB)
-        self.search_steps = [1 << s for s in reversed(range(max(1, math.ceil(math.log2(self.num_groups + 1)))))]
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
@@ -218,15 +217,8 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         """(first token, first padded k-tile, token count) of the expert of padded token tp: a binary search over
         the padded k-tile ends sEnds[L + g] (the last expert past the range)."""
         L = self.num_groups
-        unit = tp // TILE_K
-        e = Int32(0)
-        for step in cutlass.range_constexpr(len(self.search_steps)):
-            s = self.search_steps[step]
-            probe = cutlass.min(e + (s - 1), Int32(L - 1))
-            if e + s <= L:
-                if sEnds[L + probe] <= unit:
-                    e = e + s
-        e = cutlass.min(e, Int32(L - 1))
+        tile_ends = cute.make_tensor(sEnds.iterator + L, cute.make_layout(L))
+        e = cutlass.min(count_ends_at_most(tile_ends, tp // TILE_K, L), Int32(L - 1))
         start = Int32(0)
         first = Int32(0)
         if e > 0:
