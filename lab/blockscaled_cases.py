@@ -96,6 +96,18 @@ DGRAD_CASES = [
     ("w16_nvfp4_dswiglu", "dglu", "w16_nvfp4", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF,
                                                               generate_dbias=True, dbias_dtype=F32)),
 ]
+# 128-row groups run 1 x 1 clusters (no cluster-split B), where the consumer warps convert 24 of B's 32 passes a
+# stage, each warp three in straight-line code (kernels/sm90/mainloop_dequant.py): forward and dgrad, FP4 and FP8,
+# K and N tails
+CASES_1X1 = [
+    ("nvfp4_swiglu_1x1", "glu", "nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF, m_aligned=128)),
+    ("mxfp8_quant_fp8d_1x1", "quant", "mxfp8", 256, 512, dict(bias=BF, d_dtype=E4M3, m_aligned=128)),
+    ("mxfp4_srelu_1x1_k224_n384", "srelu", "mxfp4", 224, 384, dict(c_dtype=BF, d_dtype=BF, m_aligned=128)),
+    ("w_nvfp4_swiglu_1x1", "glu", "w_nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF,
+                                                             m_aligned=128)),
+    ("nvfp4_dswiglu_1x1", "dglu", "nvfp4", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF,
+                                                           m_aligned=128)),
+]
 DGRAD_OPS = {"dglu": cmj.grouped_gemm_dglu, "dsrelu": cmj.grouped_gemm_dsrelu}
 # outputs computed from the accumulator without an activation: exact on "exact" inputs
 EXACT_KEYS = {"quant": ("d_tensor", "d_col_tensor", "amax_tensor", "sfd_row_tensor", "sfd_col_tensor"),
@@ -170,11 +182,11 @@ def call(case, x, discrete: bool = False):
     return OPS[op](x["a"], sfa_tensor=x["sfa"], **weights, **kw)
 
 
-ALL_CASES = CASES + DGRAD_CASES
+ALL_CASES = CASES + DGRAD_CASES + CASES_1X1
 # the forward and dgrad cases whose operands the kernel can stage (kernels/sm90/mainloop_staged.py: a block-scaled or
 # bf16 A, or an fp16 A beside NVFP4 weights; K-major B), run under harness.block_scaled_route("staged") on the
 # multi-expert patterns
-STAGED_CASES = [c for c in ALL_CASES if (not c[2].startswith("w16_") or exact_in_float16(*FORMATS[c[2]][:2]))
+STAGED_CASES = [c for c in CASES + DGRAD_CASES if (not c[2].startswith("w16_") or exact_in_float16(*FORMATS[c[2]][:2]))
                 and c[5].get("b_major", "k") == "k"]
 STAGED_RUNS = (("empty_and_tail", "exact"), ("unsanitized", "adversarial"), ("empty_and_tail", "specials"))
 

@@ -48,7 +48,12 @@ def skip_without_gpu_or_bundle(cases_module: str) -> None:
 
 @contextlib.contextmanager
 def kernels_only():
-    """Inside: a fallback to the reference (a RuntimeWarning at lowering) raises instead of running XLA."""
+    """Inside: a fallback to the reference (a RuntimeWarning at lowering) raises instead of running XLA -- every
+    time: the ops warn once per problem and reason, so the record of earlier warnings is cleared on entry (else a
+    second test of a problem whose module is missing would run the reference silently and pass)."""
+    from cudnn_moe_jax import _primitive
+
+    _primitive._warned.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         yield

@@ -118,12 +118,13 @@ def test_no_split_without_multicast():
 
 def test_consumer_passes_split_b_rows():
     """The consumer warps take B's first Config.consumer_b_passes passes (default: 8 of a CTA's 16 with the split,
-    16 of 32 without), the stage workers the rest; 0 leaves every pass to the workers; the worker barrier counts
+    24 of 32 without), the stage workers the rest; 0 leaves every pass to the workers; the worker barrier counts
     one arrival per converting consumer warp."""
     from cudnn_moe_jax.kernels.sm90.mainloop_dequant import CONSUMER_WARPS, WORKERS
 
     p = _problem("nvfp4")
-    for cfg, consumer, split in ((None, 8, True), (sm90_config.Config(cluster_m=1), 16, False),
+    for cfg, consumer, split in ((None, 8, True), (sm90_config.Config(cluster_m=1), 24, False),
+                                 (sm90_config.Config(cluster_m=1, consumer_b_passes=16), 16, False),
                                  (sm90_config.Config(consumer_b_passes=0), 0, True),
                                  (sm90_config.Config(consumer_b_passes=12), 12, True),
                                  (sm90_config.Config(consumer_b_passes=3), 3, True)):

@@ -493,3 +493,24 @@ def test_real_kernel_runs_on_gpu_from_bundle():
         np.testing.assert_allclose(amax, amax_ref, rtol=2**-7)
         print(f"grouped_gemm_quant {m}x{n}x{k}x{groups} from bundle: max |d - ref| {np.abs(d - d_ref).max():.3g}, "
               f"bitwise equal {np.mean(d == d_ref):.4f} of elements, amax {amax.ravel()}")
+
+
+def test_kernels_only_raises_on_every_fallback_of_a_problem():
+    """The GPU suites' guard: the ops warn once per problem about a fallback to the reference, so without clearing
+    that record a second test of a problem whose module is missing would run the reference and pass."""
+    import warnings
+
+    import pytest
+
+    from cudnn_moe_jax import _primitive
+    from cudnn_moe_jax._problem import GroupedGemmProblem
+    from lab import harness
+
+    problem = GroupedGemmProblem(op="quant", m=256, n=256, k=256, num_groups=1, ab_dtype="bfloat16")
+    for _ in range(2):
+        with harness.kernels_only(), pytest.raises(RuntimeWarning, match="no GPU kernel"):
+            _primitive._warn_once(problem, "no module (test)")
+    with warnings.catch_warnings(record=True) as seen:   # outside the guard: still once per problem
+        warnings.simplefilter("always")
+        _primitive._warn_once(problem, "no module (test)")
+    assert not seen

@@ -210,11 +210,17 @@ class DequantMainloop(WgmmaMainloop):
         if self.A_IN_REGISTERS:
             self.set_consumer_b(consumer_b)
 
+    # the consumers' share of B's passes by default: half with the cluster split (8 of a CTA's 16: fc1 / small, RESULTS
+    # runs 53-54); without it (1 x 1 clusters, e.g. 128-row groups) three quarters, 24 of 32: e128_fc1 +3..9% over 16
+    # on every format, 20 and 28 no better (RESULTS run 128)
+    UNSPLIT_SHARE = (3, 4)
+
     def set_consumer_b(self, requested: Optional[int]) -> None:
         """The consumers' B passes per stage: `requested` (Config.consumer_b_passes), at most every pass this CTA
-        converts; None: half of them (8 of 16 with the cluster split, 16 of 32 without)."""
+        converts; None: half of them with the cluster split, UNSPLIT_SHARE of them without."""
         b_passes = (self.tile_n // 2 if self.split_b else self.tile_n) // ROWS_PER_PASS
-        self.consumer_b = min(b_passes // 2 if requested is None else requested, b_passes)
+        num, den = (1, 2) if self.split_b else self.UNSPLIT_SHARE
+        self.consumer_b = min(b_passes * num // den if requested is None else requested, b_passes)
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
@@ -559,8 +565,14 @@ class DequantMainloop(WgmmaMainloop):
         b0 = self.b_base()
         for i in cutlass.range_constexpr(self.consumer_warp_passes()):
             unit = warp + i * CONSUMER_WARPS
-            if unit < self.consumer_b:
+            if const_expr(self.consumer_b % CONSUMER_WARPS == 0 and self.consumer_warp_passes() > 1):
+                # every warp converts as many passes: no branch, so ptxas interleaves the passes' dependent chains
+                # (1 x 1 clusters, RESULTS run 128: MXFP8 e128_fc1 +2-3%, FP4 even; one pass a warp keeps the branch:
+                # without it the weight-only fp16-A MXFP8 FP8-D variant spills)
                 self.consumer_b_pass(b_thread, b0 + unit * ROWS_PER_PASS, lane, idx, k)
+            else:
+                if unit < self.consumer_b:
+                    self.consumer_b_pass(b_thread, b0 + unit * ROWS_PER_PASS, lane, idx, k)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
         if const_expr(self.split_b):
