@@ -13,7 +13,9 @@ Cases:
                          default: 24 at 1 x 1 clusters, 16 before session 24; the stage workers take the rest);
   <fmt> branch           16 consumer passes, each behind a per-warp branch: the mainloop before session 24
                          (lab.mainloop_variants.branch_class), the A/B of both changes;
-  <fmt> swapped          weight-only, the weights as the RS wgmma's register operand (lab.mainloop_variants).
+  <fmt> swapped          weight-only, the weights as the RS wgmma's register operand (lab.mainloop_variants);
+  <fmt> tn128_cb<n>      its default schedule with 128-column tiles (and n consumer B passes).
+`VARIANTS` picks the labels timed (and built) beside the public op (`--variants`, `--formats` narrow a run).
 Plus torch's grouped GEMMs on the same shape.
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out DIR --variants lab.bench_memory_bound:bundle_items
@@ -26,7 +28,7 @@ SHAPES = ("e128_fc1", "e128_fc2")
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w_nvfp4", "w_mxfp8")
 
 
-CONSUMER_PASSES = (16, 20)
+VARIANTS = ("branch", "cb16", "cb20")   # (+ "swapped" for the weight-only formats)
 
 
 def _config(label: str, problem):
@@ -41,7 +43,13 @@ def _config(label: str, problem):
         return sw.config()
     if label == "branch":
         return dataclasses.replace(default_config(problem), consumer_b_passes=16, mx_n_parts=sw.BRANCH_MARK)
-    return dataclasses.replace(default_config(problem), consumer_b_passes=int(label[2:]))
+    cfg = default_config(problem)
+    for part in label.split("_"):   # e.g. "tn128_cb16"
+        if part.startswith("tn"):
+            cfg = dataclasses.replace(cfg, tile_n=int(part[2:]))
+        else:
+            cfg = dataclasses.replace(cfg, consumer_b_passes=int(part[2:]))
+    return cfg
 
 
 def cases(shape: str):
@@ -52,8 +60,7 @@ def cases(shape: str):
     for fmt in FORMATS:
         p = bk.format_problem(shape, fmt)
         out.append((fmt, fmt, None, None))
-        labels = ("branch",) + tuple(f"cb{n}" for n in CONSUMER_PASSES)
-        for c in labels + (("swapped",) if fmt.startswith("w_") else ()):
+        for c in VARIANTS + (("swapped",) if fmt.startswith("w_") and "branch" in VARIANTS else ()):
             out.append((f"{fmt} {c}", fmt, c, p))
     return out
 
@@ -98,9 +105,14 @@ def bundle_items() -> list:
 def main(argv=None) -> None:
     import argparse
 
+    global FORMATS, VARIANTS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    for shape in ap.parse_args(argv).shapes.split(","):
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args(argv)
+    FORMATS, VARIANTS = tuple(args.formats.split(",")), tuple(args.variants.split(","))
+    for shape in args.shapes.split(","):
         run(shape)
 
 
