@@ -31,7 +31,8 @@ def main(shape: str, formats: str, variants: str) -> int:
                 differ = [key for key, w in want.items() if w is not None and not np.array_equal(
                     np.asarray(got[key]).view(np.uint8), np.asarray(w).view(np.uint8))]
                 bad += bool(differ)
-                print(f"{shape} {fmt} {label}: " + (f"DIFFERENT {differ}" if differ else "byte-identical"), flush=True)
+                verdict = f"DIFFERENT {differ}" if differ else "byte-identical"
+                print(f"{shape} {fmt} {label}: {verdict}", flush=True)
     return bad
 
 
