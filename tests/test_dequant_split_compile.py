@@ -117,17 +117,18 @@ def test_no_split_without_multicast():
 
 
 def test_consumer_passes_split_b_rows():
-    """The consumer warps take B's first Config.consumer_b_passes passes (default: 8 of a CTA's 16 with the split,
-    24 of 32 without), the stage workers the rest; 0 leaves every pass to the workers; the worker barrier counts
-    one arrival per converting consumer warp."""
+    """The consumer warps take B's first Config.consumer_b_passes passes (default: 8 of a CTA's 16 with the split;
+    without it 24 of 32, all 32 for FP4 data with a block-scaled A), the stage workers the rest; 0 leaves every
+    pass to the workers; the worker barrier counts one arrival per converting consumer warp."""
     from cudnn_moe_jax.kernels.sm90.mainloop_dequant import CONSUMER_WARPS, WORKERS
 
-    p = _problem("nvfp4")
-    for cfg, consumer, split in ((None, 8, True), (sm90_config.Config(cluster_m=1), 24, False),
-                                 (sm90_config.Config(cluster_m=1, consumer_b_passes=16), 16, False),
-                                 (sm90_config.Config(consumer_b_passes=0), 0, True),
-                                 (sm90_config.Config(consumer_b_passes=12), 12, True),
-                                 (sm90_config.Config(consumer_b_passes=3), 3, True)):
+    for fmt, cfg, consumer, split in (("nvfp4", None, 8, True), ("nvfp4", sm90_config.Config(cluster_m=1), 32, False),
+                                      ("mxfp8", sm90_config.Config(cluster_m=1), 24, False),
+                                      ("nvfp4", sm90_config.Config(cluster_m=1, consumer_b_passes=16), 16, False),
+                                      ("nvfp4", sm90_config.Config(consumer_b_passes=0), 0, True),
+                                      ("nvfp4", sm90_config.Config(consumer_b_passes=12), 12, True),
+                                      ("nvfp4", sm90_config.Config(consumer_b_passes=3), 3, True)):
+        p = _problem(fmt)
         ml = _kernel(p, cfg).mainloop
         assert (ml.consumer_b, ml.split_b) == (consumer, split)
         b_passes = (128 if split else 256) // 8
@@ -177,3 +178,24 @@ def test_token_major_pass_is_one_contiguous_kib():
             assert written == set(range(start, start + ROWS_PER_PASS * 2 * TILE_K)), p
             covered |= written
         assert covered == set(range(idx * rows * TILE_K * 2, (idx + 1) * rows * TILE_K * 2))
+
+
+def test_hoisted_consumer_stage():
+    """Where the consumer warps convert all of B's passes (1 x 1 clusters, FP4 data with a block-scaled A, by
+    default) a stage loads all of a warp's groups -- its 4 B passes and 2 A groups, each a code load and an SF byte
+    -- before its first shared-memory store (ptxas keeps a load behind an earlier store); elsewhere the default
+    keeps 24 passes and the group-by-group order. No local memory, HGMMAs unserialized."""
+    one = sm90_config.Config(cluster_m=1)
+    nvfp4 = _kernel(_problem("nvfp4"), one).mainloop
+    assert nvfp4.consumer_b == 32 and nvfp4.hoisted()
+    for p in (_problem("mxfp8"), _problem("nvfp4", a_dtype="bfloat16")):
+        ml = _kernel(p, one).mainloop
+        assert ml.consumer_b == 24 and not ml.hoisted()
+    assert not _kernel(_problem("nvfp4")).mainloop.hoisted()                      # split B: 8 of 16
+    assert not _kernel(_wgrad(m=384), sm90_config.Config(consumer_b_passes=32)).mainloop.hoisted()
+    sass = _sass(_problem("nvfp4"), one)
+    _check_split(sass, False)
+    consumer = sass[sass.index("TRY_ALLOC"):]
+    ops = re.findall(r"\b(LDS|STS)(?:\.\S+)?\s", consumer)
+    first_store = ops.index("STS")
+    assert ops[:first_store].count("LDS") >= 2 * (4 + 2), "a stage's group loads are not all ahead of its stores"

@@ -212,15 +212,27 @@ class DequantMainloop(WgmmaMainloop):
 
     # the consumers' share of B's passes by default: half with the cluster split (8 of a CTA's 16: fc1 / small, RESULTS
     # runs 53-54); without it (1 x 1 clusters, e.g. 128-row groups) three quarters, 24 of 32: e128_fc1 +3..9% over 16
-    # on every format, 20 and 28 no better (RESULTS run 128)
+    # on every format, 20 and 28 no better (RESULTS run 128); FP4 data with a block-scaled A: all 32, their loads
+    # hoisted (`_convert_stage_hoisted`; e128_fc1 NVFP4 +4%, MXFP4 +6%, RESULTS run 135)
     UNSPLIT_SHARE = (3, 4)
+    HOISTS = True      # the consumers' hoisted stage where they convert every pass (not the K-grouped subclass)
 
     def set_consumer_b(self, requested: Optional[int]) -> None:
         """The consumers' B passes per stage: `requested` (Config.consumer_b_passes), at most every pass this CTA
-        converts; None: half of them with the cluster split, UNSPLIT_SHARE of them without."""
+        converts; None: half of them with the cluster split, else UNSPLIT_SHARE of them, or all of them for FP4
+        data with a block-scaled A (M-grouped)."""
         b_passes = (self.tile_n // 2 if self.split_b else self.tile_n) // ROWS_PER_PASS
         num, den = (1, 2) if self.split_b else self.UNSPLIT_SHARE
+        if not self.split_b and self.HOISTS and self.FORMAT.data == dq.E2M1 and not self.FORMAT.a_plain:
+            num, den = 1, 1
         self.consumer_b = min(b_passes * num // den if requested is None else requested, b_passes)
+
+    def hoisted(self) -> bool:
+        """The consumers convert every one of B's passes (no split), straight-line: their stage loads all its groups
+        (B's and A's) before it converts and stores any (`_convert_stage_hoisted`)."""
+        b_passes = self.tile_n // ROWS_PER_PASS
+        return (self.HOISTS and not self.split_b and self.consumer_b == b_passes
+                and b_passes % CONSUMER_WARPS == 0)
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
@@ -463,6 +475,11 @@ class DequantMainloop(WgmmaMainloop):
                       valid: cutlass.Boolean, store):
         """Group q of row `row` of `operand` (0: A, 1: B) in stage idx (tile-local k-tile k) -> `store(p, pair)`
         for its 8 bf16x2 pairs (dequant.convert_group); `valid` false: zeros (K past K, rows past N)."""
+        self.finish_group(self.load_group(smem, operand, row, q, idx, k), valid, store)
+
+    @cute.jit
+    def load_group(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32, k: Int32):
+        """(code words, SF byte, first K) of group q of row `row`: `convert_group`'s shared-memory loads."""
         fmt = self.FORMAT
         sf_bytes = smem[7]
         words = self.group_words(smem, operand, row, q, idx)
@@ -473,6 +490,13 @@ class DequantMainloop(WgmmaMainloop):
         kb = (k0 >> (fmt.vec.bit_length() - 1)) & (SF_ATOM_KBLOCKS - 1)
         code = Int32(sf_bytes[(idx * self.stage_atoms() + atom) * SF_ATOM_BYTES
                               + sf_atom_byte(row & 31, (row >> 5) & 3, kb)]) & Int32(0xFF)  # (the u8 load sign-extends)
+        return words, code, k0
+
+    @cute.jit
+    def finish_group(self, loaded, valid: cutlass.Boolean, store):
+        """A loaded group (`load_group`) converted, its pairs handed to `store(p, pair)`."""
+        fmt = self.FORMAT
+        words, code, k0 = loaded
         if const_expr(fmt.half == "float16"):
             store = (lambda p, pair, bf16_store=store: bf16_store(p, dq.bf16x2_to_f16x2(pair)))
         # a group is part of one row of A or B whose every K feeds one output row / column: NaN by group
@@ -611,6 +635,40 @@ class DequantMainloop(WgmmaMainloop):
             self.convert_group(smem, 0, row + 8 * half, q, idx, k, cutlass.Boolean(True), store)
 
     @cute.jit
+    def _convert_stage_hoisted(self, frag, a_thread, b_thread, idx: Int32, k: Int32, stage_mbar):
+        """The warp's B passes and the thread's A groups of stage idx with every shared-memory load first (ptxas
+        keeps a load behind an earlier shared-memory store, so converting group by group serializes the groups'
+        load latencies), then B's conversions and stores and their publication (`_convert_b_share`'s), then A's
+        conversions into the fragment (`_convert_a`'s; a 16-bit A goes straight from its loads into the fragment,
+        first)."""
+        smem, warp, lane = b_thread[:3]
+        b_loaded = []
+        for i in cutlass.range_constexpr(self.consumer_warp_passes()):
+            row = (warp + i * CONSUMER_WARPS) * ROWS_PER_PASS + (lane >> 2)
+            b_loaded.append((row, self.load_group(smem, 1, row, lane & 3, idx, k)))
+        a_smem, a_row, a_q = a_thread
+        a_loaded = []
+        if const_expr(self.FORMAT.a_plain):
+            self._convert_a(frag, a_thread, idx, k)
+        else:
+            for half in cutlass.range_constexpr(2):
+                a_loaded.append(self.load_group(a_smem, 0, a_row + 8 * half, a_q, idx, k))
+        for row, group in b_loaded:
+            valid, store = self.row_group_store(smem, 1, row, lane & 3, idx, b_thread[3])
+            self.finish_group(group, valid, store)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(stage_mbar + idx)
+        if const_expr(not self.FORMAT.a_plain):
+            words = cute.make_tensor(cute.recast_ptr(frag[0].iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
+            for half in cutlass.range_constexpr(2):
+                def store(p, pair, half=half):
+                    words[2 * p + half] = pair
+
+                self.finish_group(a_loaded[half], cutlass.Boolean(True), store)
+
+    @cute.jit
     def _load_plain_a(self, parts: list, smem, row: Int32, q: Int32, idx: Int32):
         """A 16-bit A (weight-only quantization): group q of rows r, r + 8 from the swizzled stage (chunks 2q,
         2q + 1 of a 128-byte row, 16-byte chunk c of row r at c ^ (r % 8)), rearranged into B's pairs: word w of a
@@ -683,9 +741,12 @@ class DequantMainloop(WgmmaMainloop):
         `frag` (A needs only the TMA's data: it converts while the workers finish B), wait for the stage's bf16 B
         (its worker barrier), issue the stage's RS wgmmas."""
         ab_pipeline.consumer_wait(read_state)
-        if const_expr(self.consumer_b > 0):
-            self._convert_b_share(b_thread, read_state.index, k, stage_mbar)
-        self._convert_a(frag, a_thread, read_state.index, k)
+        if const_expr(self.hoisted()):
+            self._convert_stage_hoisted(frag, a_thread, b_thread, read_state.index, k, stage_mbar)
+        else:
+            if const_expr(self.consumer_b > 0):
+                self._convert_b_share(b_thread, read_state.index, k, stage_mbar)
+            self._convert_a(frag, a_thread, read_state.index, k)
         if const_expr(self.stage_arrivals() > 0):
             cute.arch.mbarrier_wait(stage_mbar + read_state.index, read_state.phase)
         self._issue(tiled_mma, acc, frag, tCrB, read_state.index)

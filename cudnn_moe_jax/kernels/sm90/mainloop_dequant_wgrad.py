@@ -121,6 +121,7 @@ class KGroupedDequantMainloop(DequantMainloop):
     PRODUCER_ARRIVALS = 1 + 32   # the TMA's arrive-and-expect-tx, warp 0's lanes' cp.async arrivals
     TOKEN_MAJOR = False
     UNSPLIT_SHARE = (1, 2)       # (the forward's three quarters are unmeasured here)
+    HOISTS = False               # (its groups are converted by `convert_kgroup`)
 
     def __init__(self, tile_m: int, tile_n: int, stages: int, m: int, n: int, cluster_m: int, cluster_n: int,
                  consumer_b: Optional[int] = 0):
