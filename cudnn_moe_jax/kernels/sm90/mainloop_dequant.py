@@ -228,11 +228,9 @@ class DequantMainloop(WgmmaMainloop):
         self.consumer_b = min(b_passes * num // den if requested is None else requested, b_passes)
 
     def hoisted(self) -> bool:
-        """The consumers convert every one of B's passes (no split), straight-line: their stage loads all its groups
-        (B's and A's) before it converts and stores any (`_convert_stage_hoisted`)."""
-        b_passes = self.tile_n // ROWS_PER_PASS
-        return (self.HOISTS and not self.split_b and self.consumer_b == b_passes
-                and b_passes % CONSUMER_WARPS == 0)
+        """The consumers convert every one of B's passes (no split; as many a warp): their stage loads all its
+        groups (B's and A's) before it converts and stores any (`_convert_stage_hoisted`)."""
+        return self.HOISTS and not self.split_b and self.consumer_b == self.tile_n // ROWS_PER_PASS
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
@@ -597,13 +595,23 @@ class DequantMainloop(WgmmaMainloop):
             else:
                 if unit < self.consumer_b:
                     self.consumer_b_pass(b_thread, b0 + unit * ROWS_PER_PASS, lane, idx, k)
+        self._publish_b_share(b_thread, idx, stage_mbar, b0)
+
+    @cute.jit
+    def _publish_b_share(self, b_thread, idx: Int32, stage_mbar, b0=0, every_warp: cutlass.Constexpr = False):
+        """The consumer warp's converted B passes of stage idx published (`_convert_b_share`; b0: the first of
+        this CTA's B rows, split B only; every_warp: every consumer warp converted passes, no warp test)."""
+        smem, warp, lane = b_thread[:3]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
         if const_expr(self.split_b):
             unit = warp + lane * CONSUMER_WARPS
             if lane < self.consumer_warp_passes() and unit < self.consumer_b:
                 self.copy_to_peer(smem, stage_mbar, idx, b0 + unit * ROWS_PER_PASS)
-        if lane == 0 and warp < self.consumer_b:
+        if const_expr(every_warp):
+            if lane == 0:
+                cute.arch.mbarrier_arrive(stage_mbar + idx)
+        elif lane == 0 and warp < self.consumer_b:
             cute.arch.mbarrier_arrive(stage_mbar + idx)
 
     @cute.jit
@@ -623,16 +631,26 @@ class DequantMainloop(WgmmaMainloop):
         run (row, k), (row, k+1), (row + 8, k), (row + 8, k+1), then k + 8, per k16; pair p of group q sits at K
         slots 8p + 2q, 8p + 2q + 1)."""
         smem, row, q = a_thread
-        parts = [cute.make_tensor(cute.recast_ptr(f.iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
-                 for f in frag]
-        words = parts[0]
+        parts = self._fragment_words(frag)
         if const_expr(self.FORMAT.a_plain):
             return self._load_plain_a(parts, smem, row, q, idx)
         for half in cutlass.range_constexpr(2):
-            def store(p, pair, half=half):
-                words[2 * p + half] = pair
+            self.convert_group(smem, 0, row + 8 * half, q, idx, k, cutlass.Boolean(True),
+                               self._a_store(parts[0], half))
 
-            self.convert_group(smem, 0, row + 8 * half, q, idx, k, cutlass.Boolean(True), store)
+    @staticmethod
+    def _fragment_words(frag) -> list:
+        """The RS fragment(s) `frag` as 32-bit words (pair registers)."""
+        return [cute.make_tensor(cute.recast_ptr(f.iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
+                for f in frag]
+
+    @staticmethod
+    def _a_store(words, half: int):
+        """store(p, pair) of the thread's row r + 8 half: register word 2p + half (`_convert_a`)."""
+        def store(p, pair):
+            words[2 * p + half] = pair
+
+        return store
 
     @cute.jit
     def _convert_stage_hoisted(self, frag, a_thread, b_thread, idx: Int32, k: Int32, stage_mbar):
@@ -656,17 +674,11 @@ class DequantMainloop(WgmmaMainloop):
         for row, group in b_loaded:
             valid, store = self.row_group_store(smem, 1, row, lane & 3, idx, b_thread[3])
             self.finish_group(group, valid, store)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_warp()
-        if lane == 0:
-            cute.arch.mbarrier_arrive(stage_mbar + idx)
+        self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)
         if const_expr(not self.FORMAT.a_plain):
-            words = cute.make_tensor(cute.recast_ptr(frag[0].iterator, dtype=Int32), cute.make_layout(2 * dq.PAIRS))
+            words = self._fragment_words(frag)[0]
             for half in cutlass.range_constexpr(2):
-                def store(p, pair, half=half):
-                    words[2 * p + half] = pair
-
-                self.finish_group(a_loaded[half], cutlass.Boolean(True), store)
+                self.finish_group(a_loaded[half], cutlass.Boolean(True), self._a_store(words, half))
 
     @cute.jit
     def _load_plain_a(self, parts: list, smem, row: Int32, q: Int32, idx: Int32):
