@@ -28,7 +28,7 @@ SHAPES = ("e128_fc1", "e128_fc2")
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w_nvfp4", "w_mxfp8")
 
 
-VARIANTS = ("branch", "cb16", "cb20")   # (+ "swapped" for the weight-only formats)
+VARIANTS = ("branch", "cb16", "cb20", "swapped")   # ("swapped": weight-only formats only)
 
 
 def _config(label: str, problem):
@@ -52,15 +52,17 @@ def _config(label: str, problem):
     return cfg
 
 
-def cases(shape: str):
+def cases(shape: str, formats=FORMATS, variants=VARIANTS):
     """(label, format, config label or None (the public op), problem or None) on `shape`."""
     from . import bench_kernels as bk
 
     out = [("bf16", "bf16", None, None), ("bf16 L2", "bf16", "l2", None), ("bf16 L2 fp4", "bf16", "l2fp4", None)]
-    for fmt in FORMATS:
+    for fmt in formats:
         p = bk.format_problem(shape, fmt)
         out.append((fmt, fmt, None, None))
-        for c in VARIANTS + (("swapped",) if fmt.startswith("w_") and "branch" in VARIANTS else ()):
+        for c in variants:
+            if c == "swapped" and not fmt.startswith("w_"):
+                continue
             out.append((f"{fmt} {c}", fmt, c, p))
     return out
 
@@ -105,18 +107,16 @@ def bundle_items() -> list:
 def main(argv=None) -> None:
     import argparse
 
-    global FORMATS, VARIANTS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args(argv)
-    FORMATS, VARIANTS = tuple(args.formats.split(",")), tuple(args.variants.split(","))
     for shape in args.shapes.split(","):
-        run(shape)
+        run(shape, tuple(args.formats.split(",")), tuple(args.variants.split(",")))
 
 
-def run(shape: str) -> None:
+def run(shape: str, formats=FORMATS, variants=VARIANTS) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -136,7 +136,7 @@ def run(shape: str) -> None:
     a_f32 = [jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.float32) for i in range(bg.ITERS)]
     w = jax.random.normal(jax.random.fold_in(key, 1), (L, n, k), jnp.float32) / np.sqrt(k)
     runners, quantized = {}, {}
-    for label, fmt, cfg, problem in cases(shape):
+    for label, fmt, cfg, problem in cases(shape, formats, variants):
         data, sf, vec = bc.BLOCK_FORMATS[bc.WEIGHT_ONLY.get(fmt, fmt)] if fmt != "bf16" else (None, None, None)
         if fmt not in quantized:
             quant = (lambda x: (x.astype(jnp.bfloat16), None)) if fmt == "bf16" else \
