@@ -45,7 +45,9 @@ def _config(label: str, problem):
         return dataclasses.replace(default_config(problem), consumer_b_passes=16, mx_n_parts=sw.BRANCH_MARK)
     cfg = default_config(problem)
     for part in label.split("_"):   # e.g. "tn128_cb16"
-        if part.startswith("tn"):
+        if part in sw.WIDE_LABELS:
+            cfg = dataclasses.replace(cfg, consumer_b_passes=sw.WIDE_LABELS[part])
+        elif part.startswith("tn"):
             cfg = dataclasses.replace(cfg, tile_n=int(part[2:]))
         else:
             cfg = dataclasses.replace(cfg, consumer_b_passes=int(part[2:]))
@@ -123,7 +125,7 @@ def run(shape: str, formats=FORMATS, variants=VARIANTS) -> None:
 
     from benchmarks import bench_cases as bc
     from benchmarks import bench_grouped_gemm as bg
-    from cudnn_moe_jax import formats
+    from cudnn_moe_jax import formats as fmts
 
     from .bench_staged import clock_and_power
     from .forward_cases import kernel_fn
@@ -140,7 +142,7 @@ def run(shape: str, formats=FORMATS, variants=VARIANTS) -> None:
         data, sf, vec = bc.BLOCK_FORMATS[bc.WEIGHT_ONLY.get(fmt, fmt)] if fmt != "bf16" else (None, None, None)
         if fmt not in quantized:
             quant = (lambda x: (x.astype(jnp.bfloat16), None)) if fmt == "bf16" else \
-                (lambda x: formats.to_block_scaled(x, data, sf, vec))
+                (lambda x: fmts.to_block_scaled(x, data, sf, vec))
             quant_a = quant if fmt not in bc.WEIGHT_ONLY and fmt != "bf16" else (lambda x: (x.astype(jnp.bfloat16),
                                                                                              None))
             quantized[fmt] = (jax.jit(quant)(w), [jax.jit(quant_a)(x) for x in a_f32])
@@ -148,8 +150,8 @@ def run(shape: str, formats=FORMATS, variants=VARIANTS) -> None:
         if cfg in ("l2", "l2fp4"):
             w0 = w[0]
             if cfg == "l2fp4":
-                codes, s = formats.to_block_scaled(w0, "nvfp4")
-                w0 = formats.from_block_scaled(codes, s, "nvfp4")
+                codes, s = fmts.to_block_scaled(w0, "nvfp4")
+                w0 = fmts.from_block_scaled(codes, s, "nvfp4")
             sets = [(a, w0.astype(jnp.bfloat16), offsets, alpha, prob) for a, _ in a_sets]
             fn = l2_call(shape)
         else:

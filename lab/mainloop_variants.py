@@ -163,3 +163,251 @@ class BranchPerPassMainloop(md.DequantMainloop):
                 self.copy_to_peer(smem, stage_mbar, idx, b0 + unit * md.ROWS_PER_PASS)
         if lane == 0 and warp < self.consumer_b:
             cute.arch.mbarrier_arrive(stage_mbar + idx)
+
+
+# ------------------------------------------------------------------------------------------------ wide B rows
+def wide_class(base, kind: str):
+    """3. `base` with every B pass on the consumers, a lane converting one B row's whole stage (`WideRowsMainloop`);
+    "wfold": one multiply a B pair where the warp's scales allow it (`FoldedWideRowsMainloop`); "wfast": A's and B's
+    pairs so, the scales decoded two a word (`FastWideRowsMainloop`)."""
+    if kind.startswith("wnull") or kind.startswith("wfastp"):   # wnull{a,b,ab}[p], wfastp: NULL, LATE_FENCE
+        null = kind[5:].rstrip("p") if kind.startswith("wnull") else ""
+        return type(base.__name__ + "_" + kind, (FastWideRowsMainloop, base),
+                    {"NULL": null, "LATE_FENCE": kind.endswith("p")})
+    cls = {"wide": WideRowsMainloop, "wfold": FoldedWideRowsMainloop, "wfast": FastWideRowsMainloop}[kind]
+    return type(base.__name__ + "_" + kind, (cls, base), {})
+
+
+@cute.jit
+def st_shared_v4(addr: Int32, w: list):
+    dq.void_asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", Int32(addr), *[Int32(x) for x in w])
+
+
+class WideRowsMainloop(md.DequantMainloop):
+    """Question: is the consumers' per-stage conversion bound by its per-group overhead? Every B pass is the
+    consumers' (hoisted stage), but lane l of consumer warp w converts B row 32 w + l whole: the row's stage codes
+    in one (FP4: 32 bytes) or two (FP8: 64) pairs of 16-byte loads, its four SF bytes one 32-bit load, and the
+    stage's pair p of its four groups (K slots 8p..8p+7 of the row: one 16-byte chunk of core matrix p) one 16-byte
+    store -- 8 stores a row instead of 32 single-word ones, 3 loads instead of 8. Same values in the same slots as
+    the default: outputs byte-identical."""
+
+    def set_consumer_b(self, requested) -> None:
+        self.consumer_b = self.tile_n // md.ROWS_PER_PASS
+
+    def hoisted(self) -> bool:
+        return True
+
+    @cute.jit
+    def _b_row_loads(self, smem, row: Int32, idx: Int32):
+        """(the row's stage code words, its SF word: byte j = k-block j of the row's atom quad)."""
+        fmt = self.FORMAT
+        n_words = fmt.row_bytes // 4
+        codes = cute.make_tensor(smem[4].iterator + (idx * self.tile_n + row) * n_words,
+                                 cute.make_layout(n_words)).load()
+        off = (idx * self.stage_atoms() + 1 + (row >> 7)) * SF_ATOM_BYTES + sf_atom_byte(row & 31, (row >> 5) & 3, 0)
+        sf = cute.make_tensor(cute.recast_ptr(smem[7].iterator + off, dtype=Int32), cute.make_layout(1))[0]
+        return [codes[i] for i in range(n_words)], sf
+
+    @cute.jit
+    def _b_row_scales(self, sf: Int32, row: Int32, k: Int32, n_tile: Int32) -> list:
+        """bf16x2 scales of the row's four groups (0 past N / past K)."""
+        fmt = self.FORMAT
+        row_ok = n_tile * self.tile_n + row < self.n
+        out = []
+        for q in cutlass.range_constexpr(md.GROUPS):
+            if const_expr(fmt.vec == 16):
+                code = (sf >> (8 * q)) & Int32(0xFF)
+            else:   # vec 32: stage k holds k-blocks 2 (k % 2), 2 (k % 2) + 1 of its atom
+                code = (sf >> ((k & 1) * 16 + 8 * (q // 2))) & Int32(0xFF)
+            valid = row_ok & (k * TILE_K + q * dq.GROUP < self.k)
+            out.append(dq.scale_bf16x2(code, fmt.sf, valid))
+        return out
+
+    @cute.jit
+    def _b_row_pairs(self, words: list, q: int, scale2: Int32, fold: cutlass.Constexpr) -> list:
+        """Group q's 8 pairs (dequant.convert_group's values; `fold`: scale2 already holds 2^K, one multiply)."""
+        fmt = self.FORMAT
+        nw = dq.bytes_per_group(fmt.data) // 4
+        gw = words[q * nw:(q + 1) * nw]
+        if const_expr(fmt.data == dq.E4M3):
+            scale2 = dq.group_nan_scale(gw, scale2)
+        out = []
+        for p in cutlass.range_constexpr(dq.PAIRS):
+            if const_expr(fmt.data == dq.E2M1):
+                x = dq._fp4_pair(gw[p // 4], p % 4)
+            else:
+                x = dq.fp8_pair(gw[p // 2], fmt.data, p % 2)
+            if const_expr(fold and "b" in getattr(self, "NULL", "")):
+                out.append(gw[p % nw] & Int32(0x3F003F00) | Int32(p))
+            elif const_expr(fold):
+                out.append(dq.mul_bf16x2(x, scale2))
+            else:
+                out.append(dq.mul_bf16x2(dq.mul_bf16x2(x, dq._i32(dq.bias_bits(fmt.data))), scale2))
+        return out
+
+    @cute.jit
+    def _store_b_row(self, smem, row: Int32, idx: Int32, words: list, scales: list, fold: cutlass.Constexpr):
+        fmt = self.FORMAT
+        pairs = [self._b_row_pairs(words, q, scales[q], fold) for q in range(md.GROUPS)]
+        base = smem[6].iterator.toint() + ((idx * self.tile_n + (row & ~7)) * (2 * TILE_K // 4) + (row & 7) * 4) * 4
+        for p in cutlass.range_constexpr(dq.PAIRS):
+            w = [pairs[q][p] for q in range(md.GROUPS)]
+            if const_expr(fmt.half == "float16"):
+                w = [dq.bf16x2_to_f16x2(x) for x in w]
+            st_shared_v4(base + p * 128, w)
+
+    @cute.jit
+    def _convert_stage_hoisted(self, frag, a_thread, b_thread, idx: Int32, k: Int32, stage_mbar):
+        smem, warp, lane, n_tile = b_thread
+        row = warp * 32 + lane
+        words, sf = self._b_row_loads(smem, row, idx)
+        a_smem, a_row, a_q = a_thread
+        a_loaded = []
+        if const_expr(self.FORMAT.a_plain):
+            self._convert_a(frag, a_thread, idx, k)
+        else:
+            for half in cutlass.range_constexpr(2):
+                a_loaded.append(self.load_group(a_smem, 0, a_row + 8 * half, a_q, idx, k))
+        scales = self._b_row_scales(sf, row, k, n_tile)
+        self._convert_b_row(smem, row, idx, words, scales)
+        self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)
+        if const_expr(not self.FORMAT.a_plain):
+            fw = self._fragment_words(frag)[0]
+            for half in cutlass.range_constexpr(2):
+                self.finish_group(a_loaded[half], cutlass.Boolean(True), self._a_store(fw, half))
+
+    @cute.jit
+    def _convert_b_row(self, smem, row: Int32, idx: Int32, words: list, scales: list):
+        self._store_b_row(smem, row, idx, words, scales, False)
+
+
+class FoldedWideRowsMainloop(WideRowsMainloop):
+    """`WideRowsMainloop` with 2^K folded into each group's scale (two multiplies a group, then one a pair instead
+    of two) wherever every folded scale of the warp's rows is finite (scale < 2^(128 - K): e2m1 K = 126, e4m3 120,
+    e5m2 112), else the two multiplies a pair: a warp-uniform branch (vote). Exact either way: scale * 2^K is exact
+    when finite (at most 4 significant bits, normal), so code * (scale 2^K) is the one rounding of v * scale."""
+
+    @cute.jit
+    def _convert_b_row(self, smem, row: Int32, idx: Int32, words: list, scales: list):
+        fmt = self.FORMAT
+        kb = dq.E2M1_BIAS if const_expr(fmt.data == dq.E2M1) else dq._FP8[fmt.data]["bias"]
+        h1 = ((127 + kb // 2) << 7) * 0x10001
+        h2 = ((127 + kb - kb // 2) << 7) * 0x10001
+        folded = [dq.mul_bf16x2(dq.mul_bf16x2(s, dq._i32(h1)), dq._i32(h2)) for s in scales]
+        finite = cutlass.Boolean(True)
+        for f in folded:   # (a Python list: unrolled)
+            finite = finite & ((f & Int32(0x7FFF)) != Int32(0x7F80))
+        if cute.arch.vote_all_sync(finite):
+            self._store_b_row(smem, row, idx, words, folded, True)
+        else:
+            self._store_b_row(smem, row, idx, words, scales, False)
+
+
+def _bias(data: str) -> int:
+    return dq.E2M1_BIAS if data == dq.E2M1 else dq._FP8[data]["bias"]
+
+
+def _pow2x2(e: int) -> Int32:
+    """bf16x2 bits of 2^e in both halves."""
+    return dq._i32(((127 + e) << 7) * 0x10001)
+
+
+class FastWideRowsMainloop(WideRowsMainloop):
+    """`WideRowsMainloop` with 2^K folded into every group's scale, A's and B's, decoded two scales a word (B: from
+    the row's SF word; A: the thread's two rows), so each pair takes one multiply; where any folded scale of the
+    warp's stage is not finite (scale >= 2^(128 - K), a NaN scale, an e4m3 NaN code) the whole stage takes the
+    two-multiply path (warp vote). Outputs byte-identical to the default."""
+
+    ONLY_FAST = False   # (instruction counts only)
+    LATE_FENCE = False  # publish B after converting A (the fence's store drain behind A's register work)
+    NULL = ""           # "a", "b", "ab": that operand's pairs are its code words masked (wrong values: the
+    #                     structure's cost without that operand's conversion)
+
+    @cute.jit
+    def _fold2(self, codes2: Int32):
+        """Two SF codes (low byte of each 16-bit half) -> (bf16x2 of scale * 2^K per half, 'some half is not
+        finite' bits)."""
+        fmt = self.FORMAT
+        kb = _bias(fmt.data)
+        if const_expr(fmt.sf == dq.E8M0):
+            s2 = codes2 * Int32(128) + dq._i32((kb << 7) * 0x10001)           # biased exponent e + K
+            bad = (codes2 + Int32((kb + 1) * 0x10001)) & Int32(0x01000100)     # e + K > 254
+        else:
+            placed = ((codes2 << 4) & Int32(0x07F007F0)) | ((codes2 << 8) & dq._i32(0x80008000))  # v * 2^-120
+            half = (120 + kb) // 2
+            s2 = dq.mul_bf16x2(dq.mul_bf16x2(placed, _pow2x2(half)), _pow2x2(120 + kb - half))
+            bad = ((s2 & Int32(0x7F807F80)) + Int32(0x00800080)) & dq._i32(0x80008000)   # exponent all ones
+        return s2, bad
+
+    @cute.jit
+    def _convert_stage_hoisted(self, frag, a_thread, b_thread, idx: Int32, k: Int32, stage_mbar):
+        smem, warp, lane, n_tile = b_thread
+        fmt = self.FORMAT
+        row = warp * 32 + lane
+        words, sf = self._b_row_loads(smem, row, idx)
+        a_smem, a_row, a_q = a_thread
+        a_loaded = []
+        if const_expr(fmt.a_plain):
+            self._convert_a(frag, a_thread, idx, k)
+        else:
+            for half in cutlass.range_constexpr(2):
+                a_loaded.append(self.load_group(a_smem, 0, a_row + 8 * half, a_q, idx, k))
+        # B's folded scales: (word, half) of group q
+        if const_expr(fmt.vec == 16):
+            b_codes = [dq.prmt(sf, 0x4140), dq.prmt(sf, 0x4342)]
+            where = [(0, 0), (0, 1), (1, 0), (1, 1)]
+        else:   # vec 32: stage k holds k-blocks 2 (k % 2), 2 (k % 2) + 1 of its atom
+            b_codes = [dq.prmt(sf >> ((k & 1) * 16), 0x4140)]
+            where = [(0, 0), (0, 0), (0, 1), (0, 1)]
+        folds = [self._fold2(c) for c in b_codes]
+        bad = folds[0][1]
+        for f in folds[1:]:
+            bad = bad | f[1]
+        row_ok = n_tile * self.tile_n + row < self.n
+        b_fold = []
+        for q in cutlass.range_constexpr(md.GROUPS):
+            w, h = where[q]
+            s = dq.prmt(folds[w][0], 0x3232 if h else 0x1010)
+            if const_expr(fmt.data == dq.E4M3):
+                s = dq.group_nan_scale(words[4 * q:4 * q + 4], s)
+                bad = bad | (s & Int32(0x7F80)) + Int32(0x80) & Int32(0x8000)
+            b_fold.append(Int32(cutlass.select_(row_ok & (k * TILE_K + q * dq.GROUP < self.k), s, Int32(0))))
+        a_fold = []
+        if const_expr(not fmt.a_plain):
+            s2, a_bad = self._fold2(a_loaded[0][1] | (a_loaded[1][1] << 16))
+            bad = bad | a_bad
+            a_valid = a_loaded[0][2] < self.k
+            for half in cutlass.range_constexpr(2):
+                s = dq.prmt(s2, 0x3232 if half else 0x1010)
+                if const_expr(fmt.data == dq.E4M3):
+                    s = dq.group_nan_scale(a_loaded[half][0], s)
+                    bad = bad | (s & Int32(0x7F80)) + Int32(0x80) & Int32(0x8000)
+                a_fold.append(Int32(cutlass.select_(a_valid, s, Int32(0))))
+        fast = cute.arch.vote_all_sync(bad == Int32(0))
+        if const_expr(self.ONLY_FAST):
+            fast = True
+        if fast:
+            self._store_b_row(smem, row, idx, words, b_fold, True)
+        else:
+            self._store_b_row(smem, row, idx, words, self._b_row_scales(sf, row, k, n_tile), False)
+        if const_expr(not self.LATE_FENCE):
+            self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)
+        if const_expr(not fmt.a_plain):
+            fw = self._fragment_words(frag)[0]
+            if fast:
+                for half in cutlass.range_constexpr(2):
+                    gw = a_loaded[half][0]
+                    for p in cutlass.range_constexpr(dq.PAIRS):
+                        if const_expr(fmt.data == dq.E2M1):
+                            x = dq._fp4_pair(gw[p // 4], p % 4)
+                        else:
+                            x = dq.fp8_pair(gw[p // 2], fmt.data, p % 2)
+                        if const_expr("a" in self.NULL):
+                            fw[2 * p + half] = gw[p % len(gw)] & Int32(0x3F003F00) | Int32(p)
+                        else:
+                            fw[2 * p + half] = dq.mul_bf16x2(x, a_fold[half])
+            else:
+                for half in cutlass.range_constexpr(2):
+                    self.finish_group(a_loaded[half], cutlass.Boolean(True), self._a_store(fw, half))
+        if const_expr(self.LATE_FENCE):
+            self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)

@@ -63,7 +63,14 @@ def main(kind: str, what: str) -> None:
             from lab import bench_kernels
             from lab.forward_cases import kernel_fn
 
-            problem, config = bench_kernels.case(what)
+            if what.count("/") == 2:   # SHAPE/FORMAT/LABEL: a lab.bench_memory_bound case
+                from lab import bench_memory_bound
+
+                shape, fmt, label = what.split("/")
+                problem = bench_kernels.format_problem(shape, fmt)
+                config = None if label == "default" else bench_memory_bound._config(label, problem)
+            else:
+                problem, config = bench_kernels.case(what)
             f, args = kernel_fn(problem, config), kernel_args(problem)
         with harness.kernels_only():
             for _ in range(4):

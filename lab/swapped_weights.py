@@ -10,6 +10,8 @@ from __future__ import annotations
 MARK = 31          # Config.consumer_b_passes value that selects the swapped mainloop in a patched build
 BRANCH_MARK = 4    # Config.mx_n_parts value (which only the opt-in FP8-wgmma mainloop reads) that selects the
 #                    per-pass branch variant (mainloop_variants.branch_class)
+WIDE_LABELS = {"wide": 30, "wfold": 29, "wfast": 28, "wnulla": 27, "wnullb": 26, "wnullab": 25, "wfastp": 24, "wnullabp": 23}
+WIDE_MARKS = {v: k for k, v in WIDE_LABELS.items()}   # Config.consumer_b_passes values: wide-row variants
 
 
 def patch():
@@ -17,7 +19,7 @@ def patch():
     get the swapped mainloop, dequantizing ones with Config.mx_n_parts == BRANCH_MARK the per-pass branch variant."""
     from cudnn_moe_jax.kernels.sm90 import mainloop_dequant as md
 
-    from .mainloop_variants import branch_class, swapped_class
+    from .mainloop_variants import branch_class, swapped_class, wide_class
 
     orig = md.mainloop_class
 
@@ -26,6 +28,8 @@ def patch():
         if config.consumer_b_passes == MARK:
             assert cls.FORMAT.a_plain and not cls.FORMAT.a_split and config.tile_n == 128 and config.cluster_m == 1
             return swapped_class(cls)
+        if config.consumer_b_passes in WIDE_MARKS:
+            return wide_class(cls, WIDE_MARKS[config.consumer_b_passes])
         if config.mx_n_parts == BRANCH_MARK and not config.mxfp8_wgmma:
             return branch_class(cls)
         return cls
