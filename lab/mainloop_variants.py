@@ -22,6 +22,10 @@ mainloop for weight-only NVFP4, +4-6% for MXFP8: the per-warp conversion chain, 
 
 2. `BranchPerPassMainloop` (`branch_class`): the consumer B passes each behind a per-warp `if`, as before session 24.
 
+3. `WideRowsMainloop` and its folded-scale and conversion-free variants (`wide_class`; RESULTS run 136): a consumer
+lane converting a whole B row; the product's row-wise stage (mainloop_dequant `_convert_stage_hoisted`) grew out of
+`FastWideRowsMainloop` with B published late (`wfastp`).
+
 Used by a bundle built with `patch()` applied (the build process only: the device finds the module by problem and
 config like any other).
 """
@@ -198,17 +202,6 @@ class WideRowsMainloop(md.DequantMainloop):
         return True
 
     @cute.jit
-    def _b_row_loads(self, smem, row: Int32, idx: Int32):
-        """(the row's stage code words, its SF word: byte j = k-block j of the row's atom quad)."""
-        fmt = self.FORMAT
-        n_words = fmt.row_bytes // 4
-        codes = cute.make_tensor(smem[4].iterator + (idx * self.tile_n + row) * n_words,
-                                 cute.make_layout(n_words)).load()
-        off = (idx * self.stage_atoms() + 1 + (row >> 7)) * SF_ATOM_BYTES + sf_atom_byte(row & 31, (row >> 5) & 3, 0)
-        sf = cute.make_tensor(cute.recast_ptr(smem[7].iterator + off, dtype=Int32), cute.make_layout(1))[0]
-        return [codes[i] for i in range(n_words)], sf
-
-    @cute.jit
     def _b_row_scales(self, sf: Int32, row: Int32, k: Int32, n_tile: Int32) -> list:
         """bf16x2 scales of the row's four groups (0 past N / past K)."""
         fmt = self.FORMAT
@@ -318,7 +311,6 @@ class FastWideRowsMainloop(WideRowsMainloop):
     warp's stage is not finite (scale >= 2^(128 - K), a NaN scale, an e4m3 NaN code) the whole stage takes the
     two-multiply path (warp vote). Outputs byte-identical to the default."""
 
-    ONLY_FAST = False   # (instruction counts only)
     LATE_FENCE = False  # publish B after converting A (the fence's store drain behind A's register work)
     NULL = ""           # "a", "b", "ab": that operand's pairs are its code words masked (wrong values: the
     #                     structure's cost without that operand's conversion)
@@ -384,8 +376,6 @@ class FastWideRowsMainloop(WideRowsMainloop):
                     bad = bad | (s & Int32(0x7F80)) + Int32(0x80) & Int32(0x8000)
                 a_fold.append(Int32(cutlass.select_(a_valid, s, Int32(0))))
         fast = cute.arch.vote_all_sync(bad == Int32(0))
-        if const_expr(self.ONLY_FAST):
-            fast = True
         if fast:
             self._store_b_row(smem, row, idx, words, b_fold, True)
         else:

@@ -10,8 +10,10 @@ from __future__ import annotations
 MARK = 31          # Config.consumer_b_passes value that selects the swapped mainloop in a patched build
 BRANCH_MARK = 4    # Config.mx_n_parts value (which only the opt-in FP8-wgmma mainloop reads) that selects the
 #                    per-pass branch variant (mainloop_variants.branch_class)
-WIDE_LABELS = {"wide": 30, "wfold": 29, "wfast": 28, "wnulla": 27, "wnullb": 26, "wnullab": 25, "wfastp": 24, "wnullabp": 23}
-WIDE_MARKS = {v: k for k, v in WIDE_LABELS.items()}   # Config.consumer_b_passes values: wide-row variants
+# Config.consumer_b_passes values that select the wide-row variants (mainloop_variants.wide_class) by label
+WIDE_LABELS = {"wide": 30, "wfold": 29, "wfast": 28, "wnulla": 27, "wnullb": 26, "wnullab": 25, "wfastp": 24,
+               "wnullabp": 23}
+WIDE_MARKS = {v: k for k, v in WIDE_LABELS.items()}
 
 
 def patch():

@@ -181,21 +181,29 @@ def test_token_major_pass_is_one_contiguous_kib():
 
 
 def test_hoisted_consumer_stage():
-    """Where the consumer warps convert all of B's passes (1 x 1 clusters, FP4 data with a block-scaled A, by
-    default) a stage loads all of a warp's groups -- its 4 B passes and 2 A groups, each a code load and an SF byte
-    -- before its first shared-memory store (ptxas keeps a load behind an earlier store); elsewhere the default
-    keeps 24 passes and the group-by-group order. No local memory, HGMMAs unserialized."""
+    """Where the consumer warps convert all of B (1 x 1 clusters, FP4 data with a block-scaled A, by default) a lane
+    converts one B row's stage: its loads -- the row's 32 code bytes in two 16-byte loads, its SF word, the
+    thread's two A groups (codes and SF bytes) -- all come before the stage's first shared-memory store (ptxas keeps
+    a load behind an earlier store), B's pairs leave in 16-byte stores (8 a stage, on either path), and a warp vote
+    per operand picks the folded-scale path. FP8 data and the default elsewhere keep passes. No local memory,
+    HGMMAs unserialized."""
     one = sm90_config.Config(cluster_m=1)
     nvfp4 = _kernel(_problem("nvfp4"), one).mainloop
     assert nvfp4.consumer_b == 32 and nvfp4.hoisted()
     for p in (_problem("mxfp8"), _problem("nvfp4", a_dtype="bfloat16")):
         ml = _kernel(p, one).mainloop
         assert ml.consumer_b == 24 and not ml.hoisted()
+    assert not _kernel(_problem("mxfp8"), sm90_config.Config(cluster_m=1, consumer_b_passes=32)).mainloop.hoisted()
+    assert _kernel(_problem("nvfp4", a_dtype="bfloat16"),
+                   sm90_config.Config(cluster_m=1, consumer_b_passes=32)).mainloop.hoisted()
     assert not _kernel(_problem("nvfp4")).mainloop.hoisted()                      # split B: 8 of 16
     assert not _kernel(_wgrad(m=384), sm90_config.Config(consumer_b_passes=32)).mainloop.hoisted()
     sass = _sass(_problem("nvfp4"), one)
     _check_split(sass, False)
     consumer = sass[sass.index("TRY_ALLOC"):]
-    ops = re.findall(r"\b(LDS|STS)(?:\.\S+)?\s", consumer)
-    first_store = ops.index("STS")
-    assert ops[:first_store].count("LDS") >= 2 * (4 + 2), "a stage's group loads are not all ahead of its stores"
+    ops = re.findall(r"\b((?:LDS|STS)(?:\.\S+)?)\s", consumer)
+    first_store = next(i for i, op in enumerate(ops) if op.startswith("STS"))
+    loads = ops[:first_store]
+    assert loads.count("LDS.128") == 2 and len(loads) >= 2 + 1 + 2 * 2, f"loads before the first store: {loads}"
+    assert ops.count("STS.128") >= 2 * 2 * 8, "B's pairs do not leave in 16-byte stores"   # 2 stages x 2 paths
+    assert consumer.count("VOTE.ALL") >= 2 * 2, "no warp vote per operand and stage"

@@ -153,6 +153,12 @@ def st_global_v4(addr: Int64, w: list):
     void_asm("st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", Int64(addr), *[Int32(x) for x in w])
 
 
+@cute.jit
+def st_shared_v4(addr: Int32, w: list):
+    """One 16-byte shared-memory store of four words at the shared address `addr` (16-byte aligned)."""
+    void_asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", Int32(addr), *[Int32(x) for x in w])
+
+
 
 # ------------------------------------------------------------------------------------------------ fp16 A
 
@@ -250,6 +256,38 @@ def _fp4_pair(w: Int32, k: cutlass.Constexpr) -> Int32:
 
 
 @cute.jit
+def placed_pair(words, data_dtype: cutlass.Constexpr, p: cutlass.Constexpr) -> Int32:
+    """Pair p of a group's code words placed as bf16x2 of v * 2^-K (`fp8_pair`, `_fp4_pair`)."""
+    if const_expr(data_dtype == E2M1):
+        return _fp4_pair(words[p // 4], p % 4)
+    return fp8_pair(words[p // 2], data_dtype, p % 2)
+
+
+@cute.jit
+def folded_scales2(codes2: Int32, data_dtype: cutlass.Constexpr, sf_dtype: cutlass.Constexpr):
+    """Two SF codes (the low byte of each 16-bit half) -> (bf16x2 of scale * 2^K per half, where K is the data
+    format's placement bias (`bias_bits`); nonzero where a half is not finite). A placed pair times a finite folded
+    scale is val(code) * scale in one multiply, exactly as `scale_pair`'s two (scale * 2^K has at most 4
+    significant bits and is normal, so the product is the one rounding of v * scale); a scale >= 2^(128 - K) -- or
+    a NaN scale -- overflows it and needs `scale_pair`. e8m0: 2^(e - 127 + K), an add to the exponent field (e + K
+    must stay below 255); e4m3: placed as in `e4m3_bf16`, then times 2^K * 2^120 in two exact steps (a NaN code
+    places as 480 and overflows)."""
+    bias = E2M1_BIAS if const_expr(data_dtype == E2M1) else _FP8[data_dtype]["bias"]
+    if const_expr(sf_dtype == E8M0):
+        s2 = codes2 * Int32(128) + _i32((bias << 7) * 0x10001)
+        return s2, (codes2 + Int32((bias + 1) * 0x10001)) & Int32(0x01000100)
+    placed = ((codes2 << 4) & Int32(0x07F007F0)) | ((codes2 << 8) & _i32(0x80008000))    # scale * 2^-120
+    step = (120 + bias) // 2
+    s2 = mul_bf16x2(mul_bf16x2(placed, _pow2x2(step)), _pow2x2(120 + bias - step))
+    return s2, ((s2 & Int32(0x7F807F80)) + Int32(0x00800080)) & _i32(0x80008000)    # exponent field all ones
+
+
+def _pow2x2(e: int) -> Int32:
+    """bf16x2 bits of 2^e in both halves."""
+    return _i32(((127 + e) << 7) * 0x10001)
+
+
+@cute.jit
 def convert_group(words, data_dtype: cutlass.Constexpr, scale2, store, nan_by_group: cutlass.Constexpr = False):
     """One group: its 32-bit words (FP8: 4, FP4: 2) and the block scale (bf16x2) -> its 8 bf16x2 pairs (module
     docstring), val(code) * scale each, handed to `store(p, pair)` as they are made (few live registers: the
@@ -262,10 +300,7 @@ def convert_group(words, data_dtype: cutlass.Constexpr, scale2, store, nan_by_gr
     if const_expr(by_group):
         scale2 = group_nan_scale(words, scale2)
     for p in cutlass.range_constexpr(PAIRS):
-        if const_expr(data_dtype == E2M1):
-            x = _fp4_pair(words[p // 4], p % 4)
-        else:
-            x = fp8_pair(words[p // 2], data_dtype, p % 2)
+        x = placed_pair(words, data_dtype, p)
         if const_expr(by_group):
             store(p, mul_bf16x2(mul_bf16x2(x, _i32(bias_bits(data_dtype))), scale2))
         else:

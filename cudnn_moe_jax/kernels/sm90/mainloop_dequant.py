@@ -212,8 +212,8 @@ class DequantMainloop(WgmmaMainloop):
 
     # the consumers' share of B's passes by default: half with the cluster split (8 of a CTA's 16: fc1 / small, RESULTS
     # runs 53-54); without it (1 x 1 clusters, e.g. 128-row groups) three quarters, 24 of 32: e128_fc1 +3..9% over 16
-    # on every format, 20 and 28 no better (RESULTS run 128); FP4 data with a block-scaled A: all 32, their loads
-    # hoisted (`_convert_stage_hoisted`; e128_fc1 NVFP4 +4%, MXFP4 +6%, RESULTS run 135)
+    # on every format, 20 and 28 no better (RESULTS run 128); FP4 data with a block-scaled A: all 32, a row a lane
+    # (`_convert_stage_hoisted`; RESULTS runs 135-137)
     UNSPLIT_SHARE = (3, 4)
     HOISTS = True      # the consumers' hoisted stage where they convert every pass (not the K-grouped subclass)
 
@@ -228,9 +228,10 @@ class DequantMainloop(WgmmaMainloop):
         self.consumer_b = min(b_passes * num // den if requested is None else requested, b_passes)
 
     def hoisted(self) -> bool:
-        """The consumers convert every one of B's passes (no split; as many a warp): their stage loads all its
-        groups (B's and A's) before it converts and stores any (`_convert_stage_hoisted`)."""
-        return self.HOISTS and not self.split_b and self.consumer_b == self.tile_n // ROWS_PER_PASS
+        """The consumers convert every one of B's rows (no split) of FP4 data: a lane a row, every load of the stage
+        first (`_convert_stage_hoisted`). (FP8 rows, 64 bytes, would hold 16 code words a lane: they keep passes.)"""
+        return (self.HOISTS and not self.split_b and self.consumer_b == self.tile_n // ROWS_PER_PASS
+                and self.FORMAT.data == dq.E2M1)
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
@@ -654,31 +655,89 @@ class DequantMainloop(WgmmaMainloop):
 
     @cute.jit
     def _convert_stage_hoisted(self, frag, a_thread, b_thread, idx: Int32, k: Int32, stage_mbar):
-        """The warp's B passes and the thread's A groups of stage idx with every shared-memory load first (ptxas
-        keeps a load behind an earlier shared-memory store, so converting group by group serializes the groups'
-        load latencies), then B's conversions and stores and their publication (`_convert_b_share`'s), then A's
-        conversions into the fragment (`_convert_a`'s; a 16-bit A goes straight from its loads into the fragment,
-        first)."""
-        smem, warp, lane = b_thread[:3]
-        b_loaded = []
-        for i in cutlass.range_constexpr(self.consumer_warp_passes()):
-            row = (warp + i * CONSUMER_WARPS) * ROWS_PER_PASS + (lane >> 2)
-            b_loaded.append((row, self.load_group(smem, 1, row, lane & 3, idx, k)))
-        a_smem, a_row, a_q = a_thread
+        """The consumers' stage where they convert every B row (`hoisted`): lane l of consumer warp w converts B row
+        32 w + l whole -- its codes in 16-byte loads, its four SF bytes in one word, pair p of its four groups (K
+        slots 8p..8p + 7: one 16-byte chunk of core matrix p) in one 16-byte store -- and the thread's A groups
+        into the fragment, then B's stores are published. Every shared-memory load comes first (ptxas keeps a load
+        behind an earlier store, so converting group by group serialized their latencies). Where every folded
+        scale (`dequant.folded_scales2`) of the warp's B rows, and apart from them of its A groups, is finite, a
+        pair takes one multiply, else two (`dequant.scale_pair`): a warp-uniform branch each."""
+        smem, warp, lane, n_tile = b_thread
+        fmt = self.FORMAT
+        row = warp * 32 + lane
+        words, sf = self._b_row_loads(smem, row, idx)
         a_loaded = []
-        if const_expr(self.FORMAT.a_plain):
+        if const_expr(fmt.a_plain):
             self._convert_a(frag, a_thread, idx, k)
         else:
             for half in cutlass.range_constexpr(2):
-                a_loaded.append(self.load_group(a_smem, 0, a_row + 8 * half, a_q, idx, k))
-        for row, group in b_loaded:
-            valid, store = self.row_group_store(smem, 1, row, lane & 3, idx, b_thread[3])
-            self.finish_group(group, valid, store)
+                a_loaded.append(self.load_group(a_thread[0], 0, a_thread[1] + 8 * half, a_thread[2], idx, k))
+        if const_expr(not fmt.a_plain):   # A's folded scales first: their decode overlaps B's work (RESULTS run 137)
+            a_folded, a_bad = dq.folded_scales2(a_loaded[0][1] | (a_loaded[1][1] << 16), fmt.data, fmt.sf)
+            a_fast = cute.arch.vote_all_sync(a_bad == Int32(0))
+        b_scales, b_fast = self._b_row_scales(sf, row, k, n_tile)
+        nw = dq.bytes_per_group(fmt.data) // 4
+        b_groups = [words[q * nw:(q + 1) * nw] for q in range(GROUPS)]
+        base = smem[6].iterator.toint() + ((idx * self.tile_n + (row & ~7)) * (2 * TILE_K // 4) + (row & 7) * 4) * 4
+        if b_fast:
+            self._store_b_row(base, b_groups, [cutlass.select_(v, f, Int32(0)) for _, f, v in b_scales], True)
+        else:
+            self._store_b_row(base, b_groups, [dq.scale_bf16x2(c, fmt.sf, v) for c, _, v in b_scales], False)
+        if const_expr(not fmt.a_plain):
+            fw = self._fragment_words(frag)[0]
+            if a_fast:
+                valid = a_loaded[0][2] < self.k
+                for half in cutlass.range_constexpr(2):
+                    scale2 = Int32(cutlass.select_(valid, dq.prmt(a_folded, 0x3232 if half else 0x1010), Int32(0)))
+                    for p in cutlass.range_constexpr(dq.PAIRS):
+                        fw[2 * p + half] = dq.mul_bf16x2(dq.placed_pair(a_loaded[half][0], fmt.data, p), scale2)
+            else:
+                for half in cutlass.range_constexpr(2):
+                    self.finish_group(a_loaded[half], cutlass.Boolean(True), self._a_store(fw, half))
+        # published after A's conversion: the fence's wait for the B stores overlaps A's work (+2%, RESULTS run 136)
         self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)
-        if const_expr(not self.FORMAT.a_plain):
-            words = self._fragment_words(frag)[0]
-            for half in cutlass.range_constexpr(2):
-                self.finish_group(a_loaded[half], cutlass.Boolean(True), self._a_store(words, half))
+
+    @cute.jit
+    def _b_row_loads(self, smem, row: Int32, idx: Int32):
+        """(B row `row`'s code words in stage idx, its SF word: byte j holds k-block j of the row's atom quad)."""
+        n_words = self.FORMAT.row_bytes // 4
+        codes = cute.make_tensor(smem[4].iterator + (idx * self.tile_n + row) * n_words,
+                                 cute.make_layout(n_words)).load()
+        off = (idx * self.stage_atoms() + 1 + (row >> 7)) * SF_ATOM_BYTES + sf_atom_byte(row & 31, (row >> 5) & 3, 0)
+        sf = cute.make_tensor(cute.recast_ptr(smem[7].iterator + off, dtype=Int32), cute.make_layout(1))[0]
+        return [codes[i] for i in range(n_words)], sf
+
+    @cute.jit
+    def _b_row_scales(self, sf: Int32, row: Int32, k: Int32, n_tile: Int32):
+        """(group q's SF code -> (its folded bf16x2 scale, valid: not past N or K), whether every folded scale of the
+        warp's rows is finite). Vec 16: the SF word's bytes are the groups' codes; vec 32: bytes 2 (k % 2) (groups
+        0, 1) and 2 (k % 2) + 1 (groups 2, 3)."""
+        fmt = self.FORMAT
+        if const_expr(fmt.vec == 16):
+            codes2, where = [dq.prmt(sf, 0x4140), dq.prmt(sf, 0x4342)], ((0, 0), (0, 1), (1, 0), (1, 1))
+        else:
+            codes2, where = [dq.prmt(sf >> ((k & 1) * 16), 0x4140)], ((0, 0), (0, 0), (0, 1), (0, 1))
+        folds = [dq.folded_scales2(c, fmt.data, fmt.sf) for c in codes2]
+        row_ok = n_tile * self.tile_n + row < self.n
+        out = []
+        for q in cutlass.range_constexpr(GROUPS):
+            w, h = where[q]
+            out.append((codes2[w] >> (16 * h) & Int32(0xFF), dq.prmt(folds[w][0], 0x3232 if h else 0x1010),
+                        row_ok & (k * TILE_K + q * dq.GROUP < self.k)))
+        return out, cute.arch.vote_all_sync((folds[0][1] | folds[-1][1]) == Int32(0))
+
+    @cute.jit
+    def _store_b_row(self, base: Int32, groups: list, scales: list, folded: cutlass.Constexpr):
+        """A B row's four groups converted (`folded`: one multiply a pair by the folded scales) and stored: pair p of
+        the groups as one 16-byte word quad at shared address base + 128 p."""
+        fmt = self.FORMAT
+        for p in cutlass.range_constexpr(dq.PAIRS):
+            w = []
+            for q in cutlass.range_constexpr(GROUPS):
+                x = dq.placed_pair(groups[q], fmt.data, p)
+                x = dq.mul_bf16x2(x, scales[q]) if const_expr(folded) else dq.scale_pair(x, fmt.data, scales[q])
+                w.append(dq.bf16x2_to_f16x2(x) if const_expr(fmt.half == "float16") else x)
+            dq.st_shared_v4(base + p * 128, w)
 
     @cute.jit
     def _load_plain_a(self, parts: list, smem, row: Int32, q: Int32, idx: Int32):
