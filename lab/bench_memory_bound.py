@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args(argv)
     for shape in args.shapes.split(","):
-        run(shape, tuple(args.formats.split(",")), tuple(args.variants.split(",")))
+        run(shape, tuple(args.formats.split(",")), tuple(v for v in args.variants.split(",") if v))
 
 
 def run(shape: str, formats=FORMATS, variants=VARIANTS) -> None:

@@ -24,7 +24,8 @@ mainloop for weight-only NVFP4, +4-6% for MXFP8: the per-warp conversion chain, 
 
 3. `WideRowsMainloop` and its folded-scale and conversion-free variants (`wide_class`; RESULTS run 136): a consumer
 lane converting a whole B row; the product's row-wise stage (mainloop_dequant `_convert_stage_hoisted`) grew out of
-`FastWideRowsMainloop` with B published late (`wfastp`).
+`FastWideRowsMainloop` with B published late (`wfastp`). (They inherit the product's k-loop: since RESULTS run 138
+they release the narrow stage once converted, as it does.)
 
 Used by a bundle built with `patch()` applied (the build process only: the device finds the module by problem and
 config like any other).
@@ -401,3 +402,4 @@ class FastWideRowsMainloop(WideRowsMainloop):
                     self.finish_group(a_loaded[half], cutlass.Boolean(True), self._a_store(fw, half))
         if const_expr(self.LATE_FENCE):
             self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)
+

@@ -184,15 +184,16 @@ def test_hoisted_consumer_stage():
     """Where the consumer warps convert all of B (1 x 1 clusters, FP4 data with a block-scaled A, by default) a lane
     converts one B row's stage: its loads -- the row's 32 code bytes in two 16-byte loads, its SF word, the
     thread's two A groups (codes and SF bytes) -- all come before the stage's first shared-memory store (ptxas keeps
-    a load behind an earlier store), B's pairs leave in 16-byte stores (8 a stage, on either path), and a warp vote
-    per operand picks the folded-scale path. FP8 data and the default elsewhere keep passes. No local memory,
-    HGMMAs unserialized."""
+    a load behind an earlier store), B's pairs leave in 16-byte stores (8 a stage, on either path), a warp vote per
+    operand picks the folded-scale path, and the narrow stage is released once converted (`releases_early`). FP8
+    data and the default elsewhere keep passes and release after the wgmmas. No local memory, HGMMAs
+    unserialized."""
     one = sm90_config.Config(cluster_m=1)
     nvfp4 = _kernel(_problem("nvfp4"), one).mainloop
-    assert nvfp4.consumer_b == 32 and nvfp4.hoisted()
+    assert nvfp4.consumer_b == 32 and nvfp4.hoisted() and nvfp4.releases_early()
     for p in (_problem("mxfp8"), _problem("nvfp4", a_dtype="bfloat16")):
         ml = _kernel(p, one).mainloop
-        assert ml.consumer_b == 24 and not ml.hoisted()
+        assert ml.consumer_b == 24 and not ml.hoisted() and not ml.releases_early()
     assert not _kernel(_problem("mxfp8"), sm90_config.Config(cluster_m=1, consumer_b_passes=32)).mainloop.hoisted()
     assert _kernel(_problem("nvfp4", a_dtype="bfloat16"),
                    sm90_config.Config(cluster_m=1, consumer_b_passes=32)).mainloop.hoisted()
