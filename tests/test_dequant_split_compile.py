@@ -181,22 +181,22 @@ def test_token_major_pass_is_one_contiguous_kib():
 
 
 def test_hoisted_consumer_stage():
-    """Where the consumer warps convert all of B (1 x 1 clusters, FP4 data with a block-scaled A, by default) a lane
-    converts one B row's stage: its loads -- the row's 32 code bytes in two 16-byte loads, its SF word, the
-    thread's two A groups (codes and SF bytes) -- all come before the stage's first shared-memory store (ptxas keeps
-    a load behind an earlier store), B's pairs leave in 16-byte stores (8 a stage, on either path), a warp vote per
-    operand picks the folded-scale path, and the narrow stage is released once converted (`releases_early`). FP8
-    data and the default elsewhere keep passes and release after the wgmmas. No local memory, HGMMAs
-    unserialized."""
+    """Where the consumer warps convert all of B (1 x 1 clusters, FP4 data beside a block-scaled or 16-bit A, by
+    default; not an fp16 A split in two) a lane converts one B row's stage: its loads -- the row's 32 code bytes in
+    two 16-byte loads, its SF word, the thread's two A groups (codes and SF bytes) -- all come before the stage's
+    first shared-memory store (ptxas keeps a load behind an earlier store), B's pairs leave in 16-byte stores (8 a
+    stage, on either path), a warp vote per operand picks the folded-scale path, and the narrow stage is released
+    once converted (`releases_early`). FP8 data and the default elsewhere keep passes and release after the
+    wgmmas. No local memory, HGMMAs unserialized."""
     one = sm90_config.Config(cluster_m=1)
-    nvfp4 = _kernel(_problem("nvfp4"), one).mainloop
-    assert nvfp4.consumer_b == 32 and nvfp4.hoisted() and nvfp4.releases_early()
-    for p in (_problem("mxfp8"), _problem("nvfp4", a_dtype="bfloat16")):
+    for p in (_problem("nvfp4"), _problem("nvfp4", a_dtype="bfloat16"), _problem("nvfp4", a_dtype="float16")):
+        ml = _kernel(p, one).mainloop
+        assert ml.consumer_b == 32 and ml.hoisted() and ml.releases_early()
+    mxfp4_f16 = dataclasses.replace(_problem("nvfp4", a_dtype="float16"), sf_dtype=E8M0, sf_vec_size=32)
+    for p in (_problem("mxfp8"), mxfp4_f16):   # FP8 data; an fp16 A split in two beside MXFP4 weights
         ml = _kernel(p, one).mainloop
         assert ml.consumer_b == 24 and not ml.hoisted() and not ml.releases_early()
     assert not _kernel(_problem("mxfp8"), sm90_config.Config(cluster_m=1, consumer_b_passes=32)).mainloop.hoisted()
-    assert _kernel(_problem("nvfp4", a_dtype="bfloat16"),
-                   sm90_config.Config(cluster_m=1, consumer_b_passes=32)).mainloop.hoisted()
     assert not _kernel(_problem("nvfp4")).mainloop.hoisted()                      # split B: 8 of 16
     assert not _kernel(_wgrad(m=384), sm90_config.Config(consumer_b_passes=32)).mainloop.hoisted()
     sass = _sass(_problem("nvfp4"), one)

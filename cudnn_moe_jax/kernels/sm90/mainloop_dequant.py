@@ -212,18 +212,18 @@ class DequantMainloop(WgmmaMainloop):
 
     # the consumers' share of B's passes by default: half with the cluster split (8 of a CTA's 16: fc1 / small, RESULTS
     # runs 53-54); without it (1 x 1 clusters, e.g. 128-row groups) three quarters, 24 of 32: e128_fc1 +3..9% over 16
-    # on every format, 20 and 28 no better (RESULTS run 128); FP4 data with a block-scaled A: all 32, a row a lane
-    # (`_convert_stage_hoisted`; RESULTS runs 135-137)
+    # on every format, 20 and 28 no better (RESULTS run 128); FP4 data (beside a block-scaled or 16-bit A): all 32,
+    # a row a lane (`_convert_stage_hoisted`; RESULTS runs 135-138)
     UNSPLIT_SHARE = (3, 4)
     HOISTS = True      # the consumers' hoisted stage where they convert every pass (not the K-grouped subclass)
 
     def set_consumer_b(self, requested: Optional[int]) -> None:
         """The consumers' B passes per stage: `requested` (Config.consumer_b_passes), at most every pass this CTA
         converts; None: half of them with the cluster split, else UNSPLIT_SHARE of them, or all of them for FP4
-        data with a block-scaled A (M-grouped)."""
+        data beside a block-scaled or 16-bit A (not an fp16 A split in two; M-grouped): the row-wise stage."""
         b_passes = (self.tile_n // 2 if self.split_b else self.tile_n) // ROWS_PER_PASS
         num, den = (1, 2) if self.split_b else self.UNSPLIT_SHARE
-        if not self.split_b and self.HOISTS and self.FORMAT.data == dq.E2M1 and not self.FORMAT.a_plain:
+        if not self.split_b and self.HOISTS and self.FORMAT.data == dq.E2M1 and not self.FORMAT.a_split:
             num, den = 1, 1
         self.consumer_b = min(b_passes * num // den if requested is None else requested, b_passes)
 
