@@ -208,3 +208,8 @@ def test_hoisted_consumer_stage():
     assert loads.count("LDS.128") == 2 and len(loads) >= 2 + 1 + 2 * 2, f"loads before the first store: {loads}"
     assert ops.count("STS.128") >= 2 * 2 * 8, "B's pairs do not leave in 16-byte stores"   # 2 stages x 2 paths
     assert consumer.count("VOTE.ALL") >= 2 * 2, "no warp vote per operand and stage"
+    # a bf16 A (weight-only): its plain loads, then B's row; one vote (B's) a stage
+    sass = _sass(_problem("nvfp4", a_dtype="bfloat16"), one)
+    _check_split(sass, False)
+    consumer = sass[sass.index("TRY_ALLOC"):]
+    assert consumer.count("STS.128") >= 2 * 2 * 8 and consumer.count("VOTE.ALL") >= 2
