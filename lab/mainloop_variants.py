@@ -403,3 +403,33 @@ class FastWideRowsMainloop(WideRowsMainloop):
         if const_expr(self.LATE_FENCE):
             self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)
 
+
+
+# ------------------------------------------------------------------------------------------------ per-group fold
+def group_fold_class(base):
+    """4. `base` whose every group conversion (stage workers' and consumers' passes, A groups) folds 2^K into the
+    group's scale where it is finite (`GroupFoldMainloop`): the row-wise stage's fold for the pass-based paths
+    (MXFP8, the split kernels)."""
+    return type(base.__name__ + "_gfold", (GroupFoldMainloop, base), {})
+
+
+class GroupFoldMainloop(md.DequantMainloop):
+    """Question (for MXFP8, whose rows spill and which keeps passes and stage workers): does a group's conversion gain
+    from the folded scale (`dequant.folded_scales2`: e8m0 decoded by one add) and one multiply a pair? Per lane, no
+    vote: a group whose folded scale is not finite (scale >= 2^(128 - K), a NaN scale or code) takes the two
+    multiplies in a divergent branch (uniform in practice). Outputs byte-identical to the default."""
+
+    @cute.jit
+    def finish_group(self, loaded, valid: cutlass.Boolean, store):
+        fmt = self.FORMAT
+        words, code, k0 = loaded
+        folded = dq.prmt(dq.folded_scales2(code, fmt.data, fmt.sf)[0], 0x1010)
+        if const_expr(fmt.data == dq.E4M3):
+            folded = dq.group_nan_scale(words, folded)
+        if (folded & Int32(0x7F80)) != Int32(0x7F80):
+            scale2 = Int32(cutlass.select_(valid & (k0 < self.k), folded, Int32(0)))
+            for p in cutlass.range_constexpr(dq.PAIRS):
+                x = dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2)
+                store(p, dq.bf16x2_to_f16x2(x) if const_expr(fmt.half == "float16") else x)
+        else:
+            md.DequantMainloop.finish_group(self, loaded, valid, store)
