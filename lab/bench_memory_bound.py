@@ -47,6 +47,8 @@ def _config(label: str, problem):
     for part in label.split("_"):   # e.g. "tn128_cb16"
         if part == "gfold":
             cfg = dataclasses.replace(cfg, mx_n_parts=sw.GFOLD_MARK)
+        elif part == "e32":
+            cfg = dataclasses.replace(cfg, consumer_b_passes=sw.EARLY_MARK)
         elif part in sw.WIDE_LABELS:
             cfg = dataclasses.replace(cfg, consumer_b_passes=sw.WIDE_LABELS[part])
         elif part.startswith("tn"):

@@ -433,3 +433,24 @@ class GroupFoldMainloop(md.DequantMainloop):
                 store(p, dq.bf16x2_to_f16x2(x) if const_expr(fmt.half == "float16") else x)
         else:
             md.DequantMainloop.finish_group(self, loaded, valid, store)
+
+
+# ------------------------------------------------------------------------------------------------ early release, passes
+def early_passes_class(base):
+    """5. `base` with every B pass on the consumers (pass-based groups, as FP8 data keeps them) and the narrow stage
+    released once converted (`EarlyPassesMainloop`)."""
+    return type(base.__name__ + "_e32", (EarlyPassesMainloop, base), {})
+
+
+class EarlyPassesMainloop(md.DequantMainloop):
+    """Question (MXFP8 at 1 x 1: its rows spill, so it keeps 8-row passes, 24 of 32 on the consumers, and releases a
+    stage only after its wgmmas retired): with all 32 passes on the consumers the stage workers write no bf16 stage,
+    so the product's early-release argument (`releases_early`'s docstring: only the consumers write the bf16 B
+    stage, S >= 3) holds for passes too -- does the TMA running three stages ahead pay for the 8 passes the workers
+    gave up (32 passes alone measured past the optimum, RESULTS run 128)? Outputs byte-identical to the default."""
+
+    def set_consumer_b(self, requested) -> None:
+        md.DequantMainloop.set_consumer_b(self, self.tile_n // md.ROWS_PER_PASS)
+
+    def releases_early(self) -> bool:
+        return not self.split_b and self.consumer_b == self.tile_n // md.ROWS_PER_PASS and self.stages >= 3
