@@ -23,8 +23,8 @@ mainloop for weight-only NVFP4, +4-6% for MXFP8: the per-warp conversion chain, 
 2. `BranchPerPassMainloop` (`branch_class`): the consumer B passes each behind a per-warp `if`, as before session 24.
 
 3. `WideRowsMainloop` and its folded-scale and conversion-free variants (`wide_class`; RESULTS run 136): a consumer
-lane converting a whole B row; the product's row-wise stage (mainloop_dequant `_convert_stage_hoisted`) grew out of
-`FastWideRowsMainloop` with B published late (`wfastp`). (They inherit the product's k-loop: since RESULTS run 138
+lane converting a whole B row; the product's row-wise stage (mainloop_dequant_rows `_convert_stage_hoisted`) grew out
+of `FastWideRowsMainloop` with B published late (`wfastp`). (They inherit the product's k-loop: since RESULTS run 138
 they release the narrow stage once converted, as it does.)
 
 Used by a bundle built with `patch()` applied (the build process only: the device finds the module by problem and
