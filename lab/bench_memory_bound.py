@@ -45,10 +45,10 @@ def _config(label: str, problem):
         return dataclasses.replace(default_config(problem), consumer_b_passes=16, mx_n_parts=sw.BRANCH_MARK)
     cfg = default_config(problem)
     for part in label.split("_"):   # e.g. "tn128_cb16"
-        if part == "gfold":
-            cfg = dataclasses.replace(cfg, mx_n_parts=sw.GFOLD_MARK)
-        elif part == "e32":
-            cfg = dataclasses.replace(cfg, consumer_b_passes=sw.EARLY_MARK)
+        if part == "hpass":
+            cfg = dataclasses.replace(cfg, consumer_b_passes=sw.HPASS_MARK)
+        elif part in sw.FOLD_MARKS:
+            cfg = dataclasses.replace(cfg, consumer_b_passes=sw.FOLD_MARKS[part])
         elif part in sw.WIDE_LABELS:
             cfg = dataclasses.replace(cfg, consumer_b_passes=sw.WIDE_LABELS[part])
         elif part.startswith("tn"):

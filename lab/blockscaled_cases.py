@@ -97,8 +97,8 @@ DGRAD_CASES = [
                                                               generate_dbias=True, dbias_dtype=F32)),
 ]
 # 128-row groups run 1 x 1 clusters (no cluster-split B), where the consumer warps convert 24 of B's 32 passes a
-# stage, each warp three in straight-line code (kernels/sm90/mainloop_dequant.py): forward and dgrad, FP4 and FP8,
-# K and N tails
+# stage, each warp three in straight-line code, or all of them (FP4 data: a row a lane; FP8 weights: passes)
+# (kernels/sm90/mainloop_dequant.py): forward and dgrad, FP4 and FP8, K and N tails
 CASES_1X1 = [
     ("nvfp4_swiglu_1x1", "glu", "nvfp4", 256, 512, dict(act_func="swiglu", c_dtype=BF, d_dtype=BF, m_aligned=128)),
     ("mxfp8_quant_fp8d_1x1", "quant", "mxfp8", 256, 512, dict(bias=BF, d_dtype=E4M3, m_aligned=128)),
@@ -107,6 +107,11 @@ CASES_1X1 = [
                                                              m_aligned=128)),
     ("nvfp4_dswiglu_1x1", "dglu", "nvfp4", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF,
                                                            m_aligned=128)),
+    # FP8 weights: every pass on the consumers, the narrow stage released early (K and N tails); the dgrad's two
+    # stages keep 24 passes
+    ("w_mxfp8_quant_fp8d_1x1_k208_n384", "quant", "w_mxfp8", 208, 384, dict(bias=BF, d_dtype=E4M3, m_aligned=128)),
+    ("w_mxfp8_dswiglu_1x1", "dglu", "w_mxfp8", 256, 512, dict(act_func="dswiglu", c_dtype=BF, d_dtype=BF,
+                                                               m_aligned=128)),
 ]
 DGRAD_OPS = {"dglu": cmj.grouped_gemm_dglu, "dsrelu": cmj.grouped_gemm_dsrelu}
 # outputs computed from the accumulator without an activation: exact on "exact" inputs

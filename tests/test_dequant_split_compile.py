@@ -187,16 +187,25 @@ def test_hoisted_consumer_stage():
     first shared-memory store (ptxas keeps a load behind an earlier store), B's pairs leave in 16-byte stores (8 a
     stage, on either path), a warp vote per operand picks the folded-scale path, and the narrow stage is released
     once converted (`releases_early`). FP8 data and the default elsewhere keep passes and release after the
-    wgmmas. No local memory, HGMMAs unserialized."""
+    wgmmas. FP8 weights beside a bf16 A keep passes but get every one of them and the early release; so does any
+    problem given every pass explicitly. No local memory, HGMMAs unserialized."""
     one = sm90_config.Config(cluster_m=1)
     for p in (_problem("nvfp4"), _problem("nvfp4", a_dtype="bfloat16"), _problem("nvfp4", a_dtype="float16")):
         ml = _kernel(p, one).mainloop
         assert ml.consumer_b == 32 and ml.hoisted() and ml.releases_early()
     mxfp4_f16 = dataclasses.replace(_problem("nvfp4", a_dtype="float16"), sf_dtype=E8M0, sf_vec_size=32)
-    for p in (_problem("mxfp8"), mxfp4_f16):   # FP8 data; an fp16 A split in two beside MXFP4 weights
+    for p in (_problem("mxfp8"), mxfp4_f16):   # FP8 data beside a block-scaled A; an fp16 A split in two (MXFP4)
         ml = _kernel(p, one).mainloop
         assert ml.consumer_b == 24 and not ml.hoisted() and not ml.releases_early()
-    assert not _kernel(_problem("mxfp8"), sm90_config.Config(cluster_m=1, consumer_b_passes=32)).mainloop.hoisted()
+    # FP8 weights (128-row groups, the default config: 1 x 1, one epilogue buffer): every pass, released early
+    w_mxfp8 = _problem("mxfp8", a_dtype="bfloat16", m_aligned=128)
+    ml = _kernel(w_mxfp8).mainloop
+    assert ml.consumer_b == 32 and not ml.hoisted() and ml.stages >= 3 and ml.releases_early()
+    two = _kernel(w_mxfp8, one).mainloop   # two stages (two epilogue buffers): no early release, 24 passes
+    assert two.stages == 2 and two.consumer_b == 24 and not two.releases_early()
+    ml = _kernel(_problem("mxfp8"), sm90_config.Config(cluster_m=1, consumer_b_passes=32)).mainloop
+    assert not ml.hoisted() and ml.releases_early()
+    _check_split(_sass(w_mxfp8), False)
     assert not _kernel(_problem("nvfp4")).mainloop.hoisted()                      # split B: 8 of 16
     assert not _kernel(_wgrad(m=384), sm90_config.Config(consumer_b_passes=32)).mainloop.hoisted()
     sass = _sass(_problem("nvfp4"), one)

@@ -52,7 +52,8 @@ class Config:
     consumer_b_passes: block-scaled inputs with A converted in registers: 8-row passes of B (of this CTA's half
       where the 2-CTA cluster splits B's conversion) the 8 consumer warps convert per stage beside the stage
       workers, warp w passes w, w + 8, ... (mainloop_dequant); None: 8 with the split, else 24 (FP4 data beside a
-      block-scaled or 16-bit A: all 32; K-grouped: 16). All 32 of FP4 data at 1 x 1 clusters: a B row a lane;
+      block-scaled or 16-bit A, and FP8 data beside a bf16 A with at least 3 A/B stages: all 32; K-grouped: 16).
+      All 32 at 1 x 1 clusters: the narrow stage is released once converted; FP4 data: a B row a lane;
     mx_n_parts: with mxfp8_wgmma: run each 32-K block's data and scale wgmmas per column part (1, 2 or 4 parts of
       the 128-column tile) so a part is folded while the others compute (Mxfp8Mainloop.mma_tile_parts);
     num_sms: persistent grid size (CTAs); 132 on H100/H200 SXM. 2 x 2 clusters use at most H200_4CTA_CLUSTERS

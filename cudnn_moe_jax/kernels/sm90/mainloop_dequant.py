@@ -214,18 +214,24 @@ class DequantMainloop(RowwiseStage, WgmmaMainloop):
 
     # the consumers' share of B's passes by default: half with the cluster split (8 of a CTA's 16: fc1 / small, RESULTS
     # runs 53-54); without it (1 x 1 clusters, e.g. 128-row groups) three quarters, 24 of 32: e128_fc1 +3..9% over 16
-    # on every format, 20 and 28 no better (RESULTS run 128); FP4 data (beside a block-scaled or 16-bit A): all 32,
-    # a row a lane (`_convert_stage_hoisted`; RESULTS runs 135-138)
+    # on every format, 20 and 28 no better (RESULTS run 128); all 32 for FP4 data beside a block-scaled or 16-bit A (a
+    # row a lane, `_convert_stage_hoisted`; RESULTS runs 135-138) and for FP8 weights beside a bf16 A where the narrow
+    # stage is then released early (passes; weight-only MXFP8 e128 +7-9% with the folded group scales, run 142)
     UNSPLIT_SHARE = (3, 4)
     HOISTS = True      # the consumers' hoisted stage where they convert every pass (not the K-grouped subclass)
 
     def set_consumer_b(self, requested: Optional[int]) -> None:
         """The consumers' B passes per stage: `requested` (Config.consumer_b_passes), at most every pass this CTA
-        converts; None: half of them with the cluster split, else UNSPLIT_SHARE of them, or all of them for FP4
-        data beside a block-scaled or 16-bit A (not an fp16 A split in two; M-grouped): the row-wise stage."""
+        converts; None: half of them with the cluster split, else UNSPLIT_SHARE of them, or all of them (M-grouped)
+        for FP4 data beside a block-scaled or 16-bit A (not an fp16 A split in two: the row-wise stage) and for FP8
+        data beside a bf16 A with at least 3 stages (`releases_early`; with a block-scaled A, whose groups the
+        consumers convert too, it gained nothing: RESULTS run 142)."""
+        fmt = self.FORMAT
         b_passes = (self.tile_n // 2 if self.split_b else self.tile_n) // ROWS_PER_PASS
         num, den = (1, 2) if self.split_b else self.UNSPLIT_SHARE
-        if not self.split_b and self.HOISTS and self.FORMAT.data == dq.E2M1 and not self.FORMAT.a_split:
+        fp4_rows = fmt.data == dq.E2M1 and not fmt.a_split
+        fp8_weights = fmt.data != dq.E2M1 and fmt.a_plain and not fmt.a_split and self.stages >= 3
+        if not self.split_b and self.HOISTS and (fp4_rows or fp8_weights):
             num, den = 1, 1
         self.consumer_b = min(b_passes * num // den if requested is None else requested, b_passes)
 
@@ -489,13 +495,32 @@ class DequantMainloop(RowwiseStage, WgmmaMainloop):
 
     @cute.jit
     def finish_group(self, loaded, valid: cutlass.Boolean, store):
-        """A loaded group (`load_group`) converted, its pairs handed to `store(p, pair)`."""
+        """A loaded group (`load_group`) converted, its pairs handed to `store(p, pair)`. A group is part of one row
+        of A or B whose every K feeds one output row / column: an e4m3 NaN code makes the group NaN. FP8 data where
+        the consumers convert all of B (`releases_early`: FP8 weights): where the group's folded scale
+        (`dequant.folded_scales2`, scale * 2^K) is finite, one multiply a pair, else (scale >= 2^(128 - K), a NaN
+        scale or code) the two of `dequant.convert_group` -- a per-lane branch, uniform in practice (weight-only
+        MXFP8 e128 +6-7% over two multiplies, RESULTS runs 142-143). Elsewhere, with stage workers converting beside
+        the consumers, the fold's two finiteness tests cost what it saved (MXFP8 e128 -3%, small_fc2 +-1%: run
+        143), and FP4 groups' fold cost what the pairs saved (run 136): two multiplies."""
         fmt = self.FORMAT
         words, code, k0 = loaded
         if const_expr(fmt.half == "float16"):
             store = (lambda p, pair, bf16_store=store: bf16_store(p, dq.bf16x2_to_f16x2(pair)))
-        # a group is part of one row of A or B whose every K feeds one output row / column: NaN by group
-        dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid & (k0 < self.k)), store, True)
+        valid = valid & (k0 < self.k)
+        if const_expr(fmt.data == dq.E2M1 or not self.releases_early()):
+            dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
+        else:
+            folded, bad = dq.folded_scales2(code, fmt.data, fmt.sf)   # (code: the low half's; the high half's 0)
+            folded = dq.prmt(folded, 0x1010)
+            if const_expr(fmt.data == dq.E4M3):
+                folded = dq.group_nan_scale(words, folded)         # a NaN code: NaN, i.e. not finite
+            if (bad == Int32(0)) & ((folded & Int32(0x7F80)) != Int32(0x7F80)):
+                scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
+                for p in cutlass.range_constexpr(dq.PAIRS):
+                    store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
+            else:
+                dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
 
     @cute.jit
     def group_words(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32):

@@ -7,8 +7,8 @@ in one word, and pair p of its four groups (K slots 8p..8p + 7, one 16-byte chun
 in one 16-byte store: 3 loads and 8 stores a row where 4 lanes of a pass made 8 and 32. Every load of the stage comes
 first (ptxas keeps a shared-memory load behind an earlier store, so group-by-group conversion serialized the groups'
 load latencies), B is published after A's conversion (the fence's wait for the stores overlaps A's register work),
-and the narrow stage is released as soon as the warp published its B (`releases_early`). FP8 rows (64 bytes) would
-hold 16 code words a lane: they keep passes.
+and the narrow stage is released as soon as the warp published its B (`releases_early`, which FP8 passes share where
+the consumers convert all of B). FP8 rows (64 bytes) would hold 16 code words a lane: they keep passes.
 
 `RowwiseStage` is a mixin of `mainloop_dequant.DequantMainloop` (FORMAT, HOISTS, split_b, consumer_b and the shared
 A-group and publication helpers come from it). The stage geometry both modules use (TILE_K, GROUPS, ROWS_PER_PASS)
@@ -41,15 +41,18 @@ class RowwiseStage:
                 and self.FORMAT.data == dq.E2M1)
 
     def releases_early(self) -> bool:
-        """Whether a consumer warp releases narrow stage k as soon as it published the stage's B (the row-wise stage,
-        `hoisted`, with at least 3 stages), not after the stage's wgmmas retired: the producer then refills it while
-        they run (e128_fc1 FP4 +6%, RESULTS run 138). Nothing reads the narrow data after the conversion (A is in
-        registers, B in the bf16 stage), and the bf16 B stage of k is rewritten only by stage k + S's conversion,
-        which a warp starts after the worker barrier of k + S - 1: after every consumer warp of both warpgroups
-        published k + S - 1, i.e. after its `wait_group(1)` retired wgmma(k + S - 3) -- wgmma(k) where S >= 3. The
-        stage workers (idle here) arrive for k + S only once every consumer released k, which each does after its
-        own arrival for k, so the worker barrier's phases cannot mix."""
-        return self.hoisted() and self.stages >= 3
+        """Whether a consumer warp releases narrow stage k as soon as it published the stage's B, not after the
+        stage's wgmmas retired: wherever the consumers convert every one of B's passes (no split; the row-wise stage,
+        or FP8 passes: `set_consumer_b`) and there are at least 3 stages. The producer then refills the stage while
+        they run (e128_fc1 FP4 +6%, RESULTS run 138; weight-only MXFP8 with folded scales +7-9%, run 142). Nothing
+        reads the narrow data after the conversion (A is in registers, B in the bf16 stage), and the bf16 B stage of
+        k is rewritten only by stage k + S's conversion -- no stage worker writes it --, which a warp starts after
+        the worker barrier of k + S - 1: after every consumer warp of both warpgroups published k + S - 1, i.e. after
+        its `wait_group(1)` retired wgmma(k + S - 3) -- wgmma(k) where S >= 3. The stage workers (idle here) arrive
+        for k + S only once every consumer released k, which each does after its own arrival for k, so the worker
+        barrier's phases cannot mix."""
+        return (self.HOISTS and not self.split_b and self.consumer_b == self.tile_n // ROWS_PER_PASS
+                and self.stages >= 3)
 
     @cute.jit
     def _convert_stage_hoisted(self, frag, a_thread, b_thread, idx: Int32, k: Int32, stage_mbar):
