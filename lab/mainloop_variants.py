@@ -29,7 +29,8 @@ they release the narrow stage once converted, as it does.)
 
 (RESULTS runs 141-142's `gfold` -- the folded scale in every pass-based group conversion -- and `e32` -- every B
 pass on the consumers with the early release -- are the product's since: `DequantMainloop.finish_group` for FP8
-data, `set_consumer_b` / `releases_early` for FP8 weights beside a bf16 A.)
+data, `set_consumer_b` / `releases_early` for FP8 weights beside a bf16 A. Runs 143-144's `FoldCheckMainloop` and
+`HoistedPassesMainloop`, measured and not adopted, are in commit f0bef02.)
 
 Used by a bundle built with `patch()` applied (the build process only: the device finds the module by problem and
 config like any other).
@@ -406,78 +407,3 @@ class FastWideRowsMainloop(WideRowsMainloop):
                     self.finish_group(a_loaded[half], cutlass.Boolean(True), self._a_store(fw, half))
         if const_expr(self.LATE_FENCE):
             self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)
-
-
-# ------------------------------------------------------------------------------------------------ fold check
-def fold_check_class(base, kind: str):
-    """4. `base` whose FP8 group fold tests finiteness differently (`FoldCheckMainloop`): "nobad" only the folded
-    scale's exponent (wrong where scale * 2^K wraps: rate only, N(0, 1) data), "orbad" the overflow flag OR-ed into
-    the exponent first (one test)."""
-    return type(base.__name__ + "_" + kind, (FoldCheckMainloop, base), {"KIND": kind})
-
-
-class FoldCheckMainloop(md.DequantMainloop):
-    """Question: what does the product's second test of a group's folded scale (`folded_scales2`'s overflow flag
-    beside the exponent test) cost? Same pairs as the product where the scales allow the fold."""
-
-    KIND = "nobad"
-
-    def set_consumer_b(self, requested) -> None:
-        md.DequantMainloop.set_consumer_b(self, None)   # the default (the mark only selects the class)
-
-    @cute.jit
-    def finish_group(self, loaded, valid: cutlass.Boolean, store):
-        fmt = self.FORMAT
-        words, code, k0 = loaded
-        valid = valid & (k0 < self.k)
-        if const_expr(fmt.data == dq.E2M1):
-            md.DequantMainloop.finish_group(self, loaded, valid, store)
-        else:
-            folded, bad = dq.folded_scales2(code, fmt.data, fmt.sf)
-            if const_expr(self.KIND == "orbad"):
-                folded = folded | ((bad >> 1) * Int32(0xFF))     # e8m0: bit 8 -> exponent all ones
-            folded = dq.prmt(folded, 0x1010)
-            if const_expr(fmt.data == dq.E4M3):
-                folded = dq.group_nan_scale(words, folded)
-            if (folded & Int32(0x7F80)) != Int32(0x7F80):
-                scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
-                for p in cutlass.range_constexpr(dq.PAIRS):
-                    store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
-            else:
-                dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
-
-
-# ------------------------------------------------------------------------------------------------ hoisted passes
-def hoisted_passes_class(base):
-    """5. `base` (FP8 weights beside a bf16 A, every pass on the consumers) with the stage's loads first
-    (`HoistedPassesMainloop`)."""
-    return type(base.__name__ + "_hpass", (HoistedPassesMainloop, base), {})
-
-
-class HoistedPassesMainloop(md.DequantMainloop):
-    """Question: FP8 weights beside a bf16 A with every B pass on the consumers (the product's default at 1 x 1, 4
-    passes a warp): do the passes gain from the row-wise stage's order -- every shared-memory load of the stage (the
-    lane's 4 B groups, then A's plain loads into the fragment) before B's first store (ptxas keeps a load behind an
-    earlier store: FP4 +2-6%, RESULTS run 135), B published after A? Outputs byte-identical to the default."""
-
-    def set_consumer_b(self, requested) -> None:
-        md.DequantMainloop.set_consumer_b(self, None)   # the default (the mark only selects the class)
-
-    @cute.jit
-    def _stage(self, ab_pipeline, read_state, tiled_mma, acc, frag, tCrB, a_thread, k: Int32, stage_mbar,
-               b_thread=None):
-        ab_pipeline.consumer_wait(read_state)
-        idx = read_state.index
-        smem, warp, lane, n_tile = b_thread
-        loaded = []
-        for i in cutlass.range_constexpr(self.consumer_warp_passes()):
-            row = (warp + i * md.CONSUMER_WARPS) * md.ROWS_PER_PASS + (lane >> 2)
-            loaded.append((row, self.load_group(smem, 1, row, lane & 3, idx, k)))
-        self._convert_a(frag, a_thread, idx, k)
-        for row, group in loaded:
-            valid, store = self.row_group_store(smem, 1, row, lane & 3, idx, n_tile)
-            self.finish_group(group, valid, store)
-        self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)
-        ab_pipeline.consumer_release(read_state)
-        cute.arch.mbarrier_wait(stage_mbar + idx, read_state.phase)
-        self._issue(tiled_mma, acc, frag, tCrB, idx)

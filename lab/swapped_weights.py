@@ -8,9 +8,6 @@ without the CuTe DSL (the GPU machine has none): the kernel module is imported o
 from __future__ import annotations
 
 MARK = 31          # Config.consumer_b_passes value that selects the swapped mainloop in a patched build
-FOLD_MARKS = {"nobad": 21, "orbad": 22}   # Config.consumer_b_passes values: every pass + the fold-check variants
-#                    (mainloop_variants.fold_check_class; the product's default for FP8 weights is every pass)
-HPASS_MARK = 19    # ... and the hoisted-passes variant (mainloop_variants.hoisted_passes_class; label "hpass")
 BRANCH_MARK = 4    # Config.mx_n_parts value (which only the opt-in FP8-wgmma mainloop reads) that selects the
 #                    per-pass branch variant (mainloop_variants.branch_class)
 # Config.consumer_b_passes values that select the wide-row variants (mainloop_variants.wide_class) by label
@@ -24,7 +21,7 @@ def patch():
     get the swapped mainloop, dequantizing ones with Config.mx_n_parts == BRANCH_MARK the per-pass branch variant."""
     from cudnn_moe_jax.kernels.sm90 import mainloop_dequant as md
 
-    from .mainloop_variants import branch_class, fold_check_class, hoisted_passes_class, swapped_class, wide_class
+    from .mainloop_variants import branch_class, swapped_class, wide_class
 
     orig = md.mainloop_class
 
@@ -35,11 +32,6 @@ def patch():
             return swapped_class(cls)
         if config.consumer_b_passes in WIDE_MARKS:
             return wide_class(cls, WIDE_MARKS[config.consumer_b_passes])
-        if config.consumer_b_passes in FOLD_MARKS.values():
-            kind = {v: k for k, v in FOLD_MARKS.items()}[config.consumer_b_passes]
-            return fold_check_class(cls, kind)
-        if config.consumer_b_passes == HPASS_MARK:
-            return hoisted_passes_class(cls)
         if config.mx_n_parts == BRANCH_MARK and not config.mxfp8_wgmma:
             return branch_class(cls)
         return cls
