@@ -45,7 +45,9 @@ def _config(label: str, problem):
         return dataclasses.replace(default_config(problem), consumer_b_passes=16, mx_n_parts=sw.BRANCH_MARK)
     cfg = default_config(problem)
     for part in label.split("_"):   # e.g. "tn128_cb16"
-        if part in sw.WIDE_LABELS:
+        if part == "pnull":
+            cfg = dataclasses.replace(cfg, consumer_b_passes=sw.PNULL_MARK)
+        elif part in sw.WIDE_LABELS:
             cfg = dataclasses.replace(cfg, consumer_b_passes=sw.WIDE_LABELS[part])
         elif part.startswith("tn"):
             cfg = dataclasses.replace(cfg, tile_n=int(part[2:]))

@@ -407,3 +407,26 @@ class FastWideRowsMainloop(WideRowsMainloop):
                     self.finish_group(a_loaded[half], cutlass.Boolean(True), self._a_store(fw, half))
         if const_expr(self.LATE_FENCE):
             self._publish_b_share(b_thread, idx, stage_mbar, every_warp=True)
+
+
+# ------------------------------------------------------------------------------------------------ null groups
+def null_groups_class(base):
+    """4. `base` with every pass-based group conversion replaced by a mask of its code words
+    (`NullGroupsMainloop`)."""
+    return type(base.__name__ + "_pnull", (NullGroupsMainloop, base), {})
+
+
+class NullGroupsMainloop(md.DequantMainloop):
+    """Question (MXFP8, which keeps 8-row passes): what does the pass-based schedule reach without the conversion's
+    arithmetic? Each group's 8 pairs are its code words masked to finite bf16 and or-ed with the SF code (wrong
+    values, rate only; the loads, the SF byte, the stores, fences, barriers, the early release where the product
+    has it, and the wgmmas unchanged): the bound of the schedule, as `wnullabp` is the FP4 row-wise stage's."""
+
+    def set_consumer_b(self, requested) -> None:
+        md.DequantMainloop.set_consumer_b(self, None)   # the default (the mark only selects the class)
+
+    @cute.jit
+    def finish_group(self, loaded, valid: cutlass.Boolean, store):
+        words, code, k0 = loaded
+        for p in cutlass.range_constexpr(dq.PAIRS):
+            store(p, words[p % len(words)] & Int32(0x3F003F00) | code)

@@ -8,6 +8,7 @@ without the CuTe DSL (the GPU machine has none): the kernel module is imported o
 from __future__ import annotations
 
 MARK = 31          # Config.consumer_b_passes value that selects the swapped mainloop in a patched build
+PNULL_MARK = 18    # ... and the null-groups variant (mainloop_variants.null_groups_class; label "pnull")
 BRANCH_MARK = 4    # Config.mx_n_parts value (which only the opt-in FP8-wgmma mainloop reads) that selects the
 #                    per-pass branch variant (mainloop_variants.branch_class)
 # Config.consumer_b_passes values that select the wide-row variants (mainloop_variants.wide_class) by label
@@ -21,7 +22,7 @@ def patch():
     get the swapped mainloop, dequantizing ones with Config.mx_n_parts == BRANCH_MARK the per-pass branch variant."""
     from cudnn_moe_jax.kernels.sm90 import mainloop_dequant as md
 
-    from .mainloop_variants import branch_class, swapped_class, wide_class
+    from .mainloop_variants import branch_class, null_groups_class, swapped_class, wide_class
 
     orig = md.mainloop_class
 
@@ -32,6 +33,8 @@ def patch():
             return swapped_class(cls)
         if config.consumer_b_passes in WIDE_MARKS:
             return wide_class(cls, WIDE_MARKS[config.consumer_b_passes])
+        if config.consumer_b_passes == PNULL_MARK:
+            return null_groups_class(cls)
         if config.mx_n_parts == BRANCH_MARK and not config.mxfp8_wgmma:
             return branch_class(cls)
         return cls
