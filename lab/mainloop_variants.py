@@ -27,9 +27,12 @@ lane converting a whole B row; the product's row-wise stage (mainloop_dequant_ro
 of `FastWideRowsMainloop` with B published late (`wfastp`). (They inherit the product's k-loop: since RESULTS run 138
 they release the narrow stage once converted, as it does.)
 
+4. `NullGroupsMainloop` (`null_groups_class`, label "pnull"; RESULTS run 146): the pass-based stage without its
+conversion arithmetic (MXFP8's bound, as `wnullabp` is FP4's).
+
 (RESULTS runs 141-142's `gfold` -- the folded scale in every pass-based group conversion -- and `e32` -- every B
-pass on the consumers with the early release -- are the product's since: `DequantMainloop.finish_group` for FP8
-data, `set_consumer_b` / `releases_early` for FP8 weights beside a bf16 A. Runs 143-144's `FoldCheckMainloop` and
+pass on the consumers with the early release -- are the product's since, for FP8 weights beside a bf16 A:
+`DequantMainloop.finish_group`, `set_consumer_b`, `releases_early`. Runs 143-144's `FoldCheckMainloop` and
 `HoistedPassesMainloop`, measured and not adopted, are in commit f0bef02.)
 
 Used by a bundle built with `patch()` applied (the build process only: the device finds the module by problem and
@@ -178,13 +181,13 @@ class BranchPerPassMainloop(md.DequantMainloop):
 # ------------------------------------------------------------------------------------------------ wide B rows
 def wide_class(base, kind: str):
     """3. `base` with every B pass on the consumers, a lane converting one B row's whole stage (`WideRowsMainloop`);
-    "wfold": one multiply a B pair where the warp's scales allow it (`FoldedWideRowsMainloop`); "wfast": A's and B's
-    pairs so, the scales decoded two a word (`FastWideRowsMainloop`)."""
+    "wfast": one multiply a pair of A and B where the warp's folded scales allow it, the scales decoded two a word
+    (`FastWideRowsMainloop`; run 136's "wfold", B's scales folded one group at a time, is in commit 7e6443a)."""
     if kind.startswith("wnull") or kind.startswith("wfastp"):   # wnull{a,b,ab}[p], wfastp: NULL, LATE_FENCE
         null = kind[5:].rstrip("p") if kind.startswith("wnull") else ""
         return type(base.__name__ + "_" + kind, (FastWideRowsMainloop, base),
                     {"NULL": null, "LATE_FENCE": kind.endswith("p")})
-    cls = {"wide": WideRowsMainloop, "wfold": FoldedWideRowsMainloop, "wfast": FastWideRowsMainloop}[kind]
+    cls = {"wide": WideRowsMainloop, "wfast": FastWideRowsMainloop}[kind]
     return type(base.__name__ + "_" + kind, (cls, base), {})
 
 
@@ -278,28 +281,6 @@ class WideRowsMainloop(md.DequantMainloop):
     @cute.jit
     def _convert_b_row(self, smem, row: Int32, idx: Int32, words: list, scales: list):
         self._store_b_row(smem, row, idx, words, scales, False)
-
-
-class FoldedWideRowsMainloop(WideRowsMainloop):
-    """`WideRowsMainloop` with 2^K folded into each group's scale (two multiplies a group, then one a pair instead
-    of two) wherever every folded scale of the warp's rows is finite (scale < 2^(128 - K): e2m1 K = 126, e4m3 120,
-    e5m2 112), else the two multiplies a pair: a warp-uniform branch (vote). Exact either way: scale * 2^K is exact
-    when finite (at most 4 significant bits, normal), so code * (scale 2^K) is the one rounding of v * scale."""
-
-    @cute.jit
-    def _convert_b_row(self, smem, row: Int32, idx: Int32, words: list, scales: list):
-        fmt = self.FORMAT
-        kb = dq.E2M1_BIAS if const_expr(fmt.data == dq.E2M1) else dq._FP8[fmt.data]["bias"]
-        h1 = ((127 + kb // 2) << 7) * 0x10001
-        h2 = ((127 + kb - kb // 2) << 7) * 0x10001
-        folded = [dq.mul_bf16x2(dq.mul_bf16x2(s, dq._i32(h1)), dq._i32(h2)) for s in scales]
-        finite = cutlass.Boolean(True)
-        for f in folded:   # (a Python list: unrolled)
-            finite = finite & ((f & Int32(0x7FFF)) != Int32(0x7F80))
-        if cute.arch.vote_all_sync(finite):
-            self._store_b_row(smem, row, idx, words, folded, True)
-        else:
-            self._store_b_row(smem, row, idx, words, scales, False)
 
 
 def _bias(data: str) -> int:

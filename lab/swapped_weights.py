@@ -12,7 +12,7 @@ PNULL_MARK = 18    # ... and the null-groups variant (mainloop_variants.null_gro
 BRANCH_MARK = 4    # Config.mx_n_parts value (which only the opt-in FP8-wgmma mainloop reads) that selects the
 #                    per-pass branch variant (mainloop_variants.branch_class)
 # Config.consumer_b_passes values that select the wide-row variants (mainloop_variants.wide_class) by label
-WIDE_LABELS = {"wide": 30, "wfold": 29, "wfast": 28, "wnulla": 27, "wnullb": 26, "wnullab": 25, "wfastp": 24,
+WIDE_LABELS = {"wide": 30, "wfast": 28, "wnulla": 27, "wnullb": 26, "wnullab": 25, "wfastp": 24,
                "wnullabp": 23}
 WIDE_MARKS = {v: k for k, v in WIDE_LABELS.items()}
 
