@@ -308,6 +308,24 @@ def convert_group(words, data_dtype: cutlass.Constexpr, scale2, store, nan_by_gr
 
 
 @cute.jit
+def convert_group_folded(words, data_dtype: cutlass.Constexpr, code: Int32, sf_dtype: cutlass.Constexpr,
+                         valid: cutlass.Boolean, store):
+    """`convert_group` of an FP8 group with its SF code (NaN by group; 0.0 where not `valid`) in one multiply a pair
+    by the folded scale (`folded_scales2`) where that is finite, else -- its overflow flag set (scale >= 2^(128 -
+    K), a NaN scale) or a NaN code in the group -- in the two multiplies: a per-lane branch, uniform in practice."""
+    folded, bad = folded_scales2(code, data_dtype, sf_dtype)      # (code: the low half's; the high half's 0)
+    folded = prmt(folded, 0x1010)
+    if const_expr(data_dtype == E4M3):
+        folded = group_nan_scale(words, folded)                    # a NaN code: NaN, i.e. not finite
+    if (bad == Int32(0)) & ((folded & Int32(0x7F80)) != Int32(0x7F80)):
+        scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
+        for p in cutlass.range_constexpr(PAIRS):
+            store(p, mul_bf16x2(placed_pair(words, data_dtype, p), scale2))
+    else:
+        convert_group(words, data_dtype, scale_bf16x2(code, sf_dtype, valid), store, True)
+
+
+@cute.jit
 def group_nan_scale(words, scale2: Int32) -> Int32:
     """`scale2`, or NaN where any e4m3 code of the group's words is NaN (0x7F / 0xFF): a byte's magnitude plus one
     sets its bit 7 exactly for 0x7F (no carry leaves a byte), so the pairs need no per-element probe (2 of their 4

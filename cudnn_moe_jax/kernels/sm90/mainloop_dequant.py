@@ -495,14 +495,11 @@ class DequantMainloop(RowwiseStage, WgmmaMainloop):
 
     @cute.jit
     def finish_group(self, loaded, valid: cutlass.Boolean, store):
-        """A loaded group (`load_group`) converted, its pairs handed to `store(p, pair)`. A group is part of one row
-        of A or B whose every K feeds one output row / column: an e4m3 NaN code makes the group NaN. FP8 data where
-        the consumers convert all of B (`releases_early`: FP8 weights): where the group's folded scale
-        (`dequant.folded_scales2`, scale * 2^K) is finite, one multiply a pair, else (scale >= 2^(128 - K), a NaN
-        scale or code) the two of `dequant.convert_group` -- a per-lane branch, uniform in practice (weight-only
-        MXFP8 e128 +6-7% over two multiplies, RESULTS runs 142-143). Elsewhere, with stage workers converting beside
-        the consumers, the fold's two finiteness tests cost what it saved (MXFP8 e128 -3%, small_fc2 +-1%: run
-        143), and FP4 groups' fold cost what the pairs saved (run 136): two multiplies."""
+        """A loaded group (`load_group`) converted, its pairs handed to `store(p, pair)`; a group is part of one row
+        of A or B whose every K feeds one output row / column: NaN by group. FP8 data where the consumers convert all
+        of B (`releases_early`: FP8 weights) takes the folded scale (`dequant.convert_group_folded`: weight-only
+        MXFP8 e128 +6-7%, RESULTS runs 142-143); beside stage workers its finiteness tests cost what it saved (MXFP8
+        e128 -3%, run 143), and FP4 groups' fold cost what the pairs saved (run 136): two multiplies there."""
         fmt = self.FORMAT
         words, code, k0 = loaded
         if const_expr(fmt.half == "float16"):
@@ -511,16 +508,7 @@ class DequantMainloop(RowwiseStage, WgmmaMainloop):
         if const_expr(fmt.data == dq.E2M1 or not self.releases_early()):
             dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
         else:
-            folded, bad = dq.folded_scales2(code, fmt.data, fmt.sf)   # (code: the low half's; the high half's 0)
-            folded = dq.prmt(folded, 0x1010)
-            if const_expr(fmt.data == dq.E4M3):
-                folded = dq.group_nan_scale(words, folded)         # a NaN code: NaN, i.e. not finite
-            if (bad == Int32(0)) & ((folded & Int32(0x7F80)) != Int32(0x7F80)):
-                scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
-                for p in cutlass.range_constexpr(dq.PAIRS):
-                    store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
-            else:
-                dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
+            dq.convert_group_folded(words, fmt.data, code, fmt.sf, valid, store)
 
     @cute.jit
     def group_words(self, smem, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32):

@@ -31,14 +31,17 @@ ROWS_PER_PASS = 32 // GROUPS    # rows a warp converts per pass
 
 
 class RowwiseStage:
-    """The consumers' row-wise stage (module docstring): whether it runs (`hoisted`, `releases_early`) and the
-    stage itself (`_convert_stage_hoisted` and its B-row loads, scales and stores)."""
+    """The consumers' row-wise stage (module docstring): whether it runs (`converts_all_b`, `hoisted`,
+    `releases_early`) and the stage itself (`_convert_stage_hoisted` and its B-row loads, scales and stores)."""
+
+    def converts_all_b(self) -> bool:
+        """The consumers convert every one of B's passes (M-grouped, no split: `set_consumer_b`)."""
+        return self.HOISTS and not self.split_b and self.consumer_b == self.tile_n // ROWS_PER_PASS
 
     def hoisted(self) -> bool:
-        """The consumers convert every one of B's rows (no split) of FP4 data: a lane a row, every load of the stage
-        first (`_convert_stage_hoisted`). (FP8 rows, 64 bytes, would hold 16 code words a lane: they keep passes.)"""
-        return (self.HOISTS and not self.split_b and self.consumer_b == self.tile_n // ROWS_PER_PASS
-                and self.FORMAT.data == dq.E2M1)
+        """The consumers convert every one of B's rows of FP4 data: a lane a row, every load of the stage first
+        (`_convert_stage_hoisted`). (FP8 rows, 64 bytes, would hold 16 code words a lane: they keep passes.)"""
+        return self.converts_all_b() and self.FORMAT.data == dq.E2M1
 
     def releases_early(self) -> bool:
         """Whether a consumer warp releases narrow stage k as soon as it published the stage's B, not after the
@@ -51,8 +54,7 @@ class RowwiseStage:
         its `wait_group(1)` retired wgmma(k + S - 3) -- wgmma(k) where S >= 3. The stage workers (idle here) arrive
         for k + S only once every consumer released k, which each does after its own arrival for k, so the worker
         barrier's phases cannot mix."""
-        return (self.HOISTS and not self.split_b and self.consumer_b == self.tile_n // ROWS_PER_PASS
-                and self.stages >= 3)
+        return self.converts_all_b() and self.stages >= 3
 
     @cute.jit
     def _convert_stage_hoisted(self, frag, a_thread, b_thread, idx: Int32, k: Int32, stage_mbar):
