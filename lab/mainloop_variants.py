@@ -30,6 +30,11 @@ they release the narrow stage once converted, as it does.)
 4. `NullGroupsMainloop` (`null_groups_class`, label "pnull"; RESULTS run 146): the pass-based stage without its
 conversion arithmetic (MXFP8's bound, as `wnullabp` is FP4's).
 
+5. `NoNanTestMainloop` (`no_nan_class`, labels "nonan" / "pmin"; RESULTS run 148): the FP8 groups without their NaN
+test, and without the folded scale's finiteness test too (the arithmetic floor of a bit-placement conversion).
+
+(Branch `lab/screened-stage`, RESULTS run 149: the stage workers screening each FP8 stage instead.)
+
 (RESULTS runs 141-142's `gfold` -- the folded scale in every pass-based group conversion -- and `e32` -- every B
 pass on the consumers with the early release -- are the product's since, for FP8 weights beside a bf16 A:
 `DequantMainloop.finish_group`, `set_consumer_b`, `releases_early`. Runs 143-144's `FoldCheckMainloop` and
@@ -411,3 +416,50 @@ class NullGroupsMainloop(md.DequantMainloop):
         words, code, k0 = loaded
         for p in cutlass.range_constexpr(dq.PAIRS):
             store(p, words[p % len(words)] & Int32(0x3F003F00) | code)
+# ------------------------------------------------------------------------------------------------ no NaN test
+def no_nan_class(base, kind: str):
+    """5. `base` with the group conversions' e4m3 NaN test removed ("nonan") or, also, the folded scale's
+    finiteness test and the two-multiply path ("pmin") (`NoNanTestMainloop`)."""
+    return type(f"{base.__name__}_{kind}", (NoNanTestMainloop, base), {"KIND": kind})
+
+
+class NoNanTestMainloop(md.DequantMainloop):
+    """Question (MXFP8): what would the pass-based stage reach if the consumers' groups did no e4m3 NaN test (4 words
+    masked, incremented and or-ed, then a select: ~11 operations of a group's ~50) -- e.g. with the test done by
+    other warps -- and with no finiteness test of the folded scale either (every FP8 group one multiply a pair by
+    its folded scale: the arithmetic floor of a bit-placement conversion)? Rate only: exact on finite codes with
+    scales below 2^(128 - 120) (the benchmarks' data), wrong for NaN codes and larger scales."""
+
+    KIND = "nonan"
+
+    def set_consumer_b(self, requested) -> None:
+        md.DequantMainloop.set_consumer_b(self, None)   # the default (the mark only selects the class)
+
+    @cute.jit
+    def finish_group(self, loaded, valid: cutlass.Boolean, store):
+        fmt = self.FORMAT
+        words, code, k0 = loaded
+        valid = valid & (k0 < self.k)
+        if const_expr(fmt.data == dq.E2M1):
+            dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
+        elif const_expr(self.KIND == "pmin"):
+            folded, _ = dq.folded_scales2(code, fmt.data, fmt.sf)
+            scale2 = Int32(cutlass.select_(valid, dq.prmt(folded, 0x1010), Int32(0)))
+            for p in cutlass.range_constexpr(dq.PAIRS):
+                store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
+        elif const_expr(not self.releases_early()):
+            scale2 = dq.scale_bf16x2(code, fmt.sf, valid)
+            for p in cutlass.range_constexpr(dq.PAIRS):
+                x = dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), dq._i32(dq.bias_bits(fmt.data)))
+                store(p, dq.mul_bf16x2(x, scale2))
+        else:
+            folded, bad = dq.folded_scales2(code, fmt.data, fmt.sf)
+            folded = dq.prmt(folded, 0x1010)
+            if (bad == Int32(0)) & ((folded & Int32(0x7F80)) != Int32(0x7F80)):
+                scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
+                for p in cutlass.range_constexpr(dq.PAIRS):
+                    store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
+            else:
+                dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
+
+

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 MARK = 31          # Config.consumer_b_passes value that selects the swapped mainloop in a patched build
 PNULL_MARK = 18    # ... and the null-groups variant (mainloop_variants.null_groups_class; label "pnull")
+NO_NAN_LABELS = {"nonan": 19, "pmin": 17}   # ... and the no-NaN-test variants (mainloop_variants.no_nan_class)
+NO_NAN_MARKS = {v: k for k, v in NO_NAN_LABELS.items()}
 BRANCH_MARK = 4    # Config.mx_n_parts value (which only the opt-in FP8-wgmma mainloop reads) that selects the
 #                    per-pass branch variant (mainloop_variants.branch_class)
 # Config.consumer_b_passes values that select the wide-row variants (mainloop_variants.wide_class) by label
@@ -22,7 +24,7 @@ def patch():
     get the swapped mainloop, dequantizing ones with Config.mx_n_parts == BRANCH_MARK the per-pass branch variant."""
     from cudnn_moe_jax.kernels.sm90 import mainloop_dequant as md
 
-    from .mainloop_variants import branch_class, null_groups_class, swapped_class, wide_class
+    from .mainloop_variants import branch_class, no_nan_class, null_groups_class, swapped_class, wide_class
 
     orig = md.mainloop_class
 
@@ -35,6 +37,8 @@ def patch():
             return wide_class(cls, WIDE_MARKS[config.consumer_b_passes])
         if config.consumer_b_passes == PNULL_MARK:
             return null_groups_class(cls)
+        if config.consumer_b_passes in NO_NAN_MARKS:
+            return no_nan_class(cls, NO_NAN_MARKS[config.consumer_b_passes])
         if config.mx_n_parts == BRANCH_MARK and not config.mxfp8_wgmma:
             return branch_class(cls)
         return cls
