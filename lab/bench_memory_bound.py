@@ -47,6 +47,8 @@ def _config(label: str, problem):
     for part in label.split("_"):   # e.g. "tn128_cb16"
         if part == "pnull":
             cfg = dataclasses.replace(cfg, consumer_b_passes=sw.PNULL_MARK)
+        elif part == "oldtest":
+            cfg = dataclasses.replace(cfg, consumer_b_passes=sw.OLDTEST_MARK)
         elif part in sw.NO_NAN_LABELS:
             cfg = dataclasses.replace(cfg, consumer_b_passes=sw.NO_NAN_LABELS[part])
         elif part in sw.WIDE_LABELS:

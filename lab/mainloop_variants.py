@@ -33,6 +33,8 @@ conversion arithmetic (MXFP8's bound, as `wnullabp` is FP4's).
 5. `NoNanTestMainloop` (`no_nan_class`, labels "nonan" / "pmin"; RESULTS run 148): the FP8 groups without their NaN
 test, and without the folded scale's finiteness test too (the arithmetic floor of a bit-placement conversion).
 
+6. `OldNanTestMainloop` (`old_nan_test_class`, label "oldtest"; RESULTS run 150): the NaN test as before session 28.
+
 (Branch `lab/screened-stage`, RESULTS run 149: the stage workers screening each FP8 stage instead.)
 
 (RESULTS runs 141-142's `gfold` -- the folded scale in every pass-based group conversion -- and `e32` -- every B
@@ -463,3 +465,53 @@ class NoNanTestMainloop(md.DequantMainloop):
                 dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
 
 
+# ------------------------------------------------------------------------------------------------ old NaN test
+def old_nan_test_class(base):
+    """6. `base` with the folded groups' NaN test as before session 28 (`OldNanTestMainloop`)."""
+    return type(base.__name__ + "_oldtest", (OldNanTestMainloop, base), {})
+
+
+class OldNanTestMainloop(NoNanTestMainloop):
+    """The A/B of `dequant.e4m3_nan_bits` (session 28): each word masked and incremented (its bit 7s flag NaN
+    magnitudes), the group's scale replaced by NaN where flagged, then a test of the overflow flag and of the scale's
+    exponent field -- `convert_group_folded` and `group_nan_scale` as in f02d106. (A `NoNanTestMainloop` for its
+    `set_consumer_b` only.)"""
+
+    @cute.jit
+    def finish_group(self, loaded, valid: cutlass.Boolean, store):
+        fmt = self.FORMAT
+        words, code, k0 = loaded
+        valid = valid & (k0 < self.k)
+        if const_expr(fmt.data == dq.E2M1 or not self.releases_early()):
+            self._old_by_group(words, dq.scale_bf16x2(code, fmt.sf, valid), store)
+        else:
+            folded, bad = dq.folded_scales2(code, fmt.data, fmt.sf)
+            folded = dq.prmt(folded, 0x1010)
+            folded = self._old_scale(words, folded)
+            if (bad == Int32(0)) & ((folded & Int32(0x7F80)) != Int32(0x7F80)):
+                scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
+                for p in cutlass.range_constexpr(dq.PAIRS):
+                    store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
+            else:
+                self._old_by_group(words, dq.scale_bf16x2(code, fmt.sf, valid), store)
+
+    @cute.jit
+    def _old_by_group(self, words, scale2: Int32, store):
+        """`dequant.convert_group(..., nan_by_group=True)` with the old NaN test."""
+        fmt = self.FORMAT
+        if const_expr(fmt.data != dq.E4M3):
+            dq.convert_group(words, fmt.data, scale2, store, True)
+        else:
+            scale2 = self._old_scale(words, scale2)
+            for p in cutlass.range_constexpr(dq.PAIRS):
+                x = dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), dq._i32(dq.bias_bits(fmt.data)))
+                store(p, dq.mul_bf16x2(x, scale2))
+
+    @cute.jit
+    def _old_scale(self, words, scale2: Int32) -> Int32:
+        if const_expr(self.FORMAT.data != dq.E4M3):
+            return scale2
+        flags = Int32(0)
+        for w in words:
+            flags = flags | ((w & Int32(0x7F7F7F7F)) + Int32(0x01010101))
+        return Int32(cutlass.select_((flags & dq._i32(0x80808080)) != Int32(0), Int32(0x7FC07FC0), scale2))
