@@ -35,6 +35,8 @@ test, and without the folded scale's finiteness test too (the arithmetic floor o
 
 6. `OldNanTestMainloop` (`old_nan_test_class`, label "oldtest"; RESULTS run 150): the NaN test as before session 28.
 
+7. `FoldAllMainloop` (`fold_all_class`, label "foldall"; not yet measured): every FP8 group on the folded path.
+
 (Branch `lab/screened-stage`, RESULTS run 149: the stage workers screening each FP8 stage instead.)
 
 (RESULTS runs 141-142's `gfold` -- the folded scale in every pass-based group conversion -- and `e32` -- every B
@@ -515,3 +517,28 @@ class OldNanTestMainloop(NoNanTestMainloop):
         for w in words:
             flags = flags | ((w & Int32(0x7F7F7F7F)) + Int32(0x01010101))
         return Int32(cutlass.select_((flags & dq._i32(0x80808080)) != Int32(0), Int32(0x7FC07FC0), scale2))
+
+
+# ------------------------------------------------------------------------------------------------ fold all
+def fold_all_class(base):
+    """7. `base` with every FP8 group on the folded-scale path (`FoldAllMainloop`)."""
+    return type(base.__name__ + "_foldall", (FoldAllMainloop, base), {})
+
+
+class FoldAllMainloop(md.DequantMainloop):
+    """Question (MXFP8 with a block-scaled A): with the NaN test or-ed into the fold's flag (one branch a group,
+    `dequant.convert_group_folded`), does the folded scale now pay for every FP8 group -- A's in the consumers'
+    registers and the stage workers' B passes too, where it lost ~3% with the separate tests (RESULTS run 143)?
+    Exact (the product's path for FP8 weights, applied everywhere)."""
+
+    def set_consumer_b(self, requested) -> None:
+        md.DequantMainloop.set_consumer_b(self, None)   # the default (the mark only selects the class)
+
+    @cute.jit
+    def finish_group(self, loaded, valid: cutlass.Boolean, store):
+        fmt = self.FORMAT
+        if const_expr(fmt.data == dq.E2M1 or fmt.half == "float16"):
+            md.DequantMainloop.finish_group(self, loaded, valid, store)
+        else:
+            words, code, k0 = loaded
+            dq.convert_group_folded(words, fmt.data, code, fmt.sf, valid & (k0 < self.k), store)
