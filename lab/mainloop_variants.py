@@ -416,6 +416,8 @@ class NullGroupsMainloop(md.DequantMainloop):
         words, code, k0 = loaded
         for p in cutlass.range_constexpr(dq.PAIRS):
             store(p, words[p % len(words)] & Int32(0x3F003F00) | code)
+
+
 # ------------------------------------------------------------------------------------------------ no NaN test
 def no_nan_class(base, kind: str):
     """5. `base` with the group conversions' e4m3 NaN test removed ("nonan") or, also, the folded scale's
@@ -441,7 +443,7 @@ class NoNanTestMainloop(md.DequantMainloop):
         words, code, k0 = loaded
         valid = valid & (k0 < self.k)
         if const_expr(fmt.data == dq.E2M1):
-            dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
+            md.DequantMainloop.finish_group(self, loaded, valid, store)   # (FP4: unchanged)
         elif const_expr(self.KIND == "pmin"):
             folded, _ = dq.folded_scales2(code, fmt.data, fmt.sf)
             scale2 = Int32(cutlass.select_(valid, dq.prmt(folded, 0x1010), Int32(0)))
@@ -461,5 +463,3 @@ class NoNanTestMainloop(md.DequantMainloop):
                     store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
             else:
                 dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
-
-
