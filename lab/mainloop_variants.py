@@ -420,6 +420,8 @@ class NullGroupsMainloop(md.DequantMainloop):
         words, code, k0 = loaded
         for p in cutlass.range_constexpr(dq.PAIRS):
             store(p, words[p % len(words)] & Int32(0x3F003F00) | code)
+
+
 # ------------------------------------------------------------------------------------------------ no NaN test
 def no_nan_class(base, kind: str):
     """5. `base` with the group conversions' e4m3 NaN test removed ("nonan") or, also, the folded scale's
@@ -445,26 +447,31 @@ class NoNanTestMainloop(md.DequantMainloop):
         words, code, k0 = loaded
         valid = valid & (k0 < self.k)
         if const_expr(fmt.data == dq.E2M1):
-            dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
+            md.DequantMainloop.finish_group(self, loaded, valid, store)   # (FP4: unchanged)
         elif const_expr(self.KIND == "pmin"):
             folded, _ = dq.folded_scales2(code, fmt.data, fmt.sf)
             scale2 = Int32(cutlass.select_(valid, dq.prmt(folded, 0x1010), Int32(0)))
             for p in cutlass.range_constexpr(dq.PAIRS):
                 store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
         elif const_expr(not self.releases_early()):
-            scale2 = dq.scale_bf16x2(code, fmt.sf, valid)
+            scale2 = self._nan_scale(words, dq.scale_bf16x2(code, fmt.sf, valid))
             for p in cutlass.range_constexpr(dq.PAIRS):
                 x = dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), dq._i32(dq.bias_bits(fmt.data)))
                 store(p, dq.mul_bf16x2(x, scale2))
         else:
             folded, bad = dq.folded_scales2(code, fmt.data, fmt.sf)
-            folded = dq.prmt(folded, 0x1010)
+            folded = self._nan_scale(words, dq.prmt(folded, 0x1010))
             if (bad == Int32(0)) & ((folded & Int32(0x7F80)) != Int32(0x7F80)):
                 scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
                 for p in cutlass.range_constexpr(dq.PAIRS):
                     store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
             else:
                 dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
+
+    @cute.jit
+    def _nan_scale(self, words, scale2: Int32) -> Int32:
+        """The group's scale: no NaN test here (`OldNanTestMainloop` puts one back)."""
+        return scale2
 
 
 # ------------------------------------------------------------------------------------------------ old NaN test
@@ -474,49 +481,19 @@ def old_nan_test_class(base):
 
 
 class OldNanTestMainloop(NoNanTestMainloop):
-    """The A/B of `dequant.e4m3_nan_bits` (session 28): each word masked and incremented (its bit 7s flag NaN
-    magnitudes), the group's scale replaced by NaN where flagged, then a test of the overflow flag and of the scale's
-    exponent field -- `convert_group_folded` and `group_nan_scale` as in f02d106. (A `NoNanTestMainloop` for its
-    `set_consumer_b` only.)"""
+    """The A/B of `dequant.e4m3_nan_bits` (session 28): `NoNanTestMainloop`'s groups with the NaN test of f02d106 put
+    back -- each word masked and incremented (its bit 7s flag NaN magnitudes), the group's scale replaced by NaN
+    where flagged, then (folded) the test of the overflow flag and of the scale's exponent field: the product's
+    `convert_group_folded` and `group_nan_scale` as they were."""
 
     @cute.jit
-    def finish_group(self, loaded, valid: cutlass.Boolean, store):
-        fmt = self.FORMAT
-        words, code, k0 = loaded
-        valid = valid & (k0 < self.k)
-        if const_expr(fmt.data == dq.E2M1 or not self.releases_early()):
-            self._old_by_group(words, dq.scale_bf16x2(code, fmt.sf, valid), store)
-        else:
-            folded, bad = dq.folded_scales2(code, fmt.data, fmt.sf)
-            folded = dq.prmt(folded, 0x1010)
-            folded = self._old_scale(words, folded)
-            if (bad == Int32(0)) & ((folded & Int32(0x7F80)) != Int32(0x7F80)):
-                scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
-                for p in cutlass.range_constexpr(dq.PAIRS):
-                    store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
-            else:
-                self._old_by_group(words, dq.scale_bf16x2(code, fmt.sf, valid), store)
-
-    @cute.jit
-    def _old_by_group(self, words, scale2: Int32, store):
-        """`dequant.convert_group(..., nan_by_group=True)` with the old NaN test."""
-        fmt = self.FORMAT
-        if const_expr(fmt.data != dq.E4M3):
-            dq.convert_group(words, fmt.data, scale2, store, True)
-        else:
-            scale2 = self._old_scale(words, scale2)
-            for p in cutlass.range_constexpr(dq.PAIRS):
-                x = dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), dq._i32(dq.bias_bits(fmt.data)))
-                store(p, dq.mul_bf16x2(x, scale2))
-
-    @cute.jit
-    def _old_scale(self, words, scale2: Int32) -> Int32:
-        if const_expr(self.FORMAT.data != dq.E4M3):
-            return scale2
-        flags = Int32(0)
-        for w in words:
-            flags = flags | ((w & Int32(0x7F7F7F7F)) + Int32(0x01010101))
-        return Int32(cutlass.select_((flags & dq._i32(0x80808080)) != Int32(0), Int32(0x7FC07FC0), scale2))
+    def _nan_scale(self, words, scale2: Int32) -> Int32:
+        if const_expr(self.FORMAT.data == dq.E4M3):
+            flags = Int32(0)
+            for w in words:
+                flags = flags | ((w & Int32(0x7F7F7F7F)) + Int32(0x01010101))
+            scale2 = Int32(cutlass.select_((flags & dq._i32(0x80808080)) != Int32(0), Int32(0x7FC07FC0), scale2))
+        return scale2
 
 
 # ------------------------------------------------------------------------------------------------ fold all
