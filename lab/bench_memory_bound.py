@@ -47,6 +47,10 @@ def _config(label: str, problem):
     for part in label.split("_"):   # e.g. "tn128_cb16"
         if part == "pnull":
             cfg = dataclasses.replace(cfg, consumer_b_passes=sw.PNULL_MARK)
+        elif part == "oldtest":
+            cfg = dataclasses.replace(cfg, consumer_b_passes=sw.OLDTEST_MARK)
+        elif part == "foldall":
+            cfg = dataclasses.replace(cfg, consumer_b_passes=sw.FOLDALL_MARK)
         elif part in sw.NO_NAN_LABELS:
             cfg = dataclasses.replace(cfg, consumer_b_passes=sw.NO_NAN_LABELS[part])
         elif part in sw.WIDE_LABELS:
@@ -86,7 +90,12 @@ def l2_call(shape: str):
     return fn
 
 
-def bundle_items() -> list:
+def fp8_test_items() -> list:
+    """The modules of `--formats mxfp8,w_mxfp8 --variants oldtest,foldall,cb32` on e128 (session 28's open A/Bs)."""
+    return bundle_items(("mxfp8", "w_mxfp8"), ("oldtest", "foldall", "cb32"))
+
+
+def bundle_items(formats=FORMATS, variants=VARIANTS) -> list:
     """(a build with lab.swapped_weights.patch applied, which this does) every case's module."""
     import functools
 
@@ -99,14 +108,14 @@ def bundle_items() -> list:
     from .forward_cases import lowering_item
 
     sw.patch()
-    items = bc.format_bundle_items(SHAPES, ("bf16",) + FORMATS)
+    items = bc.format_bundle_items(SHAPES, ("bf16",) + tuple(formats))
     for shape in SHAPES:
         (m, n, k, L), _, _ = bc.format_shape(shape)
         s = jax.ShapeDtypeStruct
         l2 = (s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16), s((L,), jnp.int32), s((L,), jnp.float32),
               s((m,), jnp.float32))
         items.append(functools.partial(bc._lower_for_cuda, l2_call(shape), l2))
-        items += [lowering_item(p, _config(c, p)) for _, _, c, p in cases(shape) if p is not None]
+        items += [lowering_item(p, _config(c, p)) for _, _, c, p in cases(shape, formats, variants) if p is not None]
     return items
 
 

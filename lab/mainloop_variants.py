@@ -33,6 +33,10 @@ conversion arithmetic (MXFP8's bound, as `wnullabp` is FP4's).
 5. `NoNanTestMainloop` (`no_nan_class`, labels "nonan" / "pmin"; RESULTS run 148): the FP8 groups without their NaN
 test, and without the folded scale's finiteness test too (the arithmetic floor of a bit-placement conversion).
 
+6. `OldNanTestMainloop` (`old_nan_test_class`, label "oldtest"; RESULTS run 150): the NaN test as before session 28.
+
+7. `FoldAllMainloop` (`fold_all_class`, label "foldall"; not yet measured): every FP8 group on the folded path.
+
 (Branch `lab/screened-stage`, RESULTS run 149: the stage workers screening each FP8 stage instead.)
 
 (RESULTS runs 141-142's `gfold` -- the folded scale in every pass-based group conversion -- and `e32` -- every B
@@ -450,16 +454,68 @@ class NoNanTestMainloop(md.DequantMainloop):
             for p in cutlass.range_constexpr(dq.PAIRS):
                 store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
         elif const_expr(not self.releases_early()):
-            scale2 = dq.scale_bf16x2(code, fmt.sf, valid)
+            scale2 = self._nan_scale(words, dq.scale_bf16x2(code, fmt.sf, valid))
             for p in cutlass.range_constexpr(dq.PAIRS):
                 x = dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), dq._i32(dq.bias_bits(fmt.data)))
                 store(p, dq.mul_bf16x2(x, scale2))
         else:
             folded, bad = dq.folded_scales2(code, fmt.data, fmt.sf)
-            folded = dq.prmt(folded, 0x1010)
+            folded = self._nan_scale(words, dq.prmt(folded, 0x1010))
             if (bad == Int32(0)) & ((folded & Int32(0x7F80)) != Int32(0x7F80)):
                 scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
                 for p in cutlass.range_constexpr(dq.PAIRS):
                     store(p, dq.mul_bf16x2(dq.placed_pair(words, fmt.data, p), scale2))
             else:
                 dq.convert_group(words, fmt.data, dq.scale_bf16x2(code, fmt.sf, valid), store, True)
+
+    @cute.jit
+    def _nan_scale(self, words, scale2: Int32) -> Int32:
+        """The group's scale: no NaN test here (`OldNanTestMainloop` puts one back)."""
+        return scale2
+
+
+# ------------------------------------------------------------------------------------------------ old NaN test
+def old_nan_test_class(base):
+    """6. `base` with the folded groups' NaN test as before session 28 (`OldNanTestMainloop`)."""
+    return type(base.__name__ + "_oldtest", (OldNanTestMainloop, base), {})
+
+
+class OldNanTestMainloop(NoNanTestMainloop):
+    """The A/B of `dequant.e4m3_nan_bits` (session 28): `NoNanTestMainloop`'s groups with the NaN test of f02d106 put
+    back -- each word masked and incremented (its bit 7s flag NaN magnitudes), the group's scale replaced by NaN
+    where flagged, then (folded) the test of the overflow flag and of the scale's exponent field: the product's
+    `convert_group_folded` and `group_nan_scale` as they were."""
+
+    @cute.jit
+    def _nan_scale(self, words, scale2: Int32) -> Int32:
+        if const_expr(self.FORMAT.data == dq.E4M3):
+            flags = Int32(0)
+            for w in words:
+                flags = flags | ((w & Int32(0x7F7F7F7F)) + Int32(0x01010101))
+            scale2 = Int32(cutlass.select_((flags & dq._i32(0x80808080)) != Int32(0), Int32(0x7FC07FC0), scale2))
+        return scale2
+
+
+# ------------------------------------------------------------------------------------------------ fold all
+def fold_all_class(base):
+    """7. `base` with every FP8 group on the folded-scale path (`FoldAllMainloop`)."""
+    return type(base.__name__ + "_foldall", (FoldAllMainloop, base), {})
+
+
+class FoldAllMainloop(md.DequantMainloop):
+    """Question (MXFP8 with a block-scaled A): with the NaN test or-ed into the fold's flag (one branch a group,
+    `dequant.convert_group_folded`), does the folded scale now pay for every FP8 group -- A's in the consumers'
+    registers and the stage workers' B passes too, where it lost ~3% with the separate tests (RESULTS run 143)?
+    Exact (the product's path for FP8 weights, applied everywhere)."""
+
+    def set_consumer_b(self, requested) -> None:
+        md.DequantMainloop.set_consumer_b(self, None)   # the default (the mark only selects the class)
+
+    @cute.jit
+    def finish_group(self, loaded, valid: cutlass.Boolean, store):
+        fmt = self.FORMAT
+        if const_expr(fmt.data == dq.E2M1 or fmt.half == "float16"):
+            md.DequantMainloop.finish_group(self, loaded, valid, store)
+        else:
+            words, code, k0 = loaded
+            dq.convert_group_folded(words, fmt.data, code, fmt.sf, valid & (k0 < self.k), store)

@@ -11,6 +11,8 @@ MARK = 31          # Config.consumer_b_passes value that selects the swapped mai
 PNULL_MARK = 18    # ... and the null-groups variant (mainloop_variants.null_groups_class; label "pnull")
 NO_NAN_LABELS = {"nonan": 19, "pmin": 17}   # ... and the no-NaN-test variants (mainloop_variants.no_nan_class)
 NO_NAN_MARKS = {v: k for k, v in NO_NAN_LABELS.items()}
+OLDTEST_MARK = 13  # ... and the NaN test before session 28 (mainloop_variants.old_nan_test_class; label "oldtest")
+FOLDALL_MARK = 12  # ... and every FP8 group folded (mainloop_variants.fold_all_class; label "foldall")
 BRANCH_MARK = 4    # Config.mx_n_parts value (which only the opt-in FP8-wgmma mainloop reads) that selects the
 #                    per-pass branch variant (mainloop_variants.branch_class)
 # Config.consumer_b_passes values that select the wide-row variants (mainloop_variants.wide_class) by label
@@ -24,7 +26,8 @@ def patch():
     get the swapped mainloop, dequantizing ones with Config.mx_n_parts == BRANCH_MARK the per-pass branch variant."""
     from cudnn_moe_jax.kernels.sm90 import mainloop_dequant as md
 
-    from .mainloop_variants import branch_class, no_nan_class, null_groups_class, swapped_class, wide_class
+    from .mainloop_variants import (branch_class, fold_all_class, no_nan_class, null_groups_class, old_nan_test_class,
+                                    swapped_class, wide_class)
 
     orig = md.mainloop_class
 
@@ -39,6 +42,10 @@ def patch():
             return null_groups_class(cls)
         if config.consumer_b_passes in NO_NAN_MARKS:
             return no_nan_class(cls, NO_NAN_MARKS[config.consumer_b_passes])
+        if config.consumer_b_passes == OLDTEST_MARK:
+            return old_nan_test_class(cls)
+        if config.consumer_b_passes == FOLDALL_MARK:
+            return fold_all_class(cls)
         if config.mx_n_parts == BRANCH_MARK and not config.mxfp8_wgmma:
             return branch_class(cls)
         return cls

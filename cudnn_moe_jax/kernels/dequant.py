@@ -312,13 +312,13 @@ def convert_group_folded(words, data_dtype: cutlass.Constexpr, code: Int32, sf_d
                          valid: cutlass.Boolean, store):
     """`convert_group` of an FP8 group with its SF code (NaN by group; 0.0 where not `valid`) in one multiply a pair
     by the folded scale (`folded_scales2`) where that is finite, else -- its overflow flag set (scale >= 2^(128 -
-    K), a NaN scale) or a NaN code in the group -- in the two multiplies: a per-lane branch, uniform in practice."""
+    K), a NaN scale) or a NaN code in the group (`e4m3_nan_bits`, one test with the flag) -- in the two multiplies:
+    a per-lane branch, uniform in practice."""
     folded, bad = folded_scales2(code, data_dtype, sf_dtype)      # (code: the low half's; the high half's 0)
-    folded = prmt(folded, 0x1010)
     if const_expr(data_dtype == E4M3):
-        folded = group_nan_scale(words, folded)                    # a NaN code: NaN, i.e. not finite
-    if (bad == Int32(0)) & ((folded & Int32(0x7F80)) != Int32(0x7F80)):
-        scale2 = Int32(cutlass.select_(valid, folded, Int32(0)))
+        bad = bad | e4m3_nan_bits(words)                           # a NaN code: the exact path, NaN by group
+    if bad == Int32(0):
+        scale2 = Int32(cutlass.select_(valid, prmt(folded, 0x1010), Int32(0)))
         for p in cutlass.range_constexpr(PAIRS):
             store(p, mul_bf16x2(placed_pair(words, data_dtype, p), scale2))
     else:
@@ -326,14 +326,22 @@ def convert_group_folded(words, data_dtype: cutlass.Constexpr, code: Int32, sf_d
 
 
 @cute.jit
-def group_nan_scale(words, scale2: Int32) -> Int32:
-    """`scale2`, or NaN where any e4m3 code of the group's words is NaN (0x7F / 0xFF): a byte's magnitude plus one
-    sets its bit 7 exactly for 0x7F (no carry leaves a byte), so the pairs need no per-element probe (2 of their 4
-    floating-point operations; the placed NaN code is finite, +-480, and times a NaN scale NaN)."""
+def e4m3_nan_bits(words) -> Int32:
+    """Nonzero exactly where an e4m3 code of the 32-bit `words` is NaN (0x7F / 0xFF): a byte plus one flips its bit 7
+    where its magnitude is 0x7F, or where a carry from a lower byte -- itself NaN (0xFF) -- reaches it, so the
+    verdict for a word is exact; one add and one LOP3 (`flags | (w + 1s) ^ w`) a word."""
     flags = Int32(0)
     for w in words:
-        flags = flags | ((w & Int32(0x7F7F7F7F)) + Int32(0x01010101))
-    return Int32(cutlass.select_((flags & _i32(0x80808080)) != Int32(0), Int32(0x7FC07FC0), scale2))
+        flags = flags | ((w + Int32(0x01010101)) ^ w)
+    return flags & _i32(0x80808080)
+
+
+@cute.jit
+def group_nan_scale(words, scale2: Int32) -> Int32:
+    """`scale2`, or NaN where any e4m3 code of the group's words is NaN (`e4m3_nan_bits`), so the pairs need no
+    per-element probe (2 of their 4 floating-point operations; the placed NaN code is finite, +-480, and times a
+    NaN scale NaN)."""
+    return Int32(cutlass.select_(e4m3_nan_bits(words) != Int32(0), Int32(0x7FC07FC0), scale2))
 
 
 @cute.jit
