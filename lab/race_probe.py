@@ -9,16 +9,26 @@ waits for its own copies (`cp.async.wait_all`: commit, wait for 0 groups) and th
 plain `mbarrier.arrive` (one arrival each, as .noinc counts). If racecheck is silent on this kernel and reports the
 same pairs on the product's, the product's ordering is the same and the reports are the tool's.
 
-Build (CPU; the module keys are the product's, so the bundle must hold only these modules):
-    CUDNN_MOE_JAX_MODULE_CACHE=off python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle_race \\
-        --no-cache --variants lab.race_probe:bundle_items
+Build (CPU; the module keys are the product's, so the bundle must hold only these modules, and `--no-cache` keeps the
+module cache from serving the product's bytes or storing these under the product's keys):
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle_race --no-cache \\
+        --variants lab.race_probe:bundle_items
 Run (GPU, beside a .bundle of `lab.wgrad_cases` for the product's side): `OUT=... bash tools/gpu/run_all.sh
 race_probe`.
 """
 
 from __future__ import annotations
 
-CASES = ("bs_mxfp8_c1", "bs_mxfp8_tok_c2", "bs_mxfp8e5_tok_c1_gs_acc")
+# (case, pattern, input mode) of tests/gpu/test_wgrad_gpu.py's block-scaled test: a token-contiguous control and the
+# two token-major cases the reports come from
+RUNS = (("bs_mxfp8_c1", "unaligned", "exact"), ("bs_mxfp8_tok_c2", "unaligned", "exact"),
+        ("bs_mxfp8e5_tok_c1_gs_acc", "a8", "specials"))
+
+
+def pytest_filter() -> str:
+    """The `pytest -k` expression selecting RUNS (tools/gpu/run_all.sh race_probe)."""
+    return ("test_blockscaled_wgrad_matches_float64 and ("
+            + " or ".join("-".join(r) for r in RUNS) + ")")
 
 
 def patch() -> None:
@@ -45,5 +55,5 @@ def bundle_items() -> list:
     from . import wgrad_cases as wc
 
     patch()
-    cases = [c for c in wc.BS_CASES if c[0] in CASES]
+    cases = [c for c in wc.BS_CASES if c[0] in {r[0] for r in RUNS}]
     return [harness.on_route("on-chip", item) for item in aot.lowering_items(cases, wc.bs_inputs, wc.bs_call)]

@@ -127,8 +127,7 @@ for s in $steps; do
         "$OUT/bench_ep.log" | cut -c1-300 | tail -12 ;;
     race_probe)  # are the wgrad scale-word table's racecheck reports the tool's? (lab/race_probe.py): racecheck of
       # three block-scaled wgrad cases on .bundle_race (the arrival as wait-then-arrive) and on .bundle (the product)
-      k="test_blockscaled_wgrad_matches_float64 and (bs_mxfp8_c1-unaligned-exact or bs_mxfp8_tok_c2-unaligned-exact"
-      k="$k or bs_mxfp8e5_tok_c1_gs_acc-a8-specials)"
+      k=$(python3 -c "from lab.race_probe import pytest_filter; print(pytest_filter())")
       for b in .bundle_race .bundle; do
         CUDNN_MOE_JAX_BUNDLE=$PWD/$b XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${RACE_TIMEOUT:-110} \
           compute-sanitizer --tool racecheck --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 -m pytest \
