@@ -7,6 +7,7 @@ backward ops beside the forward ones.
 
     python -m lab.bench_dequant_first [--only NAME_PART] [--shape fc] [--routes on-chip,xla-dequant,staged]
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_dequant_first:bundle_items
+    (the on-chip wgrad kernel alone on `small` and `e128`: lab.bench_dequant_first:onchip_wgrad_items)
 
 TOKEN_SWEEP adds step shapes with fewer tokens per expert (the same m = 16384) to bench_moe_step's table: the fc
 step's at 1024 / 512 (for the wgrad rule) and the memory-bound 128 experts x 128 rows
@@ -28,13 +29,15 @@ ROUTES = (*harness.BLOCK_SCALED_ROUTES, "staged")
 
 def bundle_items(shape: str = "fc", only: str = "") -> list:
     """The block-scaled rows of bench_moe_ops (names containing `only`) lowered under every route."""
+    return [harness.on_route(route, _lowering(fn, avals))
+            for route in ROUTES for fn, avals in _rows(shape, only, route)]
+
+
+def _lowering(fn, avals):
+    """A bundle item: `fn` lowered for CUDA on `avals`."""
     import jax
 
-    def item(fn, avals):
-        return lambda: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
-
-    return [harness.on_route(route, item(fn, avals)) for route in ROUTES
-            for fn, avals in _rows(shape, only, route)]
+    return lambda: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
 
 
 def token_sweep_items() -> list:
@@ -42,6 +45,13 @@ def token_sweep_items() -> list:
     `small` (256 tokens per expert)."""
     return [i for shape in (*TOKEN_SWEEP, "small")
             for i in bundle_items(shape, "wgrad w") + bench_moe_ops.bundle_items((shape,), "wgrad w")]
+
+
+def onchip_wgrad_items() -> list:
+    """The block-scaled wgrad rows on chip (the K-grouped dequantizing mainloop, mainloop_dequant_wgrad.py) on
+    `small` (256 tokens per expert) and `e128` (128): `--only "wgrad w" --routes on-chip`."""
+    return [harness.on_route("on-chip", _lowering(fn, avals))
+            for shape in ("small", "e128") for fn, avals in _rows(shape, "wgrad w", "on-chip")]
 
 
 def shape_items() -> list:
