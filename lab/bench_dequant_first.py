@@ -22,7 +22,8 @@ from benchmarks import bench_moe_ops, bench_moe_step
 from lab import harness
 
 TOKEN_SWEEP = {"fc_t1024": ([1024] * 16, 7168, 2048), "fc_t512": ([512] * 32, 7168, 2048),
-               "e128": ([128] * 128, 4096, 1024)}     # issue 19's memory-bound shape (128 experts x 128 rows)
+               "e128": ([128] * 128, 4096, 1024),     # issue 19's memory-bound shape (128 experts x 128 rows)
+               "e128_t64": ([64] * 128, 4096, 1024)}  # below the wgrad's dequantize-first threshold (on chip)
 bench_moe_step.SHAPES.update(TOKEN_SWEEP)
 ROUTES = (*harness.BLOCK_SCALED_ROUTES, "staged")
 
@@ -49,9 +50,12 @@ def token_sweep_items() -> list:
 
 def onchip_wgrad_items() -> list:
     """The block-scaled wgrad rows on chip (the K-grouped dequantizing mainloop, mainloop_dequant_wgrad.py) on
-    `small` (256 tokens per expert) and `e128` (128): `--only "wgrad w" --routes on-chip`."""
-    return [harness.on_route("on-chip", _lowering(fn, avals))
-            for shape in ("small", "e128") for fn, avals in _rows(shape, "wgrad w", "on-chip")]
+    `small` (256 tokens per expert), `e128` (128) and `e128_t64` (64; there also XLA's route, which the public op
+    does not take below 128 tokens): `--only "wgrad w" --routes on-chip[,xla-dequant]`."""
+    return [harness.on_route(route, _lowering(fn, avals))
+            for shape, routes in (("small", ("on-chip",)), ("e128", ("on-chip",)),
+                                  ("e128_t64", ("on-chip", "xla-dequant")))
+            for route in routes for fn, avals in _rows(shape, "wgrad w", route)]
 
 
 def shape_items() -> list:
