@@ -1,12 +1,16 @@
 """CPU check of where the block-scaled wgrad kernel finds its scales (kernels/sm90/mainloop_dequant_wgrad.py): per
-stage the producer TMAs, for each 128-row block, one 1 KiB box of the flat segment buffer starting at
-`scale_box_word` (the atoms of the two quads the stage's tokens can touch), and a converter reads byte block % 4 of
-word `row_word(row)` of the box's slot (block // 4 - Q0). Simulated here on the host with the kernel's own address
-functions, every (row, token) of every expert's stages must read the byte the reference reads
+stage the producer TMAs, for each 128-row block of the tile (A's, then B's: `box_row_block`), one 1 KiB box of the
+flat segment buffer starting at `scale_box_word` into the stage's word table, and a converter reads byte block % 4
+of word `table_word(stage, idx, block, row_word(table row))`. Replayed on the host with the kernel's own functions
+and mainloop object, every (row, token) of every tile and stage must read the byte the reference reads
 (`formats.segment_token_scales`): random buffer bytes, experts starting anywhere (inside 16-token groups, inside
-scale blocks), empty experts, segments running past the buffer's end (the TMA reads zeros there)."""
+scale blocks), empty experts, segments running past the buffer's end (the TMA reads zeros there), tile_n 128 and
+256, rows not a multiple of 128. Also the row-word shortcuts the converters take (`pass_row_word`, adjacent rows 4
+words apart)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -18,49 +22,93 @@ pytest.importorskip("cutlass")
 TILE_K = 64
 
 
-def _kernel_bytes(flat: np.ndarray, rows: int, ends: np.ndarray, tokens: int, vec: int) -> np.ndarray:
-    """(rows, tokens) SF bytes as the kernel reads them (0 where a token is in no expert)."""
-    from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import (ATOM_WORDS, BOX_WORDS, SF_SLOTS, row_word,
-                                                                  scale_box_word)
+def _mainloop(case: str, tile_n: int, m: int, n: int):
+    from cudnn_moe_jax.kernels.sm90.config import Config
+    from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import mainloop_class
+    from lab.compile_cases import BACKWARD
 
-    words = np.frombuffer(flat.tobytes() + bytes(-len(flat) % 4), dtype="<u4")
+    problem = dataclasses.replace(BACKWARD[case], m=m, n=n)
+    return mainloop_class(problem, Config(tile_n=tile_n, cluster_m=1))(128, tile_n, 3, m, n, 1, 1, None)
+
+
+def _kernel_reads(ml, flat: dict, ends: np.ndarray, tokens: int, vec: int) -> dict:
+    """{operand: (rows, tokens) SF bytes as the kernel's converters read them} (0 where a token is in no expert;
+    a row is read by every tile holding it, and every read must agree)."""
+    from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import (BOX_WORDS, SF_SLOTS, Stage, box_row_block,
+                                                                  row_word, scale_box_word)
+
     log_vec = vec.bit_length() - 1
-    out = np.zeros((rows, tokens), np.uint8)
+    rows = (ml.m, ml.n)
+    words = [np.frombuffer(flat[o].tobytes(), dtype="<u4") for o in (0, 1)]
+    out = [np.zeros((r, tokens), np.int32) for r in rows]
+    idx = 1                                            # the stage's slot in the table (its term in table_word)
     start = 0
-    for end in np.maximum.accumulate(np.clip(ends, 0, tokens)):
-        end = int(end)
+    for end in np.maximum.accumulate(np.clip(ends, 0, tokens)).tolist():
         if end <= start:
             continue
         last_block = (end - 1 - start) >> log_vec
         kb_n = (((end - start + vec - 1) >> log_vec) + 3) >> 2
-        k_start = start // TILE_K * TILE_K
-        for tb in range(k_start, end, TILE_K):
+        for tb in range(start // TILE_K * TILE_K, end, TILE_K):
             q0 = min(max(tb - start, 0) >> log_vec, last_block) >> 2
-            for rb in range((rows + 127) // 128):
-                w0 = scale_box_word(rows, log_vec, start, rb, kb_n, q0)
-                box = np.zeros(BOX_WORDS, "<u4")                   # TMA: zeros past the buffer
-                got = words[w0:w0 + BOX_WORDS]
-                box[:len(got)] = got
-                box_bytes = box.view(np.uint8)
-                for t in range(max(tb, start), min(tb + TILE_K, end)):
-                    block = (t - start) >> log_vec
-                    slot = (block >> 2) - q0
-                    assert 0 <= slot < SF_SLOTS, (start, end, tb, t)
-                    for r in range(rb * 128, min(rows, rb * 128 + 128)):
-                        out[r, t] = box_bytes[(slot * ATOM_WORDS + row_word(r % 128)) * 4 + (block & 3)]
+            st = Stage(tb, start, q0, 0, TILE_K, last_block, False, False)
+            for m_tile in range(ml.m // ml.tile_m):
+                for n_tile in range(-(-ml.n // ml.tile_n)):
+                    table = np.zeros((idx + 1) * ml.row_blocks * BOX_WORDS, "<u4")
+                    for i in range(ml.row_blocks):        # the producer's boxes (TMA: zeros past the buffer)
+                        operand, rb = box_row_block(i, ml.tile_m, ml.tile_n, m_tile, n_tile)
+                        w0 = scale_box_word(rows[operand], log_vec, start, rb, kb_n, q0)
+                        got = words[operand][w0:w0 + BOX_WORDS]
+                        at = (idx * ml.row_blocks + i) * BOX_WORDS
+                        table[at:at + len(got)] = got
+                    table_bytes = table.view(np.uint8)
+                    for operand, first, count in ((0, m_tile * ml.tile_m, ml.tile_m),
+                                                  (1, n_tile * ml.tile_n, ml.tile_n)):
+                        trow = np.arange(count) + (0 if operand == 0 else ml.tile_m)
+                        keep = first + np.arange(count) < rows[operand]     # rows past the operand: not stored
+                        for t in range(max(tb, start), min(tb + TILE_K, end)):
+                            block = (t - start) >> log_vec
+                            assert 0 <= (block >> 2) - q0 < SF_SLOTS, (start, end, tb, t)
+                            word = ml.table_word(st, idx, block, row_word(trow))
+                            got = table_bytes[word * 4 + (block & 3)].astype(np.int32)[keep]
+                            r = first + np.arange(count)[keep]
+                            seen = out[operand][r, t]
+                            assert ((seen == 0) | (seen == got + 1)).all(), (operand, t)
+                            out[operand][r, t] = got + 1
         start = end
-    return out
+    return {o: np.maximum(out[o] - 1, 0).astype(np.uint8) for o in (0, 1)}
 
 
-@pytest.mark.parametrize("rows,vec", [(320, 32), (256, 16), (130, 32)])
-def test_scale_boxes_read_the_reference_bytes(rows, vec):
-    rng = np.random.default_rng(rows + vec)
+@pytest.mark.parametrize("case,tile_n,m,n", [("wgrad_mxfp8_c1", 256, 384, 320), ("wgrad_nvfp4_gs_c1", 128, 256, 200),
+                                             ("wgrad_mxfp8_c1", 128, 128, 130)])
+def test_scale_boxes_read_the_reference_bytes(case, tile_n, m, n):
+    ml = _mainloop(case, tile_n, m, n)
+    vec = ml.FORMAT.vec
+    rng = np.random.default_rng(m + n + vec)
     tokens = 1000
     # experts starting anywhere: inside 16-token groups and scale blocks, a run of empty ones, the last ending
     # short of T (tokens in no expert)
     ends = np.array([0, 37, 37, 200, 201, 520, 777, 990], np.int32)
-    size = formats.sf_segment_bytes(rows, tokens, vec)
-    flat = rng.integers(0, 256, size, dtype=np.uint8)
-    want = np.asarray(formats.segment_token_scales(flat, rows, ends, tokens, vec))
-    got = _kernel_bytes(flat, rows, ends, tokens, vec)
-    assert (got == want).all(), np.argwhere(got != want)[:5]
+    flat = {o: rng.integers(0, 256, formats.sf_segment_bytes(r, tokens, vec), dtype=np.uint8)
+            for o, r in ((0, m), (1, n))}
+    got = _kernel_reads(ml, flat, ends, tokens, vec)
+    for o, r in ((0, m), (1, n)):
+        want = np.asarray(formats.segment_token_scales(flat[o], r, ends, tokens, vec))
+        assert (got[o] == want).all(), (o, np.argwhere(got[o] != want)[:5])
+
+
+def test_row_word_shortcuts():
+    """The converters' cheaper forms of `row_word`: a pass's rows (row0 a multiple of 8: the warp-uniform word plus
+    4 a row), two adjacent rows from an even one (`convert_mn_pass`), 16 rows from a multiple of 16 (`mn_scales`)."""
+    from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import row_word
+
+    ml = _mainloop("wgrad_mxfp8_c1", 256, 384, 320)
+    for operand, rows in ((0, ml.tile_m), (1, ml.tile_n)):
+        off = 0 if operand == 0 else ml.tile_m
+        for row0 in range(0, rows, 8):
+            for lane in range(32):
+                assert ml.pass_row_word(operand, row0, lane) == row_word(off + row0 + lane // 4)
+    trows = np.arange(ml.tile_m + ml.tile_n)
+    even = trows[::2]
+    assert (row_word(even + 1) == row_word(even) + 4).all()
+    for r0 in range(0, ml.tile_m + ml.tile_n, 16):
+        assert (row_word(r0 + np.arange(16)) == row_word(r0) + 4 * np.arange(16)).all()

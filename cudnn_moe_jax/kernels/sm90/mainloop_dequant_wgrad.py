@@ -9,11 +9,13 @@ What differs from the forward's dequantizing mainloop:
             producer loads per stage, for each 128-row block of A and B, the two SF atoms of the 4-block quads Q0,
             Q0 + 1 the stage's tokens can touch: one TMA box of 1 KiB at any 32-bit word of the buffer (`sf_words_tma`;
             atoms start wherever the segment puts them, on 4-byte boundaries), on the stage's full barrier beside A
-            and B. Past the buffer the TMA reads zeros; the words it loads beyond the expert's quads or rows (another
-            segment's, the padding rows') scale only tokens that are zeroed and W rows / columns that are never
-            stored (m_w % 128 == 0; columns past n_w are clipped by the store). A converter takes byte L % 4 of its
-            row's word (`row_word`) in the atom of slot L // 4 - Q0. No thread writes the table (compute-sanitizer's
-            racecheck reported an earlier version's thread-issued cp.async copies against the converters' reads).
+            and B. Past the buffer the TMA reads zeros; of the words it loads beyond the expert's own (another
+            segment's, the padding rows'), those of quads past the expert's last are never read (`block_of` clamps
+            to the expert's blocks) and those of B rows past n_w scale only W columns that are never stored
+            (token-contiguous: scaled by 0; token-major: NaN can appear there; m_w % 128 == 0 leaves A none). A
+            converter takes byte L % 4 of its row's word (`row_word`) in the atom of slot L // 4 - Q0. No thread
+            writes the table (racecheck reported an earlier version's thread-issued cp.async copies against the
+            converters' reads).
   tokens    a stage is 64 tokens from the expert's first token rounded down to 64 (TMA boxes start on 64-token
             boundaries); the tokens of other experts in the first / last stage are zeroed after conversion, in A and
             in B (their codes or scales may be NaN). Where the expert starts inside a 16-token group the group spans
@@ -73,9 +75,18 @@ def mainloop_class(problem, config):
 def scale_box_word(rows: int, log_vec: int, start, row_block, kb_n, q0):
     """First 32-bit word of the scale box of 128-row block `row_block`, quads q0 and q0 + 1, in the segment of an
     expert whose first token is `start` (`kb_n` quads; formats._segments: its base is rup(rows, 128) / vec bytes a
-    token before it, a multiple of 4). Plain integer arithmetic: Python ints (tests) or Int32 (the kernel)."""
-    base = ((rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS >> log_vec) * start
-    return (base >> 2) + (row_block * kb_n + q0) * ATOM_WORDS
+    token before it, a whole number of words). Plain integer arithmetic: Python ints (tests) or Int32 (the kernel;
+    counted in words, so buffers up to 8 GiB)."""
+    words_per_token = (rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS >> (log_vec + 2)
+    return words_per_token * start + (row_block * kb_n + q0) * ATOM_WORDS
+
+
+def box_row_block(i: int, tile_m: int, tile_n: int, m_tile, n_tile):
+    """(operand, 128-row block of that operand) of a tile's scale box i: A's blocks first, then B's."""
+    a_blocks = tile_m // SF_ATOM_ROWS
+    if i < a_blocks:
+        return 0, m_tile * a_blocks + i
+    return 1, n_tile * (tile_n // SF_ATOM_ROWS) + i - a_blocks
 
 
 def row_word(trow):
@@ -268,7 +279,7 @@ class KGroupedDequantMainloop(DequantMainloop):
     def table_word(self, st: Stage, idx: Int32, block: Int32, rw: Int32) -> Int32:
         """Index of the word holding local block `block` of the row whose `row_word` is rw in stage idx (in the
         atom of the block's quad); the block's byte in it is block % 4."""
-        slot = cutlass.min(cutlass.max((block >> 2) - st.q0, Int32(0)), Int32(SF_SLOTS - 1))
+        slot = cutlass.min(cutlass.max((block >> 2) - st.q0, 0), SF_SLOTS - 1)
         return (idx * self.row_blocks * SF_SLOTS + slot) * ATOM_WORDS + rw
 
     @cute.jit
@@ -320,15 +331,12 @@ class KGroupedDequantMainloop(DequantMainloop):
         Q0) * 512 (base = rup(rows, 128) / vec bytes a token before the expert's first)."""
         (tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, table), tile, seg, kb_n = scales
         st = self.stage(seg, k)
-        a_blocks = self.tile_m // SF_ATOM_ROWS
         for i in cutlass.range_constexpr(self.row_blocks):
-            operand = 0 if const_expr(i < a_blocks) else 1
+            operand, rb = box_row_block(i, self.tile_m, self.tile_n, tile.m_tile, tile.n_tile)
             atom = tma_atom_sfa if const_expr(operand == 0) else tma_atom_sfb
             mSF = mSFA if const_expr(operand == 0) else mSFB
             rows = self.m if const_expr(operand == 0) else self.n
-            first_block = (tile.m_tile * a_blocks if const_expr(operand == 0)
-                           else tile.n_tile * (self.tile_n // SF_ATOM_ROWS) - a_blocks)
-            word = scale_box_word(rows, self.log_vec, seg.start, first_block + i, kb_n, st.q0)
+            word = scale_box_word(rows, self.log_vec, seg.start, rb, kb_n, st.q0)
             box = cute.local_tile(cute.domain_offset((word,), mSF), (BOX_WORDS,), (None,))
             dst, src = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                              cute.group_modes(table[(None, i, None)], 0, 1),
@@ -378,7 +386,7 @@ class KGroupedDequantMainloop(DequantMainloop):
                       lane: Int32):
         """Worker `worker` converts its passes of stage idx (tile-local k-tile k) into the bf16 stage(s). The lane's
         coordinates are re-derived per stage from an opaque lane index: the per-pass addresses do not depend on the
-        stage, and hoisted out of the k-loop they spilled the workers' 40 registers."""
+        stage, and hoisted out of the k-loop they spilled the workers' registers."""
         lane = q8.opaque(lane)
         st = self.stage(self.segment(tile_ctx), k)
         if const_expr(self.TOKEN_MAJOR):
