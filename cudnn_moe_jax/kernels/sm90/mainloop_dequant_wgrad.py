@@ -445,8 +445,13 @@ class KGroupedDequantMainloop(DequantMainloop):
         else:
             block = self.block_of(st, (p & 7) * 8)
             trow = r0 + 2 * (lane & 7) + (0 if const_expr(operand == 0) else self.tile_m)
-            w = self.table_word(st, idx, block, row_word(trow))   # rows trow, trow + 1: 4 words apart
-            mine = self.row_pair_scales(smem[0][w], smem[0][w + 4], self.byte_selector(block))
+            # rows trow, trow + 1 are 4 words apart; lanes 4-7 of a quarter warp read them in the other order, so
+            # each of the two loads hits 16 banks twice (2 wavefronts, not 4) and a swapped selector undoes it
+            w = self.table_word(st, idx, block, row_word(trow))
+            swap = (lane >> 2) & 1
+            byte = block & 3
+            sel = Int32(cutlass.select_(swap != 0, (byte + 4) | (byte << 4), self.byte_selector(block)))
+            mine = self.row_pair_scales(smem[0][w + 4 * swap], smem[0][w + 4 - 4 * swap], sel)
             scales = [cute.arch.shuffle_sync(mine, (lane & 0x18) | j) for j in range(8)]
         self.convert_mn_token(smem, st, idx, operand, r0, t, scales, general)
 
