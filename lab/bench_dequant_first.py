@@ -23,7 +23,8 @@ from lab import harness
 
 TOKEN_SWEEP = {"fc_t1024": ([1024] * 16, 7168, 2048), "fc_t512": ([512] * 32, 7168, 2048),
                "e128": ([128] * 128, 4096, 1024),     # issue 19's memory-bound shape (128 experts x 128 rows)
-               "e128_t64": ([64] * 128, 4096, 1024)}  # below the wgrad's dequantize-first threshold (on chip)
+               "e128_t64": ([64] * 128, 4096, 1024),  # below the wgrad's dequantize-first threshold (on chip)
+               "e128_t64u": ([56, 72] * 64, 4096, 1024)}  # the same, experts off 16-token boundaries (general path)
 bench_moe_step.SHAPES.update(TOKEN_SWEEP)
 ROUTES = (*harness.BLOCK_SCALED_ROUTES, "staged")
 
@@ -50,11 +51,12 @@ def token_sweep_items() -> list:
 
 def onchip_wgrad_items() -> list:
     """The block-scaled wgrad rows on chip (the K-grouped dequantizing mainloop, mainloop_dequant_wgrad.py) on
-    `small` (256 tokens per expert), `e128` (128) and `e128_t64` (64; there also XLA's route, which the public op
-    does not take below 128 tokens): `--only "wgrad w" --routes on-chip[,xla-dequant]`."""
+    `small` (256 tokens per expert), `e128` (128) and `e128_t64` / `e128_t64u` (64 on average, the second with
+    experts off 16-token boundaries; there also XLA's route, which the public op does not take below 128 tokens):
+    `--only "wgrad w" --routes on-chip[,xla-dequant]`."""
     return [harness.on_route(route, _lowering(fn, avals))
             for shape, routes in (("small", ("on-chip",)), ("e128", ("on-chip",)),
-                                  ("e128_t64", ("on-chip", "xla-dequant")))
+                                  ("e128_t64", ("on-chip", "xla-dequant")), ("e128_t64u", ("on-chip", "xla-dequant")))
             for route in routes for fn, avals in _rows(shape, "wgrad w", route)]
 
 
