@@ -98,7 +98,8 @@ def test_scale_boxes_read_the_reference_bytes(case, tile_n, m, n):
 
 def test_row_word_shortcuts():
     """The converters' cheaper forms of `row_word`: a pass's rows (row0 a multiple of 8: the warp-uniform word plus
-    4 a row), two adjacent rows from an even one (`convert_mn_pass`), 16 rows from a multiple of 16 (`mn_scales`)."""
+    4 a row), two adjacent rows from an even one (`lane_pair_scales`), and that order's bank spread there: each of
+    its two loads reaches 16 banks, two words each (2 wavefronts)."""
     from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import row_word
 
     ml = _mainloop("wgrad_mxfp8_c1", 256, 384, 320)
@@ -110,5 +111,12 @@ def test_row_word_shortcuts():
     trows = np.arange(ml.tile_m + ml.tile_n)
     even = trows[::2]
     assert (row_word(even + 1) == row_word(even) + 4).all()
-    for r0 in range(0, ml.tile_m + ml.tile_n, 16):
-        assert (row_word(r0 + np.arange(16)) == row_word(r0) + 4 * np.arange(16)).all()
+    for p in range(ml.tile_n // 8):                      # the token-major passes' lanes (convert_mn_pass)
+        lane = np.arange(32)
+        trow = ml.tile_m + (p >> 3) * 64 + (lane >> 3) * 16 + 2 * (lane & 7)
+        swap = (lane >> 2) & 1
+        for first in (row_word(trow) + 4 * swap, row_word(trow) + 4 - 4 * swap):
+            banks = {}
+            for w in first.tolist():
+                banks.setdefault(w % 32, set()).add(w)
+            assert len(banks) == 16 and max(len(v) for v in banks.values()) == 2, p

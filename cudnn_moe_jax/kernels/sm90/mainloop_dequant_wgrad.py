@@ -435,25 +435,42 @@ class KGroupedDequantMainloop(DequantMainloop):
         """The token-major pass p = row0 // 8: lane l converts rows 64 (p // 8) + 16 (l // 8) .. + 15 of stage token
         8 (p % 8) + l % 8 (a quarter warp's loads and stores each hit 8 bank groups). Fast path (the expert starts
         on a 16-token boundary and fills the stage): the 8 tokens of a quarter warp lie in one scale block, so lane
-        l % 8 = j decodes the scales of rows 2j, 2j + 1 and the quarter warp shares them by shuffles; general: each
-        lane decodes its token's 16 scales and zeroes other experts' tokens."""
+        l % 8 = j decodes the scales of rows 2j, 2j + 1 (`lane_pair_scales`) and the quarter warp shares them by
+        shuffles; general: each lane decodes its token's 16 scales (`mn_scales`; sharing two blocks' scales by
+        shuffles instead spilled the stage workers of Config(dequant_a="workers")) and zeroes other experts'
+        tokens."""
         p = row0 >> 3
         r0 = (p >> 3) * 64 + (lane >> 3) * 16
         t = (p & 7) * 8 + (lane & 7)
         if const_expr(general):
             scales = self.mn_scales(smem, st, idx, operand, r0, self.block_of(st, t))
         else:
-            block = self.block_of(st, (p & 7) * 8)
-            trow = r0 + 2 * (lane & 7) + (0 if const_expr(operand == 0) else self.tile_m)
-            # rows trow, trow + 1 are 4 words apart; lanes 4-7 of a quarter warp read them in the other order, so
-            # each of the two loads hits 16 banks twice (2 wavefronts, not 4) and a swapped selector undoes it
-            w = self.table_word(st, idx, block, row_word(trow))
-            swap = (lane >> 2) & 1
-            byte = block & 3
-            sel = Int32(cutlass.select_(swap != 0, (byte + 4) | (byte << 4), self.byte_selector(block)))
-            mine = self.row_pair_scales(smem[0][w + 4 * swap], smem[0][w + 4 - 4 * swap], sel)
+            mine = self.lane_pair_scales(smem, st, idx, operand, r0, lane, self.block_of(st, (p & 7) * 8))
             scales = [cute.arch.shuffle_sync(mine, (lane & 0x18) | j) for j in range(8)]
-        self.convert_mn_token(smem, st, idx, operand, r0, t, scales, general)
+        self.convert_mn_token(smem, st, idx, operand, r0, t, lambda j: scales[j], general)
+
+    @cute.jit
+    def mn_scales(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, block: Int32):
+        """The scales of rows r0..r0+15 (a 16-row chunk of `operand`) in local block `block` as 8 bf16x2 pairs
+        (rows 2p, 2p + 1): the chunk's 16 words of the block's atom (4 words apart: one 32-row group), its byte
+        picked by a register-selected permute, e8m0 -> bf16 two at a time (0x00 -> 2^-127, 0xFF -> NaN)."""
+        base = self.table_word(st, idx, block, row_word(r0 + (0 if const_expr(operand == 0) else self.tile_m)))
+        words = [smem[0][base + 4 * j] for j in range(16)]
+        sel = self.byte_selector(block)
+        return [self.row_pair_scales(words[2 * p], words[2 * p + 1], sel) for p in range(8)]
+
+    @cute.jit
+    def lane_pair_scales(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, lane: Int32,
+                         block: Int32) -> Int32:
+        """The bf16x2 scales of rows r0 + 2j, r0 + 2j + 1 (j = lane % 8) in local block `block`. The two rows' words
+        are 4 apart; lanes 4-7 of a quarter warp read them in the other order, so each of the two loads hits 16
+        banks twice (2 wavefronts, not 4), and a swapped selector undoes it."""
+        trow = r0 + 2 * (lane & 7) + (0 if const_expr(operand == 0) else self.tile_m)
+        w = self.table_word(st, idx, block, row_word(trow))
+        swap = (lane >> 2) & 1
+        byte = block & 3
+        sel = Int32(cutlass.select_(swap != 0, (byte + 4) | (byte << 4), self.byte_selector(block)))
+        return self.row_pair_scales(smem[0][w + 4 * swap], smem[0][w + 4 - 4 * swap], sel)
 
     def b_pass_bytes(self, idx: Int32, row: Int32) -> Int32:
         """Token-major: pass p = row // 8 sits at rows 64 (p // 8).. of K line group p % 8 (mn_bf16_stage_layout;
@@ -465,21 +482,11 @@ class KGroupedDequantMainloop(DequantMainloop):
         return (idx * self.tile_n * TILE_K + (p & 7) * 8 * self.tile_n + (p >> 3) * 512) * 2
 
     @cute.jit
-    def mn_scales(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, block: Int32):
-        """The scales of rows r0..r0+15 (a 16-row chunk of `operand`) in local block `block` as 8 bf16x2 pairs
-        (rows 2p, 2p + 1): the chunk's 16 words of the block's atom (4 words apart: one 32-row group), its byte
-        picked by a register-selected permute, e8m0 -> bf16 two at a time (0x00 -> 2^-127, 0xFF -> NaN)."""
-        trow = r0 if const_expr(operand == 0) else self.tile_m + r0
-        base = self.table_word(st, idx, block, row_word(trow))
-        words = [smem[0][base + 4 * j] for j in range(16)]
-        sel = self.byte_selector(block)
-        return [self.row_pair_scales(words[2 * p], words[2 * p + 1], sel) for p in range(8)]
-
-    @cute.jit
     def convert_mn_token(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, t: Int32,
-                         scales, partial: cutlass.Constexpr):
+                         scale_of, partial: cutlass.Constexpr):
         """Token t (0..63) of rows r0..r0+15 of a token-major stage -> two 16-byte stores into the MN-major bf16
-        stage (rows r0..r0+7 and r0+8..r0+15 of K line t); partial: zero where t is another expert's."""
+        stage (rows r0..r0+7 and r0+8..r0+15 of K line t), pair p scaled by scale_of(p) (rows r0 + 2p, + 1);
+        partial: zero where t is another expert's."""
         rows = self.tile_m if const_expr(operand == 0) else self.tile_n
         src = smem[3 + operand]
         line = (idx * rows + (r0 & ~127)) * TILE_K + t * 128          # bytes: the 128-row block's line t
@@ -489,7 +496,7 @@ class KGroupedDequantMainloop(DequantMainloop):
             keep = Int32(cutlass.select_((t >= st.lo) & (t < st.hi), Int32(-1), Int32(0)))
             words = [w & keep for w in words]
         out = []
-        dq.convert_group(words, self.FORMAT.data, lambda p: scales[p], lambda p, pair: out.append(pair))
+        dq.convert_group(words, self.FORMAT.data, scale_of, lambda p, pair: out.append(pair))
         at = mn_bf16_word(rows, idx, r0, t)
         for half in cutlass.range_constexpr(2):
             store_words(smem[5 + operand].iterator + at + half * MN_CORE_WORDS, out[4 * half: 4 * half + 4])
