@@ -49,7 +49,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS
+from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_row_byte
 
 from .. import dequant as dq
 from .. import quantize as q8
@@ -93,7 +93,7 @@ def row_word(trow):
     """Word of word-table row `trow` (A's rows, then B's) in slot 0 of its stage's table: its 128-row block's box,
     its word of the atom (`sf_row_byte` / 4). A permutation of trow's bits, so row_word(a + b) = row_word(a) +
     row_word(b) where a and b share no bit (rows 2j, 2j + 1 of a 32-row group are 4 words apart)."""
-    return (trow >> 7) * BOX_WORDS + ((trow & 31) << 2) + ((trow >> 5) & 3)
+    return (trow >> 7) * BOX_WORDS + (sf_row_byte(trow, 0) >> 2)
 
 
 def sf_words_tma(sf: cute.Tensor):
@@ -447,7 +447,7 @@ class KGroupedDequantMainloop(DequantMainloop):
         else:
             mine = self.lane_pair_scales(smem, st, idx, operand, r0, lane, self.block_of(st, (p & 7) * 8))
             scales = [cute.arch.shuffle_sync(mine, (lane & 0x18) | j) for j in range(8)]
-        self.convert_mn_token(smem, st, idx, operand, r0, t, lambda j: scales[j], general)
+        self.convert_mn_token(smem, st, idx, operand, r0, t, scales, general)
 
     @cute.jit
     def mn_scales(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, block: Int32):
@@ -483,10 +483,9 @@ class KGroupedDequantMainloop(DequantMainloop):
 
     @cute.jit
     def convert_mn_token(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, t: Int32,
-                         scale_of, partial: cutlass.Constexpr):
+                         scales, partial: cutlass.Constexpr):
         """Token t (0..63) of rows r0..r0+15 of a token-major stage -> two 16-byte stores into the MN-major bf16
-        stage (rows r0..r0+7 and r0+8..r0+15 of K line t), pair p scaled by scale_of(p) (rows r0 + 2p, + 1);
-        partial: zero where t is another expert's."""
+        stage (rows r0..r0+7 and r0+8..r0+15 of K line t); partial: zero where t is another expert's."""
         rows = self.tile_m if const_expr(operand == 0) else self.tile_n
         src = smem[3 + operand]
         line = (idx * rows + (r0 & ~127)) * TILE_K + t * 128          # bytes: the 128-row block's line t
@@ -496,7 +495,7 @@ class KGroupedDequantMainloop(DequantMainloop):
             keep = Int32(cutlass.select_((t >= st.lo) & (t < st.hi), Int32(-1), Int32(0)))
             words = [w & keep for w in words]
         out = []
-        dq.convert_group(words, self.FORMAT.data, scale_of, lambda p, pair: out.append(pair))
+        dq.convert_group(words, self.FORMAT.data, lambda p: scales[p], lambda p, pair: out.append(pair))
         at = mn_bf16_word(rows, idx, r0, t)
         for half in cutlass.range_constexpr(2):
             store_words(smem[5 + operand].iterator + at + half * MN_CORE_WORDS, out[4 * half: 4 * half + 4])
