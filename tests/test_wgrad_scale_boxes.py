@@ -1,7 +1,8 @@
 """CPU check of where the block-scaled wgrad kernel finds its scales (kernels/sm90/mainloop_dequant_wgrad.py): per
-stage the producer TMAs, for each 128-row block of the tile (A's, then B's: `box_row_block`), one 1 KiB box of the
-flat segment buffer starting at `scale_box_word` into the stage's word table, and a converter reads byte block % 4
-of word `table_word(stage, idx, block, row_word(table row))`. Replayed on the host with the kernel's own functions
+stage the producer TMAs, for each 128-row block of the tile (A's, then B's: `box_row_block`), one box of the flat
+segment buffer into its slot of the stage's word table -- from `box_load_word`, which must be a 16-byte boundary
+(the TMA's rule: an unaligned box start is an illegal instruction), the atoms `box_shift` words in -- and a
+converter reads byte block % 4 of word `table_word(stage, idx, block, row_word(table row), operand)`. Replayed on the host with the kernel's own functions
 and mainloop object, every (row, token) of every tile and stage must read the byte the reference reads
 (`formats.segment_token_scales`): random buffer bytes, experts starting anywhere (inside 16-token groups, inside
 scale blocks), empty experts, segments running past the buffer's end (the TMA reads zeros there), tile_n 128 and
@@ -34,8 +35,9 @@ def _mainloop(case: str, tile_n: int, m: int, n: int):
 def _kernel_reads(ml, flat: dict, ends: np.ndarray, tokens: int, vec: int) -> dict:
     """{operand: (rows, tokens) SF bytes as the kernel's converters read them} (0 where a token is in no expert;
     a row is read by every tile holding it, and every read must agree)."""
-    from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import (BOX_WORDS, SF_SLOTS, Stage, box_row_block,
-                                                                  row_word, scale_box_word)
+    from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import (BOX_LOAD_WORDS, BOX_STRIDE_WORDS, SF_SLOTS,
+                                                                  TMA_ALIGN_WORDS, Stage, box_load_word,
+                                                                  box_row_block, row_word)
 
     log_vec = vec.bit_length() - 1
     rows = (ml.m, ml.n)
@@ -53,12 +55,13 @@ def _kernel_reads(ml, flat: dict, ends: np.ndarray, tokens: int, vec: int) -> di
             st = Stage(tb, start, q0, 0, TILE_K, last_block, False, False)
             for m_tile in range(ml.m // ml.tile_m):
                 for n_tile in range(-(-ml.n // ml.tile_n)):
-                    table = np.zeros((idx + 1) * ml.row_blocks * BOX_WORDS, "<u4")
+                    table = np.zeros((idx + 1) * ml.row_blocks * BOX_STRIDE_WORDS, "<u4")
                     for i in range(ml.row_blocks):        # the producer's boxes (TMA: zeros past the buffer)
                         operand, rb = box_row_block(i, ml.tile_m, ml.tile_n, m_tile, n_tile)
-                        w0 = scale_box_word(rows[operand], log_vec, start, rb, kb_n, q0)
-                        got = words[operand][w0:w0 + BOX_WORDS]
-                        at = (idx * ml.row_blocks + i) * BOX_WORDS
+                        w0 = box_load_word(rows[operand], log_vec, start, rb, kb_n, q0)
+                        assert w0 >= 0 and w0 % TMA_ALIGN_WORDS == 0, (operand, start, w0)
+                        got = words[operand][w0:w0 + BOX_LOAD_WORDS]
+                        at = (idx * ml.row_blocks + i) * BOX_STRIDE_WORDS
                         table[at:at + len(got)] = got
                     table_bytes = table.view(np.uint8)
                     for operand, first, count in ((0, m_tile * ml.tile_m, ml.tile_m),
@@ -68,7 +71,7 @@ def _kernel_reads(ml, flat: dict, ends: np.ndarray, tokens: int, vec: int) -> di
                         for t in range(max(tb, start), min(tb + TILE_K, end)):
                             block = (t - start) >> log_vec
                             assert 0 <= (block >> 2) - q0 < SF_SLOTS, (start, end, tb, t)
-                            word = ml.table_word(st, idx, block, row_word(trow))
+                            word = ml.table_word(st, idx, block, row_word(trow), operand)
                             got = table_bytes[word * 4 + (block & 3)].astype(np.int32)[keep]
                             r = first + np.arange(count)[keep]
                             seen = out[operand][r, t]

@@ -7,15 +7,17 @@ What differs from the forward's dequantizing mainloop:
             base_e + ((row // 128) * Kb_e + L // 4) * 512 + sf_row_byte(row, L), base_e = rup(R, 128) * start_e / vec
             (`formats.segment_token_scales`). Segments start at any token, so no atom-aligned TMA view fits them; the
             producer loads per stage, for each 128-row block of A and B, the two SF atoms of the 4-block quads Q0,
-            Q0 + 1 the stage's tokens can touch: one TMA box of 1 KiB at any 32-bit word of the buffer (`sf_words_tma`;
-            atoms start wherever the segment puts them, on 4-byte boundaries), on the stage's full barrier beside A
-            and B. Past the buffer the TMA reads zeros; of the words it loads beyond the expert's own (another
-            segment's, the padding rows'), those of quads past the expert's last are never read (`block_of` clamps
-            to the expert's blocks) and those of B rows past n_w scale only W columns that are never stored
-            (token-contiguous: scaled by 0; token-major: NaN can appear there; m_w % 128 == 0 leaves A none). A
-            converter takes byte L % 4 of its row's word (`row_word`) in the atom of slot L // 4 - Q0. No thread
-            writes the table (racecheck reported an earlier version's thread-issued cp.async copies against the
-            converters' reads).
+            Q0 + 1 the stage's tokens can touch (1 KiB, starting at any 32-bit word: segments start on 4-byte
+            boundaries) by one TMA box on the stage's full barrier beside A and B. A TMA box must start on a 16-byte
+            boundary of global memory (an unaligned start is an illegal instruction: RESULTS run 152), so the box
+            starts at the word below rounded down to 4 words and is 4 words longer (`box_load_word`); the atoms sit
+            `box_shift` words into its slot. Past the buffer the TMA reads zeros; of the words it loads beyond the
+            expert's own (another segment's, the padding rows', the alignment words), those of quads past the
+            expert's last are never read (`block_of` clamps to the expert's blocks) and those of B rows past n_w
+            scale only W columns that are never stored (token-contiguous: scaled by 0; token-major: NaN can appear
+            there; m_w % 128 == 0 leaves A none). A converter takes byte L % 4 of its row's word (`row_word`) in the
+            atom of slot L // 4 - Q0 (`table_word`). No thread writes the table (racecheck reported an earlier
+            version's thread-issued cp.async copies against the converters' reads).
   tokens    a stage is 64 tokens from the expert's first token rounded down to 64 (TMA boxes start on 64-token
             boundaries); the tokens of other experts in the first / last stage are zeroed after conversion, in A and
             in B (their codes or scales may be NaN). Where the expert starts inside a 16-token group the group spans
@@ -46,7 +48,7 @@ from typing import NamedTuple, Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Int32, const_expr
+from cutlass import BFloat16, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_row_byte
@@ -58,7 +60,10 @@ from .mainloop_dequant import TILE_K, WORKERS, DequantFormat, DequantMainloop, a
 
 SF_SLOTS = 2          # 4-block quads of a segment a stage's tokens can touch
 ATOM_WORDS = SF_ATOM_BYTES // 4
-BOX_WORDS = SF_SLOTS * ATOM_WORDS   # one scale TMA box: a 128-row block's two atoms (1 KiB)
+BOX_WORDS = SF_SLOTS * ATOM_WORDS   # the scales of a 128-row block in one stage: its two atoms (1 KiB)
+TMA_ALIGN_WORDS = 4                 # a TMA box starts on a 16-byte boundary of global memory
+BOX_LOAD_WORDS = BOX_WORDS + TMA_ALIGN_WORDS    # the box as loaded: from the aligned word below the atoms
+BOX_STRIDE_WORDS = 288              # a box's slot in the table: BOX_LOAD_WORDS rounded up to 128 bytes (TMA dst)
 
 
 def mainloop_class(problem, config):
@@ -77,8 +82,25 @@ def scale_box_word(rows: int, log_vec: int, start, row_block, kb_n, q0):
     expert whose first token is `start` (`kb_n` quads; formats._segments: its base is rup(rows, 128) / vec bytes a
     token before it, a whole number of words). Plain integer arithmetic: Python ints (tests) or Int32 (the kernel;
     counted in words, so buffers up to 8 GiB)."""
-    words_per_token = (rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS >> (log_vec + 2)
-    return words_per_token * start + (row_block * kb_n + q0) * ATOM_WORDS
+    return words_per_token(rows, log_vec) * start + (row_block * kb_n + q0) * ATOM_WORDS
+
+
+def words_per_token(rows: int, log_vec: int) -> int:
+    """32-bit words of an operand's segment buffer per token: rup(rows, 128) / vec bytes."""
+    return (rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS >> (log_vec + 2)
+
+
+def box_shift(rows: int, log_vec: int, start):
+    """Words between the TMA box's aligned first word (`box_load_word`) and the atoms' first (`scale_box_word`):
+    the same for every box of a tile's operand (atoms are whole multiples of 4 words past the segment's base)."""
+    if words_per_token(rows, log_vec) % TMA_ALIGN_WORDS == 0:
+        return 0
+    return (words_per_token(rows, log_vec) * start) & (TMA_ALIGN_WORDS - 1)
+
+
+def box_load_word(rows: int, log_vec: int, start, row_block, kb_n, q0):
+    """The first word the scale box loads: `scale_box_word` rounded down to a 16-byte boundary."""
+    return scale_box_word(rows, log_vec, start, row_block, kb_n, q0) - box_shift(rows, log_vec, start)
 
 
 def box_row_block(i: int, tile_m: int, tile_n: int, m_tile, n_tile):
@@ -90,18 +112,19 @@ def box_row_block(i: int, tile_m: int, tile_n: int, m_tile, n_tile):
 
 
 def row_word(trow):
-    """Word of word-table row `trow` (A's rows, then B's) in slot 0 of its stage's table: its 128-row block's box,
-    its word of the atom (`sf_row_byte` / 4). A permutation of trow's bits, so row_word(a + b) = row_word(a) +
+    """Word of word-table row `trow` (A's rows, then B's) in slot 0 of its stage's table, before the box's shift
+    (`table_word` adds it): its 128-row block's box, its word of the atom (`sf_row_byte` / 4). A permutation of trow's bits, so row_word(a + b) = row_word(a) +
     row_word(b) where a and b share no bit (rows 2j, 2j + 1 of a 32-row group are 4 words apart)."""
-    return (trow >> 7) * BOX_WORDS + (sf_row_byte(trow, 0) >> 2)
+    return (trow >> 7) * BOX_STRIDE_WORDS + (sf_row_byte(trow, 0) >> 2)
 
 
 def sf_words_tma(sf: cute.Tensor):
-    """The TMA (atom, tensor) of a flat segment SF buffer (uint8) seen as 32-bit words: one BOX_WORDS box at any
-    word (segments start on 4-byte boundaries: rup(R, 128) / vec bytes a token)."""
-    words = cute.make_tensor(cute.recast_ptr(sf.iterator, dtype=Int32), cute.make_layout((cute.size(sf) // 4,)))
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), words, cute.make_layout((BOX_WORDS,)),
-                                       (BOX_WORDS,))
+    """The TMA (atom, tensor) of a flat segment SF buffer (uint8; its size a multiple of 512 bytes,
+    `formats.sf_segment_bytes`) seen as 64-bit elements: a BOX_LOAD_WORDS box at any 16-byte boundary
+    (`box_load_word` / 2; 8-byte elements: a 1040-byte box is 130 of them, within the TMA's 256)."""
+    elems = cute.make_tensor(cute.recast_ptr(sf.iterator, dtype=Int64), cute.make_layout((cute.size(sf) // 8,)))
+    box = cute.make_layout((BOX_LOAD_WORDS // 2,))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), elems, box, (BOX_LOAD_WORDS // 2,))
 
 
 @cute.jit
@@ -150,6 +173,7 @@ class KGroupedDequantMainloop(DequantMainloop):
 
     PRODUCER_ARRIVALS = 1        # the TMA's arrive-and-expect-tx (A, B and the scale boxes)
     PRODUCER_REGS = 48
+    SMEM_FIXED_BYTES = 1024      # the word table's padding up to the next field's 1 KiB boundary (BOX_STRIDE_WORDS)
     TOKEN_MAJOR = False
     UNSPLIT_SHARE = (1, 2)       # (the forward's three quarters are unmeasured here)
     HOISTS = False               # (its groups are converted by `convert_kgroup`)
@@ -183,14 +207,15 @@ class KGroupedDequantMainloop(DequantMainloop):
     @classmethod
     def tx_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
         """TMA bytes per stage: the narrow A and B tiles and their scale boxes (one per 128-row block)."""
-        return (tile_m + tile_n) * (cls.FORMAT.row_bytes + BOX_WORDS * 4 // SF_ATOM_ROWS)
+        return (tile_m + tile_n) * cls.FORMAT.row_bytes + (tile_m + tile_n) // SF_ATOM_ROWS * BOX_LOAD_WORDS * 4
 
     @classmethod
     def smem_stage_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
-        """The narrow tiles and the scale-word table (the TMA bytes), the bf16 B (and A) stage(s), the worker
-        barrier."""
+        """The narrow tiles and the scale-word table (a BOX_STRIDE_WORDS slot a box), the bf16 B (and A)
+        stage(s), the worker barrier."""
         bf16_rows = tile_n if cls.A_IN_REGISTERS else tile_m + tile_n
-        return cls.tx_bytes(ab_dtype, tile_m, tile_n) + bf16_rows * TILE_K * 2 + 8
+        table = (tile_m + tile_n) // SF_ATOM_ROWS * BOX_STRIDE_WORDS * 4
+        return (tile_m + tile_n) * cls.FORMAT.row_bytes + table + bf16_rows * TILE_K * 2 + 8
 
     def tiled_mma(self) -> cute.TiledMma:
         """bf16 wgmma: B (and a shared-memory A) K-major, or MN-major for token-major operands; A from registers
@@ -228,14 +253,14 @@ class KGroupedDequantMainloop(DequantMainloop):
     def smem_fields(self):
         """The scale-word table of each stage (a box per 128-row block) and the bf16 stage(s)."""
         fields = DequantMainloop.smem_fields(self)
-        words = BOX_WORDS * self.row_blocks * self.stages
+        words = BOX_STRIDE_WORDS * self.row_blocks * self.stages
         fields[0] = ("sSF", cute.struct.Align[cute.struct.MemRange[Int32, words], 128])
         return fields
 
     @cute.jit
     def smem_tensors(self, storage, tidx: Int32, nthreads: cutlass.Constexpr):
         """As the forward's (mainloop_dequant), with the scale-word table (flat Int32) first and its bytes last."""
-        n_words = BOX_WORDS * self.row_blocks * self.stages
+        n_words = BOX_STRIDE_WORDS * self.row_blocks * self.stages
         words = storage.sSF.get_tensor(cute.make_layout(n_words))
         sf_bytes = cute.make_tensor(cute.recast_ptr(storage.sSF.data_ptr(), dtype=cutlass.Uint8),
                                     cute.make_layout(4 * n_words))
@@ -276,16 +301,17 @@ class KGroupedDequantMainloop(DequantMainloop):
         sum splits: the warp-uniform row0's word plus 4 words a row)."""
         return row_word(row0 + (0 if const_expr(operand == 0) else self.tile_m)) + ((lane >> 2) << 2)
 
-    def table_word(self, st: Stage, idx: Int32, block: Int32, rw: Int32) -> Int32:
-        """Index of the word holding local block `block` of the row whose `row_word` is rw in stage idx (in the
-        atom of the block's quad); the block's byte in it is block % 4."""
+    def table_word(self, st: Stage, idx: Int32, block: Int32, rw: Int32, operand: int) -> Int32:
+        """Index of the word holding local block `block` of `operand`'s row whose `row_word` is rw in stage idx (in
+        the atom of the block's quad, `box_shift` words into the box's slot); the block's byte in it is block % 4."""
         slot = cutlass.min(cutlass.max((block >> 2) - st.q0, 0), SF_SLOTS - 1)
-        return (idx * self.row_blocks * SF_SLOTS + slot) * ATOM_WORDS + rw
+        shift = box_shift(self.m if operand == 0 else self.n, self.log_vec, st.start)
+        return idx * self.row_blocks * BOX_STRIDE_WORDS + slot * ATOM_WORDS + rw + shift
 
     @cute.jit
-    def sf_code(self, smem, st: Stage, idx: Int32, rw: Int32, block: Int32) -> Int32:
-        """The SF byte of local block `block` of the row whose `row_word` is rw in stage idx."""
-        return Int32(smem[7][self.table_word(st, idx, block, rw) * 4 + (block & 3)]) & Int32(0xFF)
+    def sf_code(self, smem, st: Stage, idx: Int32, rw: Int32, block: Int32, operand: cutlass.Constexpr) -> Int32:
+        """The SF byte of local block `block` of `operand`'s row whose `row_word` is rw in stage idx."""
+        return Int32(smem[7][self.table_word(st, idx, block, rw, operand) * 4 + (block & 3)]) & Int32(0xFF)
 
     @staticmethod
     def byte_selector(block: Int32) -> Int32:
@@ -308,9 +334,10 @@ class KGroupedDequantMainloop(DequantMainloop):
 
     @cute.jit
     def partition_scale_loads(self, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, smem, rank_m, rank_n):
-        """The TMAs, their word views and the word table as (box word, 128-row block, stage)."""
-        table = cute.make_tensor(smem[0].iterator, cute.make_layout(
-            (BOX_WORDS, self.row_blocks, self.stages), stride=(1, BOX_WORDS, BOX_WORDS * self.row_blocks)))
+        """The TMAs, their 64-bit views and the word table as (box element, 128-row block, stage), 64-bit."""
+        slot = BOX_STRIDE_WORDS // 2                     # (64-bit elements, as the TMA loads them)
+        table = cute.make_tensor(cute.recast_ptr(smem[0].iterator, dtype=Int64), cute.make_layout(
+            (BOX_LOAD_WORDS // 2, self.row_blocks, self.stages), stride=(1, slot, slot * self.row_blocks)))
         return tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, table
 
     @cute.jit
@@ -328,7 +355,8 @@ class KGroupedDequantMainloop(DequantMainloop):
     def load_stage_scales(self, scales, bar, k: Int32, s: Int32, a_mcast_mask, b_mcast_mask, descriptors):
         """Stage k's scale boxes (load_tile's docstring; its per-tile `scales`): per 128-row block rb of the tile's
         A rows, then B's, the atoms of quads Q0, Q0 + 1 of rb in the expert's segment, at byte base + (rb * kb_n +
-        Q0) * 512 (base = rup(rows, 128) / vec bytes a token before the expert's first)."""
+        Q0) * 512 (base = rup(rows, 128) / vec bytes a token before the expert's first), from the 16-byte boundary
+        at or below it (`box_load_word`)."""
         (tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, table), tile, seg, kb_n = scales
         st = self.stage(seg, k)
         for i in cutlass.range_constexpr(self.row_blocks):
@@ -336,8 +364,8 @@ class KGroupedDequantMainloop(DequantMainloop):
             atom = tma_atom_sfa if const_expr(operand == 0) else tma_atom_sfb
             mSF = mSFA if const_expr(operand == 0) else mSFB
             rows = self.m if const_expr(operand == 0) else self.n
-            word = scale_box_word(rows, self.log_vec, seg.start, rb, kb_n, st.q0)
-            box = cute.local_tile(cute.domain_offset((word,), mSF), (BOX_WORDS,), (None,))
+            word = box_load_word(rows, self.log_vec, seg.start, rb, kb_n, st.q0)
+            box = cute.local_tile(cute.domain_offset((word >> 1,), mSF), (BOX_LOAD_WORDS // 2,), (None,))
             dst, src = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                              cute.group_modes(table[(None, i, None)], 0, 1),
                                              cute.group_modes(box, 0, 1))
@@ -354,13 +382,13 @@ class KGroupedDequantMainloop(DequantMainloop):
         fmt = self.FORMAT
         u0 = q * dq.GROUP
         b0 = self.block_of(st, u0)
-        s0 = dq.scale_bf16x2(self.sf_code(smem, st, idx, rw, b0), fmt.sf, valid)
+        s0 = dq.scale_bf16x2(self.sf_code(smem, st, idx, rw, b0, operand), fmt.sf, valid)
         words = self.group_words(smem, operand, row, q, idx)
         if const_expr(not general):
             dq.convert_group(words, fmt.data, s0, store)
         else:
-            s1 = dq.scale_bf16x2(self.sf_code(smem, st, idx, rw, cutlass.min(b0 + 1, st.last_block)), fmt.sf,
-                                 valid)
+            s1 = dq.scale_bf16x2(self.sf_code(smem, st, idx, rw, cutlass.min(b0 + 1, st.last_block), operand),
+                                 fmt.sf, valid)
             split = self.clamp16(st.start + ((b0 + 1) << self.log_vec) - st.tb - u0)
             first = (Int32(1) << split) - 1                                   # bit i: token u0 + i in block b0
             keep = ((Int32(1) << self.clamp16(st.hi - u0)) - 1) & ~((Int32(1) << self.clamp16(st.lo - u0)) - 1)
@@ -454,7 +482,8 @@ class KGroupedDequantMainloop(DequantMainloop):
         """The scales of rows r0..r0+15 (a 16-row chunk of `operand`) in local block `block` as 8 bf16x2 pairs
         (rows 2p, 2p + 1): the chunk's 16 words of the block's atom (4 words apart: one 32-row group), its byte
         picked by a register-selected permute, e8m0 -> bf16 two at a time (0x00 -> 2^-127, 0xFF -> NaN)."""
-        base = self.table_word(st, idx, block, row_word(r0 + (0 if const_expr(operand == 0) else self.tile_m)))
+        base = self.table_word(st, idx, block, row_word(r0 + (0 if const_expr(operand == 0) else self.tile_m)),
+                               operand)
         words = [smem[0][base + 4 * j] for j in range(16)]
         sel = self.byte_selector(block)
         return [self.row_pair_scales(words[2 * p], words[2 * p + 1], sel) for p in range(8)]
@@ -466,7 +495,7 @@ class KGroupedDequantMainloop(DequantMainloop):
         are 4 apart; lanes 4-7 of a quarter warp read them in the other order, so each of the two loads hits 16
         banks twice (2 wavefronts, not 4), and a swapped selector undoes it."""
         trow = r0 + 2 * (lane & 7) + (0 if const_expr(operand == 0) else self.tile_m)
-        w = self.table_word(st, idx, block, row_word(trow))
+        w = self.table_word(st, idx, block, row_word(trow), operand)
         swap = (lane >> 2) & 1
         byte = block & 3
         sel = Int32(cutlass.select_(swap != 0, (byte + 4) | (byte << 4), self.byte_selector(block)))
@@ -608,7 +637,8 @@ class KGroupedDequantMainloop(DequantMainloop):
         first = self.block_of(st, Int32(0))
         n_blocks = 3 if const_expr(general) else TILE_K // fmt.vec
         scales = [[dq.scale_bf16x2(self.sf_code(smem, st, idx, row_word(row + 8 * half),
-                                                cutlass.min(first + j, st.last_block)), fmt.sf, cutlass.Boolean(True))
+                                                cutlass.min(first + j, st.last_block), 0), fmt.sf,
+                                   cutlass.Boolean(True))
                    for j in range(n_blocks)] for half in range(2)]
         for p in cutlass.range_constexpr(dq.PAIRS):
             t0 = 8 * p + 2 * q
