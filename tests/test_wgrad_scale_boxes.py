@@ -2,12 +2,12 @@
 stage the producer TMAs, for each 128-row block of the tile (A's, then B's: `box_row_block`), one box of the flat
 segment buffer into its slot of the stage's word table -- from `box_load_word`, which must be a 16-byte boundary
 (the TMA's rule: an unaligned box start is an illegal instruction), the atoms `box_shift` words in -- and a
-converter reads byte block % 4 of word `table_word(stage, idx, block, row_word(table row), operand)`. Replayed on the host with the kernel's own functions
-and mainloop object, every (row, token) of every tile and stage must read the byte the reference reads
-(`formats.segment_token_scales`): random buffer bytes, experts starting anywhere (inside 16-token groups, inside
-scale blocks), empty experts, segments running past the buffer's end (the TMA reads zeros there), tile_n 128 and
-256, rows not a multiple of 128. Also the row-word shortcuts the converters take (`pass_row_word`, adjacent rows 4
-words apart)."""
+converter reads byte block % 4 of word `table_word(stage, idx, block, row_word(table row), operand)`. Replayed on
+the host with the kernel's own functions and mainloop object, every (row, token) of every tile and stage must read
+the byte the reference reads (`formats.segment_token_scales`): random buffer bytes, experts starting anywhere
+(inside 16-token groups, inside scale blocks), empty experts, segments running past the buffer's end (the TMA reads
+zeros there), tile_n 128 and 256, rows not a multiple of 128. Also the row-word shortcuts the converters take
+(`pass_row_word`, adjacent rows 4 words apart)."""
 
 from __future__ import annotations
 

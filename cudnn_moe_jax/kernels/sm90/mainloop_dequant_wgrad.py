@@ -113,8 +113,9 @@ def box_row_block(i: int, tile_m: int, tile_n: int, m_tile, n_tile):
 
 def row_word(trow):
     """Word of word-table row `trow` (A's rows, then B's) in slot 0 of its stage's table, before the box's shift
-    (`table_word` adds it): its 128-row block's box, its word of the atom (`sf_row_byte` / 4). A permutation of trow's bits, so row_word(a + b) = row_word(a) +
-    row_word(b) where a and b share no bit (rows 2j, 2j + 1 of a 32-row group are 4 words apart)."""
+    (`table_word` adds it): its 128-row block's box, its word of the atom (`sf_row_byte` / 4). Additive over
+    trow's bits: row_word(a + b) = row_word(a) + row_word(b) where a and b share no bit (rows 2j, 2j + 1 of a 32-row
+    group are 4 words apart)."""
     return (trow >> 7) * BOX_STRIDE_WORDS + (sf_row_byte(trow, 0) >> 2)
 
 
