@@ -99,6 +99,21 @@ def test_scale_boxes_read_the_reference_bytes(case, tile_n, m, n):
         assert (got[o] == want).all(), (o, np.argwhere(got[o] != want)[:5])
 
 
+def test_scale_box_meets_the_tma_rules():
+    """The box's other TMA constraints (the start's alignment is checked per box above): at most 256 elements of
+    the 64-bit view, a whole number of 16-byte units, each slot's destination on a 128-byte boundary of the table
+    (itself 128-byte aligned), slots large enough for the box, and the stage's table a whole number of slots."""
+    from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import (BOX_LOAD_WORDS, BOX_STRIDE_WORDS, BOX_WORDS,
+                                                                  TMA_ALIGN_WORDS)
+
+    assert BOX_LOAD_WORDS == BOX_WORDS + TMA_ALIGN_WORDS and TMA_ALIGN_WORDS * 4 == 16
+    assert BOX_LOAD_WORDS % 2 == 0 and BOX_LOAD_WORDS // 2 <= 256 and BOX_LOAD_WORDS * 4 % 16 == 0
+    assert BOX_STRIDE_WORDS >= BOX_LOAD_WORDS and BOX_STRIDE_WORDS * 4 % 128 == 0
+    ml = _mainloop("wgrad_mxfp8_c1", 256, 384, 320)
+    tx = ml.tx_bytes(None, ml.tile_m, ml.tile_n)
+    assert tx == (ml.tile_m + ml.tile_n) * ml.FORMAT.row_bytes + ml.row_blocks * BOX_LOAD_WORDS * 4
+
+
 def test_row_word_shortcuts():
     """The converters' cheaper forms of `row_word`: a pass's rows (row0 a multiple of 8: the warp-uniform word plus
     4 a row), two adjacent rows from an even one (`lane_pair_scales`), and that order's bank spread there: each of
