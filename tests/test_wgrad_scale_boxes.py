@@ -102,7 +102,7 @@ def test_scale_boxes_read_the_reference_bytes(case, tile_n, m, n):
 def test_scale_box_meets_the_tma_rules():
     """The box's other TMA constraints (the start's alignment is checked per box above): at most 256 elements of
     the 64-bit view, a whole number of 16-byte units, each slot's destination on a 128-byte boundary of the table
-    (itself 128-byte aligned), slots large enough for the box, and the stage's table a whole number of slots."""
+    (itself 128-byte aligned), slots large enough for the box, and the stage's TMA bytes."""
     from cudnn_moe_jax.kernels.sm90.mainloop_dequant_wgrad import (BOX_LOAD_WORDS, BOX_STRIDE_WORDS, BOX_WORDS,
                                                                   TMA_ALIGN_WORDS)
 

@@ -63,7 +63,7 @@ ATOM_WORDS = SF_ATOM_BYTES // 4
 BOX_WORDS = SF_SLOTS * ATOM_WORDS   # the scales of a 128-row block in one stage: its two atoms (1 KiB)
 TMA_ALIGN_WORDS = 4                 # a TMA box starts on a 16-byte boundary of global memory
 BOX_LOAD_WORDS = BOX_WORDS + TMA_ALIGN_WORDS    # the box as loaded: from the aligned word below the atoms
-BOX_STRIDE_WORDS = 288              # a box's slot in the table: BOX_LOAD_WORDS rounded up to 128 bytes (TMA dst)
+BOX_STRIDE_WORDS = -(-BOX_LOAD_WORDS // 32) * 32   # a box's slot in the table: rounded up to 128 bytes (TMA dst)
 
 
 def mainloop_class(problem, config):
@@ -93,9 +93,10 @@ def words_per_token(rows: int, log_vec: int) -> int:
 def box_shift(rows: int, log_vec: int, start):
     """Words between the TMA box's aligned first word (`box_load_word`) and the atoms' first (`scale_box_word`):
     the same for every box of a tile's operand (atoms are whole multiples of 4 words past the segment's base)."""
-    if words_per_token(rows, log_vec) % TMA_ALIGN_WORDS == 0:
+    per_token = words_per_token(rows, log_vec)
+    if per_token % TMA_ALIGN_WORDS == 0:
         return 0
-    return (words_per_token(rows, log_vec) * start) & (TMA_ALIGN_WORDS - 1)
+    return (per_token * start) & (TMA_ALIGN_WORDS - 1)
 
 
 def box_load_word(rows: int, log_vec: int, start, row_block, kb_n, q0):
