@@ -7,6 +7,7 @@ backward ops beside the forward ones.
 
     python -m lab.bench_dequant_first [--only NAME_PART] [--shape fc] [--routes on-chip,xla-dequant,staged]
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_dequant_first:bundle_items
+    (the on-chip wgrad kernel alone on `small` and `e128`: lab.bench_dequant_first:onchip_wgrad_items)
 
 TOKEN_SWEEP adds step shapes with fewer tokens per expert (the same m = 16384) to bench_moe_step's table: the fc
 step's at 1024 / 512 (for the wgrad rule) and the memory-bound 128 experts x 128 rows
@@ -21,20 +22,24 @@ from benchmarks import bench_moe_ops, bench_moe_step
 from lab import harness
 
 TOKEN_SWEEP = {"fc_t1024": ([1024] * 16, 7168, 2048), "fc_t512": ([512] * 32, 7168, 2048),
-               "e128": ([128] * 128, 4096, 1024)}     # issue 19's memory-bound shape (128 experts x 128 rows)
+               "e128": ([128] * 128, 4096, 1024),     # issue 19's memory-bound shape (128 experts x 128 rows)
+               "e128_t64": ([64] * 128, 4096, 1024),  # below the wgrad's dequantize-first threshold (on chip)
+               "e128_t64u": ([56, 72] * 64, 4096, 1024)}  # the same, experts off 16-token boundaries (general path)
 bench_moe_step.SHAPES.update(TOKEN_SWEEP)
 ROUTES = (*harness.BLOCK_SCALED_ROUTES, "staged")
 
 
 def bundle_items(shape: str = "fc", only: str = "") -> list:
     """The block-scaled rows of bench_moe_ops (names containing `only`) lowered under every route."""
+    return [harness.on_route(route, _lowering(fn, avals))
+            for route in ROUTES for fn, avals in _rows(shape, only, route)]
+
+
+def _lowering(fn, avals):
+    """A bundle item: `fn` lowered for CUDA on `avals`."""
     import jax
 
-    def item(fn, avals):
-        return lambda: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
-
-    return [harness.on_route(route, item(fn, avals)) for route in ROUTES
-            for fn, avals in _rows(shape, only, route)]
+    return lambda: jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
 
 
 def token_sweep_items() -> list:
@@ -42,6 +47,17 @@ def token_sweep_items() -> list:
     `small` (256 tokens per expert)."""
     return [i for shape in (*TOKEN_SWEEP, "small")
             for i in bundle_items(shape, "wgrad w") + bench_moe_ops.bundle_items((shape,), "wgrad w")]
+
+
+def onchip_wgrad_items() -> list:
+    """The block-scaled wgrad rows on chip (the K-grouped dequantizing mainloop, mainloop_dequant_wgrad.py) on
+    `small` (256 tokens per expert), `e128` (128) and `e128_t64` / `e128_t64u` (64 on average, the second with
+    experts off 16-token boundaries; there also XLA's route, which the public op does not take below 128 tokens):
+    `--only "wgrad w" --routes on-chip[,xla-dequant]`."""
+    return [harness.on_route(route, _lowering(fn, avals))
+            for shape, routes in (("small", ("on-chip",)), ("e128", ("on-chip",)),
+                                  ("e128_t64", ("on-chip", "xla-dequant")), ("e128_t64u", ("on-chip", "xla-dequant")))
+            for route in routes for fn, avals in _rows(shape, "wgrad w", route)]
 
 
 def shape_items() -> list:

@@ -211,6 +211,9 @@ def bs_inputs(case, pattern: str = "unaligned", mode: str = "exact", seed: int =
             a.view(np.uint8)[5, tokens - 4] = 0x7F
             b.view(np.uint8)[9, tokens - 3] = 0xFF
         sfb[bs_sf_byte(NW, tokens, vec, offsets, 2, 7, 1)] = nan_sf     # B row 7 (W column 7) of expert 2
+        # a padding row of the segment (B row NW + 7: W column past n_w, never stored; kernels that load whole SF
+        # atoms read it)
+        sfb[bs_sf_byte(NW, tokens, vec, offsets, 2, NW + 7, 0)] = nan_sf
         if data == E5M2:      # +inf / -inf codes in expert 3
             end2 = int(sanitized_token_ends(offsets, tokens)[2])
             b.view(np.uint8)[100, end2] = 0x7C

@@ -34,7 +34,7 @@ SANITIZE = {"c2_bf16_tokmajor-empty_and_tail",   # 2x1 clusters, token-major, 3 
             "c1_bf16-unaligned",                 # ranges ending inside k-tiles, a 33-token one
             "acc_c1_bf16_gs-random-1024",        # accumulate_on_output: the epilogue reads the old W (columns
                                                  # past n_w masked), global scales
-            # block-scaled: scale words by cp.async, token masks and split scale blocks
+            # block-scaled: scale boxes by TMA, token masks and split scale blocks
             "bs_mxfp8_c1-unaligned-exact", "bs_nvfp4_c1_gs-empty_and_tail-adversarial",
             "bs_mxfp8e5_tok_c1_gs_acc-a8-specials",
             # 2x1 clusters: B converted half per CTA and bulk-copied to the other (the cluster split)

@@ -5,8 +5,7 @@
 #   .runtime  python tools/fetch_runtime.py (libcute_dsl_runtime.so.xz)
 #   .peers    tokamax + deps for the step benchmark (optional; without it the benchmark reports tokamax unavailable)
 # Use:  OUT=... bash tools/gpu/run_all.sh [tests blockscaled discrete fp4out padfree kernels sanitize ep bench
-#   bench_layer bench_ep race_probe]   (default: all but race_probe, in this order; `kgpu` is the old name of
-#   `kernels`; race_probe needs a second bundle, .bundle_race: lab/race_probe.py). Every script runs
+#   bench_layer bench_ep]   (default: all, in this order; `kgpu` is the old name of `kernels`). Every script runs
 # from the checkout's root (PYTHONPATH=$PWD: the checkout's cudnn_moe_jax, lab, benchmarks). Each step fits one
 # 10-minute device call.
 # Expected (H200, warm caches not assumed): tests ~4 min, blockscaled ~5 min, discrete ~4 min, fp4out ~6 min,
@@ -125,16 +124,6 @@ for s in $steps; do
       rc=$?; grep -q "no GPU kernel" "$OUT/bench_ep.log" && rc="$rc FALLBACK to the reference"
       echo "== bench_ep --devices $devs rc=$rc"; grep -E "^(backend|JAX timed|\|)|^WARNING|no GPU kernel|Error" \
         "$OUT/bench_ep.log" | cut -c1-300 | tail -12 ;;
-    race_probe)  # are the wgrad scale-word table's racecheck reports the tool's? (lab/race_probe.py): racecheck of
-      # three block-scaled wgrad cases on .bundle_race (the arrival as wait-then-arrive) and on .bundle (the product)
-      k=$(python3 -c "from lab.race_probe import pytest_filter; print(pytest_filter())")
-      for b in .bundle_race .bundle; do
-        CUDNN_MOE_JAX_BUNDLE=$PWD/$b XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL ${RACE_TIMEOUT:-110} \
-          compute-sanitizer --tool racecheck --kernel-name kns=GroupedGemmSm90 --error-exitcode 9 python3 -m pytest \
-          tests/gpu/test_wgrad_gpu.py -k "$k" -v -p no:cacheprovider --tb=line > "$OUT/race_probe$b.log" 2>&1
-        echo "== racecheck $b rc=$?"; sanitizer_summary "$OUT/race_probe$b.log"
-      done ;;
-    *) echo "unknown step $s (tests blockscaled discrete fp4out padfree kernels sanitize ep bench bench_layer" \
-         "bench_ep race_probe)" ;;
+    *) echo "unknown step $s (tests blockscaled discrete fp4out padfree kernels sanitize ep bench bench_layer bench_ep)" ;;
   esac
 done

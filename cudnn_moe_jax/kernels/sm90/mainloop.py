@@ -111,7 +111,8 @@ class WgmmaMainloop:
       `PRODUCER_REGS`                             registers of the producer warpgroup's threads (setmaxnreg; the
                                                   consumers get the rest, `consumer_regs`);
       `PRODUCER_ARRIVALS`                         arrivals on a stage's full barrier besides the TMA bytes (the
-                                                  producer warp's own copies, e.g. cp.async of scale words);
+                                                  producer warp's own copies, e.g. the gathering mainloop's cp.async
+                                                  rows);
       `load_tile`, `consumer_operands`, `mma_tile`  the per-tile producer and consumer k-loops (both get the
                                                   schedule's tile); `load_tile` takes the tile's B partition (of
                                                   its expert) and, with discrete weights, the expert's TMA

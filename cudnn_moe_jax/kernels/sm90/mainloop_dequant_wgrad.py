@@ -5,12 +5,19 @@ in per-expert segments (docs/formats.md#segmented-layout), converted exactly to 
 What differs from the forward's dequantizing mainloop:
   scales    token t of the tile's expert e is scaled by local block L = (t - start_e) // vec of e's segment, at byte
             base_e + ((row // 128) * Kb_e + L // 4) * 512 + sf_row_byte(row, L), base_e = rup(R, 128) * start_e / vec
-            (`formats.segment_token_scales`). Segments start at any token, so no TMA box fits them: per stage the
-            producer warp's 32 lanes copy, per row of A and B, the 4-byte words of the two 4-block quads Q0, Q0 + 1
-            the stage's tokens can touch (`cp.async` of 4 bytes, zero-filled past the segment, the buffer or n_w)
-            into a word table (slot, row), and arrive on the stage's full barrier through
-            `cp.async.mbarrier.arrive.noinc` (the barrier counts the TMA's arrival and these 32:
-            `PRODUCER_ARRIVALS`). A converter takes byte L % 4 of slot L // 4 - Q0 of its row.
+            (`formats.segment_token_scales`). Segments start at any token, so no atom-aligned TMA view fits them; the
+            producer loads per stage, for each 128-row block of A and B, the two SF atoms of the 4-block quads Q0,
+            Q0 + 1 the stage's tokens can touch (1 KiB, starting at any 32-bit word: segments start on 4-byte
+            boundaries) by one TMA box on the stage's full barrier beside A and B. A TMA box must start on a 16-byte
+            boundary of global memory (an unaligned start is an illegal instruction: RESULTS run 152), so the box
+            starts at the word below rounded down to 4 words and is 4 words longer (`box_load_word`); the atoms sit
+            `box_shift` words into its slot. Past the buffer the TMA reads zeros; of the words it loads beyond the
+            expert's own (another segment's, the padding rows', the alignment words), those of quads past the
+            expert's last are never read (`block_of` clamps to the expert's blocks) and those of B rows past n_w
+            scale only W columns that are never stored (token-contiguous: scaled by 0; token-major: NaN can appear
+            there; m_w % 128 == 0 leaves A none). A converter takes byte L % 4 of its row's word (`row_word`) in the
+            atom of slot L // 4 - Q0 (`table_word`). No thread writes the table (racecheck reported an earlier
+            version's thread-issued cp.async copies against the converters' reads).
   tokens    a stage is 64 tokens from the expert's first token rounded down to 64 (TMA boxes start on 64-token
             boundaries); the tokens of other experts in the first / last stage are zeroed after conversion, in A and
             in B (their codes or scales may be NaN). Where the expert starts inside a 16-token group the group spans
@@ -42,8 +49,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_row_byte
 
@@ -53,6 +59,11 @@ from .mainloop import WgmmaMainloop
 from .mainloop_dequant import TILE_K, WORKERS, DequantFormat, DequantMainloop, advanced_if, release_last
 
 SF_SLOTS = 2          # 4-block quads of a segment a stage's tokens can touch
+ATOM_WORDS = SF_ATOM_BYTES // 4
+BOX_WORDS = SF_SLOTS * ATOM_WORDS   # the scales of a 128-row block in one stage: its two atoms (1 KiB)
+TMA_ALIGN_WORDS = 4                 # a TMA box starts on a 16-byte boundary of global memory
+BOX_LOAD_WORDS = BOX_WORDS + TMA_ALIGN_WORDS    # the box as loaded: from the aligned word below the atoms
+BOX_STRIDE_WORDS = -(-BOX_LOAD_WORDS // 32) * 32   # a box's slot in the table: rounded up to 128 bytes (TMA dst)
 
 
 def mainloop_class(problem, config):
@@ -66,12 +77,56 @@ def mainloop_class(problem, config):
                                                    "TOKEN_MAJOR": mn})
 
 
-@cute.jit
-def cp_async_4(dst: Int32, src: Int64, src_bytes: Int32):
-    """cp.async of one 4-byte word from global `src` to shared address `dst`; `src_bytes` 0 writes zeros."""
-    llvm.inline_asm(None, [Int32(dst).ir_value(), Int64(src).ir_value(), Int32(src_bytes).ir_value()],
-                    "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+def scale_box_word(rows: int, log_vec: int, start, row_block, kb_n, q0):
+    """First 32-bit word of the scale box of 128-row block `row_block`, quads q0 and q0 + 1, in the segment of an
+    expert whose first token is `start` (`kb_n` quads; formats._segments: its base is rup(rows, 128) / vec bytes a
+    token before it, a whole number of words). Plain integer arithmetic: Python ints (tests) or Int32 (the kernel;
+    counted in words, so buffers up to 8 GiB)."""
+    return words_per_token(rows, log_vec) * start + (row_block * kb_n + q0) * ATOM_WORDS
+
+
+def words_per_token(rows: int, log_vec: int) -> int:
+    """32-bit words of an operand's segment buffer per token: rup(rows, 128) / vec bytes."""
+    return (rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS >> (log_vec + 2)
+
+
+def box_shift(rows: int, log_vec: int, start):
+    """Words between the TMA box's aligned first word (`box_load_word`) and the atoms' first (`scale_box_word`):
+    the same for every box of a tile's operand (atoms are whole multiples of 4 words past the segment's base)."""
+    per_token = words_per_token(rows, log_vec)
+    if per_token % TMA_ALIGN_WORDS == 0:
+        return 0
+    return (per_token * start) & (TMA_ALIGN_WORDS - 1)
+
+
+def box_load_word(rows: int, log_vec: int, start, row_block, kb_n, q0):
+    """The first word the scale box loads: `scale_box_word` rounded down to a 16-byte boundary."""
+    return scale_box_word(rows, log_vec, start, row_block, kb_n, q0) - box_shift(rows, log_vec, start)
+
+
+def box_row_block(i: int, tile_m: int, tile_n: int, m_tile, n_tile):
+    """(operand, 128-row block of that operand) of a tile's scale box i: A's blocks first, then B's."""
+    a_blocks = tile_m // SF_ATOM_ROWS
+    if i < a_blocks:
+        return 0, m_tile * a_blocks + i
+    return 1, n_tile * (tile_n // SF_ATOM_ROWS) + i - a_blocks
+
+
+def row_word(trow):
+    """Word of word-table row `trow` (A's rows, then B's) in slot 0 of its stage's table, before the box's shift
+    (`table_word` adds it): its 128-row block's box, its word of the atom (`sf_row_byte` / 4). Additive over
+    trow's bits: row_word(a + b) = row_word(a) + row_word(b) where a and b share no bit (rows 2j, 2j + 1 of a 32-row
+    group are 4 words apart)."""
+    return (trow >> 7) * BOX_STRIDE_WORDS + (sf_row_byte(trow, 0) >> 2)
+
+
+def sf_words_tma(sf: cute.Tensor):
+    """The TMA (atom, tensor) of a flat segment SF buffer (uint8; its size a multiple of 512 bytes,
+    `formats.sf_segment_bytes`) seen as 64-bit elements: a BOX_LOAD_WORDS box at any 16-byte boundary
+    (`box_load_word` / 2; 8-byte elements: a 1040-byte box is 130 of them, within the TMA's 256)."""
+    elems = cute.make_tensor(cute.recast_ptr(sf.iterator, dtype=Int64), cute.make_layout((cute.size(sf) // 8,)))
+    box = cute.make_layout((BOX_LOAD_WORDS // 2,))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), elems, box, (BOX_LOAD_WORDS // 2,))
 
 
 @cute.jit
@@ -118,7 +173,9 @@ class Stage(NamedTuple):
 class KGroupedDequantMainloop(DequantMainloop):
     """The mainloop protocol (WgmmaMainloop's docstring) of the dequantizing K-grouped wgrad (module docstring)."""
 
-    PRODUCER_ARRIVALS = 1 + 32   # the TMA's arrive-and-expect-tx, warp 0's lanes' cp.async arrivals
+    PRODUCER_ARRIVALS = 1        # the TMA's arrive-and-expect-tx (A, B and the scale boxes)
+    PRODUCER_REGS = 48
+    SMEM_FIXED_BYTES = 1024      # the word table's padding up to the next field's 1 KiB boundary (BOX_STRIDE_WORDS)
     TOKEN_MAJOR = False
     UNSPLIT_SHARE = (1, 2)       # (the forward's three quarters are unmeasured here)
     HOISTS = False               # (its groups are converted by `convert_kgroup`)
@@ -137,7 +194,10 @@ class KGroupedDequantMainloop(DequantMainloop):
             self.set_consumer_b(consumer_b)
         self.m, self.n = m, n      # W's rows (A's) and columns (B's rows)
         self.cluster_m, self.cluster_n = cluster_m, cluster_n
-        self.rows = tile_m + tile_n   # word-table rows: A's, then B's
+        if tile_m % SF_ATOM_ROWS or tile_n % SF_ATOM_ROWS:
+            raise NotImplementedError("the block-scaled wgrad loads whole 128-row SF atoms: tile_m and tile_n must be "
+                                      "multiples of 128")
+        self.row_blocks = (tile_m + tile_n) // SF_ATOM_ROWS   # the word table's 128-row blocks: A's, then B's
         self.log_vec = self.FORMAT.vec.bit_length() - 1
 
     @classmethod
@@ -148,14 +208,16 @@ class KGroupedDequantMainloop(DequantMainloop):
     # ------------------------------------------------------------------------------------------ sizes
     @classmethod
     def tx_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
-        """TMA bytes per stage: the narrow A and B tiles (the scales come by cp.async)."""
-        return (tile_m + tile_n) * cls.FORMAT.row_bytes
+        """TMA bytes per stage: the narrow A and B tiles and their scale boxes (one per 128-row block)."""
+        return (tile_m + tile_n) * cls.FORMAT.row_bytes + (tile_m + tile_n) // SF_ATOM_ROWS * BOX_LOAD_WORDS * 4
 
     @classmethod
     def smem_stage_bytes(cls, ab_dtype, tile_m: int, tile_n: int) -> int:
-        """The narrow tiles, the scale-word table, the bf16 B (and A) stage(s), the worker barrier."""
+        """The narrow tiles and the scale-word table (a BOX_STRIDE_WORDS slot a box), the bf16 B (and A)
+        stage(s), the worker barrier."""
         bf16_rows = tile_n if cls.A_IN_REGISTERS else tile_m + tile_n
-        return cls.tx_bytes(ab_dtype, tile_m, tile_n) + SF_SLOTS * (tile_m + tile_n) * 4 + bf16_rows * TILE_K * 2 + 8
+        table = (tile_m + tile_n) // SF_ATOM_ROWS * BOX_STRIDE_WORDS * 4
+        return (tile_m + tile_n) * cls.FORMAT.row_bytes + table + bf16_rows * TILE_K * 2 + 8
 
     def tiled_mma(self) -> cute.TiledMma:
         """bf16 wgmma: B (and a shared-memory A) K-major, or MN-major for token-major operands; A from registers
@@ -191,16 +253,16 @@ class KGroupedDequantMainloop(DequantMainloop):
         return tuple(mn_bf16_stage_layout(rows, self.stages) for rows in (self.tile_m, self.tile_n))
 
     def smem_fields(self):
-        """The scale-word table of each stage ((slot, A rows + B rows) words) and the bf16 stage(s)."""
+        """The scale-word table of each stage (a box per 128-row block) and the bf16 stage(s)."""
         fields = DequantMainloop.smem_fields(self)
-        words = SF_SLOTS * self.rows * self.stages
+        words = BOX_STRIDE_WORDS * self.row_blocks * self.stages
         fields[0] = ("sSF", cute.struct.Align[cute.struct.MemRange[Int32, words], 128])
         return fields
 
     @cute.jit
     def smem_tensors(self, storage, tidx: Int32, nthreads: cutlass.Constexpr):
         """As the forward's (mainloop_dequant), with the scale-word table (flat Int32) first and its bytes last."""
-        n_words = SF_SLOTS * self.rows * self.stages
+        n_words = BOX_STRIDE_WORDS * self.row_blocks * self.stages
         words = storage.sSF.get_tensor(cute.make_layout(n_words))
         sf_bytes = cute.make_tensor(cute.recast_ptr(storage.sSF.data_ptr(), dtype=cutlass.Uint8),
                                     cute.make_layout(4 * n_words))
@@ -236,16 +298,22 @@ class KGroupedDequantMainloop(DequantMainloop):
         row NaN anyway)."""
         return cutlass.min(cutlass.max(st.tb + t - st.start, Int32(0)) >> self.log_vec, st.last_block)
 
-    def table_slot(self, st: Stage, idx: Int32, block: Int32) -> Int32:
-        """Index of the first word of the word-table slot holding local block `block` in stage idx: row trow's word
-        (A's rows, then B's) is this + trow, the block's byte in it block % 4."""
-        slot = cutlass.min(cutlass.max((block >> 2) - st.q0, Int32(0)), Int32(SF_SLOTS - 1))
-        return (idx * SF_SLOTS + slot) * self.rows
+    def pass_row_word(self, operand: int, row0: Int32, lane: Int32) -> Int32:
+        """`row_word` of lane's row row0 + lane // 4 of `operand`'s 8-row pass at row0 (a multiple of 8, so the
+        sum splits: the warp-uniform row0's word plus 4 words a row)."""
+        return row_word(row0 + (0 if const_expr(operand == 0) else self.tile_m)) + ((lane >> 2) << 2)
+
+    def table_word(self, st: Stage, idx: Int32, block: Int32, rw: Int32, operand: int) -> Int32:
+        """Index of the word holding local block `block` of `operand`'s row whose `row_word` is rw in stage idx (in
+        the atom of the block's quad, `box_shift` words into the box's slot); the block's byte in it is block % 4."""
+        slot = cutlass.min(cutlass.max((block >> 2) - st.q0, 0), SF_SLOTS - 1)
+        shift = box_shift(self.m if operand == 0 else self.n, self.log_vec, st.start)
+        return idx * self.row_blocks * BOX_STRIDE_WORDS + slot * ATOM_WORDS + rw + shift
 
     @cute.jit
-    def sf_code(self, smem, st: Stage, idx: Int32, trow: Int32, block: Int32) -> Int32:
-        """The SF byte of word-table row `trow` and local block `block` in stage idx."""
-        return Int32(smem[7][(self.table_slot(st, idx, block) + trow) * 4 + (block & 3)]) & Int32(0xFF)
+    def sf_code(self, smem, st: Stage, idx: Int32, rw: Int32, block: Int32, operand: cutlass.Constexpr) -> Int32:
+        """The SF byte of local block `block` of `operand`'s row whose `row_word` is rw in stage idx."""
+        return Int32(smem[7][self.table_word(st, idx, block, rw, operand) * 4 + (block & 3)]) & Int32(0xFF)
 
     @staticmethod
     def byte_selector(block: Int32) -> Int32:
@@ -263,76 +331,66 @@ class KGroupedDequantMainloop(DequantMainloop):
 
     # ------------------------------------------------------------------------------------------ producer
     def scale_tmas(self, tensors, cluster_m: int, cluster_n: int):
-        """No scale TMA: the flat segment buffers themselves (the producer's cp.async reads them)."""
-        return None, tensors["sfa"], None, tensors["sfb"]
+        """(atom, tensor) of the SFA and SFB scale-box TMAs (`sf_words_tma`; each CTA loads its own boxes)."""
+        return (*sf_words_tma(tensors["sfa"]), *sf_words_tma(tensors["sfb"]))
 
     @cute.jit
     def partition_scale_loads(self, tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, smem, rank_m, rank_n):
-        return mSFA, mSFB, smem[0]
+        """The TMAs, their 64-bit views and the word table as (box element, 128-row block, stage), 64-bit."""
+        slot = BOX_STRIDE_WORDS // 2                     # (64-bit elements, as the TMA loads them)
+        table = cute.make_tensor(cute.recast_ptr(smem[0].iterator, dtype=Int64), cute.make_layout(
+            (BOX_LOAD_WORDS // 2, self.row_blocks, self.stages), stride=(1, slot, slot * self.row_blocks)))
+        return tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, table
 
     @cute.jit
     def load_tile(self, ab_pipeline, prod_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
                   a_mcast_mask, b_mcast_mask, k_count: Int32, side_inputs, tile, descriptors=None):
-        """k_count stages of the tile: the narrow A / B boxes by TMA, then the stage's scale words by cp.async
-        (every lane: rows lane, lane + 32, ...; the quads Q0 and, where the stage's tokens reach it, Q0 + 1), each
-        lane arriving on the stage's full barrier once its copies landed (`descriptors`: None, wgrad has no
-        per-expert weights)."""
-        mSFA, mSFB, sWords = side_inputs
+        """k_count stages of the tile: the narrow A / B boxes and the stage's scale boxes by TMA (`descriptors`:
+        None, wgrad has no per-expert weights)."""
         seg = self.segment(tile)
-        lane = cute.arch.lane_idx()
         fmt = self.FORMAT
         kb_n = (((seg.end - seg.start + fmt.vec - 1) >> self.log_vec) + 3) >> 2     # the segment's quads
         return self.produce_stages(ab_pipeline, prod_state, (tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB),
-                                   a_mcast_mask, b_mcast_mask, k_count, (side_inputs, tile, seg, lane, kb_n))
+                                   a_mcast_mask, b_mcast_mask, k_count, (side_inputs, tile, seg, kb_n))
 
     @cute.jit
     def load_stage_scales(self, scales, bar, k: Int32, s: Int32, a_mcast_mask, b_mcast_mask, descriptors):
-        """Stage k's scale words by cp.async (load_tile's docstring; its per-tile `scales`), then every lane's
-        arrival on the stage's full barrier."""
-        (mSFA, mSFB, sWords), tile, seg, lane, kb_n = scales
+        """Stage k's scale boxes (load_tile's docstring; its per-tile `scales`): per 128-row block rb of the tile's
+        A rows, then B's, the atoms of quads Q0, Q0 + 1 of rb in the expert's segment, at byte base + (rb * kb_n +
+        Q0) * 512 (base = rup(rows, 128) / vec bytes a token before the expert's first), from the 16-byte boundary
+        at or below it (`box_load_word`)."""
+        (tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, table), tile, seg, kb_n = scales
         st = self.stage(seg, k)
-        last = cutlass.min((st.tb + TILE_K - 1 - seg.start) >> self.log_vec, seg.last_block)
-        slots = 1 + Int32((last >> 2) > st.q0)
-        for operand in cutlass.range_constexpr(2):
+        for i in cutlass.range_constexpr(self.row_blocks):
+            operand, rb = box_row_block(i, self.tile_m, self.tile_n, tile.m_tile, tile.n_tile)
+            atom = tma_atom_sfa if const_expr(operand == 0) else tma_atom_sfb
             mSF = mSFA if const_expr(operand == 0) else mSFB
             rows = self.m if const_expr(operand == 0) else self.n
-            tile_rows = self.tile_m if const_expr(operand == 0) else self.tile_n
-            first_row = (tile.m_tile if const_expr(operand == 0) else tile.n_tile) * tile_rows
-            base = ((rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS >> self.log_vec) * seg.start
-            size = cute.size(mSF)
-            src0 = mSF.iterator.toint()
-            for i in cutlass.range_constexpr(tile_rows // 32):
-                r = first_row + lane + 32 * i
-                row_off = base + (r >> 7) * kb_n * SF_ATOM_BYTES + sf_row_byte(r, 0)
-                trow = (0 if const_expr(operand == 0) else self.tile_m) + lane + 32 * i
-                for w in cutlass.range(slots, unroll=1):
-                    quad = st.q0 + w
-                    off = row_off + quad * SF_ATOM_BYTES
-                    ok = (r < rows) & (quad < kb_n) & (off + 4 <= size)
-                    dst = sWords.iterator + ((s * SF_SLOTS + w) * self.rows + trow)
-                    cp_async_4(dst.toint(), src0 + Int64(cutlass.select_(ok, off, Int32(0))),
-                               cutlass.select_(ok, Int32(4), Int32(0)))
-        cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+            word = box_load_word(rows, self.log_vec, seg.start, rb, kb_n, st.q0)
+            box = cute.local_tile(cute.domain_offset((word >> 1,), mSF), (BOX_LOAD_WORDS // 2,), (None,))
+            dst, src = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                             cute.group_modes(table[(None, i, None)], 0, 1),
+                                             cute.group_modes(box, 0, 1))
+            cute.copy(atom, src[(None, 0)], dst[(None, s)], tma_bar_ptr=bar)
 
     # ------------------------------------------------------------------------------------------ converters
     @cute.jit
-    def convert_kgroup(self, smem, st: Stage, operand: cutlass.Constexpr, row: Int32, q: Int32, idx: Int32,
-                       valid: cutlass.Boolean, store, general: cutlass.Constexpr):
+    def convert_kgroup(self, smem, st: Stage, operand: cutlass.Constexpr, row: Int32, rw: Int32, q: Int32,
+                       idx: Int32, valid: cutlass.Boolean, store, general: cutlass.Constexpr):
         """Group q (stage tokens 16q..16q+15) of row `row` of token-contiguous `operand` -> store(p, pair), scaled
-        by its block's SF byte from the word table (`valid` false: 0.0, B rows past n_w). General path: the group
-        may span two blocks (its first `split` tokens in the first), each half of a pair takes its token's scale,
-        and tokens outside the stage's [lo, hi) come out zero."""
+        by its block's SF byte from the word table (the row's `row_word` rw; `valid` false: 0.0, B rows past n_w).
+        General path: the group may span two blocks (its first `split` tokens in the first), each half of a pair
+        takes its token's scale, and tokens outside the stage's [lo, hi) come out zero."""
         fmt = self.FORMAT
-        trow = row if const_expr(operand == 0) else self.tile_m + row
         u0 = q * dq.GROUP
         b0 = self.block_of(st, u0)
-        s0 = dq.scale_bf16x2(self.sf_code(smem, st, idx, trow, b0), fmt.sf, valid)
+        s0 = dq.scale_bf16x2(self.sf_code(smem, st, idx, rw, b0, operand), fmt.sf, valid)
         words = self.group_words(smem, operand, row, q, idx)
         if const_expr(not general):
             dq.convert_group(words, fmt.data, s0, store)
         else:
-            s1 = dq.scale_bf16x2(self.sf_code(smem, st, idx, trow, cutlass.min(b0 + 1, st.last_block)), fmt.sf,
-                                 valid)
+            s1 = dq.scale_bf16x2(self.sf_code(smem, st, idx, rw, cutlass.min(b0 + 1, st.last_block), operand),
+                                 fmt.sf, valid)
             split = self.clamp16(st.start + ((b0 + 1) << self.log_vec) - st.tb - u0)
             first = (Int32(1) << split) - 1                                   # bit i: token u0 + i in block b0
             keep = ((Int32(1) << self.clamp16(st.hi - u0)) - 1) & ~((Int32(1) << self.clamp16(st.lo - u0)) - 1)
@@ -358,7 +416,7 @@ class KGroupedDequantMainloop(DequantMainloop):
                       lane: Int32):
         """Worker `worker` converts its passes of stage idx (tile-local k-tile k) into the bf16 stage(s). The lane's
         coordinates are re-derived per stage from an opaque lane index: the per-pass addresses do not depend on the
-        stage, and hoisted out of the k-loop they spilled the workers' 40 registers."""
+        stage, and hoisted out of the k-loop they spilled the workers' registers."""
         lane = q8.opaque(lane)
         st = self.stage(self.segment(tile_ctx), k)
         if const_expr(self.TOKEN_MAJOR):
@@ -381,10 +439,12 @@ class KGroupedDequantMainloop(DequantMainloop):
         b0 = self.b_base()
         for u in cutlass.range_constexpr(worker[0] - 1, len(units), len(WORKERS)):
             operand, r0 = units[u]
-            row = r0 + (lane >> 2) + (b0 if const_expr(operand == 1) else 0)
+            first = r0 + (b0 if const_expr(operand == 1) else 0)
+            row = first + (lane >> 2)
             q = lane & 3
             valid, store = self.row_group_store(smem, operand, row, q, idx, n_tile)
-            self.convert_kgroup(smem, st, operand, row, q, idx, valid, store, general)
+            self.convert_kgroup(smem, st, operand, row, self.pass_row_word(operand, first, lane), q, idx, valid,
+                                store, general)
 
     # token-major (FP8): a pass is 64 rows x 8 tokens (rows 64 (p // 8).., K line group p % 8 of the stage: 1 KiB,
     # contiguous in the MN-major bf16 stage), one 16-row x 1-token group a lane, 32 passes for 256 rows as in the
@@ -405,20 +465,43 @@ class KGroupedDequantMainloop(DequantMainloop):
         """The token-major pass p = row0 // 8: lane l converts rows 64 (p // 8) + 16 (l // 8) .. + 15 of stage token
         8 (p % 8) + l % 8 (a quarter warp's loads and stores each hit 8 bank groups). Fast path (the expert starts
         on a 16-token boundary and fills the stage): the 8 tokens of a quarter warp lie in one scale block, so lane
-        l % 8 = j decodes the scales of rows 2j, 2j + 1 and the quarter warp shares them by shuffles; general: each
-        lane decodes its token's 16 scales and zeroes other experts' tokens."""
+        l % 8 = j decodes the scales of rows 2j, 2j + 1 (`lane_pair_scales`) and the quarter warp shares them by
+        shuffles; general: each lane decodes its token's 16 scales (`mn_scales`; sharing two blocks' scales by
+        shuffles instead spilled the stage workers of Config(dequant_a="workers")) and zeroes other experts'
+        tokens."""
         p = row0 >> 3
         r0 = (p >> 3) * 64 + (lane >> 3) * 16
         t = (p & 7) * 8 + (lane & 7)
         if const_expr(general):
             scales = self.mn_scales(smem, st, idx, operand, r0, self.block_of(st, t))
         else:
-            block = self.block_of(st, (p & 7) * 8)
-            trow = r0 + 2 * (lane & 7) + (0 if const_expr(operand == 0) else self.tile_m)
-            words = load_words(smem[0].iterator + self.table_slot(st, idx, block) + trow, 2)
-            mine = self.row_pair_scales(words[0], words[1], self.byte_selector(block))
+            mine = self.lane_pair_scales(smem, st, idx, operand, r0, lane, self.block_of(st, (p & 7) * 8))
             scales = [cute.arch.shuffle_sync(mine, (lane & 0x18) | j) for j in range(8)]
         self.convert_mn_token(smem, st, idx, operand, r0, t, scales, general)
+
+    @cute.jit
+    def mn_scales(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, block: Int32):
+        """The scales of rows r0..r0+15 (a 16-row chunk of `operand`) in local block `block` as 8 bf16x2 pairs
+        (rows 2p, 2p + 1): the chunk's 16 words of the block's atom (4 words apart: one 32-row group), its byte
+        picked by a register-selected permute, e8m0 -> bf16 two at a time (0x00 -> 2^-127, 0xFF -> NaN)."""
+        base = self.table_word(st, idx, block, row_word(r0 + (0 if const_expr(operand == 0) else self.tile_m)),
+                               operand)
+        words = [smem[0][base + 4 * j] for j in range(16)]
+        sel = self.byte_selector(block)
+        return [self.row_pair_scales(words[2 * p], words[2 * p + 1], sel) for p in range(8)]
+
+    @cute.jit
+    def lane_pair_scales(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, lane: Int32,
+                         block: Int32) -> Int32:
+        """The bf16x2 scales of rows r0 + 2j, r0 + 2j + 1 (j = lane % 8) in local block `block`. The two rows' words
+        are 4 apart; lanes 4-7 of a quarter warp read them in the other order, so each of the two loads hits 16
+        banks twice (2 wavefronts, not 4), and a swapped selector undoes it."""
+        trow = r0 + 2 * (lane & 7) + (0 if const_expr(operand == 0) else self.tile_m)
+        w = self.table_word(st, idx, block, row_word(trow), operand)
+        swap = (lane >> 2) & 1
+        byte = block & 3
+        sel = Int32(cutlass.select_(swap != 0, (byte + 4) | (byte << 4), self.byte_selector(block)))
+        return self.row_pair_scales(smem[0][w + 4 * swap], smem[0][w + 4 - 4 * swap], sel)
 
     def b_pass_bytes(self, idx: Int32, row: Int32) -> Int32:
         """Token-major: pass p = row // 8 sits at rows 64 (p // 8).. of K line group p % 8 (mn_bf16_stage_layout;
@@ -428,19 +511,6 @@ class KGroupedDequantMainloop(DequantMainloop):
             return DequantMainloop.b_pass_bytes(self, idx, row)
         p = row >> 3
         return (idx * self.tile_n * TILE_K + (p & 7) * 8 * self.tile_n + (p >> 3) * 512) * 2
-
-    @cute.jit
-    def mn_scales(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, block: Int32):
-        """The scales of rows r0..r0+15 (a 16-row chunk of `operand`) in local block `block` as 8 bf16x2 pairs
-        (rows 2p, 2p + 1): the chunk's 16 words of the block's slot, its byte picked by a register-selected
-        permute, e8m0 -> bf16 two at a time (0x00 -> 2^-127, 0xFF -> NaN)."""
-        trow = r0 if const_expr(operand == 0) else self.tile_m + r0
-        base = self.table_slot(st, idx, block) + trow
-        words = []
-        for j in cutlass.range_constexpr(4):
-            words += load_words(smem[0].iterator + base + 4 * j, 4)
-        sel = self.byte_selector(block)
-        return [self.row_pair_scales(words[2 * p], words[2 * p + 1], sel) for p in range(8)]
 
     @cute.jit
     def convert_mn_token(self, smem, st: Stage, idx: Int32, operand: cutlass.Constexpr, r0: Int32, t: Int32,
@@ -504,7 +574,7 @@ class KGroupedDequantMainloop(DequantMainloop):
     def consumer_b_pass(self, b_thread, row0: Int32, lane: Int32, idx: Int32, k: Int32):
         """A consumer lane's share of the B pass at row0 (token-major: `convert_mn_pass`; else the forward's)."""
         if const_expr(not self.TOKEN_MAJOR):
-            DequantMainloop.consumer_b_pass(self, b_thread, row0, lane, idx, k)
+            self.consumer_b_kpass(b_thread, row0, lane, idx, k)
         else:
             st = self.stage(b_thread[4], k)
             if st.general:
@@ -513,15 +583,19 @@ class KGroupedDequantMainloop(DequantMainloop):
                 self.convert_mn_pass(b_thread[0], st, idx, 1, row0, lane, False)
 
     @cute.jit
-    def consumer_b_group(self, b_thread, row: Int32, q: Int32, idx: Int32, k: Int32):
-        """A consumer's B group (mainloop_dequant's consumer passes) as `convert_k_stage` converts it."""
+    def consumer_b_kpass(self, b_thread, row0: Int32, lane: Int32, idx: Int32, k: Int32):
+        """A consumer lane's group of the B pass at row0 (mainloop_dequant's consumer passes) as `convert_k_stage`
+        converts it."""
         smem, _, _, n_tile, seg = b_thread
         st = self.stage(seg, k)
+        row = row0 + (lane >> 2)
+        q = lane & 3
+        rw = self.pass_row_word(1, row0, lane)
         valid, store = self.row_group_store(smem, 1, row, q, idx, n_tile)   # (once, before the path split)
         if st.general:
-            self.convert_kgroup(smem, st, 1, row, q, idx, valid, store, True)
+            self.convert_kgroup(smem, st, 1, row, rw, q, idx, valid, store, True)
         else:
-            self.convert_kgroup(smem, st, 1, row, q, idx, valid, store, False)
+            self.convert_kgroup(smem, st, 1, row, rw, q, idx, valid, store, False)
 
     @cute.jit
     def _convert_a(self, frag, a_thread, idx: Int32, k: Int32):
@@ -547,7 +621,8 @@ class KGroupedDequantMainloop(DequantMainloop):
             def store(p, pair, half=half):
                 words[2 * p + half] = pair
 
-            self.convert_kgroup(smem, st, 0, row + 8 * half, q, idx, cutlass.Boolean(True), store, general)
+            self.convert_kgroup(smem, st, 0, row + 8 * half, row_word(row + 8 * half), q, idx,
+                                cutlass.Boolean(True), store, general)
 
     @cute.jit
     def _convert_a_tokens(self, words: cute.Tensor, smem, st: Stage, row: Int32, q: Int32, idx: Int32,
@@ -563,8 +638,9 @@ class KGroupedDequantMainloop(DequantMainloop):
         sel = byte | ((byte + 4) << 4)
         first = self.block_of(st, Int32(0))
         n_blocks = 3 if const_expr(general) else TILE_K // fmt.vec
-        scales = [[dq.scale_bf16x2(self.sf_code(smem, st, idx, row + 8 * half,
-                                                cutlass.min(first + j, st.last_block)), fmt.sf, cutlass.Boolean(True))
+        scales = [[dq.scale_bf16x2(self.sf_code(smem, st, idx, row_word(row + 8 * half),
+                                                cutlass.min(first + j, st.last_block), 0), fmt.sf,
+                                   cutlass.Boolean(True))
                    for j in range(n_blocks)] for half in range(2)]
         for p in cutlass.range_constexpr(dq.PAIRS):
             t0 = 8 * p + 2 * q
