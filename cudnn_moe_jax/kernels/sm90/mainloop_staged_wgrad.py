@@ -18,7 +18,11 @@ not all start on 16 tokens, each lane loads the aligned words around its group a
 bytes, packed FP4 by nibbles); codes past the expert's end are zeroed before the conversion (the next expert's
 NaN codes stay out of the group), the pad after it (a NaN scale times zero) after it. A job publishes its chunk
 like the forward's (fence.proxy.async.global, a release add on the flag of its 128-row block of A or B and chunk);
-the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk.
+the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk, and
+raises the frontier word (the furthest chunk any producer has reached) first; a converter holds a job of a chunk more
+than LEAD_CHUNKS past the frontier until it moves, so the converted chunks wait in L2, not DRAM. (No deadlock: jobs
+are taken in chunk order, a job at or below frontier + LEAD_CHUNKS never waits, and every chunk holds some expert's
+tokens, whose tiles raise the frontier to it.)
 
 Token-major FP8 operands (codes (T, rows): `mainloop_class`) go into token-major workspaces (T + 64 L, rows) that
 the bf16 kernel reads MN-major; there a lane converts 16 rows of 4 tokens (`convert_tokens`: each token its own
@@ -38,16 +42,21 @@ from cutlass import BFloat16, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv
-from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS, STAGED_TOKEN_TILE
+from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_FRONTIER, STAGED_TOKEN_TILE, STAGED_WGRAD_HEADER_WORDS
 
 from .. import dequant as dq
 from ..scheduler import count_ends_at_most
 from .mainloop import TILE_K, WgmmaMainloop, copy_ab_stage
 from .mainloop_dequant_wgrad import KGroupedDequantMainloop
-from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar,
-                              ld_global_words, ld_shared_v4, publish, st_shared_word, take_job, wait_flag)
+from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar, ld_global_words,
+                              ld_shared_v4, nap, publish, raise_to, read_mark, st_shared_word, take_job, wait_flag)
 
 assert STAGED_TOKEN_TILE == TILE_K
+# How far the converters may run ahead of the GEMM: a job of chunk c waits until a producer has reached chunk
+# c - LEAD_CHUNKS (the frontier). Unbounded, FP4's converters ran so far ahead that the workspace's lines left L2
+# before the GEMM read them (e128 W2 NVFP4 on an H100: L2 hit rate 71% against MXFP8's 82%, 2.3 GB of DRAM traffic
+# against 1.9, 0.92 ms against 0.73; RESULTS run 156).
+LEAD_CHUNKS = 2
 
 
 @cute.jit
@@ -156,7 +165,9 @@ class StagedKGroupedMainloop(WgmmaMainloop):
     @cute.jit
     def wait_chunk(self, header: Int64, tile, c: Int32):
         """Wait for chunk c of the tile's 128-row blocks of A (4 slabs each: m_w % 128 == 0) and of B."""
-        first = Int64(STAGED_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks)
+        if cute.arch.lane_idx() == 0:
+            raise_to(header + STAGED_FRONTIER * 4, c)
+        first = Int64(STAGED_WGRAD_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks)
         for h in cutlass.range_constexpr(self.tile_m // SF_ATOM_ROWS):
             block = tile.m_tile * (self.tile_m // SF_ATOM_ROWS) + h
             wait_flag(header + (first + block) * 4, Int32(SF_ATOM_ROWS // SLAB))
@@ -185,6 +196,8 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         while j < jobs:
             c = j // per_chunk
             r = j - c * per_chunk
+            while c > read_mark(header + STAGED_FRONTIER * 4) + LEAD_CHUNKS:
+                nap()
             block = Int32(0)
             if r < self.a_slabs:
                 self.convert_job(args.mCodesA, args.mSFA, args.mStagedA, self.m, r * SLAB, c, lane, cta.sEnds, padded,
@@ -198,7 +211,7 @@ class StagedKGroupedMainloop(WgmmaMainloop):
             fence_async_global()
             cute.arch.sync_warp()
             if lane == 0:
-                flag = Int64(STAGED_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks) + block
+                flag = Int64(STAGED_WGRAD_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks) + block
                 publish(header + flag * 4)
             j = take_job(header, lane)
 
