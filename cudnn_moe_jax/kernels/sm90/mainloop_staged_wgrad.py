@@ -18,11 +18,11 @@ not all start on 16 tokens, each lane loads the aligned words around its group a
 bytes, packed FP4 by nibbles); codes past the expert's end are zeroed before the conversion (the next expert's
 NaN codes stay out of the group), the pad after it (a NaN scale times zero) after it. A job publishes its chunk
 like the forward's (fence.proxy.async.global, a release add on the flag of its 128-row block of A or B and chunk);
-the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk, and
-raises the frontier word (the furthest chunk any producer has reached) first; a converter holds a job of a chunk
-more than `lead_chunks` past the frontier until it moves, so the converted chunks wait in L2, not DRAM. (No
-deadlock: jobs are taken in chunk order, a job at most the lead past the frontier never waits, and every chunk holds
-some expert's tokens, whose tiles raise the frontier to it.)
+the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk. FP4:
+the producer first raises the frontier word (the furthest chunk any producer has reached), and a converter holds a
+job of a chunk more than `lead_chunks` past the frontier until it moves, so the converted chunks wait in L2, not
+DRAM. (No deadlock: jobs are taken in chunk order, a job at most the lead past the frontier never waits, and every
+chunk holds some expert's tokens, whose tiles raise the frontier to it.)
 
 Token-major FP8 operands (codes (T, rows): `mainloop_class`) go into token-major workspaces (T + 64 L, rows) that
 the bf16 kernel reads MN-major; there a lane converts 16 rows of 4 tokens (`convert_tokens`: each token its own
@@ -52,12 +52,13 @@ from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global
                               ld_shared_v4, nap, publish, raise_to, read_mark, st_shared_word, take_job, wait_flag)
 
 assert STAGED_TOKEN_TILE == TILE_K
-# How far the converters may run ahead of the GEMM (`lead_chunks`): a job of chunk c waits until a producer has
-# reached chunk c - lead (the frontier). Unbounded, FP4's converters got so far ahead on the 128-token experts that
-# the converted chunks left L2 before the GEMM read them (e128 W2 NVFP4 on an H100: L2 hit rate 71% against MXFP8's
-# 82%, 0.96 GB read from DRAM where the codes are 84 MB; RESULTS runs 156-157). The lead covers LEAD_WAVES of the
-# GEMM's tiles (less and the GEMM waits for conversions: lead 1 on `small` -8..-14%) and two experts' tokens (all
-# of an expert's chunks are read from its first wave on; the L2 cannot hold a large expert's workspace anyway).
+# How far FP4's converters may run ahead of the GEMM (`lead_chunks`): a job of chunk c waits until a producer has
+# reached chunk c - lead (the frontier). Unbounded, they got so far ahead on 128-token experts that the converted
+# chunks left L2 before the GEMM read them (e128 W2 NVFP4 on an H100: L2 hit rate 71% against MXFP8's 82%, 0.96 GB
+# read from DRAM where the codes are 84 MB); bounded, e128 FP4 runs +26-32%, `small` W1 +8% (RESULTS runs 156-158).
+# The lead covers LEAD_WAVES of the GEMM's tiles (lead 1 on `small`: -8..-14%, the GEMM waits for conversions) and
+# two experts' tokens (an expert's chunks are all read from its first wave on). FP8's converters, reading twice the
+# bytes a value, do not outrun the GEMM (82% L2 hits unbounded) and lose 1-4% to any lead: they run unbounded.
 LEAD_WAVES = 1.5
 
 
@@ -169,8 +170,9 @@ class StagedKGroupedMainloop(WgmmaMainloop):
     @cute.jit
     def wait_chunk(self, header: Int64, tile, c: Int32):
         """Wait for chunk c of the tile's 128-row blocks of A (4 slabs each: m_w % 128 == 0) and of B."""
-        if cute.arch.lane_idx() == 0:
-            raise_to(header + STAGED_FRONTIER * 4, c)
+        if const_expr(self.fp4):
+            if cute.arch.lane_idx() == 0:
+                raise_to(header + STAGED_FRONTIER * 4, c)
         first = Int64(STAGED_WGRAD_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks)
         for h in cutlass.range_constexpr(self.tile_m // SF_ATOM_ROWS):
             block = tile.m_tile * (self.tile_m // SF_ATOM_ROWS) + h
@@ -197,13 +199,14 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         per_chunk = Int32(self.a_slabs + self.b_slabs)
         chunks = (padded + STAGED_CHUNK_K - 1) // STAGED_CHUNK_K
         jobs = chunks * per_chunk
-        lead = self.lead_chunks(padded, chunks)
+        lead = self.lead_chunks(padded, chunks) if self.fp4 else None
         j = take_job(header, lane)
         while j < jobs:
             c = j // per_chunk
             r = j - c * per_chunk
-            while c > read_mark(header + STAGED_FRONTIER * 4) + lead:
-                nap()
+            if const_expr(self.fp4):
+                while c > read_mark(header + STAGED_FRONTIER * 4) + lead:
+                    nap()
             block = Int32(0)
             if r < self.a_slabs:
                 self.convert_job(args.mCodesA, args.mSFA, args.mStagedA, self.m, r * SLAB, c, lane, cta.sEnds, padded,
