@@ -10,6 +10,7 @@ of the Hadamard benchmark (`had SHAPE/FORMAT/VARIANT`: benchmarks.bench_cases.ha
     ncu ... python3 -m lab.profile_one fmt fc1_nvfp4_default
     ncu ... python3 -m lab.profile_one had small/nvfp4/h_d4_row4       # vs small/nvfp4/h_d4 (no RHT output)
     ncu ... python3 -m lab.profile_one torch fc2
+    ncu ... python3 -m lab.profile_one wgrad "e128/wgrad w2 nvfp4"   # a block-scaled wgrad row of bench_moe_ops
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ def kernel_args(problem):
 
 
 def main(kind: str, what: str) -> None:
+    if kind == "wgrad":   # SHAPE/ROW: a BS_WGRAD row of benchmarks/bench_moe_ops.py through the public op
+        import jax
+
+        import lab.bench_dequant_first  # noqa: F401  (adds e128 and the token sweep to the step shapes)
+        from benchmarks import bench_moe_ops
+
+        shape, row = what.split("/")
+        fn, _, _, inputs = bench_moe_ops._bs_wgrad(shape, row)
+        f, args = jax.jit(fn), inputs(0)
+        for _ in range(4):
+            jax.block_until_ready(f(*args))
+        return
     if kind in ("ours", "mx", "fmt", "had"):
         import jax
 

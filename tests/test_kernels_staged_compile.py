@@ -127,15 +127,15 @@ def test_staged_wgrad_compiles_with_its_converters(fmt, token_major):
 
 def test_staged_wgrad_workspaces_follow_the_token_count():
     """A (m_w, T + 64 L) and B (n_w, T + 64 L) in bf16 (every expert's tokens from a 64-token boundary), one flag
-    per 128-row block of A and B and 512-token chunk after the job counter, all dynamic in T (one module serves
-    every T); no A flags column. Supported token-contiguous and ungathered only."""
+    per 128-row block of A and B and 512-token chunk after the job counter and the GEMM's frontier, all dynamic in
+    T (one module serves every T); no A flags column. Supported token-contiguous and ungathered only."""
     from cudnn_moe_jax import operands
     from cudnn_moe_jax.kernels.sm90 import config, jax_bridge
 
     p = wgrad_problem("mxfp8", k=2000)
     out = {b.name: b for b in operands.launch_outputs(p, config.default_config(p))}
     assert out["staged_a"].shape == (512, 2000 + 64 * 5) and out["staged_b"].shape == (320, 2000 + 64 * 5)
-    assert out["staged_b_flags"].shape == (1 + (4 + 3) * 5,) and "staged_a_flags" not in out
+    assert out["staged_b_flags"].shape == (2 + (4 + 3) * 5,) and "staged_a_flags" not in out
     assert {out[n].dtype for n in ("staged_a", "staged_b")} == {"bfloat16"}
     specs = dict(zip([b.name for b in operands.launch_outputs(p, config.default_config(p))],
                      jax_bridge.tensor_specs(p, config.default_config(p))[1]))

@@ -108,6 +108,23 @@ def acquire(addr: Int64) -> Int32:
 
 
 @cute.jit
+def raise_to(addr: Int64, value: Int32):
+    """The word at `addr` becomes max(word, value) (relaxed: a progress mark, no data behind it)."""
+    _asm(None, "red.relaxed.gpu.global.max.u32 [$0], $1;", "l,r", Int64(addr), Int32(value))
+
+
+@cute.jit
+def read_mark(addr: Int64) -> Int32:
+    """A word other CTAs raise (`raise_to`), read past L1."""
+    return Int32(_asm(Int32.mlir_type, "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l", Int64(addr)))
+
+
+@cute.jit
+def nap():
+    _asm(None, "nanosleep.u32 500;", "")
+
+
+@cute.jit
 def fence_async_global():
     _asm(None, "fence.proxy.async.global;", "")
 

@@ -18,7 +18,11 @@ not all start on 16 tokens, each lane loads the aligned words around its group a
 bytes, packed FP4 by nibbles); codes past the expert's end are zeroed before the conversion (the next expert's
 NaN codes stay out of the group), the pad after it (a NaN scale times zero) after it. A job publishes its chunk
 like the forward's (fence.proxy.async.global, a release add on the flag of its 128-row block of A or B and chunk);
-the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk.
+the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk. FP4:
+the producer first raises the frontier word (the furthest chunk any producer has reached), and a converter holds a
+job of a chunk more than `lead_chunks` past the frontier until it moves, so the converted chunks wait in L2, not
+DRAM. (No deadlock: jobs are taken in chunk order, a job at most the lead past the frontier never waits, and every
+chunk holds some expert's tokens, whose tiles raise the frontier to it.)
 
 Token-major FP8 operands (codes (T, rows): `mainloop_class`) go into token-major workspaces (T + 64 L, rows) that
 the bf16 kernel reads MN-major; there a lane converts 16 rows of 4 tokens (`convert_tokens`: each token its own
@@ -38,16 +42,24 @@ from cutlass import BFloat16, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv
-from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS, STAGED_TOKEN_TILE
+from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_FRONTIER, STAGED_TOKEN_TILE, STAGED_WGRAD_HEADER_WORDS
 
 from .. import dequant as dq
 from ..scheduler import count_ends_at_most
 from .mainloop import TILE_K, WgmmaMainloop, copy_ab_stage
 from .mainloop_dequant_wgrad import KGroupedDequantMainloop
-from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar,
-                              ld_global_words, ld_shared_v4, publish, st_shared_word, take_job, wait_flag)
+from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar, ld_global_words,
+                              ld_shared_v4, nap, publish, raise_to, read_mark, st_shared_word, take_job, wait_flag)
 
 assert STAGED_TOKEN_TILE == TILE_K
+# How far FP4's converters may run ahead of the GEMM (`lead_chunks`): a job of chunk c waits until a producer has
+# reached chunk c - lead (the frontier). Unbounded, they got so far ahead on 128-token experts that the converted
+# chunks left L2 before the GEMM read them (e128 W2 NVFP4 on an H100: L2 hit rate 71% against MXFP8's 82%, 0.96 GB
+# read from DRAM where the codes are 84 MB); bounded, e128 FP4 runs +26-32%, `small` W1 +8% (RESULTS runs 156-158).
+# The lead covers LEAD_WAVES of the GEMM's tiles (lead 1 on `small`: -8..-14%, the GEMM waits for conversions) and
+# two experts' tokens (an expert's chunks are all read from its first wave on). FP8's converters, reading twice the
+# bytes a value, do not outrun the GEMM (82% L2 hits unbounded) and lose 1-4% to any lead: they run unbounded.
+LEAD_WAVES = 1.5
 
 
 @cute.jit
@@ -103,6 +115,8 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         self.m, self.n, self.num_groups = problem.m, problem.n, problem.num_groups
         self.a_blocks, self.b_blocks = cdiv(problem.m, SF_ATOM_ROWS), cdiv(problem.n, SF_ATOM_ROWS)
         self.a_slabs, self.b_slabs = cdiv(problem.m, SLAB), cdiv(problem.n, SLAB)
+        self.cta_tiles = problem.num_groups * cdiv(problem.m, config.tile_m) * cdiv(problem.n, config.tile_n)
+        self.cluster_size = config.cluster_m * config.cluster_n
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
@@ -156,7 +170,10 @@ class StagedKGroupedMainloop(WgmmaMainloop):
     @cute.jit
     def wait_chunk(self, header: Int64, tile, c: Int32):
         """Wait for chunk c of the tile's 128-row blocks of A (4 slabs each: m_w % 128 == 0) and of B."""
-        first = Int64(STAGED_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks)
+        if const_expr(self.fp4):
+            if cute.arch.lane_idx() == 0:
+                raise_to(header + STAGED_FRONTIER * 4, c)
+        first = Int64(STAGED_WGRAD_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks)
         for h in cutlass.range_constexpr(self.tile_m // SF_ATOM_ROWS):
             block = tile.m_tile * (self.tile_m // SF_ATOM_ROWS) + h
             wait_flag(header + (first + block) * 4, Int32(SF_ATOM_ROWS // SLAB))
@@ -180,11 +197,16 @@ class StagedKGroupedMainloop(WgmmaMainloop):
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             scratch = cta.ml_smem + (warp - self.CONVERT_WARPS[0]) * (SLAB * 4)
         per_chunk = Int32(self.a_slabs + self.b_slabs)
-        jobs = (padded + STAGED_CHUNK_K - 1) // STAGED_CHUNK_K * per_chunk
+        chunks = (padded + STAGED_CHUNK_K - 1) // STAGED_CHUNK_K
+        jobs = chunks * per_chunk
+        lead = self.lead_chunks(padded, chunks) if self.fp4 else None
         j = take_job(header, lane)
         while j < jobs:
             c = j // per_chunk
             r = j - c * per_chunk
+            if const_expr(self.fp4):
+                while c > read_mark(header + STAGED_FRONTIER * 4) + lead:
+                    nap()
             block = Int32(0)
             if r < self.a_slabs:
                 self.convert_job(args.mCodesA, args.mSFA, args.mStagedA, self.m, r * SLAB, c, lane, cta.sEnds, padded,
@@ -198,9 +220,19 @@ class StagedKGroupedMainloop(WgmmaMainloop):
             fence_async_global()
             cute.arch.sync_warp()
             if lane == 0:
-                flag = Int64(STAGED_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks) + block
+                flag = Int64(STAGED_WGRAD_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks) + block
                 publish(header + flag * 4)
             j = take_job(header, lane)
+
+    @cute.jit
+    def lead_chunks(self, padded: Int32, chunks: Int32) -> Int32:
+        """The converters' lead over the frontier, in chunks: LEAD_WAVES of the GEMM's tiles (chunks / waves of
+        them per chunk), at least two experts' padded tokens (module docstring)."""
+        _, _, clusters = cute.arch.grid_dim()
+        scaled = int(LEAD_WAVES * 16)     # LEAD_WAVES in 1/16ths: integer arithmetic
+        by_waves = (scaled * clusters * self.cluster_size * chunks + 16 * self.cta_tiles - 1) // (16 * self.cta_tiles)
+        by_experts = (2 * padded + self.num_groups * STAGED_CHUNK_K - 1) // (self.num_groups * STAGED_CHUNK_K)
+        return cutlass.max(cutlass.max(by_waves, by_experts), Int32(1))
 
     @cute.jit
     def convert_job(self, mCodes, mSF, mOut, rows_total: cutlass.Constexpr, row0: Int32, c: Int32, lane: Int32,
