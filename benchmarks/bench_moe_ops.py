@@ -34,24 +34,27 @@ def _ops(shape: str):
     valid = sum(sizes)
     sw = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
     nmaj = dict(a_major="m", b_major="n")
+    al = _aligned(shape)
     ops = {
         "fc1 glu (fwd)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_glu(
             x, w1, padded_offsets=off, prob_tensor=p, act_func="swiglu", c_dtype="bfloat16", d_dtype="bfloat16",
-            compute_amax=False).d_tensor, 2 * valid * h * 2 * i),
+            compute_amax=False, **al).d_tensor, 2 * valid * h * 2 * i),
         "fc2 quant (fwd)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_quant(
-            hh, w2, padded_offsets=off, d_dtype="bfloat16", compute_amax=False).d_tensor, 2 * valid * i * h),
+            hh, w2, padded_offsets=off, d_dtype="bfloat16", compute_amax=False, **al).d_tensor,
+            2 * valid * i * h),
         "dglu (fc2 dgrad)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_dglu(
             dy, sw(w2), c, padded_offsets=off, prob_tensor=p, act_func="dswiglu", d_dtype="bfloat16",
-            compute_amax=False, b_major="n").d_row_tensor, 2 * valid * h * i),
+            compute_amax=False, b_major="n", **al).d_row_tensor, 2 * valid * h * i),
         "dsrelu (fc2 dgrad)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_dsrelu(
             dy, sw(w2), hh, padded_offsets=off, prob_tensor=p, d_dtype="bfloat16", compute_amax=False,
-            b_major="n").d_row_tensor, 2 * valid * h * i),
+            b_major="n", **al).d_row_tensor, 2 * valid * h * i),
         # the same dgrad with FP8 D_row (e4m3 + SFD_row, D_col, SFD_col), as an FP8 training recipe asks for
         "dglu e4m3 D (+SFD)": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_dglu(
             dy, sw(w2), c, padded_offsets=off, prob_tensor=p, act_func="dswiglu", d_dtype="float8_e4m3fn",
-            norm_const_tensor=jnp.ones((1,), jnp.float32), b_major="n").d_row_tensor, 2 * valid * h * i),
+            norm_const_tensor=jnp.ones((1,), jnp.float32), b_major="n", **al).d_row_tensor,
+            2 * valid * h * i),
         "fc1 dgrad quant": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_quant(
-            dc, sw(w1), padded_offsets=off, d_dtype="bfloat16", b_major="n", compute_amax=False).d_tensor,
+            dc, sw(w1), padded_offsets=off, d_dtype="bfloat16", b_major="n", compute_amax=False, **al).d_tensor,
             2 * valid * 2 * i * h),
         "wgrad w2": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_wgrad(
             dy.T, hh.T, off, wgrad_dtype="bfloat16", **nmaj).wgrad_tensor, 2 * valid * h * i),
@@ -63,6 +66,12 @@ def _ops(shape: str):
             **nmaj).wgrad_tensor, 2 * valid * h * i),
     }
     return m, ops, sizes, h, i
+
+
+def _aligned(shape: str) -> dict:
+    """The M-grouped ops' `m_aligned` keyword where the shape's groups are not 256-aligned (bench_moe_step.ALIGN)."""
+    align = step.ALIGN.get(shape, 256)
+    return {} if align == 256 else {"m_aligned": align}
 
 
 def _avals(shape: str):
@@ -154,7 +163,7 @@ def _bs_op(shape: str, name: str):
     off = jnp.asarray(offsets)
     valid = sum(sizes)
     (k, n) = {"fc1 glu": (h, 2 * i), "fc2 quant": (i, h), "dglu": (h, i)}[gemm]
-    kw = dict(padded_offsets=off, sf_vec_size=vec)
+    kw = dict(padded_offsets=off, sf_vec_size=vec, **_aligned(shape))
 
     def fn(a, b, sfa, sfb, c, prob):
         if gemm == "fc1 glu":

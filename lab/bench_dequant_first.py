@@ -26,6 +26,9 @@ TOKEN_SWEEP = {"fc_t1024": ([1024] * 16, 7168, 2048), "fc_t512": ([512] * 32, 71
                "e128_t64": ([64] * 128, 4096, 1024),  # below the wgrad's dequantize-first threshold (on chip)
                "e128_t64u": ([56, 72] * 64, 4096, 1024)}  # the same, experts off 16-token boundaries (general path)
 bench_moe_step.SHAPES.update(TOKEN_SWEEP)
+# issue 19's memory-bound shape as it is (128 rows per expert, no padding: m_aligned 128); `e128` pads each to 256
+bench_moe_step.SHAPES["e128_a128"] = ([128] * 128, 4096, 1024)
+bench_moe_step.ALIGN["e128_a128"] = 128
 ROUTES = (*harness.BLOCK_SCALED_ROUTES, "staged")
 
 
