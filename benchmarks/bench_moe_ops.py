@@ -69,9 +69,8 @@ def _ops(shape: str):
 
 
 def _aligned(shape: str) -> dict:
-    """The M-grouped ops' `m_aligned` keyword where the shape's groups are not 256-aligned (bench_moe_step.ALIGN)."""
-    align = step.ALIGN.get(shape, 256)
-    return {} if align == 256 else {"m_aligned": align}
+    """The M-grouped ops' `m_aligned` keyword: the shape's group alignment (bench_moe_step.align)."""
+    return {"m_aligned": step.align(shape)}
 
 
 def _avals(shape: str):

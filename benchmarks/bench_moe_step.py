@@ -31,6 +31,10 @@ STEPS, REPS, SETS = 4, 5, 4
 ALIGN = {}
 
 
+def align(name) -> int:
+    return ALIGN.get(name, 256)
+
+
 def flops(sizes, h, i):
     return 18.0 * sum(sizes) * h * i
 
@@ -40,10 +44,10 @@ def _problem(name, act, dtype="bfloat16"):
     import jax.numpy as jnp
 
     sizes, h, i = SHAPES[name]
-    align = ALIGN.get(name, 256)
-    m = sum(-(-s // align) * align for s in sizes) or align
+    a = align(name)
+    m = sum(-(-s // a) * a for s in sizes) or a
     n1 = i if act == "srelu" else 2 * i
-    offsets = np.cumsum([-(-s // align) * align for s in sizes]).astype(np.int32)
+    offsets = np.cumsum([-(-s // a) * a for s in sizes]).astype(np.int32)
     sd = jax.ShapeDtypeStruct
     avals = (sd((m, h), dtype), sd((len(sizes), n1, h), dtype), sd((len(sizes), h, i), dtype), sd((m,), jnp.float32),
              sd((m, h), dtype))
