@@ -62,6 +62,11 @@ assert STAGED_TOKEN_TILE == TILE_K
 LEAD_WAVES = 1.5
 
 
+def frontier_word(header: Int64) -> Int64:
+    """The address of the frontier word in the flags buffer at `header`."""
+    return header + STAGED_FRONTIER * 4
+
+
 @cute.jit
 def funnel_right(lo: Int32, hi: Int32, shift: Int32) -> Int32:
     """The low 32 bits of (hi:lo) >> shift (0..31)."""
@@ -172,8 +177,8 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         """Wait for chunk c of the tile's 128-row blocks of A (4 slabs each: m_w % 128 == 0) and of B."""
         if const_expr(self.fp4):
             if cute.arch.lane_idx() == 0:
-                raise_to(header + STAGED_FRONTIER * 4, c)
-        first = Int64(STAGED_WGRAD_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks)
+                raise_to(frontier_word(header), c)
+        first = self.chunk_flags(c)
         for h in cutlass.range_constexpr(self.tile_m // SF_ATOM_ROWS):
             block = tile.m_tile * (self.tile_m // SF_ATOM_ROWS) + h
             wait_flag(header + (first + block) * 4, Int32(SF_ATOM_ROWS // SLAB))
@@ -205,7 +210,7 @@ class StagedKGroupedMainloop(WgmmaMainloop):
             c = j // per_chunk
             r = j - c * per_chunk
             if const_expr(self.fp4):
-                while c > read_mark(header + STAGED_FRONTIER * 4) + lead:
+                while c > read_mark(frontier_word(header)) + lead:
                     nap()
             block = Int32(0)
             if r < self.a_slabs:
@@ -220,14 +225,18 @@ class StagedKGroupedMainloop(WgmmaMainloop):
             fence_async_global()
             cute.arch.sync_warp()
             if lane == 0:
-                flag = Int64(STAGED_WGRAD_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks) + block
+                flag = self.chunk_flags(c) + block
                 publish(header + flag * 4)
             j = take_job(header, lane)
 
+    def chunk_flags(self, c: Int32) -> Int64:
+        """The index of chunk c's first flag word (A's 128-row blocks, then B's; operands.staged_b_flag_words)."""
+        return Int64(STAGED_WGRAD_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks)
+
     @cute.jit
     def lead_chunks(self, padded: Int32, chunks: Int32) -> Int32:
-        """The converters' lead over the frontier, in chunks: LEAD_WAVES of the GEMM's tiles (chunks / waves of
-        them per chunk), at least two experts' padded tokens (module docstring)."""
+        """FP4's converters' lead over the frontier, in chunks (at least 1): the chunks LEAD_WAVES waves of the
+        GEMM's tiles span (LEAD_WAVES x CTAs x chunks / tiles), or two experts' padded tokens if more."""
         _, _, clusters = cute.arch.grid_dim()
         scaled = int(LEAD_WAVES * 16)     # LEAD_WAVES in 1/16ths: integer arithmetic
         by_waves = (scaled * clusters * self.cluster_size * chunks + 16 * self.cta_tiles - 1) // (16 * self.cta_tiles)
