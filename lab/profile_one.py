@@ -11,6 +11,7 @@ of the Hadamard benchmark (`had SHAPE/FORMAT/VARIANT`: benchmarks.bench_cases.ha
     ncu ... python3 -m lab.profile_one had small/nvfp4/h_d4_row4       # vs small/nvfp4/h_d4 (no RHT output)
     ncu ... python3 -m lab.profile_one torch fc2
     ncu ... python3 -m lab.profile_one wgrad "e128/wgrad w2 nvfp4"   # a block-scaled wgrad row of bench_moe_ops
+    ncu ... python3 -m lab.profile_one wgrad "e128/wgrad w2"         # a bf16 row of it (any name of its table)
 """
 
 from __future__ import annotations
@@ -56,8 +57,21 @@ def main(kind: str, what: str) -> None:
         from benchmarks import bench_moe_ops
 
         shape, row = what.split("/")
-        fn, _, _, inputs = bench_moe_ops._bs_wgrad(shape, row)
-        f, args = jax.jit(fn), inputs(0)
+        if row in bench_moe_ops.BS_WGRAD:
+            fn, _, _, inputs = bench_moe_ops._bs_wgrad(shape, row)
+            f, args = jax.jit(fn), inputs(0)
+        else:   # a bf16 row ("wgrad w2", "fc2 quant (fwd)", ...) on the benchmark's bf16 inputs
+            from benchmarks import bench_moe_step
+
+            m, ops, *_ = bench_moe_ops._ops(shape)
+            _, _, avals = bench_moe_step._problem(shape, "swiglu")
+            x, w1, w2, p, dy = bench_moe_step._inputs(avals, 0)
+            k = jax.random.PRNGKey(100)
+            i2 = w1.shape[1]
+            c = jax.random.normal(k, (m, i2)).astype(jax.numpy.bfloat16)
+            args = (x, w1, w2, p, dy, c, jax.random.normal(k, (m, i2 // 2)).astype(jax.numpy.bfloat16), c,
+                    w2.astype(jax.numpy.float32))
+            f = jax.jit(ops[row][0])
         for _ in range(4):
             jax.block_until_ready(f(*args))
         return

@@ -86,7 +86,7 @@ def accum_call(case, x):
 
 def bundle_items():
     return (aot.lowering_items(CASES, inputs, call) + aot.lowering_items(ACCUM_CASES, accum_inputs, accum_call)
-            + bs_bundle_items())
+            + bs_bundle_items() + held_bundle_items())
 
 
 # ------------------------------------------------------------------------------------------------ block-scaled
@@ -245,3 +245,34 @@ def bs_bundle_items():
     conversion then the bf16 kernel (its `dequantized_first` test), and the staged kernel (its `staged` test)."""
     return [harness.on_route(route, item) for route in (*harness.BLOCK_SCALED_ROUTES, "staged")
             for item in aot.lowering_items(BS_CASES, bs_inputs, bs_call)]
+
+
+# The staged FP4 wgrad with its converters held (mainloop_staged_wgrad.lead_chunks): 16 experts x 256 tokens (8 chunks
+# of 512) and W 2048 x 2048 make 2048 tiles, so on any Hopper the lead is one chunk and most conversion jobs wait for
+# the GEMM's frontier (BS_CASES' lead exceeds their chunk count: no job of theirs ever waits). Exact inputs: W bit for
+# bit.
+HELD_EXPERTS, HELD_EXPERT_TOKENS, HELD_ROWS = 16, 256, 2048
+HELD_CASE = ("held_nvfp4_gs", "nvfp4", "bfloat16", HELD_ROWS, False, True, False)
+
+
+def held_inputs(case=HELD_CASE, seed: int = 0) -> dict:
+    import ml_dtypes
+    import numpy as np
+
+    from cudnn_moe_jax.formats import sf_segment_bytes
+
+    data, sf, vec = BS_FORMATS[case[1]]
+    tokens = HELD_EXPERTS * HELD_EXPERT_TOKENS
+    rng = np.random.default_rng(seed)
+    a, b = (_bs_codes(rng, (HELD_ROWS, tokens), data, "exact") for _ in range(2))
+    sfa, sfb = (_bs_scales(rng, sf_segment_bytes(HELD_ROWS, tokens, vec), sf, "exact") for _ in range(2))
+    if sf == E4M3:
+        sfa, sfb = sfa.view(ml_dtypes.float8_e4m3fn), sfb.view(ml_dtypes.float8_e4m3fn)
+    offsets = np.arange(1, HELD_EXPERTS + 1, dtype=np.int32) * HELD_EXPERT_TOKENS
+    gsa, gsb = rng.choice([1.0, 2.0], (2, HELD_EXPERTS)).astype(np.float32)
+    x = dict(a=a, b=b, offsets=offsets, sfa=sfa, sfb=sfb, gsa=gsa, gsb=gsb)
+    return {k: jnp.asarray(v) for k, v in x.items()}
+
+
+def held_bundle_items():
+    return [harness.on_route("staged", item) for item in aot.lowering_items([HELD_CASE], held_inputs, bs_call)]

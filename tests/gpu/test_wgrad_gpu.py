@@ -114,14 +114,14 @@ def run_accum_case(case, old: str, tokens: int) -> list[str]:
     return errs
 
 
-def run_bs_case(case, pattern: str, mode: str, tokens: int = None) -> list[str]:
+def run_bs_case(case, pattern: str, mode: str, tokens: int = None, x: dict = None) -> list[str]:
     """One block-scaled case on the GPU (W poisoned first, twice): every element against the float64 oracle
     (NaN / inf exactly where the oracle has them; "exact" inputs: bit for bit), experts without tokens zero (or their
     old W unchanged), two calls bit-identical. `tokens`: run at another token count (the offsets clip to it) on the
-    module recorded at T. The problems ([] = ok)."""
+    module recorded at T; `x`: these inputs instead of the pattern's. The problems ([] = ok)."""
     name, fmt, wd, mw, token_major, gs, acc = case
     data, sf, vec = cases.BS_FORMATS[fmt]
-    x = cases.bs_run_inputs(case, pattern, mode, tokens)
+    x = cases.bs_run_inputs(case, pattern, mode, tokens) if x is None else x
     got, errs = _run_twice(functools.partial(cases.bs_call, case), x)
     a, b = (np.asarray(v) for v in cases.operands(case, x))
     n_tok = a.shape[1] * values_per_byte(data)
@@ -255,3 +255,11 @@ def test_wgrad_specials_stay_in_their_expert(case):
     bound = harness.ULP[case[2]] * np.abs(pre[finite]) + 1e-5 * np.nan_to_num(mag[finite]) + 1e-30
     assert np.all(np.abs(gv[finite] - pre[finite]) <= bound) and not errs, errs
     assert np.isnan(pre[1]).any() and not np.isnan(pre[0]).any() and not np.isnan(pre[2]).any()
+
+
+def test_staged_fp4_wgrad_with_its_converters_held():
+    """The staged NVFP4 wgrad where its converters' lead (one 512-token chunk) is short of the chunks (8): most
+    conversion jobs wait for the GEMM's frontier. Exact inputs: W bit-identical to the exact result, no deadlock."""
+    with harness.block_scaled_route("staged"):
+        errs = run_bs_case(cases.HELD_CASE, None, "exact", x=cases.held_inputs())
+    assert not errs, errs
