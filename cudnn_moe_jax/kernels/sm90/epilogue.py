@@ -72,6 +72,9 @@ class EpilogueHooks(NamedTuple):
 
 
 class EpilogueDriver:
+    # The L2 cache policy of the outputs' TMA stores (a 64-bit createpolicy word), or None: the default (evict-normal)
+    OUTPUT_L2_POLICY = None
+
     @cute.jit
     def run_epilogue(self, hooks, setup, ctx, store_pipeline):
         """One tile's epilogue: `hooks.begin(setup, ctx)`, then per step the visit and the store sequence, then the
@@ -103,7 +106,7 @@ class EpilogueDriver:
             if const_expr(not self.sched.by_tiles):
                 if is_store_warp:
                     for out in stores:
-                        cute.copy(out.tma_atom, out.bSG_s[(None, out.buf)], self.store_tile(out, ctx))
+                        self.tma_store(out, ctx)
                     store_pipeline.producer_commit()
             else:   # tile lists: TMA for whole tiles; a clipped one by rows, a masked one (rows 0) not at all
                 whole = ctx.rows == self.tile_m
@@ -111,7 +114,7 @@ class EpilogueDriver:
                 if is_store_warp:
                     if whole:
                         for out in stores:
-                            cute.copy(out.tma_atom, out.bSG_s[(None, out.buf)], self.store_tile(out, ctx))
+                            self.tma_store(out, ctx)
                     store_pipeline.producer_commit()
                 if const_expr(self.sched.clipped):
                     if not whole:
@@ -126,6 +129,15 @@ class EpilogueDriver:
         if not self.sched.by_tiles:
             return ctx.is_compute
         return ctx.is_compute & (ctx.rows > 0)
+
+    @cute.jit
+    def tma_store(self, out, ctx):
+        """The TMA store of output subtile `out`'s staged buffer (with OUTPUT_L2_POLICY where set)."""
+        if const_expr(self.OUTPUT_L2_POLICY is None):
+            cute.copy(out.tma_atom, out.bSG_s[(None, out.buf)], self.store_tile(out, ctx))
+        else:
+            cute.copy(out.tma_atom, out.bSG_s[(None, out.buf)], self.store_tile(out, ctx),
+                      cache_policy=Int64(self.OUTPUT_L2_POLICY))
 
     @cute.jit
     def store_tile(self, out, ctx):
