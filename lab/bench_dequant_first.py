@@ -6,6 +6,8 @@ library's rule (`dequantize_first`) would pick -- the measurement behind that ru
 backward ops beside the forward ones.
 
     python -m lab.bench_dequant_first [--only NAME_PART] [--shape fc] [--routes on-chip,xla-dequant,staged]
+    python -m lab.bench_dequant_first --shape e128_a128 --routes public   # bench_moe_ops' every row, the library's
+                                                                          # routes (also on the shapes added here)
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle --variants lab.bench_dequant_first:bundle_items
     (the on-chip wgrad kernel alone on `small` and `e128`: lab.bench_dequant_first:onchip_wgrad_items)
 
@@ -64,9 +66,10 @@ def onchip_wgrad_items() -> list:
 
 
 def shape_items() -> list:
-    """Every row, both routes and bf16, on `small` (64 x 256) and `e128` (128 x 128): the backward ops on the
-    shapes with few rows per expert."""
-    return [i for shape in ("small", "e128") for i in bundle_items(shape) + bench_moe_ops.bundle_items((shape,))]
+    """Every row, every route and bf16, on `small` (64 x 256), `e128` (128 x 128 in 256-row segments) and
+    `e128_a128` (unpadded): the backward ops beside the forward ones on the shapes with few rows per expert."""
+    return [i for shape in ("small", "e128", "e128_a128")
+            for i in bundle_items(shape) + bench_moe_ops.bundle_items((shape,))]
 
 
 def _row_names(only: str, route: str) -> list:
@@ -89,8 +92,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="fc")
     ap.add_argument("--only", default="", help="rows whose name contains this (default: every block-scaled row)")
-    ap.add_argument("--routes", default=",".join(ROUTES))
+    ap.add_argument("--routes", default=",".join(ROUTES), help='comma-separated, or "public" (the library\'s own)')
     args = ap.parse_args(argv)
+    if args.routes == "public":   # every row of bench_moe_ops (bf16, forward and backward) as the library routes it
+        bench_moe_ops.main(["--shape", args.shape, "--only", args.only])
+        return
     for name in args.routes.split(","):
         print(f"== route {name}", flush=True)
         with harness.block_scaled_route(name):
