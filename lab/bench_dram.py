@@ -1,7 +1,9 @@
 """The GPU's DRAM rates as XLA reaches them (CUPTI device span): a write-only fill, a read-only sum and a copy of
 1 GiB of fp32 (XLA's 2-byte stores run at half the rate: NOTES.md), each one kernel a program, the median of 5 --
 the ceilings the DRAM-byte floors of benchmarks/RESULTS.md divide by (a wgrad with few tokens per expert mostly
-writes W). (A program of several such calls would let XLA fuse them into one pass over the input.)
+writes W). (A program of several such calls would let XLA fuse them into one pass over the input.) Beside them, where
+torch sees the GPU, torch's fill, memset (`zero_`) and copy of the same bytes (CUDA events, median of 5): a second
+writer, so the write ceiling does not rest on one kernel.
 
     python -m lab.bench_dram [--gib 1]
 """
@@ -38,6 +40,33 @@ def main(argv=None) -> None:
         run()
         secs = statistics.median(timer.time(run, 1).device for _ in range(5))
         print(f"{name:22s} {secs * 1e6:9.1f} us  {nbytes / secs / 1e12:5.2f} TB/s")
+    torch_rates(4 * n)
+
+
+def torch_rates(nbytes: int) -> None:
+    """torch's fill, memset and copy of `nbytes` of fp32 (CUDA events, median of 5), where torch sees the GPU."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    t = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    u = torch.empty_like(t)
+    kinds = {"torch fill_ (write)": (lambda: t.fill_(0.5), nbytes), "torch zero_ (memset)": (t.zero_, nbytes),
+             "torch copy_": (lambda: u.copy_(t), 2 * nbytes)}
+    for name, (one, moved) in kinds.items():
+        one()
+        secs = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            one()
+            end.record()
+            torch.cuda.synchronize()
+            secs.append(start.elapsed_time(end) * 1e-3)
+        sec = statistics.median(secs)
+        print(f"{name:22s} {sec * 1e6:9.1f} us  {moved / sec / 1e12:5.2f} TB/s")
 
 
 if __name__ == "__main__":

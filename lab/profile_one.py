@@ -10,8 +10,8 @@ of the Hadamard benchmark (`had SHAPE/FORMAT/VARIANT`: benchmarks.bench_cases.ha
     ncu ... python3 -m lab.profile_one fmt fc1_nvfp4_default
     ncu ... python3 -m lab.profile_one had small/nvfp4/h_d4_row4       # vs small/nvfp4/h_d4 (no RHT output)
     ncu ... python3 -m lab.profile_one torch fc2
-    ncu ... python3 -m lab.profile_one wgrad "e128/wgrad w2 nvfp4"   # a block-scaled wgrad row of bench_moe_ops
-    ncu ... python3 -m lab.profile_one wgrad "e128/wgrad w2"         # a bf16 row of it (any name of its table)
+    ncu ... python3 -m lab.profile_one ops "e128/wgrad w2 nvfp4"     # any row of bench_moe_ops ("wgrad": the same)
+    ncu ... python3 -m lab.profile_one ops "small/dglu (fc2 dgrad)"  # (bf16 rows, BS_OPS and BS_WGRAD rows alike)
 """
 
 from __future__ import annotations
@@ -50,15 +50,18 @@ def kernel_args(problem):
 
 
 def main(kind: str, what: str) -> None:
-    if kind == "wgrad":   # SHAPE/ROW: a BS_WGRAD row of benchmarks/bench_moe_ops.py through the public op
+    if kind in ("ops", "wgrad"):   # SHAPE/ROW: any row of benchmarks/bench_moe_ops.py through the public op
         import jax
 
-        import lab.bench_dequant_first  # noqa: F401  (adds e128 and the token sweep to the step shapes)
+        import lab.bench_dequant_first  # noqa: F401  (adds e128, e128_a128 and the token sweep to the step shapes)
         from benchmarks import bench_moe_ops
 
         shape, row = what.split("/")
         if row in bench_moe_ops.BS_WGRAD:
             fn, _, _, inputs = bench_moe_ops._bs_wgrad(shape, row)
+            f, args = jax.jit(fn), inputs(0)
+        elif row in bench_moe_ops.BS_OPS:   # "fc2 quant nvfp4", "dglu mxfp8", ...
+            fn, _, inputs = bench_moe_ops._bs_op(shape, row)
             f, args = jax.jit(fn), inputs(0)
         else:   # a bf16 row ("wgrad w2", "fc2 quant (fwd)", ...) on the benchmark's bf16 inputs
             from benchmarks import bench_moe_step
