@@ -68,6 +68,21 @@ def _ops(shape: str):
     return m, ops, sizes, h, i
 
 
+def bf16_inputs(shape: str, seed: int) -> tuple:
+    """The bf16 rows' inputs (x, w1, w2, prob, dy, c, hh, dc, w2f) of one set: the step's, the saved C, the FC1
+    output h and its gradient dC, and W2 in fp32 (the accumulated wgrad's old W)."""
+    import jax
+    import jax.numpy as jnp
+
+    m, _, avals = step._problem(shape, "swiglu")
+    i = step.SHAPES[shape][2]
+    x, w1, w2, p, dy = step._inputs(avals, seed)
+    k = jax.random.PRNGKey(100 + seed)
+    return (x, w1, w2, p, dy, jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16),
+            jax.random.normal(k, (m, i)).astype(jnp.bfloat16), jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16),
+            w2.astype(jnp.float32))
+
+
 def _aligned(shape: str) -> dict:
     """The M-grouped ops' `m_aligned` keyword: the shape's group alignment (bench_moe_step.align)."""
     return {"m_aligned": step.align(shape)}
@@ -238,21 +253,13 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="time only the rows whose name contains this (e.g. wgrad)")
     args = ap.parse_args(argv)
     import jax
-    import jax.numpy as jnp
 
     from lab import device_timer
 
-    m, ops, sizes, h, i = _ops(args.shape)
-    _, _, avals = step._problem(args.shape, "swiglu")
+    _, ops, sizes, h, i = _ops(args.shape)
     valid = sum(sizes)
     timer, why = device_timer.cupti_timer()
-    sets = []
-    for s in range(REPS):
-        x, w1, w2, p, dy = step._inputs(avals, s)
-        k = jax.random.PRNGKey(100 + s)
-        sets.append((x, w1, w2, p, dy, jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16),
-                     jax.random.normal(k, (m, i)).astype(jnp.bfloat16),
-                     jax.random.normal(k, (m, 2 * i)).astype(jnp.bfloat16), w2.astype(jnp.float32)))
+    sets = [bf16_inputs(args.shape, s) for s in range(REPS)]
     print(f"shape {args.shape}: groups {sizes}, H {h}, I {i}; JAX {'CUPTI' if timer else 'host: ' + str(why)}")
     rows = [(name, fn, fl, lambda: sets) for name, (fn, fl) in ops.items()]
     for name in BS_WGRAD:   # beside "wgrad w1" / "wgrad w2" (bf16, token-major)

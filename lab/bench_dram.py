@@ -15,6 +15,7 @@ import statistics
 
 from lab import device_timer
 
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gib", type=float, default=1.0)

@@ -64,17 +64,7 @@ def main(kind: str, what: str) -> None:
             fn, _, inputs = bench_moe_ops._bs_op(shape, row)
             f, args = jax.jit(fn), inputs(0)
         else:   # a bf16 row ("wgrad w2", "fc2 quant (fwd)", ...) on the benchmark's bf16 inputs
-            from benchmarks import bench_moe_step
-
-            m, ops, *_ = bench_moe_ops._ops(shape)
-            _, _, avals = bench_moe_step._problem(shape, "swiglu")
-            x, w1, w2, p, dy = bench_moe_step._inputs(avals, 0)
-            k = jax.random.PRNGKey(100)
-            i2 = w1.shape[1]
-            c = jax.random.normal(k, (m, i2)).astype(jax.numpy.bfloat16)
-            args = (x, w1, w2, p, dy, c, jax.random.normal(k, (m, i2 // 2)).astype(jax.numpy.bfloat16), c,
-                    w2.astype(jax.numpy.float32))
-            f = jax.jit(ops[row][0])
+            f, args = jax.jit(bench_moe_ops._ops(shape)[1][row][0]), bench_moe_ops.bf16_inputs(shape, 0)
         for _ in range(4):
             jax.block_until_ready(f(*args))
         return

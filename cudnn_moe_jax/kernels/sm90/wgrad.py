@@ -34,7 +34,7 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
 
     # W's stores evict first from L2 (CUTLASS's CacheHintSm90::EVICT_FIRST): written once, W need not push out the
     # operand (staged: workspace) lines other tiles still read. With few tokens per expert W is most of the traffic:
-    # H100 +2..+12% (RESULTS runs 162-164), H200 -1..+3% (run 164)
+    # H100 +2..+12% (RESULTS runs 160, 162), H200 -1.4..+2.8% (run 163)
     OUTPUT_L2_POLICY = 0x12F0000000000000
 
     def init_epilogue(self, problem):
