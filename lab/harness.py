@@ -5,10 +5,10 @@ Kernels reach the GPU machine (no CuTe DSL compiler) in one way: a kernel bundle
 through the public ops or the primitive, which find their modules there.
 
 Here: whether a GPU suite can run (`skip_without_gpu_or_bundle`), a guard that makes a fallback to the reference an
-error (`kernels_only`), the route a block-scaled call takes (`block_scaled_route`, `on_route`), the NaN-poisoned
-allocator, the routing patterns the suites run and the tolerance check of a device result against the float64
-oracle (tests/np_ops.py: np_forward_oracle, np_sanitized_ends, np_group_of_rows), and the `sanitize` marker of the
-compute-sanitizer subset.
+error (`kernels_only`), the route a block-scaled call takes (`block_scaled_route`, `on_route`), a lab schedule
+(`schedule_override`, `under_schedule`), the NaN-poisoned allocator, the routing patterns the suites run and the
+tolerance check of a device result against the float64 oracle (tests/np_ops.py: np_forward_oracle,
+np_sanitized_ends, np_group_of_rows), and the `sanitize` marker of the compute-sanitizer subset.
 """
 
 from __future__ import annotations
@@ -88,6 +88,37 @@ def on_route(route: str, item):
     function lowers once: a second route through it would reuse the first's lowering)."""
     def lower():
         with block_scaled_route(route):
+            return item()
+    return lower
+
+
+@contextlib.contextmanager
+def schedule_override(change):
+    """Every lowering inside runs `change(problem, config)` (None: unchanged) as its kernel schedule instead of the
+    library's `default_config`: a lab schedule through the public ops. The config is in each module's fingerprint,
+    so a bundle built under an override serves the runs under the same override."""
+    from cudnn_moe_jax.kernels import sm90
+    from cudnn_moe_jax.kernels.sm90 import config as sm90_config
+
+    library = sm90_config.default_config
+
+    def default_config(problem):
+        config = library(problem)
+        return change(problem, config) or config
+
+    sm90_config.default_config = sm90.default_config = default_config
+    try:
+        yield
+    finally:
+        sm90_config.default_config = sm90.default_config = library
+
+
+def under_schedule(change, item):
+    """An `aot build` item lowered under `schedule_override(change)` (change None: the library's schedule)."""
+    def lower():
+        if change is None:
+            return item()
+        with schedule_override(change):
             return item()
     return lower
 

@@ -39,8 +39,9 @@ class Config:
     cluster_m: CTAs per cluster along M sharing (multicasting) the B tile, 1 or 2;
     cluster_n: CTAs per cluster along N sharing (multicasting) the A tile, 1 or 2;
     ab_stages: A/B shared-memory pipeline depth (None: as many as fit);
-    epi_stages: epilogue shared-memory buffers per output (TMA-store overlap), 1, 2 or 4 (None: 2); A/B stages
-      take the rest of shared memory (3 for GLU with a 16-bit C, else 4);
+    epi_stages: epilogue shared-memory buffers per output (TMA-store overlap), 1, 2, 4 or 8 (None: the kernel
+      class's `epi_stage_candidates`: 2, or 4 for a wgrad from 16-bit operands); A/B stages take the rest of
+      shared memory (3 for GLU with a 16-bit C, else 4);
     group_m: M blocks per raster swizzle group (L2 reuse);
     dequant_a: block-scaled inputs: where A is converted to bf16 -- "registers": by the consumer warps into the
       register operand of an RS wgmma (B by the producer warpgroup's stage workers, or staged), "workers": by the
@@ -82,8 +83,8 @@ class Config:
             raise ValueError("cluster_m must be 1 or 2")
         if self.cluster_n not in (1, 2):
             raise ValueError("cluster_n must be 1 or 2")
-        if self.epi_stages not in (None, 1, 2, 4):
-            raise ValueError("epi_stages must be None, 1, 2 or 4")
+        if self.epi_stages not in (None, 1, 2, 4, 8):
+            raise ValueError("epi_stages must be None, 1, 2, 4 or 8")
         if self.consumer_b_passes is not None and not 0 <= self.consumer_b_passes <= 32:
             raise ValueError("consumer_b_passes must be None or 0..32")
         if self.mx_n_parts not in (1, 2, 4):

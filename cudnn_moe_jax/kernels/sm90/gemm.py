@@ -295,6 +295,11 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
         """Shared memory of the epilogue with `epi_stages` store buffers (the A/B stage fit)."""
         raise NotImplementedError
 
+    def epi_stage_candidates(self) -> tuple:
+        """Epilogue buffers to try per store (`_choose_stages`: the most A/B stages up to 4 win, then the most
+        buffers); called after `mainloop_class_for`."""
+        return self.EPI_STAGE_CANDIDATES
+
     def epilogue_smem_fields(self, args):
         """The SharedStorage fields after sD, in offset order (the mainloop's `smem_fields()` among them)."""
         raise NotImplementedError
@@ -368,7 +373,7 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
         return self.d_dtype.width // 8 * (2 if self.quant_d else 1)
 
     def _choose_stages(self, cfg: Config):
-        candidates = [cfg.epi_stages] if cfg.epi_stages is not None else list(self.EPI_STAGE_CANDIDATES)
+        candidates = [cfg.epi_stages] if cfg.epi_stages is not None else list(self.epi_stage_candidates())
         candidates = [s for s in candidates if self.epi_steps % s == 0]
         if not candidates:
             raise NotImplementedError(f"epi_stages must divide the {self.epi_steps} epilogue steps of a tile")
