@@ -5,7 +5,8 @@ beside torch's `_grouped_mm` on the same problem where it has one.
 
     python -m benchmarks.bench_moe_ops [--shape fc] [--only wgrad]      # from the checkout's root
 
-JAX on the device (CUPTI span of one jitted program of REPS calls on distinct inputs), torch with CUDA events.
+JAX on the device (CUPTI span of one jitted program of REPS calls on distinct inputs), torch with CUDA events;
+then each backward row over its forward row (`backward_ratios`; the backward ops' target is >= 0.9x).
 """
 
 from __future__ import annotations
@@ -233,6 +234,24 @@ def bundle_items(shapes=("fc",), only: str = ""):
     return items
 
 
+def forward_row(name: str):
+    """The forward row a backward row is measured against (the backward ops' target: >= 0.9x of the forward's
+    TFLOP/s): the same FLOPs and input format -- dglu / dsrelu / wgrad W2 against fc2 quant, the fc1 dgrad and wgrad
+    W1 against fc1 glu; None for a forward row."""
+    if name.startswith(("fc1 glu", "fc2 quant")):
+        return None
+    fmt = next((f for f in ("mxfp8", "mxfp4", "nvfp4") if f in name.split()), None)
+    forward = "fc1 glu" if name.startswith("fc1 dgrad") or " w1" in name else "fc2 quant"
+    return f"{forward} {fmt}" if fmt else f"{forward} (fwd)"
+
+
+def backward_ratios(rates: dict) -> list:
+    """(backward row, its forward row, TFLOP/s ratio) of every backward row in `rates` (name -> TFLOP/s) whose
+    forward row was timed too."""
+    pairs = [(name, forward_row(name)) for name in rates]
+    return [(name, fwd, rates[name] / rates[fwd]) for name, fwd in pairs if fwd in rates]
+
+
 def _kernel_seconds(run, calls: int):
     """Device time per call of our GEMM kernels alone (CUPTI events through torch.profiler), or None."""
     try:
@@ -268,6 +287,7 @@ def main(argv=None):
     for name in BS_OPS:     # beside "fc1 glu (fwd)" / "fc2 quant (fwd)" / "dglu (fc2 dgrad)"
         fn, fl, make = _bs_op(args.shape, name)
         rows.append((name, fn, fl, lambda make=make: [make(s) for s in range(REPS)]))
+    rates = {}
     for name, fn, fl, make_sets in rows:
         if args.only not in name:
             continue
@@ -285,6 +305,9 @@ def main(argv=None):
         kern = _kernel_seconds(run, REPS) if timer else None
         extra = f"   kernel {kern * 1e3:7.3f} ms {fl / kern / 1e12:7.1f} TFLOP/s" if kern else ""
         print(f"  {name:18s} {med * 1e3:8.3f} ms {fl / med / 1e12:7.1f} TFLOP/s{extra}", flush=True)
+        rates[name] = fl / med / 1e12
+    for name, fwd, ratio in backward_ratios(rates):
+        print(f"  {name:18s} / {fwd:18s} {ratio:5.2f}x")
     try:
         import torch
 

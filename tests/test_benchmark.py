@@ -175,3 +175,24 @@ def test_moe_ops_table_traces_every_op():
         out = jax.eval_shape(fn, *bs_avals)
         assert out.shape == ((len(sizes), h, i) if "w2" in name else (len(sizes), 2 * i, h)), name
         assert flops == 2.0 * sum(sizes) * out.shape[1] * out.shape[2]
+
+
+def test_bench_moe_ops_pairs_each_backward_row_with_its_forward():
+    """bench_moe_ops prints backward / forward per row (the backward target, >= 0.9x): each backward row against the
+    forward GEMM of the same FLOPs and input format; rows whose forward was not timed are left out."""
+    from benchmarks import bench_moe_ops as ops
+
+    assert ops.forward_row("fc2 quant nvfp4") is None and ops.forward_row("fc1 glu (fwd)") is None
+    expected = {"dglu (fc2 dgrad)": "fc2 quant (fwd)", "dsrelu (fc2 dgrad)": "fc2 quant (fwd)",
+                "fc1 dgrad quant": "fc1 glu (fwd)", "wgrad w2": "fc2 quant (fwd)", "wgrad w1": "fc1 glu (fwd)",
+                "dglu nvfp4": "fc2 quant nvfp4", "dglu mxfp8": "fc2 quant mxfp8",
+                "wgrad w2 mxfp8 tok": "fc2 quant mxfp8", "wgrad w2 mxfp4": "fc2 quant mxfp4",
+                "wgrad w1 nvfp4": "fc1 glu nvfp4", "wgrad w1 mxfp8 tok": "fc1 glu mxfp8"}
+    for name, fwd in expected.items():
+        assert ops.forward_row(name) == fwd, name
+    for name in (*ops.BS_WGRAD, *ops.BS_OPS):
+        fwd = ops.forward_row(name)
+        assert fwd is None or fwd in ops.BS_OPS or fwd.endswith("(fwd)") or "mxfp4" in fwd, name
+    rates = {"fc2 quant nvfp4": 400.0, "dglu nvfp4": 340.0, "wgrad w2 mxfp4": 350.0, "fc1 glu (fwd)": 500.0,
+             "wgrad w1": 450.0}
+    assert ops.backward_ratios(rates) == [("dglu nvfp4", "fc2 quant nvfp4", 0.85), ("wgrad w1", "fc1 glu (fwd)", 0.9)]
