@@ -9,7 +9,6 @@ stages beside C's load ring and dC's buffers (64 KB), where fc2's forward gets 4
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -22,8 +21,7 @@ def with_tile_n(tile_n):
     """A schedule change: block-scaled dglu / dsrelu on `tile_n`-column tiles (None: unchanged)."""
     if tile_n is None:
         return None
-    return lambda problem, config: (dataclasses.replace(config, tile_n=tile_n)
-                                    if problem.op in ("dglu", "dsrelu") and problem.block_scaled else None)
+    return harness.config_change(lambda p: p.op in ("dglu", "dsrelu") and p.block_scaled, tile_n=tile_n)
 
 
 def items() -> list:
@@ -41,6 +39,6 @@ if __name__ == "__main__":
 
     env = os.environ.get("LAB_DGLU_TILE_N")
     change = with_tile_n(int(env) if env else None)
-    with harness.schedule_override(change or (lambda problem, config: None)):
+    with harness.schedule_override(change):
         bench_moe_ops.main(sys.argv[1:] + ["--only", "dglu"])
         bench_moe_ops.main(sys.argv[1:] + ["--only", "fc2 quant"])

@@ -6,7 +6,7 @@ through the public ops or the primitive, which find their modules there.
 
 Here: whether a GPU suite can run (`skip_without_gpu_or_bundle`), a guard that makes a fallback to the reference an
 error (`kernels_only`), the route a block-scaled call takes (`block_scaled_route`, `on_route`), a lab schedule
-(`schedule_override`, `under_schedule`), the NaN-poisoned allocator, the routing patterns the suites run and the
+(`schedule_override`, `under_schedule`, `config_change`), the NaN-poisoned allocator, the routing patterns the suites run and the
 tolerance check of a device result against the float64 oracle (tests/np_ops.py: np_forward_oracle,
 np_sanitized_ends, np_group_of_rows), and the `sanitize` marker of the compute-sanitizer subset.
 """
@@ -14,6 +14,7 @@ np_sanitized_ends, np_group_of_rows), and the `sanitize` marker of the compute-s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 
 import numpy as np
@@ -92,11 +93,20 @@ def on_route(route: str, item):
     return lower
 
 
+def config_change(applies, **fields):
+    """A schedule change for `schedule_override`: the problems where `applies(problem)` run the library's config with
+    `fields` replaced."""
+    return lambda problem, config: dataclasses.replace(config, **fields) if applies(problem) else None
+
+
 @contextlib.contextmanager
 def schedule_override(change):
-    """Every lowering inside runs `change(problem, config)` (None: unchanged) as its kernel schedule instead of the
-    library's `default_config`: a lab schedule through the public ops. The config is in each module's fingerprint,
-    so a bundle built under an override serves the runs under the same override."""
+    """Every lowering inside runs `change(problem, config)` (a None result, or change None: the config unchanged) as
+    its kernel schedule instead of the library's `default_config`: a lab schedule through the public ops. The config
+    is in each module's fingerprint, so a bundle built under an override serves the runs under the same override."""
+    if change is None:
+        yield
+        return
     from cudnn_moe_jax.kernels import sm90
     from cudnn_moe_jax.kernels.sm90 import config as sm90_config
 
@@ -114,10 +124,8 @@ def schedule_override(change):
 
 
 def under_schedule(change, item):
-    """An `aot build` item lowered under `schedule_override(change)` (change None: the library's schedule)."""
+    """An `aot build` item lowered under `schedule_override(change)`."""
     def lower():
-        if change is None:
-            return item()
         with schedule_override(change):
             return item()
     return lower

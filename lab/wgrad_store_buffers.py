@@ -10,7 +10,6 @@ of an A/B stage. RESULTS runs 166 (2 / 4 / 8 on every wgrad) and 167 (the librar
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -24,8 +23,7 @@ def with_buffers(buffers):
     """A schedule change: every non-accumulating wgrad with `buffers` epilogue buffers (None: unchanged)."""
     if buffers is None:
         return None
-    return lambda problem, config: (dataclasses.replace(config, epi_stages=buffers)
-                                    if problem.op == "wgrad" and not problem.accumulate else None)
+    return harness.config_change(lambda p: p.op == "wgrad" and not p.accumulate, epi_stages=buffers)
 
 
 def items() -> list:
@@ -44,5 +42,5 @@ if __name__ == "__main__":
 
     env = os.environ.get("LAB_WGRAD_EPI")
     change = with_buffers(int(env) if env else None)
-    with harness.schedule_override(change or (lambda problem, config: None)):
+    with harness.schedule_override(change):
         bench_moe_ops.main(sys.argv[1:] + ["--only", "wgrad w"])
