@@ -1,11 +1,15 @@
 """The wgrad's W store buffers: with few tokens per expert a wgrad tile runs two k-tiles and then stores 64 KB of W
 in 8 steps, each waiting for the TMA store `epi_stages` steps back to have read its buffer. More buffers keep more
 stores in flight; 8 stage the whole bf16 tile (the TMA engine drains it under the next tile's mainloop) at the price
-of an A/B stage. RESULTS runs 166 (2 / 4 / 8 on every wgrad) and 167 (the library's choice against 2).
+of an A/B stage. RESULTS runs 166 (2 / 4 / 8 on every wgrad), 167 (the library's choice against 2) and 170 (the
+layer's gathered wgrads: `--layer`, the whole `nn.moe_layer` step with its gathered wgrads on 2 buffers and on the
+library's choice, alternated in one process).
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle_e --variants lab.wgrad_store_buffers:items
     LAB_WGRAD_EPI=2 python -m lab.wgrad_store_buffers --shape e128_a128     # bench_moe_ops' wgrad rows
     python -m lab.wgrad_store_buffers --shape e128_a128                     # the same, the library's schedule
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle_l --variants lab.wgrad_store_buffers:layer_items
+    python -m lab.wgrad_store_buffers --layer [--configs 64e,128e]
 """
 
 from __future__ import annotations
@@ -36,7 +40,61 @@ def items() -> list:
             for buffers in BUFFERS for item in bench_moe_ops.bundle_items(SHAPES, "wgrad w")]
 
 
-if __name__ == "__main__":
+LAYER_CONFIGS = ("64e", "128e", "8e")
+
+
+def gathered_on_two():
+    """The schedule before run 170: the gathered (row-mapped) wgrads with 2 W buffers."""
+    return harness.config_change(lambda p: p.op == "wgrad" and not p.accumulate
+                                 and (p.a_rows is not None or p.b_rows is not None), epi_stages=2)
+
+
+def layer_items() -> list:
+    """bench_moe_layer's own step (`nn.moe_layer`, default alignment) on LAYER_CONFIGS, under both schedules."""
+    from benchmarks import bench_moe_layer
+
+    return [harness.under_schedule(change, item) for change in (None, gathered_on_two())
+            for item in bench_moe_layer.bundle_items(LAYER_CONFIGS, aligns=())]
+
+
+def layer_main(configs) -> None:
+    """The layer's step, gathered wgrads on 2 buffers vs the library's schedule, alternated REPS times."""
+    import statistics
+
+    from benchmarks import bench_moe_layer as bml
+    from lab import device_timer
+
+    timer, why = device_timer.cupti_timer()
+    if timer is None:
+        raise SystemExit(f"no CUPTI timer: {why}")
+    for name in configs:
+        t, h, i, e, k = bml.CONFIGS[name]
+        avals = bml._avals(name)
+        runners = {}
+        for label, change in (("library", None), ("gathered_2", gathered_on_two())):
+            with harness.schedule_override(change):
+                runners[label], fallbacks = bml._jax_runner(bml.ours_step(k), avals, timer, device_timer)
+            if fallbacks:
+                raise SystemExit(f"{name} {label}: reference fallback: {fallbacks}")
+        samples = {label: [] for label in runners}
+        for _ in range(bml.REPS):
+            for label, once in runners.items():
+                samples[label].append(once())
+        ms = {label: statistics.median(device_timer.primary(v)[1]) * 1e3 for label, v in samples.items()}
+        for label in runners:
+            print(f"{name:5s} {label:11s} {ms[label]:9.3f} ms "
+                  f"{bml.useful_flops(t, h, i, k) / ms[label] / 1e9:7.1f} useful TFLOP/s", flush=True)
+        print(f"{name:5s} library / gathered_2 speed: {ms['gathered_2'] / ms['library']:.3f}", flush=True)
+
+
+if __name__ == "__main__" and "--layer" in sys.argv:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layer", action="store_true")
+    ap.add_argument("--configs", default=",".join(LAYER_CONFIGS))
+    layer_main(ap.parse_args().configs.split(","))
+elif __name__ == "__main__":
     import lab.bench_dequant_first  # noqa: F401
     from benchmarks import bench_moe_ops
 

@@ -139,12 +139,12 @@ def test_mxfp8_dglu_stage_count(dbias, stages):
 
 
 @pytest.mark.parametrize("kind,stages", [("bf16", (4, 4)), ("fp32_accumulate", (4, 2)), ("nvfp4_staged", (4, 2)),
-                                         ("bf16_gathered", (4, 2))])
+                                         ("bf16_gathered", (4, 4))])
 def test_wgrad_store_buffer_count(kind, stages):
-    """(A/B stages, W buffers) of the wgrad: a bf16 W from 16-bit operands gets 4 store buffers, which still leave
-    4 A/B stages (RESULTS runs 166-167: the bf16 wgrad +5-7% with few tokens per expert); an fp32 W would lose an
-    A/B stage to them and keeps 2, as do the staged block-scaled wgrads (measured mixed there) and gathered operands
-    (not yet run on the GPU with 4)."""
+    """(A/B stages, W buffers) of the wgrad: a bf16 W from 16-bit operands (read by TMA or gathered) gets 4 store
+    buffers, which still leave 4 A/B stages (RESULTS runs 166-167, 170: the bf16 wgrad +5-7% with few tokens per
+    expert); an fp32 W would lose an A/B stage to them and keeps 2, as do the staged block-scaled wgrads (measured
+    mixed there)."""
     from cudnn_moe_jax._problem import GroupedGemmProblem
     from cudnn_moe_jax.kernels.sm90.kernel import GroupedGemmSm90
 

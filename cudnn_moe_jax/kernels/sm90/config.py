@@ -40,7 +40,7 @@ class Config:
     cluster_n: CTAs per cluster along N sharing (multicasting) the A tile, 1 or 2;
     ab_stages: A/B shared-memory pipeline depth (None: as many as fit);
     epi_stages: epilogue shared-memory buffers per output (TMA-store overlap), 1, 2, 4 or 8 (None: the kernel
-      class's `epi_stage_candidates`: 2, or 4 for a wgrad from 16-bit operands read by TMA); A/B stages take the
+      class's `epi_stage_candidates`: 2, or 4 for a wgrad from 16-bit operands); A/B stages take the
       rest of shared memory (3 for GLU with a 16-bit C, else 4);
     group_m: M blocks per raster swizzle group (L2 reuse);
     dequant_a: block-scaled inputs: where A is converted to bf16 -- "registers": by the consumer warps into the

@@ -45,12 +45,12 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
             b_rows=None))
 
     def epi_stage_candidates(self) -> tuple:
-        """16-bit operands read by TMA: 4 W buffers where they leave 4 A/B stages (a bf16 W; an fp32 W keeps 2).
-        With few tokens per expert a tile's mainloop is 2-4 k-tiles and then 8 store steps, each waiting for the
-        TMA store `epi_stages` steps back to have read its buffer: the bf16 wgrad +5-7% on `small` and e128_a128,
-        +1% on fc (H200, RESULTS runs 166-167). Block-scaled (staged) wgrads keep 2: mixed there (W1 NVFP4 +5% on
-        `small`, -7% on e128_a128); so do gathered operands (the layer's) until their GPU suite has run on 4."""
-        if self.problem.block_scaled or self.gather_a or self.gather_b:
+        """16-bit operands: 4 W buffers where they leave 4 A/B stages (a bf16 W; an fp32 W keeps 2). With few
+        tokens per expert a tile's mainloop is 2-4 k-tiles and then 8 store steps, each waiting for the TMA store
+        `epi_stages` steps back to have read its buffer: the bf16 wgrad +5-7% on `small` and e128_a128, +1% on fc
+        (H200, RESULTS runs 166-167); gathered operands (the layer's) likewise: its 128e step +3.9% (H100, run
+        170). Block-scaled (staged) wgrads keep 2: mixed there (W1 NVFP4 +5% on `small`, -7% on e128_a128)."""
+        if self.problem.block_scaled:
             return self.EPI_STAGE_CANDIDATES
         return (4, 2)
 
