@@ -23,11 +23,12 @@ SHAPES = ("e128_a128", "small", "fc")
 BUFFERS = (None, 2)   # None: the library's choice; 2: the schedule before run 166
 
 
-def with_buffers(buffers):
-    """A schedule change: every non-accumulating wgrad with `buffers` epilogue buffers (None: unchanged)."""
+def with_buffers(buffers, applies=lambda problem: True):
+    """A schedule change: every non-accumulating wgrad (where `applies`) with `buffers` epilogue buffers (None:
+    unchanged)."""
     if buffers is None:
         return None
-    return harness.config_change(lambda p: p.op == "wgrad" and not p.accumulate, epi_stages=buffers)
+    return harness.config_change(lambda p: p.op == "wgrad" and not p.accumulate and applies(p), epi_stages=buffers)
 
 
 def items() -> list:
@@ -45,8 +46,7 @@ LAYER_CONFIGS = ("64e", "128e", "8e")
 
 def gathered_on_two():
     """The schedule before run 170: the gathered (row-mapped) wgrads with 2 W buffers."""
-    return harness.config_change(lambda p: p.op == "wgrad" and not p.accumulate
-                                 and (p.a_rows is not None or p.b_rows is not None), epi_stages=2)
+    return with_buffers(2, lambda p: p.a_rows is not None or p.b_rows is not None)
 
 
 def layer_items() -> list:
