@@ -131,6 +131,38 @@ def under_schedule(change, item):
     return lower
 
 
+def layer_step_ab(configs, schedules: dict) -> None:
+    """bench_moe_layer's own step (`nn.moe_layer`) on `configs` under each of `schedules` (label -> a change for
+    `schedule_override`, the first the baseline), alternated bench_moe_layer.REPS times in one process (each
+    schedule lowers its own step: JAX caches a lowering per function); median device time per schedule."""
+    import statistics
+
+    from benchmarks import bench_moe_layer as bml
+    from lab import device_timer
+
+    timer, why = device_timer.cupti_timer()
+    if timer is None:
+        raise SystemExit(f"no CUPTI timer: {why}")
+    base = next(iter(schedules))
+    for name in configs:
+        t, h, i, e, k = bml.CONFIGS[name]
+        avals = bml._avals(name)
+        runners = {}
+        for label, change in schedules.items():
+            with schedule_override(change):
+                runners[label], fallbacks = bml._jax_runner(bml.ours_step(k), avals, timer, device_timer)
+            if fallbacks:
+                raise SystemExit(f"{name} {label}: reference fallback: {fallbacks}")
+        samples = {label: [] for label in runners}
+        for _ in range(bml.REPS):
+            for label, once in runners.items():
+                samples[label].append(once())
+        ms = {label: statistics.median(device_timer.primary(v)[1]) * 1e3 for label, v in samples.items()}
+        for label in runners:
+            print(f"{name:5s} {label:12s} {ms[label]:9.3f} ms {bml.useful_flops(t, h, i, k) / ms[label] / 1e9:7.1f} "
+                  f"useful TFLOP/s, speed vs {base}: {ms[base] / ms[label]:.3f}", flush=True)
+
+
 def poison_allocator(nbytes: int = 256 << 20) -> None:
     """Hand XLA's allocator a NaN-filled block: outputs a kernel forgets to write then read NaN, not zeros."""
     import jax.numpy as jnp

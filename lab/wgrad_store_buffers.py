@@ -58,33 +58,8 @@ def layer_items() -> list:
 
 
 def layer_main(configs) -> None:
-    """The layer's step, gathered wgrads on 2 buffers vs the library's schedule, alternated REPS times."""
-    import statistics
-
-    from benchmarks import bench_moe_layer as bml
-    from lab import device_timer
-
-    timer, why = device_timer.cupti_timer()
-    if timer is None:
-        raise SystemExit(f"no CUPTI timer: {why}")
-    for name in configs:
-        t, h, i, e, k = bml.CONFIGS[name]
-        avals = bml._avals(name)
-        runners = {}
-        for label, change in (("library", None), ("gathered_2", gathered_on_two())):
-            with harness.schedule_override(change):
-                runners[label], fallbacks = bml._jax_runner(bml.ours_step(k), avals, timer, device_timer)
-            if fallbacks:
-                raise SystemExit(f"{name} {label}: reference fallback: {fallbacks}")
-        samples = {label: [] for label in runners}
-        for _ in range(bml.REPS):
-            for label, once in runners.items():
-                samples[label].append(once())
-        ms = {label: statistics.median(device_timer.primary(v)[1]) * 1e3 for label, v in samples.items()}
-        for label in runners:
-            print(f"{name:5s} {label:11s} {ms[label]:9.3f} ms "
-                  f"{bml.useful_flops(t, h, i, k) / ms[label] / 1e9:7.1f} useful TFLOP/s", flush=True)
-        print(f"{name:5s} library / gathered_2 speed: {ms['gathered_2'] / ms['library']:.3f}", flush=True)
+    """The layer's step, the library's schedule vs gathered wgrads on 2 buffers, alternated in one process."""
+    harness.layer_step_ab(configs, {"library": None, "gathered_2": gathered_on_two()})
 
 
 if __name__ == "__main__" and "--layer" in sys.argv:
