@@ -6,9 +6,10 @@ through the public ops or the primitive, which find their modules there.
 
 Here: whether a GPU suite can run (`skip_without_gpu_or_bundle`), a guard that makes a fallback to the reference an
 error (`kernels_only`), the route a block-scaled call takes (`block_scaled_route`, `on_route`), a lab schedule
-(`schedule_override`, `under_schedule`, `config_change`), the NaN-poisoned allocator, the routing patterns the suites
-run and the tolerance check of a device result against the float64 oracle (tests/np_ops.py: np_forward_oracle,
-np_sanitized_ends, np_group_of_rows), and the `sanitize` marker of the compute-sanitizer subset.
+(`schedule_override`, `under_schedule`, `config_change`) and the layer step under several (`layer_step_ab`), the
+NaN-poisoned allocator, the routing patterns the suites run and the tolerance check of a device result against the
+float64 oracle (tests/np_ops.py: np_forward_oracle, np_sanitized_ends, np_group_of_rows), and the `sanitize` marker
+of the compute-sanitizer subset.
 """
 
 from __future__ import annotations
