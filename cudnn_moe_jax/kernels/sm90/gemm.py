@@ -229,6 +229,7 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
 
     # epilogue buffers tried per store (the most A/B stages win, then the most buffers)
     EPI_STAGE_CANDIDATES = (2,)
+    d_from_registers = False   # D stored by its threads from registers, not by TMA from smem (the wgrad's fp32 W)
     d_per_step = 1  # output subtiles per epilogue step (dglu: gate and up)
     c_per_step = 1  # accumulator subtiles per epilogue step (glu: gate and up)
 
@@ -466,7 +467,8 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
         if const_expr(self.problem.staged):
             args.update(mCodesA=t["a"], mCodesB=t["b"], mStagedA=t["staged_a"], mStagedAFlags=t["staged_a_flags"],
                         mStagedB=t["staged_b"], mStagedBFlags=t["staged_b_flags"])
-        if const_expr(self.sched.clipped):   # a group's last tile stores its rows by plain stores
+        # a group's last tile stores its rows by plain stores; an fp32 W is stored so whole (d_from_registers)
+        if const_expr(self.sched.clipped or self.d_from_registers):
             args.update(mDout=d, mCout=t.get("c") if self.recipe.has_c else None)
         args.update(self.epilogue_operands(t))
         args = KernelArgs(**args)

@@ -3,11 +3,12 @@
 The forward class with the K-grouped schedule (`kernels.scheduler.K_GROUPED`) and the token-masking mainloop
 (`mainloop.KGroupedWgmmaMainloop`; block-scaled A / B: `mainloop_dequant_wgrad`, exact bf16 conversion on chip with
 the scales read from the per-expert segments): output tiles (expert e, M block, N block) of W (L, m_w, n_w), stored
-through the forward `quant` epilogue (D = alpha * acc, no prob) into W seen as (L * m_w, n_w). A (m_w, T) and
-B (n_w, T) are read from expert e's first token rounded down to a k-tile (any alignment of the offsets): the
-producer offsets both TMA coordinate tensors by it per tile, and the mainloop zeroes the neighbouring experts'
-tokens in the first and last k-tiles. Token ends are sanitized like the reference's (running max of clip(offsets, 0, T));
-an expert with no token runs no k-tile and stores zeros. Global scales: alpha = gsa[e] * gsb[e] (the two vectors
+through the forward `quant` epilogue (D = alpha * acc, no prob) into W seen as (L * m_w, n_w): a 16-bit W by TMA
+from shared memory, an fp32 W by its threads from registers (`run_epilogue`). A (m_w, T) and B (n_w, T) are read
+from expert e's first token rounded down to a k-tile (any alignment of the offsets): the producer offsets both TMA
+coordinate tensors by it per tile, and the mainloop zeroes the neighbouring experts' tokens in the first and last
+k-tiles. Token ends are sanitized like the reference's (running max of clip(offsets, 0, T)); an expert with no
+token runs no k-tile and stores zeros. Global scales: alpha = gsa[e] * gsb[e] (the two vectors
 ride in the launcher's alpha / beta slots). accumulate_on_output: the W input is aliased to the output and the
 epilogue adds the old W (forward.py `_load_old_w`).
 """
@@ -16,13 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 
 from cudnn_moe_jax._problem import Epilogue
 from cudnn_moe_jax.limits import values_per_byte
 
+from .. import quantize as q8
+from ..dequant import st_global_v2
 from ..scheduler import K_GROUPED, GroupedTileScheduler
+from .epilogue import EpilogueDriver
+from .epilogue_fp8d import EPI_N
 from .forward import GroupedGemmSm90Forward
 from . import mainloop_dequant_wgrad, mainloop_staged_wgrad
 from .mainloop import KGroupedWgmmaMainloop
@@ -40,16 +47,67 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
     def init_epilogue(self, problem):
         self.accumulate = problem.accumulate
         self.scaled = problem.has_global_scales
+        self.d_from_registers = problem.wgrad_dtype == "float32"
         return super().init_epilogue(dataclasses.replace(   # (the quant epilogue's problem gathers nothing)
             problem, op="quant", epilogue=Epilogue(has_prob=False, d_dtype=problem.wgrad_dtype), a_rows=None,
             b_rows=None))
 
+    @cute.jit
+    def run_epilogue(self, hooks, setup, ctx, store_pipeline):
+        """A 16-bit W: the driver's TMA stores. An fp32 W (`d_from_registers`): the forward's `begin` / `visit` per
+        32-column step (alpha * acc, the old W added), each step's values stored by their threads straight from
+        registers -- no smem buffer to wait for, no barrier per step: +10-16% (H100, RESULTS run 177). A 16-bit W
+        so stored (a word transpose in each quad, 16-byte stores) was mixed: bf16 -2..-10%, staged FP4 W2 +9% on
+        e128_a128 but -6..-9% on `small` (same run)."""
+        if const_expr(not self.d_from_registers):
+            EpilogueDriver.run_epilogue(self, hooks, setup, ctx, store_pipeline)
+        else:
+            self._check_pairs(setup.r2s_d)
+            state = hooks.begin(setup, ctx)
+            # (row, column) of each value in a subtile, re-derived per tile (not hoisted across the mainloop)
+            coords = setup.r2s_d.get_slice(q8.opaque(setup.ctid)).partition_S(
+                cute.make_identity_tensor(self.epi_tile))
+            for step in cutlass.range_constexpr(self.epi_steps):
+                hooks.visit(step, state)
+                self._store_w(step, state, coords)
+            hooks.end(state)
+
+    @cute.jit
+    def _store_w(self, step: cutlass.Constexpr, st, coords):
+        """The step's fp32 W values (`st.rVal`; tiles of an expert without tokens: zeros) to W[tile rows, its
+        32-column block], a pair of adjacent columns (values 2j, 2j + 1: `_check_pairs`) an 8-byte store: the four
+        lanes of a quad cover a row's 32 columns, whole sectors. Columns past n_w are not stored (n_w is even: a
+        pair is all in or all out)."""
+        ctx = st.ctx
+        rVal = st.rVal
+        col0 = self.d_block(ctx.n_tile, step) * EPI_N
+        base = st.setup.mDout.iterator.toint() + (Int64(ctx.m_tile * self.tile_m) * self.n + col0) * 4
+        vals = [rVal[i] for i in range(cute.size(rVal))]
+        if const_expr(not isinstance(ctx.is_compute, bool)):   # (the K-grouped schedule's tiles all compute)
+            vals = [cutlass.select_(ctx.is_compute, v, Float32(0.0)) for v in vals]
+        for i in cutlass.range_constexpr(0, len(vals), 2):
+            row, col = coords[i]
+            if col0 + col < self.n:
+                st_global_v2(base + (Int64(row) * self.n + col) * 4, _f32_bits(vals[i]), _f32_bits(vals[i + 1]))
+
+    def _check_pairs(self, r2s_d):
+        """Trace time: the subtile values a thread holds come in pairs of adjacent columns of one row (values 2j,
+        2j + 1), as the wgmma accumulator layout gives them; else NotImplementedError (`_store_w` assumes it)."""
+        for lane in range(32):
+            sub = r2s_d.get_slice(lane).partition_S(cute.make_identity_tensor(self.epi_tile))
+            at = [(int(sub[i][0]), int(sub[i][1])) for i in range(cute.size(sub.shape))]
+            if any(at[i + 1] != (at[i][0], at[i][1] + 1) for i in range(0, len(at), 2)):
+                raise NotImplementedError("fp32 W from registers: values 2j, 2j + 1 are not adjacent columns")
+
     def epi_stage_candidates(self) -> tuple:
-        """16-bit operands: 4 W buffers where they leave 4 A/B stages (a bf16 W; an fp32 W keeps 2). With few
-        tokens per expert a tile's mainloop is 2-4 k-tiles and then 8 store steps, each waiting for the TMA store
-        `epi_stages` steps back to have read its buffer: the bf16 wgrad +5-7% on `small` and e128_a128, +1% on fc
-        (H200, RESULTS runs 166-167); gathered operands (the layer's) likewise: its 128e step +3.9% (H100, run
-        170). Block-scaled (staged) wgrads keep 2: mixed there (W1 NVFP4 +5% on `small`, -7% on e128_a128)."""
+        """16-bit operands: 4 W buffers where they leave 4 A/B stages (a bf16 W). With few tokens per expert a
+        tile's mainloop is 2-4 k-tiles and then 8 store steps, each waiting for the TMA store `epi_stages` steps back
+        to have read its buffer: the bf16 wgrad +5-7% on `small` and e128_a128, +1% on fc (H200, RESULTS runs
+        166-167); gathered operands (the layer's) likewise: its 128e step +3.9% (H100, run 170). Block-scaled
+        (staged) wgrads keep 2: mixed there (W1 NVFP4 +5% on `small`, -7% on e128_a128). An fp32 W, stored from
+        registers, takes the one buffer sD needs to exist (the thread layout of the epilogue is derived from it)."""
+        if self.d_from_registers:
+            return (1,)
         if self.problem.block_scaled:
             return self.EPI_STAGE_CANDIDATES
         return (4, 2)
@@ -142,3 +200,9 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
         """Where a tile's gathered tokens go: (A's first W row, A's stage 0 address, B's first W column, B's)."""
         return (tile.m_tile * self.tile_m, cta.storage.sA.data_ptr().toint(), tile.n_tile * self.tile_n,
                 cta.storage.sB.data_ptr().toint())
+
+
+@cute.jit
+def _f32_bits(x: Float32) -> Int32:
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Float32(x).ir_value()], "mov.b32 $0, $1;", "=r,f",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
