@@ -3,11 +3,11 @@
 The forward class with the K-grouped schedule (`kernels.scheduler.K_GROUPED`) and the token-masking mainloop
 (`mainloop.KGroupedWgmmaMainloop`; block-scaled A / B: `mainloop_dequant_wgrad`, exact bf16 conversion on chip with
 the scales read from the per-expert segments): output tiles (expert e, M block, N block) of W (L, m_w, n_w), stored
-through the forward `quant` epilogue (D = alpha * acc, no prob) into W seen as (L * m_w, n_w): a 16-bit W by TMA
-from shared memory, an fp32 W by its threads from registers (`run_epilogue`). A (m_w, T) and B (n_w, T) are read
-from expert e's first token rounded down to a k-tile (any alignment of the offsets): the producer offsets both TMA
-coordinate tensors by it per tile, and the mainloop zeroes the neighbouring experts' tokens in the first and last
-k-tiles. Token ends are sanitized like the reference's (running max of clip(offsets, 0, T)); an expert with no
+through the forward `quant` epilogue (D = alpha * acc, no prob) into W seen as (L * m_w, n_w): by TMA from shared
+memory, an fp32 W accumulated into by its threads from registers (`run_epilogue`). A (m_w, T) and B (n_w, T) are
+read from expert e's first token rounded down to a k-tile (any alignment of the offsets): the producer offsets both
+TMA coordinate tensors by it per tile, and the mainloop zeroes the neighbouring experts' tokens in the first and
+last k-tiles. Token ends are sanitized like the reference's (running max of clip(offsets, 0, T)); an expert with no
 token runs no k-tile and stores zeros. Global scales: alpha = gsa[e] * gsb[e] (the two vectors
 ride in the launcher's alpha / beta slots). accumulate_on_output: the W input is aliased to the output and the
 epilogue adds the old W (forward.py `_load_old_w`).
@@ -47,18 +47,20 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
     def init_epilogue(self, problem):
         self.accumulate = problem.accumulate
         self.scaled = problem.has_global_scales
-        self.d_from_registers = problem.wgrad_dtype == "float32"
+        # an fp32 W accumulated into: stored from registers (`run_epilogue`); any other W by TMA
+        self.d_from_registers = problem.accumulate and problem.wgrad_dtype == "float32"
         return super().init_epilogue(dataclasses.replace(   # (the quant epilogue's problem gathers nothing)
             problem, op="quant", epilogue=Epilogue(has_prob=False, d_dtype=problem.wgrad_dtype), a_rows=None,
             b_rows=None))
 
     @cute.jit
     def run_epilogue(self, hooks, setup, ctx, store_pipeline):
-        """A 16-bit W: the driver's TMA stores. An fp32 W (`d_from_registers`): the forward's `begin` / `visit` per
-        32-column step (alpha * acc, the old W added), each step's values stored by their threads straight from
-        registers -- no smem buffer to wait for, no barrier per step: +10-16% (H100, RESULTS run 177). A 16-bit W
-        so stored (a word transpose in each quad, 16-byte stores) was mixed: bf16 -2..-10%, staged FP4 W2 +9% on
-        e128_a128 but -6..-9% on `small` (same run)."""
+        """The driver's TMA stores, but for an fp32 W accumulated into (`d_from_registers`): the forward's `begin` /
+        `visit` per 32-column step (alpha * acc + the old W, its loads one step ahead), each step's values stored by
+        their threads straight from registers -- no smem buffer to wait for, no barrier per step: +10-16% (H100,
+        RESULTS runs 177-178). An fp32 W not accumulated into ran as fast by TMA (0..-4% from registers, run 178);
+        a 16-bit W (a word transpose in each quad, 16-byte stores) was mixed: bf16 -2..-10%, staged FP4 W2 +9% on
+        e128_a128 but -6..-9% on `small` (run 177)."""
         if const_expr(not self.d_from_registers):
             EpilogueDriver.run_epilogue(self, hooks, setup, ctx, store_pipeline)
         else:
@@ -113,8 +115,9 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
         tile's mainloop is 2-4 k-tiles and then 8 store steps, each waiting for the TMA store `epi_stages` steps back
         to have read its buffer: the bf16 wgrad +5-7% on `small` and e128_a128, +1% on fc (H200, RESULTS runs
         166-167); gathered operands (the layer's) likewise: its 128e step +3.9% (H100, run 170). Block-scaled
-        (staged) wgrads keep 2: mixed there (W1 NVFP4 +5% on `small`, -7% on e128_a128). An fp32 W, stored from
-        registers, takes the one buffer sD needs to exist (the thread layout of the epilogue is derived from it)."""
+        (staged) wgrads keep 2: mixed there (W1 NVFP4 +5% on `small`, -7% on e128_a128); an fp32 W 2 (4 cost an
+        A/B stage). An fp32 W accumulated into, stored from registers, takes the one buffer sD needs to exist (the
+        thread layout of the epilogue is derived from it)."""
         if self.d_from_registers:
             return (1,)
         if self.problem.block_scaled:
