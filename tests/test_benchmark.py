@@ -160,13 +160,14 @@ def test_moe_ops_table_traces_every_op():
 
     m, ops, sizes, h, i = bench_moe_ops._ops("fc")
     avals = bench_moe_ops._avals("fc")
-    assert len(avals) == 9 and len(ops) == 9
+    assert len(avals) == 9 and len(ops) == 10
     widths = {"fc1 glu (fwd)": i, "fc2 quant (fwd)": h, "dglu (fc2 dgrad)": 2 * i, "dsrelu (fc2 dgrad)": i,
               "dglu e4m3 D (+SFD)": 2 * i, "fc1 dgrad quant": h}
     for name, (fn, flops) in ops.items():
         out = jax.eval_shape(fn, *avals)
         if name.startswith("wgrad"):
             assert out.shape == ((len(sizes), h, i) if "w2" in name else (len(sizes), 2 * i, h)), name
+            assert out.dtype == ("float32" if "f32" in name else "bfloat16"), name
         else:
             assert out.shape == (m, widths[name]), name
         assert flops > 0
