@@ -66,6 +66,10 @@ def _ops(shape: str):
         "wgrad w2 accum f32": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_wgrad(
             dy.T, hh.T, off, wgrad_tensor=w2f, accumulate_on_output=True,
             **nmaj).wgrad_tensor, 2 * valid * h * i),
+        # ... and into the bf16 W2
+        "wgrad w2 accum bf16": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_wgrad(
+            dy.T, hh.T, off, wgrad_tensor=w2, accumulate_on_output=True,
+            **nmaj).wgrad_tensor, 2 * valid * h * i),
         # float32 master weights (nn.moe_layer with float32 W1 / W2): the W1 gradient in float32
         "wgrad w1 f32": (lambda x, w1, w2, p, dy, c, hh, dc, w2f: cmj.grouped_gemm_wgrad(
             dc.T, x.T, off, wgrad_dtype="float32", **nmaj).wgrad_tensor, 2 * valid * 2 * i * h),

@@ -149,6 +149,24 @@ def st_global_v2(addr: Int64, a: Int32, b: Int32):
 
 
 @cute.jit
+def ld_global_v2(addr: Int64) -> list:
+    """Two 32-bit words at an 8-byte aligned global address (the coherent path: the buffer may be written by the
+    kernel too)."""
+    i32 = Int32.mlir_type
+    res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [Int64(addr).ir_value()],
+                          "ld.global.v2.b32 {$0, $1}, [$2];", "=r,=r,l", has_side_effects=False,
+                          is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(i32, res, [k])) for k in range(2)]
+
+
+@cute.jit
+def ld_global_b32(addr: Int64) -> Int32:
+    """One 32-bit word at a 4-byte aligned global address (the coherent path)."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int64(addr).ir_value()], "ld.global.b32 $0, [$1];", "=r,l",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
 def st_global_v4(addr: Int64, w: list):
     void_asm("st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", Int64(addr), *[Int32(x) for x in w])
 
