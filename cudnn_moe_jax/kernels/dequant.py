@@ -160,13 +160,6 @@ def ld_global_v2(addr: Int64) -> list:
 
 
 @cute.jit
-def ld_global_b32(addr: Int64) -> Int32:
-    """One 32-bit word at a 4-byte aligned global address (the coherent path)."""
-    return Int32(llvm.inline_asm(Int32.mlir_type, [Int64(addr).ir_value()], "ld.global.b32 $0, [$1];", "=r,l",
-                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
 def st_global_v4(addr: Int64, w: list):
     void_asm("st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", Int64(addr), *[Int32(x) for x in w])
 

@@ -25,7 +25,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from .. import quantize as q8
-from ..dequant import f16_f32_bits, ld_global_b32, ld_global_v2
+from ..dequant import ld_global_v2
 from ..epilogue import EpilogueRecipe
 from .epilogue import EpilogueHooks, fold_amax, merge_amax, row_kept
 from .epilogue_fp8d import EPI_N  # epilogue subtile width = one GLU block
@@ -191,8 +191,9 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
             tWcW = thr_w.partition_D(cute.make_identity_tensor(self.epi_tile))
             if const_expr(cute.size(tWcW) != setup.frag_size):
                 raise NotImplementedError("old-W fragment does not match the accumulator fragment")
-            self._check_old_w_pairs(op.old_w[1])
-            rOld = [cute.make_rmem_tensor(tWcW.shape, Float32) for _ in range(2)]
+            if const_expr(self.d_dtype.width == 32):
+                self._check_old_w_pairs(op.old_w[1])
+            rOld = [cute.make_rmem_tensor(tWcW.shape, self.d_dtype) for _ in range(2)]
             self._load_old_w(op.old_w[0], thr_w, tWcW, rOld[0], ctx.m_tile, ctx.n_tile, 0)
 
         amax_bits = Int32(0)
@@ -347,36 +348,33 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
 
     @cute.jit
     def _load_old_w(self, mW, thr_w, tWcW, rOld, m_tile, n_tile, step: cutlass.Constexpr):
-        """rOld (fp32) = this thread's old W values of 32-column subtile `step` of W tile (m_tile, n_tile) (W seen as
-        (L * m_w, n_w): rows always inside, m_w % 128 == 0), a pair of adjacent columns (values 2j, 2j + 1:
-        `_check_old_w_pairs`) one load -- 8 bytes of an fp32 W, 4 of a 16-bit one (one load a value: RESULTS run 182);
-        columns past N read nothing (n_w is even: a pair is all in or all out)."""
-        ebytes = self.d_dtype.width // 8
+        """rOld = this thread's old W values of 32-column subtile `step` of W tile (m_tile, n_tile) (W seen as
+        (L * m_w, n_w): rows always inside, m_w % 128 == 0); columns past N read nothing. An fp32 W: a pair of
+        adjacent columns (values 2j, 2j + 1: `_check_old_w_pairs`) one 8-byte load (one load a value was 6-10%
+        slower, H100, RESULTS run 182); a 16-bit W: one load a value (pairs in 4-byte loads were 8-10% slower)."""
         col0 = self.d_block(n_tile, step) * EPI_N
-        # 64-bit offsets: L * m_w * n_w may pass 2^31
-        base = mW.iterator.toint() + (Int64(m_tile * self.tile_m) * self.n + col0) * ebytes
-        for i in cutlass.range_constexpr(0, cute.size(rOld), 2):
-            row, col = tWcW[i]
-            rOld[i] = Float32(0.0)
-            rOld[i + 1] = Float32(0.0)
-            if col0 + col < self.n:
-                addr = base + (Int64(row) * self.n + col) * ebytes
-                if const_expr(ebytes == 4):
-                    words = ld_global_v2(addr)
+        if const_expr(self.d_dtype.width == 32):
+            # 64-bit offsets: L * m_w * n_w may pass 2^31
+            base = mW.iterator.toint() + (Int64(m_tile * self.tile_m) * self.n + col0) * 4
+            for i in cutlass.range_constexpr(0, cute.size(rOld), 2):
+                row, col = tWcW[i]
+                rOld[i] = Float32(0.0)
+                rOld[i + 1] = Float32(0.0)
+                if col0 + col < self.n:   # (n_w is even: a pair is all in or all out)
+                    words = ld_global_v2(base + (Int64(row) * self.n + col) * 4)
                     rOld[i] = words[0].bitcast(Float32)
                     rOld[i + 1] = words[1].bitcast(Float32)
-                elif const_expr(self.d_dtype == cutlass.BFloat16):
-                    word = ld_global_b32(addr)
-                    rOld[i] = (word << 16).bitcast(Float32)
-                    rOld[i + 1] = (word & Int32(-65536)).bitcast(Float32)
-                else:
-                    word = ld_global_b32(addr)
-                    rOld[i] = f16_f32_bits(word, False).bitcast(Float32)
-                    rOld[i + 1] = f16_f32_bits(word, True).bitcast(Float32)
+        else:
+            base = mW.iterator + (Int64(m_tile * self.tile_m) * self.n + col0)
+            tWgW = thr_w.partition_D(cute.make_tensor(base, cute.make_layout(self.epi_tile, stride=(self.n, 1))))
+            for i in cutlass.range_constexpr(cute.size(rOld)):
+                rOld[i] = self.d_dtype(0.0)
+                if col0 + tWcW[i][1] < self.n:
+                    rOld[i] = tWgW[i]
 
     def _check_old_w_pairs(self, thr_copy):
         """Trace time: in the old W's thread-value layout (the accumulator's) values 2j, 2j + 1 of every lane are
-        adjacent columns of one row; else NotImplementedError (`_load_old_w` loads them as one)."""
+        adjacent columns of one row; else NotImplementedError (`_load_old_w` loads an fp32 W's as one)."""
         for lane in range(32):
             sub = thr_copy.get_slice(lane).partition_D(cute.make_identity_tensor(self.epi_tile))
             at = [(int(sub[i][0]), int(sub[i][1])) for i in range(cute.size(sub.shape))]
