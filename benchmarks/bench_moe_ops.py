@@ -1,8 +1,8 @@
 """The six GEMMs of one MoE training step, each timed alone (the calls `nn.moe_mlp` makes, same keywords), the
-squared-ReLU step's FC2 dgrad (dsrelu), the dgrad with an FP8 D, the wgrad accumulating into an fp32 W, the one
-producing an fp32 W (float32 master weights) and the weight gradients with block-scaled (MXFP8 / MXFP4 / NVFP4)
-operands (`BS_WGRAD`, beside the bf16 "wgrad w1 / w2"), beside torch's `_grouped_mm` on the same problem where it
-has one.
+squared-ReLU step's FC2 dgrad (dsrelu), the dgrad with an FP8 D, the wgrads accumulating into an fp32 and a bf16 W,
+the one producing an fp32 W (float32 master weights) and the weight gradients with block-scaled (MXFP8 / MXFP4 /
+NVFP4) operands (`BS_WGRAD`, beside the bf16 "wgrad w1 / w2"), beside torch's `_grouped_mm` on the same problem
+where it has one.
 
     python -m benchmarks.bench_moe_ops [--shape fc] [--only wgrad]      # from the checkout's root
 
@@ -25,7 +25,8 @@ REPS = 5
 def _ops(shape: str):
     """(m, {name: (fn over (x, w1, w2, prob, dy, c, hh, dc, w2f), flops)}, valid rows, H, I) of `shape`: the six
     GEMMs of the SwiGLU step, plus the squared-ReLU step's FC2 dgrad (dsrelu, C = the (m, I) pre-activation), the
-    FC2 dgrad with an FP8 D, the W2 gradient accumulated into an fp32 W (w2f) and the W1 gradient in fp32."""
+    FC2 dgrad with an FP8 D, the W2 gradient accumulated into an fp32 W (w2f) and into the bf16 W2, and the W1
+    gradient in fp32."""
     import jax.numpy as jnp
 
     import cudnn_moe_jax as cmj

@@ -160,7 +160,7 @@ def test_moe_ops_table_traces_every_op():
 
     m, ops, sizes, h, i = bench_moe_ops._ops("fc")
     avals = bench_moe_ops._avals("fc")
-    assert len(avals) == 9 and len(ops) == 10
+    assert len(avals) == 9 and len(ops) == 11
     widths = {"fc1 glu (fwd)": i, "fc2 quant (fwd)": h, "dglu (fc2 dgrad)": 2 * i, "dsrelu (fc2 dgrad)": i,
               "dglu e4m3 D (+SFD)": 2 * i, "fc1 dgrad quant": h}
     for name, (fn, flops) in ops.items():
