@@ -149,14 +149,16 @@ def st_global_v2(addr: Int64, a: Int32, b: Int32):
 
 
 @cute.jit
-def ld_global_v2(addr: Int64) -> list:
-    """Two 32-bit words at an 8-byte aligned global address (the coherent path: the buffer may be written by the
-    kernel too)."""
+def ld_global_words(addr: Int64, n: cutlass.Constexpr, coherent: cutlass.Constexpr = False):
+    """n (2 or 4) 32-bit words at a 8 / 16-byte aligned global address: through the read-only path, or with
+    `coherent` the plain one (a buffer the kernel also writes: the wgrad's old W)."""
     i32 = Int32.mlir_type
-    res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [Int64(addr).ir_value()],
-                          "ld.global.v2.b32 {$0, $1}, [$2];", "=r,=r,l", has_side_effects=False,
-                          is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Int32(llvm.extractvalue(i32, res, [k])) for k in range(2)]
+    outs = ", ".join(f"${i}" for i in range(n))
+    path = "" if coherent else ".nc"
+    res = llvm.inline_asm(llvm.StructType.get_literal([i32] * n), [Int64(addr).ir_value()],
+                          f"ld.global{path}.v{n}.b32 {{{outs}}}, [${n}];", ",".join(["=r"] * n) + ",l",
+                          has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(i32, res, [k])) for k in range(n)]
 
 
 @cute.jit

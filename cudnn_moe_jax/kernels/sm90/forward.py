@@ -25,7 +25,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from .. import quantize as q8
-from ..dequant import ld_global_v2
+from ..dequant import ld_global_words
 from ..epilogue import EpilogueRecipe
 from .epilogue import EpilogueHooks, fold_amax, merge_amax, row_kept
 from .epilogue_fp8d import EPI_N  # epilogue subtile width = one GLU block
@@ -361,7 +361,7 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
                 rOld[i] = Float32(0.0)
                 rOld[i + 1] = Float32(0.0)
                 if col0 + col < self.n:   # (n_w is even: a pair is all in or all out)
-                    words = ld_global_v2(base + (Int64(row) * self.n + col) * 4)
+                    words = ld_global_words(base + (Int64(row) * self.n + col) * 4, 2, coherent=True)
                     rOld[i] = words[0].bitcast(Float32)
                     rOld[i + 1] = words[1].bitcast(Float32)
         else:
@@ -373,10 +373,17 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
                     rOld[i] = tWgW[i]
 
     def _check_old_w_pairs(self, thr_copy):
-        """Trace time: in the old W's thread-value layout (the accumulator's) values 2j, 2j + 1 of every lane are
-        adjacent columns of one row; else NotImplementedError (`_load_old_w` loads an fp32 W's as one)."""
+        """Trace time: the old W's thread-value layout (the accumulator's) holds pairs of adjacent columns in every
+        lane (`_load_old_w` loads an fp32 W's as one)."""
         for lane in range(32):
-            sub = thr_copy.get_slice(lane).partition_D(cute.make_identity_tensor(self.epi_tile))
-            at = [(int(sub[i][0]), int(sub[i][1])) for i in range(cute.size(sub.shape))]
-            if any(at[i + 1] != (at[i][0], at[i][1] + 1) for i in range(0, len(at), 2)):
-                raise NotImplementedError("old W: values 2j, 2j + 1 are not adjacent columns")
+            adjacent_pairs(thr_copy.get_slice(lane).partition_D(cute.make_identity_tensor(self.epi_tile)), "old W")
+
+
+def adjacent_pairs(coords, what: str) -> list:
+    """Trace time: the (row, column)s of one lane's subtile values (`coords`: its partition of the identity tensor),
+    checked to come in pairs of adjacent columns of one row (values 2j, 2j + 1, as the wgmma accumulator layout
+    holds them: loaded or stored as one); else NotImplementedError naming `what`."""
+    at = [(int(coords[i][0]), int(coords[i][1])) for i in range(cute.size(coords.shape))]
+    if any(at[i + 1] != (at[i][0], at[i][1] + 1) for i in range(0, len(at), 2)):
+        raise NotImplementedError(f"{what}: values 2j, 2j + 1 are not adjacent columns of one row")
+    return at

@@ -48,6 +48,7 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv, sf_atom_byt
 from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS, half_dtype
 
 from .. import dequant as dq
+from ..dequant import ld_global_words  # noqa: F401  (mainloop_staged_wgrad imports it from here)
 from .mainloop import TILE_K, WgmmaMainloop, ab_stage_bytes, copy_ab_stage, make_ab_smem_layouts
 from .mainloop_dequant import DequantFormat, DequantMainloop, narrow_stage_layout
 from .mainloop_mxfp8 import sf_atom_tma
@@ -61,17 +62,6 @@ SCRATCH_ROW_BYTES = 4 * 256              # a converter warp's scratch for one ro
 def _asm(ret, code: str, constraints: str, *args):
     return llvm.inline_asm(ret, [a.ir_value() for a in args], code, constraints, has_side_effects=True,
                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@cute.jit
-def ld_global_words(addr: Int64, n: cutlass.Constexpr):
-    """n (2 or 4) 32-bit words at a 8 / 16-byte aligned global address, through the read-only path."""
-    i32 = Int32.mlir_type
-    outs = ", ".join(f"${i}" for i in range(n))
-    res = llvm.inline_asm(llvm.StructType.get_literal([i32] * n), [Int64(addr).ir_value()],
-                          f"ld.global.nc.v{n}.b32 {{{outs}}}, [${n}];", ",".join(["=r"] * n) + ",l",
-                          has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Int32(llvm.extractvalue(i32, res, [k])) for k in range(n)]
 
 
 @cute.jit

@@ -20,7 +20,6 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 
 from cudnn_moe_jax._problem import Epilogue
 from cudnn_moe_jax.limits import values_per_byte
@@ -30,7 +29,7 @@ from ..dequant import st_global_v2
 from ..scheduler import K_GROUPED, GroupedTileScheduler
 from .epilogue import EpilogueDriver
 from .epilogue_fp8d import EPI_N
-from .forward import GroupedGemmSm90Forward
+from .forward import GroupedGemmSm90Forward, adjacent_pairs
 from . import mainloop_dequant_wgrad, mainloop_staged_wgrad
 from .mainloop import KGroupedWgmmaMainloop
 from .mainloop_gather import TokenSource, kgrouped_class
@@ -92,18 +91,16 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
             j = order[i]
             row, col = coords[j]
             if col0 + col < self.n:
-                st_global_v2(base + (Int64(row) * self.n + col) * 4, _f32_bits(vals[j]), _f32_bits(vals[j + 1]))
+                st_global_v2(base + (Int64(row) * self.n + col) * 4, Float32(vals[j]).bitcast(Int32),
+                             Float32(vals[j + 1]).bitcast(Int32))
 
     def _pair_order(self, r2s_d) -> tuple:
-        """Trace time: the first value index of each pair of a thread's subtile values, ordered by (row, column).
-        Checks (every lane of a warp) that values 2j, 2j + 1 are adjacent columns of one row, as the wgmma
-        accumulator layout gives them, and that the order is the same in every lane; else NotImplementedError."""
+        """Trace time: the first value index of each pair of a thread's subtile values (`adjacent_pairs`), ordered by
+        (row, column); NotImplementedError unless the order is the same in every lane of a warp."""
         order = None
         for lane in range(32):
-            sub = r2s_d.get_slice(lane).partition_S(cute.make_identity_tensor(self.epi_tile))
-            at = [(int(sub[i][0]), int(sub[i][1])) for i in range(cute.size(sub.shape))]
-            if any(at[i + 1] != (at[i][0], at[i][1] + 1) for i in range(0, len(at), 2)):
-                raise NotImplementedError("fp32 W from registers: values 2j, 2j + 1 are not adjacent columns")
+            at = adjacent_pairs(r2s_d.get_slice(lane).partition_S(cute.make_identity_tensor(self.epi_tile)),
+                                "fp32 W from registers")
             mine = tuple(sorted(range(0, len(at), 2), key=lambda i: at[i]))
             if order is not None and mine != order:
                 raise NotImplementedError("fp32 W from registers: the lanes' values differ in (row, column) order")
@@ -212,9 +209,3 @@ class GroupedGemmSm90Wgrad(GroupedGemmSm90Forward):
         """Where a tile's gathered tokens go: (A's first W row, A's stage 0 address, B's first W column, B's)."""
         return (tile.m_tile * self.tile_m, cta.storage.sA.data_ptr().toint(), tile.n_tile * self.tile_n,
                 cta.storage.sB.data_ptr().toint())
-
-
-@cute.jit
-def _f32_bits(x: Float32) -> Int32:
-    return Int32(llvm.inline_asm(Int32.mlir_type, [Float32(x).ir_value()], "mov.b32 $0, $1;", "=r,f",
-                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
