@@ -313,32 +313,61 @@ def main(argv=None):
         # non-donated input W before the kernel updates it in place)
         kern = _kernel_seconds(run, REPS) if timer else None
         extra = f"   kernel {kern * 1e3:7.3f} ms {fl / kern / 1e12:7.1f} TFLOP/s" if kern else ""
+        if name.startswith("wgrad"):   # mostly a W writer with few tokens per expert: the rate W leaves at
+            w = jax.eval_shape(fn, *row_sets[0])
+            extra += f"   W at {w.size * w.dtype.itemsize / med / 1e12:5.2f} TB/s"
         print(f"  {name:18s} {med * 1e3:8.3f} ms {fl / med / 1e12:7.1f} TFLOP/s{extra}", flush=True)
         rates[name] = fl / med / 1e12
     for name, fwd, ratio in backward_ratios(rates):
         print(f"  {name:18s} / {fwd:18s} {ratio:5.2f}x")
+    torch_rows(sizes, h, i, args.only)
+
+
+def torch_rows(sizes, h: int, i: int, only: str = "") -> None:
+    """torch on the same problems (CUDA events, mean of 10 calls after 3): `_grouped_mm` fc1 / fc2 forward and the
+    W2 / W1 gradients (2d x 2d, groups along the tokens: the same W bytes as ours), cuBLAS's batched GEMM on the W2
+    gradient where the experts are equal (`bmm`), and a fill of W2's bytes -- the write ceiling of a wgrad that is
+    mostly its W store (few tokens per expert): each wgrad row also prints the rate W reaches DRAM at."""
     try:
         import torch
-
-        g = np.cumsum(sizes).astype(np.int32)
-        offs = torch.tensor(g, device="cuda")
-        L = len(sizes)
-        for name, (mm, kk, nn_, fl) in {"fc1 (fwd)": (valid, h, 2 * i, 2 * valid * h * 2 * i),
-                                        "fc2 (fwd)": (valid, i, h, 2 * valid * i * h)}.items():
-            a = torch.randn(mm, kk, device="cuda", dtype=torch.bfloat16)
-            b = torch.randn(L, kk, nn_, device="cuda", dtype=torch.bfloat16)
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    L, T = len(sizes), sum(sizes)
+    offs = torch.tensor(np.cumsum(sizes).astype(np.int32), device="cuda")
+    rnd = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    x, dy, hh, dc = rnd(T, h), rnd(T, h), rnd(T, i), rnd(T, 2 * i)
+    w2_bytes, w1_bytes = 2 * L * h * i, 2 * L * 2 * i * h
+    rows = {"fc1 (fwd)": (lambda a=x, b=rnd(L, h, 2 * i): torch._grouped_mm(a, b, offs=offs), 2 * T * h * 2 * i, 0),
+            "fc2 (fwd)": (lambda a=hh, b=rnd(L, i, h): torch._grouped_mm(a, b, offs=offs), 2 * T * i * h, 0),
+            "wgrad w2": (lambda: torch._grouped_mm(dy.t(), hh, offs=offs), 2 * T * h * i, w2_bytes),
+            "wgrad w1": (lambda: torch._grouped_mm(dc.t(), x, offs=offs), 2 * T * 2 * i * h, w1_bytes)}
+    if len(set(sizes)) == 1:
+        t = sizes[0]
+        rows["bmm wgrad w2"] = (lambda: torch.bmm(dy.view(L, t, h).transpose(1, 2), hh.view(L, t, i)), 2 * T * h * i,
+                                w2_bytes)
+    w2 = torch.empty(L, h, i, device="cuda", dtype=torch.bfloat16)
+    rows["fill of W2's bytes"] = (lambda: w2.fill_(1.0), 0, w2_bytes)
+    for name, (fn, fl, nbytes) in rows.items():
+        if only not in name and not name.startswith("fill"):
+            continue
+        try:
             for _ in range(3):
-                torch._grouped_mm(a, b, offs=offs)
+                fn()
             st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             st.record()
             for _ in range(10):
-                torch._grouped_mm(a, b, offs=offs)
+                fn()
             en.record()
             torch.cuda.synchronize()
-            ms = st.elapsed_time(en) / 10
-            print(f"  torch {name:12s} {ms:8.3f} ms {fl / ms / 1e9:7.1f} TFLOP/s", flush=True)
-    except Exception as e:  # noqa: BLE001
-        print(f"  torch: {type(e).__name__}: {str(e)[:120]}")
+        except Exception as e:  # noqa: BLE001
+            print(f"  torch {name}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        ms = st.elapsed_time(en) / 10
+        rate = f" {fl / ms / 1e9:7.1f} TFLOP/s" if fl else " " * 15
+        wrote = f"   W at {nbytes / ms / 1e9:5.2f} TB/s" if nbytes else ""
+        print(f"  torch {name:18s} {ms:8.3f} ms{rate}{wrote}", flush=True)
 
 
 if __name__ == "__main__":
