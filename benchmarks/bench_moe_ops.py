@@ -285,7 +285,6 @@ def main(argv=None):
     from lab import device_timer
 
     _, ops, sizes, h, i = _ops(args.shape)
-    valid = sum(sizes)
     timer, why = device_timer.cupti_timer()
     sets = [bf16_inputs(args.shape, s) for s in range(REPS)]
     print(f"shape {args.shape}: groups {sizes}, H {h}, I {i}; JAX {'CUPTI' if timer else 'host: ' + str(why)}")

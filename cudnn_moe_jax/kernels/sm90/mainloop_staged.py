@@ -48,7 +48,7 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv, sf_atom_byt
 from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_HEADER_WORDS, half_dtype
 
 from .. import dequant as dq
-from ..dequant import ld_global_words  # noqa: F401  (mainloop_staged_wgrad imports it from here)
+from ..dequant import ld_global_words
 from .mainloop import TILE_K, WgmmaMainloop, ab_stage_bytes, copy_ab_stage, make_ab_smem_layouts
 from .mainloop_dequant import DequantFormat, DequantMainloop, narrow_stage_layout
 from .mainloop_mxfp8 import sf_atom_tma

@@ -45,11 +45,12 @@ from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv
 from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_FRONTIER, STAGED_TOKEN_TILE, STAGED_WGRAD_HEADER_WORDS
 
 from .. import dequant as dq
+from ..dequant import ld_global_words
 from ..scheduler import count_ends_at_most
 from .mainloop import TILE_K, WgmmaMainloop, copy_ab_stage
 from .mainloop_dequant_wgrad import KGroupedDequantMainloop
-from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar, ld_global_words,
-                              ld_shared_v4, nap, publish, raise_to, read_mark, st_shared_word, take_job, wait_flag)
+from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar, ld_shared_v4, nap,
+                              publish, raise_to, read_mark, st_shared_word, take_job, wait_flag)
 
 assert STAGED_TOKEN_TILE == TILE_K
 # How far FP4's converters may run ahead of the GEMM (`lead_chunks`): a job of chunk c waits until a producer has
