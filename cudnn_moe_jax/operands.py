@@ -375,11 +375,13 @@ def _descriptor_table_bytes(p):
 # most m / 128 * cdiv(K, 512) <= m of them), B's per expert and 128-row block after a header word (the job counter).
 # The staged wgrad (kernels/sm90/mainloop_staged_wgrad.py) converts A (m_w, T) and B (n_w, T) into token ranges
 # padded to STAGED_TOKEN_TILE per expert ((rows, T + STAGED_TOKEN_TILE * L) bounds them), one flag per 128-row
-# block of A, then of B, and 512-token chunk, after two header words: the job counter and the GEMM's frontier (word
-# STAGED_FRONTIER: the furthest chunk its producers have reached).
+# block of A, then of B, and 512-token chunk, after the header: the job counter, the GEMM's frontier (word
+# STAGED_FRONTIER: the furthest chunk its producers have reached), then from STAGED_TILES_READ one word per expert
+# (its CTA tiles that have read their operands: their slabs may leave L2 unwritten).
 STAGED_CHUNK_K = 512
 STAGED_HEADER_WORDS = 1
-STAGED_WGRAD_HEADER_WORDS, STAGED_FRONTIER = 2, 1
+STAGED_FRONTIER, STAGED_TILES_READ = 1, 2
+STAGED_WGRAD_HEADER_WORDS = STAGED_TILES_READ     # + one word per expert
 STAGED_TOKEN_TILE = 64
 
 
@@ -402,7 +404,7 @@ def staged_tokens(p):
 
 def staged_b_flag_words(p):
     if p.op == "wgrad":
-        return (STAGED_WGRAD_HEADER_WORDS + (cdiv(p.m, 128) + cdiv(p.n, 128))
+        return (STAGED_WGRAD_HEADER_WORDS + p.num_groups + (cdiv(p.m, 128) + cdiv(p.n, 128))
                 * cdiv(staged_tokens(p), STAGED_CHUNK_K),)
     return (STAGED_HEADER_WORDS + p.num_groups * cdiv(p.n, 128) * cdiv(p.k, STAGED_CHUNK_K),)
 

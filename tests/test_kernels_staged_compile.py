@@ -113,13 +113,16 @@ def wgrad_problem(fmt: str, k: int = 2048, token_major: bool = False) -> Grouped
 def test_staged_wgrad_compiles_with_its_converters(fmt, token_major):
     """The staged wgrad (mainloop_staged_wgrad): the bf16 K-grouped kernel over the padded workspaces (SS HGMMA,
     no masker; token-major: MN-major stages), the converters' job counter, release adds, acquire loads, async-proxy
-    fence and (token-contiguous) the funnel shifts of unaligned groups; no local memory."""
+    fence and (token-contiguous) the funnel shifts of unaligned groups; FP4: the read slabs dropped from L2
+    (`discard.global.L2`); no local memory."""
     sass = sass_of(compile_or_skip(wgrad_problem(fmt, token_major=token_major)),
                    cuobjdump() or pytest.skip("cuobjdump not found"))
     check_sass(sass, False)
     for op in ("ATOMG.E.ADD", "REDG.E.ADD.STRONG.GPU", "LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G"):
         assert op in sass, op
     assert token_major or "SHF.R.U32" in sass
+    fp4 = fmt in ("nvfp4", "mxfp4")
+    assert ("CCTL.E.RML2" in sass) == fp4
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     assert hgmma and all(re.search(r"HGMMA\.\S+ R\d+, gdesc", line) for line in hgmma), hgmma[0]
     assert all((".tnspA.tnspB" in line) == token_major for line in hgmma), hgmma[0]
@@ -127,15 +130,16 @@ def test_staged_wgrad_compiles_with_its_converters(fmt, token_major):
 
 def test_staged_wgrad_workspaces_follow_the_token_count():
     """A (m_w, T + 64 L) and B (n_w, T + 64 L) in bf16 (every expert's tokens from a 64-token boundary), one flag
-    per 128-row block of A and B and 512-token chunk after the job counter and the GEMM's frontier, all dynamic in
-    T (one module serves every T); no A flags column. Supported token-contiguous and ungathered only."""
+    per 128-row block of A and B and 512-token chunk after the header (the job counter, the GEMM's frontier, the
+    tiles-read word per expert), all dynamic in T (one module serves every T); no A flags column.
+    Supported token-contiguous and ungathered only."""
     from cudnn_moe_jax import operands
     from cudnn_moe_jax.kernels.sm90 import config, jax_bridge
 
     p = wgrad_problem("mxfp8", k=2000)
     out = {b.name: b for b in operands.launch_outputs(p, config.default_config(p))}
     assert out["staged_a"].shape == (512, 2000 + 64 * 5) and out["staged_b"].shape == (320, 2000 + 64 * 5)
-    assert out["staged_b_flags"].shape == (2 + (4 + 3) * 5,) and "staged_a_flags" not in out
+    assert out["staged_b_flags"].shape == (2 + 5 + (4 + 3) * 5,) and "staged_a_flags" not in out
     assert {out[n].dtype for n in ("staged_a", "staged_b")} == {"bfloat16"}
     specs = dict(zip([b.name for b in operands.launch_outputs(p, config.default_config(p))],
                      jax_bridge.tensor_specs(p, config.default_config(p))[1]))

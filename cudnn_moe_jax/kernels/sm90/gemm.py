@@ -664,6 +664,8 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
             read_state, release_state = self.mainloop.mma_tile(
                 cta.ab_pipeline, read_state, release_state, mma_operands, acc, tile.k_count, cta.stage_mbar, tile
             )
+            if const_expr(hasattr(self.mainloop, "tiles_read")):   # (the staged wgrad: its workspaces' readers)
+                self.mainloop.tiles_read(args, ctid, tile)
             self.run_epilogue(hooks, setup, ctx, store_pipeline)
             t += work.stride
         store_pipeline.producer_tail()

@@ -42,15 +42,16 @@ from cutlass import BFloat16, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 
 from cudnn_moe_jax.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, cdiv
-from cudnn_moe_jax.operands import STAGED_CHUNK_K, STAGED_FRONTIER, STAGED_TOKEN_TILE, STAGED_WGRAD_HEADER_WORDS
+from cudnn_moe_jax.operands import (STAGED_CHUNK_K, STAGED_FRONTIER, STAGED_TILES_READ,
+                                     STAGED_TOKEN_TILE, STAGED_WGRAD_HEADER_WORDS)
 
 from .. import dequant as dq
 from ..dequant import ld_global_words
 from ..scheduler import count_ends_at_most
 from .mainloop import TILE_K, WgmmaMainloop, copy_ab_stage
 from .mainloop_dequant_wgrad import KGroupedDequantMainloop
-from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar, ld_shared_v4, nap,
-                              publish, raise_to, read_mark, st_shared_word, take_job, wait_flag)
+from .mainloop_staged import (BATCH, SLAB, _asm, _half_stage_bytes, fence_async_global, ld_global_scalar,
+                              ld_shared_v4, nap, publish, raise_to, read_mark, st_shared_word, take_job, wait_flag)
 
 assert STAGED_TOKEN_TILE == TILE_K
 # How far FP4's converters may run ahead of the GEMM (`lead_chunks`): a job of chunk c waits until a producer has
@@ -61,11 +62,32 @@ assert STAGED_TOKEN_TILE == TILE_K
 # two experts' tokens (an expert's chunks are all read from its first wave on). FP8's converters, reading twice the
 # bytes a value, do not outrun the GEMM (82% L2 hits unbounded) and lose 1-4% to any lead: they run unbounded.
 LEAD_WAVES = 1.5
+# A converted slab is dropped from L2 once every tile that reads it has (`discard.global.L2`: its lines are
+# invalidated, not written back). Kept, the whole bf16 workspace reached DRAM when L2 evicted it: the NVFP4 W2 wgrad on
+# e128_a128 wrote 1.22 GB where its W is 1.07 (RESULTS run 185). FP4 only: its converters wait near the GEMM (the
+# lead) and drop slabs while they wait; FP8's run ahead unbounded, their slabs gone from L2 before the GEMM is done
+# with them. A consumer counts each tile it has read on its expert's word (`tiles_read`); a chunk is read when every
+# expert with tokens in it has all its tiles counted.
 
 
 def frontier_word(header: Int64) -> Int64:
     """The address of the frontier word in the flags buffer at `header`."""
     return header + STAGED_FRONTIER * 4
+
+
+@cute.jit
+def count_read_if(pred, addr: Int64):
+    """A relaxed add of 1 to the word at `addr` where `pred` holds: the reads it counts have completed (their data is
+    in shared memory), so nothing needs ordering before it (a release add put a MEMBAR.ALL.GPU in every consumer
+    thread after every tile)."""
+    _asm(None, "{ .reg .pred p; setp.ne.b32 p, $0, 0; @p red.relaxed.gpu.global.add.u32 [$1], 1; }", "r,l",
+         Int32(pred), Int64(addr))
+
+
+@cute.jit
+def discard_line(addr: Int64):
+    """Invalidate the 128-byte L2 line at `addr` (128-aligned) without writing it back."""
+    _asm(None, "discard.global.L2 [$0], 128;", "l", Int64(addr))
 
 
 @cute.jit
@@ -123,6 +145,11 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         self.a_slabs, self.b_slabs = cdiv(problem.m, SLAB), cdiv(problem.n, SLAB)
         self.cta_tiles = problem.num_groups * cdiv(problem.m, config.tile_m) * cdiv(problem.n, config.tile_n)
         self.cluster_size = config.cluster_m * config.cluster_n
+        # the CTA tiles of an expert (the scheduler's cluster tiles, each CTA of a cluster one), and whether read
+        # slabs are dropped from L2
+        self.expert_tiles = (problem.m // (config.tile_m * config.cluster_m) * config.cluster_m
+                             * cdiv(cdiv(problem.n, config.tile_n), config.cluster_n) * config.cluster_n)
+        self.discards = self.fp4 and not self.TOKEN_MAJOR
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
@@ -191,6 +218,13 @@ class StagedKGroupedMainloop(WgmmaMainloop):
                 wait_flag(header + (first + self.a_blocks + block) * 4, slabs)
         fence_async_global()
 
+    # ------------------------------------------------------------------------------------------ consumers
+    def tiles_read(self, args, ctid: Int32, tile):
+        """Consumer thread 0 after a tile's mainloop: the tile's stages have all landed in shared memory (their full
+        barriers), so it counts the tile on its expert's word. (Inlined: a jit call here broke the tile loop.)"""
+        if self.discards:
+            count_read_if(ctid == 0, args.mStagedBFlags.iterator.toint() + (STAGED_TILES_READ + tile.group) * 4)
+
     # ------------------------------------------------------------------------------------------ converters
     @cute.jit
     def convert(self, args, cta):
@@ -206,12 +240,20 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         chunks = (padded + STAGED_CHUNK_K - 1) // STAGED_CHUNK_K
         jobs = chunks * per_chunk
         lead = self.lead_chunks(padded, chunks) if self.fp4 else None
+        unit = Int32(0)   # (discards) this warp's next slab to drop (`discard_mine`)
+        if const_expr(self.discards):
+            x, y, z = cute.arch.block_idx()
+            gx, gy, _ = cute.arch.grid_dim()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            unit = (x + gx * (y + gy * z)) * len(self.CONVERT_WARPS) + warp - self.CONVERT_WARPS[0]
         j = take_job(header, lane)
         while j < jobs:
             c = j // per_chunk
             r = j - c * per_chunk
             if const_expr(self.fp4):
                 while c > read_mark(frontier_word(header)) + lead:
+                    if const_expr(self.discards):
+                        unit = self.discard_mine(args, cta.sEnds, padded, jobs, per_chunk, lane, unit)
                     nap()
             block = Int32(0)
             if r < self.a_slabs:
@@ -229,10 +271,67 @@ class StagedKGroupedMainloop(WgmmaMainloop):
                 flag = self.chunk_flags(c) + block
                 publish(header + flag * 4)
             j = take_job(header, lane)
+        if const_expr(self.discards):   # what is read by now (the last chunks' slabs stay: L2 writes them back)
+            self.discard_mine(args, cta.sEnds, padded, jobs, per_chunk, lane, unit)
+
+    @cute.jit
+    def discard_mine(self, args, sEnds, padded: Int32, jobs: Int32, per_chunk: Int32, lane: Int32,
+                     unit: Int32) -> Int32:
+        """Drop from L2, in order from `unit`, this converter warp's slabs of the chunks every reader has read
+        (`chunk_read`), never waiting; returns its next slab. The GPU's converter warps take the slabs (the
+        conversion jobs' order) in turn: warp w of CTA i slab W i + w and every W x CTAs-th after it (W converter
+        warps a CTA) -- no claims: one counter claimed slab by slab serialized them (10x slower, RESULTS run 187),
+        and each slab's 256 lines by one warp (a chunk's 40960 on e128_a128's W2) spread over all of them."""
+        gx, gy, gz = cute.arch.grid_dim()
+        step = len(self.CONVERT_WARPS) * gx * gy * gz
+        header = args.mStagedBFlags.iterator.toint()
+        go = unit < jobs
+        while go:
+            c = unit // per_chunk
+            go = self.chunk_read(header, sEnds, padded, c)
+            if go:
+                self.discard_slab(args, unit - c * per_chunk, c, padded, lane)
+                unit = unit + step
+                go = unit < jobs
+        return unit
+
+    @cute.jit
+    def chunk_read(self, header: Int64, sEnds, padded: Int32, c: Int32):
+        """Whether every expert with padded tokens in chunk c has counted all its tiles read (`tiles_read`; the
+        experts' padded k-tile ranges are consecutive, so those are the owners of its first and last k-tile and the
+        ones between)."""
+        tiles = STAGED_CHUNK_K // TILE_K
+        L = self.num_groups
+        tile_ends = cute.make_tensor(sEnds.iterator + L, cute.make_layout(L))
+        e = count_ends_at_most(tile_ends, c * tiles, L)
+        last = cutlass.min(count_ends_at_most(tile_ends, cutlass.min((c + 1) * tiles, padded // TILE_K) - 1, L),
+                           Int32(L - 1))
+        read = e <= last
+        while read & (e <= last):
+            read = read_mark(header + (STAGED_TILES_READ + e) * 4) >= self.expert_tiles   # (relaxed: an acquire
+            # load invalidates the SM's L1, CCTL.IVALL, and these are polled)
+            e = e + 1
+        return read
+
+    @cute.jit
+    def discard_slab(self, args, r: Int32, c: Int32, padded: Int32, lane: Int32):
+        """Drop slab r of chunk c (its 32 rows' tokens [512 c, min(512 (c + 1), padded))): lane i row i's whole
+        128-byte lines in that range (a line shared with the next or last chunk, or across a row's end, stays)."""
+        in_a = r < self.a_slabs
+        row = cutlass.select_(in_a, r * SLAB, (r - self.a_slabs) * SLAB) + lane
+        rows = cutlass.select_(in_a, Int32(self.m), Int32(self.n))
+        base = cutlass.select_(in_a, args.mStagedA.iterator.toint(), args.mStagedB.iterator.toint())
+        if row < rows:
+            start = base + Int64(row) * (Int64(args.mStagedA.shape[1]) * 2)
+            hi = start + Int64(cutlass.min((c + 1) * STAGED_CHUNK_K, padded)) * 2
+            line = (start + Int64(c) * (STAGED_CHUNK_K * 2) + 127) & Int64(-128)
+            for i in cutlass.range_constexpr(STAGED_CHUNK_K * 2 // 128):
+                if line + (i + 1) * 128 <= hi:
+                    discard_line(line + i * 128)
 
     def chunk_flags(self, c: Int32) -> Int64:
         """The index of chunk c's first flag word (A's 128-row blocks, then B's; operands.staged_b_flag_words)."""
-        return Int64(STAGED_WGRAD_HEADER_WORDS) + Int64(c) * (self.a_blocks + self.b_blocks)
+        return Int64(STAGED_WGRAD_HEADER_WORDS + self.num_groups) + Int64(c) * (self.a_blocks + self.b_blocks)
 
     @cute.jit
     def lead_chunks(self, padded: Int32, chunks: Int32) -> Int32:
