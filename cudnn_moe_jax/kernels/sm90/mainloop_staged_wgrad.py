@@ -149,7 +149,7 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         # slabs are dropped from L2
         self.expert_tiles = (problem.m // (config.tile_m * config.cluster_m) * config.cluster_m
                              * cdiv(cdiv(problem.n, config.tile_n), config.cluster_n) * config.cluster_n)
-        self.discards = self.fp4 and not self.TOKEN_MAJOR
+        self.discards = not self.TOKEN_MAJOR
 
     @classmethod
     def from_problem(cls, problem, config, ab_dtype, stages: int):
@@ -203,7 +203,7 @@ class StagedKGroupedMainloop(WgmmaMainloop):
     @cute.jit
     def wait_chunk(self, header: Int64, tile, c: Int32):
         """Wait for chunk c of the tile's 128-row blocks of A (4 slabs each: m_w % 128 == 0) and of B."""
-        if const_expr(self.fp4):
+        if const_expr(self.discards):
             if cute.arch.lane_idx() == 0:
                 raise_to(frontier_word(header), c)
         first = self.chunk_flags(c)
@@ -239,7 +239,7 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         per_chunk = Int32(self.a_slabs + self.b_slabs)
         chunks = (padded + STAGED_CHUNK_K - 1) // STAGED_CHUNK_K
         jobs = chunks * per_chunk
-        lead = self.lead_chunks(padded, chunks) if self.fp4 else None
+        lead = self.lead_chunks(padded, chunks) if self.discards else None
         unit = Int32(0)   # (discards) this warp's next slab to drop (`discard_mine`)
         if const_expr(self.discards):
             x, y, z = cute.arch.block_idx()
@@ -250,7 +250,7 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         while j < jobs:
             c = j // per_chunk
             r = j - c * per_chunk
-            if const_expr(self.fp4):
+            if const_expr(self.discards):
                 while c > read_mark(frontier_word(header)) + lead:
                     if const_expr(self.discards):
                         unit = self.discard_mine(args, cta.sEnds, padded, jobs, per_chunk, lane, unit)
