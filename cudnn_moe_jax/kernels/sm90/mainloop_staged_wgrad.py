@@ -18,11 +18,12 @@ not all start on 16 tokens, each lane loads the aligned words around its group a
 bytes, packed FP4 by nibbles); codes past the expert's end are zeroed before the conversion (the next expert's
 NaN codes stay out of the group), the pad after it (a NaN scale times zero) after it. A job publishes its chunk
 like the forward's (fence.proxy.async.global, a release add on the flag of its 128-row block of A or B and chunk);
-the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk. FP4:
-the producer first raises the frontier word (the furthest chunk any producer has reached), and a converter holds a
-job of a chunk more than `lead_chunks` past the frontier until it moves, so the converted chunks wait in L2, not
-DRAM. (No deadlock: jobs are taken in chunk order, a job at most the lead past the frontier never waits, and every
-chunk holds some expert's tokens, whose tiles raise the frontier to it.)
+the producer acquires the flags of its tile's A and B blocks before the first stage it loads from each chunk.
+Token-contiguous: the producer first raises the frontier word (the furthest chunk any producer has reached), and a
+converter holds a job of a chunk more than `lead_chunks` past the frontier until it moves, so the converted chunks
+wait in L2, not DRAM, where they are dropped once read. (No deadlock: jobs are taken in chunk order, a job at most
+the lead past the frontier never waits, and every chunk holds some expert's tokens, whose tiles raise the frontier
+to it.)
 
 Token-major FP8 operands (codes (T, rows): `mainloop_class`) go into token-major workspaces (T + 64 L, rows) that
 the bf16 kernel reads MN-major; there a lane converts 16 rows of 4 tokens (`convert_tokens`: each token its own
@@ -50,23 +51,24 @@ from ..dequant import ld_global_words
 from ..scheduler import count_ends_at_most
 from .mainloop import TILE_K, WgmmaMainloop, copy_ab_stage
 from .mainloop_dequant_wgrad import KGroupedDequantMainloop
-from .mainloop_staged import (BATCH, SLAB, _asm, _half_stage_bytes, fence_async_global, ld_global_scalar,
-                              ld_shared_v4, nap, publish, raise_to, read_mark, st_shared_word, take_job, wait_flag)
+from .mainloop_staged import (BATCH, SLAB, _half_stage_bytes, fence_async_global, ld_global_scalar, ld_shared_v4,
+                              nap, publish, raise_to, read_mark, st_shared_word, take_job, wait_flag)
 
 assert STAGED_TOKEN_TILE == TILE_K
-# How far FP4's converters may run ahead of the GEMM (`lead_chunks`): a job of chunk c waits until a producer has
-# reached chunk c - lead (the frontier). Unbounded, they got so far ahead on 128-token experts that the converted
-# chunks left L2 before the GEMM read them (e128 W2 NVFP4 on an H100: L2 hit rate 71% against MXFP8's 82%, 0.96 GB
-# read from DRAM where the codes are 84 MB); bounded, e128 FP4 runs +26-32%, `small` W1 +8% (RESULTS runs 156-158).
-# The lead covers LEAD_WAVES of the GEMM's tiles (lead 1 on `small`: -8..-14%, the GEMM waits for conversions) and
-# two experts' tokens (an expert's chunks are all read from its first wave on). FP8's converters, reading twice the
-# bytes a value, do not outrun the GEMM (82% L2 hits unbounded) and lose 1-4% to any lead: they run unbounded.
+# How far the token-contiguous converters may run ahead of the GEMM (`lead_chunks`): a job of chunk c waits until a
+# producer has reached chunk c - lead (the frontier). Unbounded, they got so far ahead on 128-token experts that the
+# converted chunks left L2 before the GEMM read them (e128 W2 NVFP4 on an H100: L2 hit rate 71% against MXFP8's 82%,
+# 0.96 GB read from DRAM where the codes are 84 MB); bounded, e128 FP4 runs +26-32%, `small` W1 +8% (RESULTS runs
+# 156-158). The lead covers LEAD_WAVES of the GEMM's tiles (lead 1 on `small`: -8..-14%, the GEMM waits for
+# conversions) and two experts' tokens (an expert's chunks are all read from its first wave on). FP8's converters,
+# reading twice the bytes a value, did not outrun the GEMM (82% L2 hits unbounded) and lost 1-4% to a lead without the
+# slab drops below (run 157); with them the lead pays for FP8 too (e128_a128 W2 MXFP8 -19%, run 188).
 LEAD_WAVES = 1.5
 # A converted slab is dropped from L2 once every tile that reads it has (`discard.global.L2`: its lines are
 # invalidated, not written back). Kept, the whole bf16 workspace reached DRAM when L2 evicted it: the NVFP4 W2 wgrad on
-# e128_a128 wrote 1.22 GB where its W is 1.07 (RESULTS run 185). FP4 only: its converters wait near the GEMM (the
-# lead) and drop slabs while they wait; FP8's run ahead unbounded, their slabs gone from L2 before the GEMM is done
-# with them. A consumer counts each tile it has read on its expert's word (`tiles_read`); a chunk is read when every
+# e128_a128 wrote 1.22 GB where its W is 1.07 (RESULTS run 185; dropped: 1.18 GB and -10%, run 188). The converters
+# wait near the GEMM (the lead) and drop slabs while they wait (token-major ones run unbounded and keep theirs). A
+# consumer counts each tile it has read on its expert's word (`tiles_read`); a chunk is read when every
 # expert with tokens in it has all its tiles counted.
 
 
@@ -80,14 +82,14 @@ def count_read_if(pred, addr: Int64):
     """A relaxed add of 1 to the word at `addr` where `pred` holds: the reads it counts have completed (their data is
     in shared memory), so nothing needs ordering before it (a release add put a MEMBAR.ALL.GPU in every consumer
     thread after every tile)."""
-    _asm(None, "{ .reg .pred p; setp.ne.b32 p, $0, 0; @p red.relaxed.gpu.global.add.u32 [$1], 1; }", "r,l",
-         Int32(pred), Int64(addr))
+    dq.void_asm("{ .reg .pred p; setp.ne.b32 p, $0, 0; @p red.relaxed.gpu.global.add.u32 [$1], 1; }", "r,l",
+                Int32(pred), Int64(addr))
 
 
 @cute.jit
 def discard_line(addr: Int64):
     """Invalidate the 128-byte L2 line at `addr` (128-aligned) without writing it back."""
-    _asm(None, "discard.global.L2 [$0], 128;", "l", Int64(addr))
+    dq.void_asm("discard.global.L2 [$0], 128;", "l", Int64(addr))
 
 
 @cute.jit
@@ -335,7 +337,7 @@ class StagedKGroupedMainloop(WgmmaMainloop):
 
     @cute.jit
     def lead_chunks(self, padded: Int32, chunks: Int32) -> Int32:
-        """FP4's converters' lead over the frontier, in chunks (at least 1): the chunks LEAD_WAVES waves of the
+        """The converters' lead over the frontier, in chunks (at least 1): the chunks LEAD_WAVES waves of the
         GEMM's tiles span (LEAD_WAVES x CTAs x chunks / tiles), or two experts' padded tokens if more."""
         _, _, clusters = cute.arch.grid_dim()
         scaled = int(LEAD_WAVES * 16)     # LEAD_WAVES in 1/16ths: integer arithmetic
