@@ -234,10 +234,10 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         lane = cute.arch.lane_idx()
         header = args.mStagedBFlags.iterator.toint()
         padded = cta.sValid[1] * TILE_K
+        converter = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - self.CONVERT_WARPS[0]   # (of the CTA's)
         scratch = None
         if const_expr(self.TOKEN_MAJOR):
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            scratch = cta.ml_smem + (warp - self.CONVERT_WARPS[0]) * (SLAB * 4)
+            scratch = cta.ml_smem + converter * (SLAB * 4)
         per_chunk = Int32(self.a_slabs + self.b_slabs)
         chunks = (padded + STAGED_CHUNK_K - 1) // STAGED_CHUNK_K
         jobs = chunks * per_chunk
@@ -246,16 +246,14 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         if const_expr(self.discards):
             x, y, z = cute.arch.block_idx()
             gx, gy, _ = cute.arch.grid_dim()
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            unit = (x + gx * (y + gy * z)) * len(self.CONVERT_WARPS) + warp - self.CONVERT_WARPS[0]
+            unit = (x + gx * (y + gy * z)) * len(self.CONVERT_WARPS) + converter
         j = take_job(header, lane)
         while j < jobs:
             c = j // per_chunk
             r = j - c * per_chunk
             if const_expr(self.discards):
                 while c > read_mark(frontier_word(header)) + lead:
-                    if const_expr(self.discards):
-                        unit = self.discard_mine(args, cta.sEnds, padded, jobs, per_chunk, lane, unit)
+                    unit = self.discard_mine(args, cta.sEnds, padded, jobs, per_chunk, lane, unit)
                     nap()
             block = Int32(0)
             if r < self.a_slabs:
@@ -323,7 +321,7 @@ class StagedKGroupedMainloop(WgmmaMainloop):
         row = cutlass.select_(in_a, r * SLAB, (r - self.a_slabs) * SLAB) + lane
         rows = cutlass.select_(in_a, Int32(self.m), Int32(self.n))
         base = cutlass.select_(in_a, args.mStagedA.iterator.toint(), args.mStagedB.iterator.toint())
-        if row < rows:
+        if row < rows:   # (A's and B's workspaces hold the same padded token count: one row length)
             start = base + Int64(row) * (Int64(args.mStagedA.shape[1]) * 2)
             hi = start + Int64(cutlass.min((c + 1) * STAGED_CHUNK_K, padded)) * 2
             line = (start + Int64(c) * (STAGED_CHUNK_K * 2) + 127) & Int64(-128)
