@@ -17,6 +17,8 @@ from lab.compile_cases import BACKWARD as CASES
 from lab.compile_cases import dgrad
 from lab.sass import compile_or_skip, cuobjdump, require_compiler, sass_of
 
+from cudnn_moe_jax.kernels.sm90 import GroupedGemmSm90
+
 BF, F16, F32 = "bfloat16", "float16", "float32"
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -42,9 +44,17 @@ def test_backward_kernel_compiles_unserialized_without_spills(name):
     # tests/test_kernels_compile.py's)
     sass = sass_of(compile_or_skip(problem, config, axis="auto" if problem.op == "wgrad" else None), tool)
     assert "arch = sm_90a" in sass and "HGMMA" in sass and "UTMALDG" in sass
-    # an fp32 W accumulated into is stored from registers (GroupedGemmSm90Wgrad.run_epilogue), the rest by TMA
-    registers = problem.op == "wgrad" and problem.accumulate and problem.wgrad_dtype == "float32"
-    assert ("UTMASTG" in sass) != registers and (not registers or "STG.E.64" in sass)
+    # stored from registers: an fp32 W accumulated into (8-byte pairs), a dgrad's D exactly where that buys an A/B
+    # stage over the TMA's buffers (16-byte row chunks); the rest by TMA
+    kernel = GroupedGemmSm90(problem, config)
+    registers = kernel.d_from_registers
+    if problem.op in ("dglu", "dsrelu"):
+        tma = max(min(kernel._smem_fit(s), 4) for s in kernel.epi_stage_candidates() if kernel.epi_steps % s == 0)
+        assert registers == (min(kernel.ab_stages, 4) > tma)
+    else:
+        assert registers == (problem.op == "wgrad" and problem.accumulate and problem.wgrad_dtype == "float32")
+    stg = "STG.E.64" if problem.op == "wgrad" else "STG.E.128"
+    assert ("UTMASTG" in sass) != registers and (not registers or stg in sass)
     local = sum(int(x) for x in re.findall(r"LOCAL:(\d+)", sass))
     assert local == 0 and not re.search(r"\b(LDL|STL)\b", sass), f"{local} bytes of local memory (spills)"
     if problem.op == "wgrad" and problem.block_scaled:   # segment scales by TMA boxes, no thread-issued copy
@@ -124,11 +134,12 @@ def test_fp8_dgrad_supports_and_launch_outputs():
     np.testing.assert_array_equal(np.asarray(got[2]), np.full(p.m, 3.0 * parts, np.float32))   # dprob
 
 
-@pytest.mark.parametrize("dbias,stages", [(False, (3, 1)), (True, (2, 2))])
+@pytest.mark.parametrize("dbias,stages", [(False, (3, 1, False)), (True, (3, 1, True))])
 def test_mxfp8_dglu_stage_count(dbias, stages):
-    """(A/B stages, D buffers) of an MXFP8 dglu (58.9 KB dequantizing stages): 3 A/B stages fit beside one D buffer
-    because the dgrad's dbias column table (4 KB) is allocated only with dbias (RESULTS run 59: 317 -> 458 TFLOP/s
-    on the fc step's dglu); the module's shared memory fits either way (it compiles)."""
+    """(A/B stages, D buffers, D from registers) of an MXFP8 dglu (58.9 KB dequantizing stages): 3 A/B stages fit
+    beside one D buffer because the dgrad's dbias column table (4 KB) is allocated only with dbias (RESULTS run 59:
+    317 -> 458 TFLOP/s on the fc step's dglu); with it, D's TMA buffers would leave 2, so D is stored from registers
+    (no D buffers) and 3 fit; the module's shared memory fits either way (it compiles)."""
     from cudnn_moe_jax._problem import Epilogue, GroupedGemmProblem
     from cudnn_moe_jax.kernels.sm90.kernel import GroupedGemmSm90
 
@@ -137,7 +148,7 @@ def test_mxfp8_dglu_stage_count(dbias, stages):
     p = GroupedGemmProblem(op="dglu", m=2048, n=512, k=1024, num_groups=4, ab_dtype=E4M3,
                            sf_dtype="float8_e8m0fnu", sf_vec_size=32, epilogue=epi)
     kernel = GroupedGemmSm90(p)
-    assert (kernel.ab_stages, kernel.epi_stages) == stages
+    assert (kernel.ab_stages, kernel.epi_stages, kernel.d_from_registers) == stages
     compile_or_skip(p)
 
 

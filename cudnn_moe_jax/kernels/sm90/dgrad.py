@@ -28,13 +28,14 @@ from typing import Any, NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from .. import quantize as q8
 from ..epilogue import DgradRecipe
-from .epilogue import EpilogueHooks, fold_amax, fold_row_sum, merge_amax, row_kept, store_row_partials
+from .epilogue import (EpilogueDriver, EpilogueHooks, fold_amax, fold_row_sum, merge_amax, row_kept, row_pairs,
+                       store_row_chunk, store_row_partials)
 from .epilogue_fp8d import EPI_N
 from .gemm import DTYPES, GroupedGemmSm90Base, Store, TileContext
 
@@ -76,8 +77,26 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
             raise NotImplementedError(f"dgrad epilogue needs tile_n % {2 * C_LOAD_BUFFERS * EPI_N} == 0")
         return epi
 
+    def _choose_stages(self, cfg):
+        """The body's choice, unless D stored from registers (no D buffers, `_store_d_rows`) buys an A/B stage:
+        the FP4 dglu then gets 4 A/B stages instead of 3 (its C ring and two D buffers leave 3; the fc2 forward
+        on 3 stages instead of its 4 runs 12% slower on `small`, RESULTS run 194)."""
+        epi_stages, ab = GroupedGemmSm90Base._choose_stages(self, cfg)
+        if cfg.epi_stages is None and cfg.ab_stages is None and self._d_storable_from_registers():
+            ab_registers = self._smem_fit(0)
+            if min(ab_registers, 4) > min(ab, 4):
+                self.d_from_registers = True
+                self.d_smem = False
+                return 1, min(ab_registers, 8)
+        return epi_stages, ab
+
+    def _d_storable_from_registers(self) -> bool:
+        """A 16-bit D without FP8 / FP4 quantization whose rows are whole 16-byte chunks (`store_row_chunk`)."""
+        return (not self.quant_d and not self.fp4_d and self.d_dtype.width == 16
+                and self.problem.n_out % 8 == 0)
+
     def epilogue_smem_bytes(self, epi_stages: int) -> int:
-        """D_row (FP8: + D_col) subtiles per step, C load buffers, the dbias column partials (only with dbias: an
+        """D_row (FP8: + D_col) subtiles per step (none stored from registers: epi_stages 0), C load buffers, the dbias column partials (only with dbias: an
         MXFP8 dglu then fits 3 A/B stages beside one D buffer, not 2), alignment, FP8 D's per-warp column maxima of
         each subtile."""
         epi = self.tile_m * EPI_N * self.d_per_step * (epi_stages * self._d_bytes()
@@ -214,6 +233,50 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
             if st.setup.is_store_warp:
                 self._load_c_step(op.tma_atom_cin, op.bSG_sCin, op.bSG_gCin, op.sCin, op.mCin, op.cin_bars, tile_row,
                                   ctx.n_tile, step + C_LOAD_BUFFERS)
+
+    @cute.jit
+    def run_epilogue(self, hooks, setup, ctx, store_pipeline):
+        """The driver's TMA stores, or with D from registers (`d_from_registers`): the step's D_row subtiles leave
+        from registers (`_store_d_rows`, before the barrier: their fragments die before the dbias sums, which
+        otherwise spilled a word), then one barrier per step, after which every thread has read the step's C buffer
+        (the store warp refills it) and the warps' dbias partials are in smem (`after_store` sums them)."""
+        if const_expr(not self.d_from_registers):
+            EpilogueDriver.run_epilogue(self, hooks, setup, ctx, store_pipeline)
+        else:
+            state = hooks.begin(setup, ctx)
+            rows = row_pairs(setup.r2s_d, self.epi_tile, "dgrad D from registers")
+            for step in cutlass.range_constexpr(self.epi_steps):
+                hooks.visit(step, state)
+                self._store_d_rows(step, state, rows)
+                setup.epi_barrier.arrive_and_wait()
+                hooks.refill(step, state)
+                hooks.after_store(step, state)
+            hooks.end(state)
+
+    @cute.jit
+    def _store_d_rows(self, step: cutlass.Constexpr, st, rows):
+        """The step's D_row subtiles (`st.rD`, 16-bit; zero tiles: zeros) to D[tile rows, their 32-column blocks]:
+        each row's four value pairs of a lane, transposed in its quad, one 16-byte store (`store_row_chunk`).
+        Columns past n_out are not stored (n_out % 8 == 0: a chunk is all in or all out), nor rows past a clipped
+        tile's `rows`."""
+        ctx = st.ctx
+        n_out = self.problem.n_out
+        row0 = ctx.m_tile * self.tile_m
+        if const_expr(self.sched.by_tiles):
+            row0 = ctx.row0
+        base = st.setup.mDout.iterator.toint() + Int64(row0) * n_out * 2
+        q = st.lane % 4
+        for j in cutlass.range_constexpr(self.d_per_step):
+            col0 = self.d_block(ctx.n_tile, step, j) * EPI_N
+            words = cute.recast_tensor(st.rD[j], Int32)
+            for h in cutlass.range_constexpr(len(rows)):
+                pairs = rows[h]
+                row = st.tRS_cD[pairs[0]][0]
+                ok = col0 + 8 * q < n_out
+                if const_expr(self.sched.clipped):
+                    ok = ok & (row < ctx.rows)
+                addr = base + (Int64(row) * n_out + col0 + 8 * q) * 2
+                store_row_chunk(addr, [words[i // 2] for i in pairs], q, ok)
 
     def epilogue_hooks(self) -> EpilogueHooks:
         return EpilogueHooks(begin=self._dgrad_begin, visit=self._dgrad_visit, writes=self._dgrad_writes,

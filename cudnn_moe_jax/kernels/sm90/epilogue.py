@@ -46,6 +46,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .. import quantize as q8
+from ..dequant import st_global_v4
 from ..epilogue import abs_bits, warp_max_i32
 from .epilogue_fp8d import EPI_N
 
@@ -246,3 +247,50 @@ def store_row_partials(row_sum: list, is_compute, lane, r0, mParts, m_tile, n_ti
         else:
             if (lane % 4 == 0) & (r0 + 8 * h < rows):
                 mParts[n_tile, row0 + r0 + 8 * h] = s
+
+
+# ---------------------------------------------------------------------------------------------- register stores
+# A 16-bit output stored by its threads from registers in whole 32-byte sectors (4-byte pair stores write half
+# sectors: a bf16 W so stored ran 2.2-2.6x slower, RESULTS run 176).
+
+def row_pairs(r2s_d, epi_tile, what: str) -> list:
+    """Trace time: per row of a thread's subtile values, the flat indices of its 4 pairs (values i, i + 1: adjacent
+    columns) ordered by column, checked from the static coordinates of lanes 0-3 (every quad alike): columns 2q + 8k
+    (k = 0..3) of lane q. Else NotImplementedError naming `what`."""
+    rows = None
+    for lane in range(4):
+        sub = r2s_d.get_slice(lane).partition_S(cute.make_identity_tensor(epi_tile))
+        at = [(int(sub[i][0]), int(sub[i][1])) for i in range(cute.size(sub.shape))]
+        by_row = {}
+        for i in range(0, len(at), 2):
+            if at[i + 1] != (at[i][0], at[i][1] + 1):
+                raise NotImplementedError(f"{what}: values 2j, 2j + 1 are not adjacent columns of one row")
+            by_row.setdefault(at[i][0], []).append(i)
+        pairs = [sorted(ix, key=lambda i: at[i][1]) for _, ix in sorted(by_row.items())]
+        if any([at[i][1] for i in ix] != [2 * lane + 8 * k for k in range(4)] for ix in pairs):
+            raise NotImplementedError(f"{what}: a row's value pairs are not at columns 2q + 8k")
+        if rows is not None and pairs != rows:
+            raise NotImplementedError(f"{what}: the lanes of a quad differ in fragment layout")
+        rows = pairs
+    return rows
+
+
+@cute.jit
+def store_row_chunk(addr: Int64, words: list, q: Int32, store):
+    """Lane q of a quad holds one row's 16-bit pairs at columns 2q + 8k (`words[k]`, k = 0..3); a 4 x 4 word
+    transpose inside the quad (two butterfly rounds, each swapping the words whose index bit differs from the
+    lane's) leaves it the row's columns 8q .. 8q + 7, stored at `addr` (that chunk's address) by one 16-byte store
+    where `store`."""
+    a = list(words)
+    for bit in cutlass.range_constexpr(2):
+        mine = (q & (1 << bit)) != 0
+        lo = [k for k in range(4) if not k & (1 << bit)]     # word indices with the bit clear / set
+        hi = [k + (1 << bit) for k in lo]
+        # send the words whose bit differs from the lane's; receive the partner's into them
+        got = [cute.arch.shuffle_sync_bfly(Int32(cutlass.select_(mine, a[lo[s]], a[hi[s]])), offset=1 << bit)
+               for s in range(2)]
+        for s in cutlass.range_constexpr(2):
+            a[lo[s]] = Int32(cutlass.select_(mine, got[s], a[lo[s]]))
+            a[hi[s]] = Int32(cutlass.select_(mine, a[hi[s]], got[s]))
+    if store:
+        st_global_v4(addr, a)

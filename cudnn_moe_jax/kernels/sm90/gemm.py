@@ -230,6 +230,7 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
     # epilogue buffers tried per store (the most A/B stages win, then the most buffers)
     EPI_STAGE_CANDIDATES = (2,)
     d_from_registers = False   # D stored by its threads from registers, not by TMA from smem (the wgrad's fp32 W)
+    d_smem = True              # D has shared-memory buffers (sD; a dgrad storing D from registers has none)
     d_per_step = 1  # output subtiles per epilogue step (dglu: gate and up)
     c_per_step = 1  # accumulator subtiles per epilogue step (glu: gate and up)
 
@@ -482,8 +483,9 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
                    ("prob", MemRange[Float32, self.tile_m]), ("scalars", MemRange[Float32, 4]),
                    ("bias", MemRange[Float32, self.tile_n]),
                    ("sA", Align[MemRange[a_dtype, cute.cosize(a_layout)], 1024]),
-                   ("sB", Align[MemRange[b_dtype, cute.cosize(b_layout)], 1024]),
-                   ("sD", Align[MemRange[self.d_dtype, cute.cosize(d_layout)], 1024])]
+                   ("sB", Align[MemRange[b_dtype, cute.cosize(b_layout)], 1024])]
+        if const_expr(self.d_smem):
+            fields.append(("sD", Align[MemRange[self.d_dtype, cute.cosize(d_layout)], 1024]))
         fields += self.epilogue_smem_fields(args)
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": dict(fields)}))
 
@@ -676,9 +678,10 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
         stmatrix source layout of the accumulator), FP8 D's, then the op kind's (`op_epilogue_setup`)."""
         storage = cta.storage
         d_layout = args.d_layout
+        sD = None
         if const_expr(self.fp4_d):
             sD = storage.sD.get_tensor(d_layout)        # plain packed tiles (epilogue_fp4d)
-        else:
+        elif const_expr(self.d_smem):
             sD = storage.sD.get_tensor(d_layout.outer, swizzle=d_layout.inner)
         sProb = storage.prob.get_tensor(cute.make_layout(self.tile_m))
         sScalars = storage.scalars.get_tensor(cute.make_layout(4))
@@ -690,17 +693,18 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
             sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.d_frag_dtype, Float32), tiled_copy_acc
         )
         thr_r2s_d = r2s_d.get_slice(ctid)
-        tRS_sD = None
-        if const_expr(not self.fp4_d):
+        tRS_sD = bSG_sD = bSG_gD = None
+        if const_expr(self.d_smem and not self.fp4_d):
             tRS_sD = thr_r2s_d.partition_D(sD)
         tRS_rAcc = r2s_d.retile(acc)
         tRS_cD = thr_r2s_d.partition_S(cute.make_identity_tensor(self.epi_tile))  # (row, col) in a subtile
         frag_shape = tRS_cD.shape
         tRS_rD = cute.make_rmem_tensor(frag_shape, self.d_dtype)
-        bSG_sD, bSG_gD = cpasync.tma_partition(
-            args.tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.zipped_divide(args.mD,
-                                                                                                   self.d_tile)
-        )
+        if const_expr(self.d_smem):
+            bSG_sD, bSG_gD = cpasync.tma_partition(
+                args.tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.zipped_divide(args.mD,
+                                                                                                       self.d_tile)
+            )
         epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=256)
         is_store_warp = warp_idx == 4
         fp8 = None
