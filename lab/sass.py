@@ -78,12 +78,18 @@ def sass_of(module: bytes, tool: str | None = None) -> str:
     return "\n".join(texts)
 
 
-def check_sass(sass: str, block_scaled: bool) -> None:
+def check_sass(sass: str, block_scaled: bool, problem=None) -> None:
     """The compile tests' SASS check: sm_90a, wgmma (block_scaled: the FP8-wgmma MXFP8 mainloop, QGMMA + scale
-    HGMMA; everything else bf16 / fp16 HGMMA) not serialized, TMA loads and stores, no local memory."""
+    HGMMA; everything else bf16 / fp16 HGMMA) not serialized, TMA loads, D by TMA stores (or, where the kernel of
+    `problem` stores D from registers, by 16-byte stores: a dgrad's D_row), no local memory."""
     assert "arch = sm_90a" in sass
     assert ("QGMMA" if block_scaled else "HGMMA") in sass
-    assert "UTMALDG" in sass and "UTMASTG" in sass
+    registers = False
+    if problem is not None and problem.op in ("dglu", "dsrelu"):
+        from cudnn_moe_jax.kernels.sm90 import GroupedGemmSm90
+
+        registers = GroupedGemmSm90(problem).d_from_registers
+    assert "UTMALDG" in sass and ("UTMASTG" in sass) != registers and (not registers or "STG.E.128" in sass)
     assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory spills in the kernel"
     assert all(int(s) == 0 for s in re.findall(r"LOCAL:(\d+)", sass))
     if not block_scaled:

@@ -136,7 +136,7 @@ def test_discrete_kernel_compiles(name):
     if tool is None:
         pytest.skip("cuobjdump not found")
     sass = sass_of(compile_or_skip(problem, cfg), tool)
-    check_sass(sass, cfg is not None and cfg.mxfp8_wgmma)
+    check_sass(sass, cfg is not None and cfg.mxfp8_wgmma, problem if cfg is None else None)
     assert "build_table" in sass, "no descriptor-table kernel"
     assert "UTMACCTL.IV" in sass, "no tensormap acquire before the expert's loads"
     stacked = sass_of(compile_or_skip(dataclasses.replace(problem, discrete_weights=False), cfg), tool)

@@ -128,7 +128,7 @@ def test_extra_cases_compile_without_spills(name):
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     sass = sass_of(module, tool)
-    check_sass(sass, False)   # block-scaled inputs: dequantized to 16 bits (HGMMA) by default
+    check_sass(sass, False, problem)   # block-scaled inputs: dequantized to 16 bits (HGMMA) by default
     if problem.a_dtype == "float16":   # NVFP4 weights: fp16 wgmma, one per k16; others: bf16 hi + lo parts
         hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
         fp16 = problem.ab_dtype == "float4_e2m1fn" and problem.sf_dtype == "float8_e4m3fn"
