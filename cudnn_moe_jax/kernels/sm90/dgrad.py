@@ -96,9 +96,9 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
                 and self.problem.n_out % 8 == 0)
 
     def epilogue_smem_bytes(self, epi_stages: int) -> int:
-        """D_row (FP8: + D_col) subtiles per step (none stored from registers: epi_stages 0), C load buffers, the dbias column partials (only with dbias: an
-        MXFP8 dglu then fits 3 A/B stages beside one D buffer, not 2), alignment, FP8 D's per-warp column maxima of
-        each subtile."""
+        """D_row (FP8: + D_col) subtiles per step (none when stored from registers: epi_stages 0), C load buffers,
+        the dbias column partials (only with dbias: an MXFP8 dglu then fits 3 A/B stages beside one D buffer, not
+        2), alignment, FP8 D's per-warp column maxima of each subtile."""
         epi = self.tile_m * EPI_N * self.d_per_step * (epi_stages * self._d_bytes()
                                                        + C_LOAD_BUFFERS * self.cin_dtype.width // 8) + 2048
         if self.recipe.has_dbias:
