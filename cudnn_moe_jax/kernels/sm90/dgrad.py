@@ -13,7 +13,8 @@ hooks (`epilogue_hooks`) of the driver `run_epilogue` (epilogue.py), which owns 
           summed per thread over the tile) and the column partials of dbias (a warp's 16 rows by shuffles -> smem);
   refill  after the step's first barrier every thread has read the load buffer: the store warp refills it with
           step s + 2's C (`_refill_c`); finish / writes / stores: FP8 column quantization, the D_row (D_col)
-          subtiles -> smem -> TMA store; after_store: the 8 warps' dbias partials summed in fixed order -> global;
+          subtiles -> smem -> TMA store (or, where that buys an A/B stage, from registers: `run_epilogue`);
+          after_store: the 8 warps' dbias partials summed in fixed order -> global;
   end     per row: a quad of lanes holds the row's columns: dprob partial of (row, N tile) = fixed-order shuffle
           sum, stored to `dprob_parts (n_parts, m)`; amax per group by `atomicMax` on |x| bits (exact).
 The lowering sums the partials in a fixed order (operands.finish_dgrad_outputs): no float atomics, so every output
