@@ -87,9 +87,13 @@ class GroupedGemmSm90Dgrad(GroupedGemmSm90Base):
             ab_registers = self._smem_fit(0)
             if min(ab_registers, 4) > min(ab, 4):
                 self.d_from_registers = True
-                self.d_smem = False
                 return 1, min(ab_registers, 8)
         return epi_stages, ab
+
+    @property
+    def d_smem(self) -> bool:
+        """D has shared-memory buffers unless stored from registers."""
+        return not self.d_from_registers
 
     def _d_storable_from_registers(self) -> bool:
         """A 16-bit D without FP8 / FP4 quantization whose rows are whole 16-byte chunks (`store_row_chunk`)."""

@@ -253,18 +253,25 @@ def store_row_partials(row_sum: list, is_compute, lane, r0, mParts, m_tile, n_ti
 # A 16-bit output stored by its threads from registers in whole 32-byte sectors (4-byte pair stores write half
 # sectors: a bf16 W so stored ran 2.2-2.6x slower, RESULTS run 176).
 
+def adjacent_pairs(coords, what: str) -> list:
+    """Trace time: the (row, column)s of one lane's subtile values (`coords`: its partition of the identity tensor),
+    checked to come in pairs of adjacent columns of one row (values 2j, 2j + 1, as the wgmma accumulator layout
+    holds them: loaded or stored as one); else NotImplementedError naming `what`."""
+    at = [(int(coords[i][0]), int(coords[i][1])) for i in range(cute.size(coords.shape))]
+    if any(at[i + 1] != (at[i][0], at[i][1] + 1) for i in range(0, len(at), 2)):
+        raise NotImplementedError(f"{what}: values 2j, 2j + 1 are not adjacent columns of one row")
+    return at
+
+
 def row_pairs(r2s_d, epi_tile, what: str) -> list:
     """Trace time: per row of a thread's subtile values, the flat indices of its 4 pairs (values i, i + 1: adjacent
-    columns) ordered by column, checked from the static coordinates of lanes 0-3 (every quad alike): columns 2q + 8k
-    (k = 0..3) of lane q. Else NotImplementedError naming `what`."""
+    columns, `adjacent_pairs`) ordered by column, checked from the static coordinates of lanes 0-3 (every quad
+    alike): columns 2q + 8k (k = 0..3) of lane q. Else NotImplementedError naming `what`."""
     rows = None
     for lane in range(4):
-        sub = r2s_d.get_slice(lane).partition_S(cute.make_identity_tensor(epi_tile))
-        at = [(int(sub[i][0]), int(sub[i][1])) for i in range(cute.size(sub.shape))]
+        at = adjacent_pairs(r2s_d.get_slice(lane).partition_S(cute.make_identity_tensor(epi_tile)), what)
         by_row = {}
         for i in range(0, len(at), 2):
-            if at[i + 1] != (at[i][0], at[i][1] + 1):
-                raise NotImplementedError(f"{what}: values 2j, 2j + 1 are not adjacent columns of one row")
             by_row.setdefault(at[i][0], []).append(i)
         pairs = [sorted(ix, key=lambda i: at[i][1]) for _, ix in sorted(by_row.items())]
         if any([at[i][1] for i in ix] != [2 * lane + 8 * k for k in range(4)] for ix in pairs):

@@ -27,7 +27,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .. import quantize as q8
 from ..dequant import ld_global_words
 from ..epilogue import EpilogueRecipe
-from .epilogue import EpilogueHooks, fold_amax, merge_amax, row_kept
+from .epilogue import EpilogueHooks, adjacent_pairs, fold_amax, merge_amax, row_kept
 from .epilogue_fp8d import EPI_N  # epilogue subtile width = one GLU block
 from .gemm import GroupedGemmSm90Base, Store, TileContext
 
@@ -378,12 +378,3 @@ class GroupedGemmSm90Forward(GroupedGemmSm90Base):
         for lane in range(32):
             adjacent_pairs(thr_copy.get_slice(lane).partition_D(cute.make_identity_tensor(self.epi_tile)), "old W")
 
-
-def adjacent_pairs(coords, what: str) -> list:
-    """Trace time: the (row, column)s of one lane's subtile values (`coords`: its partition of the identity tensor),
-    checked to come in pairs of adjacent columns of one row (values 2j, 2j + 1, as the wgmma accumulator layout
-    holds them: loaded or stored as one); else NotImplementedError naming `what`."""
-    at = [(int(coords[i][0]), int(coords[i][1])) for i in range(cute.size(coords.shape))]
-    if any(at[i + 1] != (at[i][0], at[i][1] + 1) for i in range(0, len(at), 2)):
-        raise NotImplementedError(f"{what}: values 2j, 2j + 1 are not adjacent columns of one row")
-    return at

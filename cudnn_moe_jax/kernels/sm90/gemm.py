@@ -230,7 +230,7 @@ class GroupedGemmSm90Base(OperandLoads, EpilogueDriver, Fp8DOutput, Fp4DOutput):
     # epilogue buffers tried per store (the most A/B stages win, then the most buffers)
     EPI_STAGE_CANDIDATES = (2,)
     d_from_registers = False   # D stored by its threads from registers, not by TMA from smem (the wgrad's fp32 W)
-    d_smem = True              # D has shared-memory buffers (sD; a dgrad storing D from registers has none)
+    d_smem = True              # D has shared-memory buffers (sD; the dgrad's are gone when it stores from registers)
     d_per_step = 1  # output subtiles per epilogue step (dglu: gate and up)
     c_per_step = 1  # accumulator subtiles per epilogue step (glu: gate and up)
 

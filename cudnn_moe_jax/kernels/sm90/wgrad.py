@@ -29,7 +29,8 @@ from ..dequant import st_global_v2
 from ..scheduler import K_GROUPED, GroupedTileScheduler
 from .epilogue import EpilogueDriver
 from .epilogue_fp8d import EPI_N
-from .forward import GroupedGemmSm90Forward, adjacent_pairs
+from .epilogue import adjacent_pairs
+from .forward import GroupedGemmSm90Forward
 from . import mainloop_dequant_wgrad, mainloop_staged_wgrad
 from .mainloop import KGroupedWgmmaMainloop
 from .mainloop_gather import TokenSource, kgrouped_class
