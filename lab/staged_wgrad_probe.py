@@ -12,6 +12,11 @@ garbage where the workspace is not converted; timing only):
 - "idle": no converter work at all and no waits: the bf16 K-grouped kernel with the staged kernel's register split
   and padded workspaces (garbage).
 
+Measured (RESULTS run 196, H100, `small` W2 NVFP4 op ms): library 0.145, noconv 0.124, nowait 0.195, idle 0.115 (the
+bf16 wgrad 0.112): structure ~3%, flags and waits ~8%, conversion ~17%. "nowait" is no bound: with no wait the
+frontier runs ahead, no converter is held, none drops its read slabs, and the GEMM reads the workspace from DRAM
+before it is converted.
+
 Selected by a `Config.consumer_b_passes` mark (unused by the staged wgrad, but in the module's fingerprint):
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle_p --variants lab.staged_wgrad_probe:bundle_items
