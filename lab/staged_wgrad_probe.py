@@ -31,6 +31,7 @@ from lab import harness
 
 MARKS = {"noconv": 29, "nowait": 30, "idle": 31}
 ROWS = ("wgrad w2 nvfp4", "wgrad w2 mxfp8", "wgrad w1 nvfp4")
+SHAPES = ("small", "e128_a128")
 
 
 def variant_class(base, label: str):
@@ -69,26 +70,21 @@ def patch():
     """In a bundle build: staged wgrads whose config carries a MARKS value get that variant."""
     from cudnn_moe_jax.kernels.sm90 import wgrad
 
-    orig = wgrad.mainloop_staged_wgrad.mainloop_class
+    library = wgrad.GroupedGemmSm90Wgrad.mainloop_class_for
     labels = {v: k for k, v in MARKS.items()}
 
     def mainloop_class_for(self, problem):
-        cls = orig_for(self, problem)
+        cls = library(self, problem)
         label = labels.get(self.config.consumer_b_passes)
         return variant_class(cls, label) if problem.staged and label else cls
 
-    orig_for = wgrad.GroupedGemmSm90Wgrad.mainloop_class_for
     wgrad.GroupedGemmSm90Wgrad.mainloop_class_for = mainloop_class_for
-    return orig
 
 
 def change(label):
     if label is None:
         return None
     return harness.config_change(lambda p: p.op == "wgrad" and p.staged, consumer_b_passes=MARKS[label])
-
-
-SHAPES = ("small", "e128_a128")
 
 
 def bundle_items() -> list:
