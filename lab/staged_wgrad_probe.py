@@ -11,16 +11,28 @@ garbage where the workspace is not converted; timing only):
   has no proxy fence): the GEMM never stalls on a chunk.
 - "idle": no converter work at all and no waits: the bf16 K-grouped kernel with the staged kernel's register split
   and padded workspaces (garbage).
+- "nodrop": as "noconv" without the slab drops and the lead (no frontier, no tiles-read counts, no converter held):
+  every flag is published at once, so the producer's waits are their acquires alone.
 
 Measured (RESULTS run 196, H100, `small` W2 NVFP4 op ms): library 0.145, noconv 0.124, nowait 0.195, idle 0.115 (the
 bf16 wgrad 0.112): structure ~3%, flags and waits ~8%, conversion ~17%. "nowait" is no bound: with no wait the
 frontier runs ahead, no converter is held, none drops its read slabs, and the GEMM reads the workspace from DRAM
 before it is converted.
 
-Selected by a `Config.consumer_b_passes` mark (unused by the staged wgrad, but in the module's fingerprint):
+And one variant of the on-chip block-scaled wgrad (mainloop_dequant_wgrad: A converted in the consumers'
+registers, B by the stage workers), forced onto the `small` / e128_a128 rows by the on-chip route:
+
+- "bfree": the stage workers and consumer passes convert nothing (B's bf16 stage is garbage; the TMA loads, the
+  cluster copies and every barrier stay): the rate of a wgrad whose B arrives in bf16 for free and whose A is
+  converted in registers -- what a staged-B / A-in-registers wgrad could reach at best.
+
+The staged variants are selected by a `Config.consumer_b_passes` mark (unused by the staged wgrad, but in the
+module's fingerprint):
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle_p --variants lab.staged_wgrad_probe:bundle_items
     python -m lab.staged_wgrad_probe --shape small          # (GPU) the wgrad rows under each variant, alternated
+
+"bfree" by a `Config.mx_n_parts` mark (unused without mxfp8_wgmma): `bundle_items_onchip`, `main_onchip`.
 """
 
 from __future__ import annotations
@@ -29,7 +41,9 @@ import sys
 
 from lab import harness
 
-MARKS = {"noconv": 29, "nowait": 30, "idle": 31}
+MARKS = {"noconv": 29, "nowait": 30, "idle": 31, "nodrop": 28}
+ONCHIP_MARK = 4             # mx_n_parts of "bfree"
+ONCHIP_ROWS = ("wgrad w2 nvfp4", "wgrad w2 mxfp8")
 ROWS = ("wgrad w2 nvfp4", "wgrad w2 mxfp8", "wgrad w1 nvfp4")
 SHAPES = ("small", "e128_a128")
 
@@ -43,6 +57,11 @@ def variant_class(base, label: str):
     from cudnn_moe_jax.kernels.sm90.mainloop_staged import raise_to
 
     class Probe(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if label == "nodrop":
+                self.discards = False
+
         @cute.jit
         def convert_job(self, mCodes, mSF, mOut, rows_total: cutlass.Constexpr, row0, c, lane, sEnds, padded,
                         scratch):
@@ -51,7 +70,7 @@ def variant_class(base, label: str):
 
         @cute.jit
         def wait_chunk(self, header, tile, c):
-            if const_expr(label == "noconv"):
+            if const_expr(label in ("noconv", "nodrop")):
                 super().wait_chunk(header, tile, c)
             elif const_expr(self.discards):
                 if cute.arch.lane_idx() == 0:
@@ -66,6 +85,26 @@ def variant_class(base, label: str):
     return Probe
 
 
+def bfree_class(base):
+    """The on-chip wgrad mainloop `base` with B's conversion skipped (module docstring)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    class BFree(base):
+        @cute.jit
+        def process_stage(self, worker: cutlass.Constexpr, smem, sA, sB, idx: Int32, k: Int32, k_count: Int32,
+                          tile_ctx, lane: Int32):
+            pass
+
+        @cute.jit
+        def consumer_b_pass(self, b_thread, row0: Int32, lane: Int32, idx: Int32, k: Int32):
+            pass
+
+    BFree.__name__ = f"{base.__name__}_bfree"
+    return BFree
+
+
 def patch():
     """In a bundle build: staged wgrads whose config carries a MARKS value get that variant."""
     from cudnn_moe_jax.kernels.sm90 import wgrad
@@ -75,6 +114,8 @@ def patch():
 
     def mainloop_class_for(self, problem):
         cls = library(self, problem)
+        if problem.block_scaled and not problem.staged and self.config.mx_n_parts == ONCHIP_MARK:
+            return bfree_class(cls)
         label = labels.get(self.config.consumer_b_passes)
         return variant_class(cls, label) if problem.staged and label else cls
 
@@ -85,6 +126,36 @@ def change(label):
     if label is None:
         return None
     return harness.config_change(lambda p: p.op == "wgrad" and p.staged, consumer_b_passes=MARKS[label])
+
+
+def change_onchip(label):
+    if label is None:
+        return None
+    return harness.config_change(lambda p: p.op == "wgrad" and p.block_scaled and not p.staged,
+                                 mx_n_parts=ONCHIP_MARK)
+
+
+def bundle_items_onchip() -> list:
+    """The on-chip route's W2 rows on `small` / e128_a128, as the library runs them and as "bfree"."""
+    from lab import bench_dequant_first as bdf
+
+    patch()
+    return [harness.on_route("on-chip", harness.under_schedule(change_onchip(label), bdf._lowering(fn, avals)))
+            for label in (None, "bfree") for shape in SHAPES for row in ONCHIP_ROWS
+            for fn, avals in bdf._rows(shape, row, "on-chip")]
+
+
+def main_onchip(shape: str) -> None:
+    """(GPU) the W2 rows on chip as the library runs them and as "bfree", alternated, two rounds."""
+    from benchmarks import bench_moe_ops
+    from lab import bench_dequant_first  # noqa: F401  (e128_a128)
+
+    for rnd in (1, 2):
+        for label in (None, "bfree"):
+            print(f"== round {rnd} on chip, variant {label or 'library'}", flush=True)
+            with harness.block_scaled_route("on-chip"), harness.schedule_override(change_onchip(label)):
+                for row in ONCHIP_ROWS:
+                    bench_moe_ops.main(["--shape", shape, "--only", row])
 
 
 def bundle_items() -> list:
