@@ -1,0 +1,82 @@
+"""A/B of two checkouts on bench_moe_ops rows (GPU machine): each tree's rows run in a process of their own, the
+trees alternated round by round, and the op times (ms) printed side by side -- a kernel candidate in a worktree
+against main, each with its own bundle (a kernel edit changes every module's fingerprint).
+
+    python -m lab.ab_trees --base .:.bundle_main --new .tree_cand:.bundle_cand --shape small \\
+        --rounds 2 "wgrad w2 nvfp4" "wgrad w1 nvfp4"
+    python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle_cand --variants lab.ab_trees:staged_rows
+        (from each tree's root: the rows the staged operands touch -- block-scaled wgrads on `small`, e128_a128 and
+        fc, the fc forward and dglu rows)
+
+A row name picks every bench_moe_ops row that contains it (`--only`); each row is printed once per tree and round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+ROW = re.compile(r"^  (\S.*?)\s+([0-9.]+) ms ")
+TIMEOUT_S = 120
+
+
+def staged_rows() -> list:
+    """bundle items: the block-scaled wgrad rows on `small` / e128_a128 / fc and the fc block-scaled op rows."""
+    import lab.bench_dequant_first  # noqa: F401  (e128_a128)
+    from benchmarks import bench_moe_ops
+
+    items = []
+    for shape in ("small", "e128_a128", "fc"):
+        for name in bench_moe_ops.BS_WGRAD:
+            items += bench_moe_ops.bundle_items((shape,), name)
+    for name in bench_moe_ops.BS_OPS:
+        items += bench_moe_ops.bundle_items(("fc",), name)
+    return items
+
+
+def run_rows(tree: str, bundle: str, shape: str, rows: list) -> dict:
+    """{row: ms} of `rows` on `shape`, timed by bench_moe_ops in a process rooted at `tree` with `bundle` only."""
+    tree = os.path.abspath(tree)
+    env = dict(os.environ, PYTHONPATH=tree, CUDNN_MOE_JAX_NO_COMPILE="1",
+               CUDNN_MOE_JAX_BUNDLE=os.path.abspath(os.path.join(tree, bundle)) if bundle else "")
+    code = ("import sys, lab.bench_dequant_first\nfrom benchmarks import bench_moe_ops as b\n"
+            "for row in sys.argv[2:]:\n    b.main(['--shape', sys.argv[1], '--only', row])\n")
+    out = subprocess.run([sys.executable, "-c", code, shape, *rows], cwd=tree, env=env, capture_output=True,
+                         text=True, timeout=TIMEOUT_S).stdout
+    got = {}
+    for line in out.splitlines():
+        m = ROW.match(line)
+        if m and " / " not in line:
+            got.setdefault(m.group(1), float(m.group(2)))
+    return got
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="TREE[:BUNDLE] (BUNDLE relative to TREE)")
+    ap.add_argument("--new", required=True, help="TREE[:BUNDLE]")
+    ap.add_argument("--shape", default="small")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("rows", nargs="+")
+    args = ap.parse_args(argv)
+    trees = {label: (spec.split(":", 1) + [""])[:2] for label, spec in (("base", args.base), ("new", args.new))}
+    times = {}   # (label, round) -> {row: ms}
+    for rnd in range(args.rounds):
+        for label, (tree, bundle) in trees.items():
+            times[label, rnd] = run_rows(tree, bundle, args.shape, args.rows)
+    names = list(dict.fromkeys(n for t in times.values() for n in t))
+    print(f"{args.shape}: op ms, rounds 1..{args.rounds} (base {args.base}, new {args.new})")
+    print("| row | base | new | new / base |\n|---|---|---|---|")
+    for n in names:
+        cols = [" / ".join(f"{times[label, r].get(n, float('nan')):.3f}" for r in range(args.rounds))
+                for label in trees]
+        base = min(times["base", r].get(n, float("nan")) for r in range(args.rounds))
+        new = min(times["new", r].get(n, float("nan")) for r in range(args.rounds))
+        print(f"| {n} | {cols[0]} | {cols[1]} | {new / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
