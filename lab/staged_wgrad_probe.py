@@ -131,8 +131,10 @@ def change(label):
 
 
 def change_onchip(label):
+    """The schedule change of the on-chip variant `label` ("bfree"; None: the library's on-chip wgrad)."""
     if label is None:
         return None
+    assert label == "bfree", label
     return harness.config_change(lambda p: p.op == "wgrad" and p.block_scaled and not p.staged,
                                  mx_n_parts=ONCHIP_MARK)
 
