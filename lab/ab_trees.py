@@ -2,7 +2,7 @@
 trees alternated round by round, and the op times (ms) printed side by side -- a kernel candidate in a worktree
 against main, each with its own bundle (a kernel edit changes every module's fingerprint).
 
-    python -m lab.ab_trees --base .:.bundle_main --new .tree_cand:.bundle_cand --shape small \\
+    python -m lab.ab_trees --base .:.bundle_main --new .tree_cand:.bundle_cand [--new TREE:BUNDLE ...] --shape small \\
         --rounds 2 "wgrad w2 nvfp4" "wgrad w1 nvfp4"
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle_cand --variants lab.ab_trees:staged_rows
         (from each tree's root: the rows the staged operands touch -- block-scaled wgrads on `small`, e128_a128 and
@@ -53,25 +53,29 @@ def run_rows(tree: str, bundle: str, shape: str, rows: list) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="TREE[:BUNDLE] (BUNDLE relative to TREE)")
-    ap.add_argument("--new", required=True, help="TREE[:BUNDLE]")
+    ap.add_argument("--new", required=True, action="append", help="TREE[:BUNDLE] (repeat for more candidates)")
     ap.add_argument("--shape", default="small")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("rows", nargs="+")
     args = ap.parse_args(argv)
-    trees = {label: (spec.split(":", 1) + [""])[:2] for label, spec in (("base", args.base), ("new", args.new))}
+    specs = [("base", args.base)] + [(f"new{i + 1}" if len(args.new) > 1 else "new", spec)
+                                     for i, spec in enumerate(args.new)]
+    trees = {label: (spec.split(":", 1) + [""])[:2] for label, spec in specs}
     times = {}   # (label, round) -> {row: ms}
     for rnd in range(args.rounds):
         for label, (tree, bundle) in trees.items():
             times[label, rnd] = run_rows(tree, bundle, args.shape, args.rows)
     names = list(dict.fromkeys(n for t in times.values() for n in t))
-    print(f"{args.shape}: op ms, rounds 1..{args.rounds} (base {args.base}, new {args.new})")
-    print("| row | base | new | new / base |\n|---|---|---|---|")
+    news = [label for label in trees if label != "base"]
+    print(f"{args.shape}: op ms, rounds 1..{args.rounds} (" + ", ".join(f"{lb} {sp}" for lb, sp in specs) + ")")
+    print("| row | " + " | ".join(trees) + " | " + " | ".join(f"{lb} / base" for lb in news) + " |")
+    print("|---" * (1 + len(trees) + len(news)) + "|")
     for n in names:
         cols = [" / ".join(f"{times[label, r].get(n, float('nan')):.3f}" for r in range(args.rounds))
                 for label in trees]
-        base = min(times["base", r].get(n, float("nan")) for r in range(args.rounds))
-        new = min(times["new", r].get(n, float("nan")) for r in range(args.rounds))
-        print(f"| {n} | {cols[0]} | {cols[1]} | {new / base:.3f} |")
+        best = {label: min(times[label, r].get(n, float("nan")) for r in range(args.rounds)) for label in trees}
+        ratios = [f"{best[lb] / best['base']:.3f}" for lb in news]
+        print(f"| {n} | " + " | ".join(cols) + " | " + " | ".join(ratios) + " |")
 
 
 if __name__ == "__main__":
