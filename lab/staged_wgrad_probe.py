@@ -37,6 +37,7 @@ module's fingerprint):
 
     python -m cudnn_moe_jax.aot build --arch sm_90a --out .bundle_p --variants lab.staged_wgrad_probe:bundle_items
     python -m lab.staged_wgrad_probe --shape small          # (GPU) the wgrad rows under each variant, alternated
+    ncu ... python -m lab.staged_wgrad_probe --profile noconv "small/wgrad w2 nvfp4"   # one variant for ncu
 
 "bfree" by a `Config.mx_n_parts` mark (unused without mxfp8_wgmma): `bundle_items_onchip`, `main_onchip`.
 """
@@ -209,10 +210,23 @@ def bundle_items() -> list:
             for row in ROWS for item in bench_moe_ops.bundle_items(SHAPES, row)]
 
 
+def profile(label: str, what: str) -> None:
+    """(GPU, under ncu) one bench_moe_ops row (`what` = "SHAPE/ROW") as variant `label` ("library": as it is),
+    four calls: lab.profile_one's ops kind under the variant's schedule change."""
+    import lab.bench_dequant_first  # noqa: F401
+    from lab import profile_one
+
+    with harness.schedule_override(None if label == "library" else change(label)):
+        profile_one.main("ops", what)
+
+
 def main(argv) -> None:
     import lab.bench_dequant_first  # noqa: F401
     from benchmarks import bench_moe_ops
 
+    if argv[:1] == ["--profile"]:   # --profile LABEL SHAPE/ROW
+        profile(argv[1], argv[2])
+        return
     for rnd in (1, 2):
         for label in (None, *MARKS):
             print(f"== round {rnd} variant {label or 'library'}", flush=True)
