@@ -16,8 +16,8 @@ garbage where the workspace is not converted; timing only):
   ran 0.123 and idle 0.116: the acquires ~1%, the lead and the drops ~4%).
 - "storeonly": as the library, but each job stores zeros (no code or scale loads, no arithmetic): the workspace's
   writes alone.
-- "loadonly": as the library, but each job loads its codes and scales and converts and stores nothing: the reads
-  alone.
+- "loadonly": as the library, but each job loads its codes (as the library) and one scale byte a row (near the
+  segment's start, not at the library's addresses) and converts and stores nothing: the reads alone.
 
 Measured (RESULTS run 196, H100, `small` W2 NVFP4 op ms): library 0.145, noconv 0.124, nowait 0.195, idle 0.115 (the
 bf16 wgrad 0.112): structure ~3%, flags and waits ~8%, conversion ~17%. "nowait" is no bound: with no wait the
