@@ -49,6 +49,7 @@ import sys
 from lab import harness
 
 MARKS = {"noconv": 29, "nowait": 30, "idle": 31, "nodrop": 28, "storeonly": 27, "loadonly": 26}
+SPLITS = ("storeonly", "loadonly")   # the variants that run the jobs' writes or reads alone (and wait as the library)
 ONCHIP_MARK = 4             # mx_n_parts of "bfree"
 ONCHIP_ROWS = ("wgrad w2 nvfp4", "wgrad w2 mxfp8")
 ROWS = ("wgrad w2 nvfp4", "wgrad w2 mxfp8", "wgrad w1 nvfp4")
@@ -74,7 +75,7 @@ def variant_class(base, label: str):
         @cute.jit
         def convert_job(self, mCodes, mSF, mOut, rows_total: cutlass.Constexpr, row0, c, lane, sEnds, padded,
                         scratch):
-            if const_expr(label in ("nowait", "storeonly", "loadonly")):
+            if const_expr(label == "nowait" or label in SPLITS):
                 super().convert_job(mCodes, mSF, mOut, rows_total, row0, c, lane, sEnds, padded, scratch)
 
         @cute.jit
@@ -111,7 +112,7 @@ def variant_class(base, label: str):
 
         @cute.jit
         def wait_chunk(self, header, tile, c):
-            if const_expr(label in ("noconv", "nodrop", "storeonly", "loadonly")):
+            if const_expr(label in ("noconv", "nodrop") or label in SPLITS):
                 super().wait_chunk(header, tile, c)
             elif const_expr(self.discards):
                 if cute.arch.lane_idx() == 0:
