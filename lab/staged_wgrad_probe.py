@@ -18,13 +18,12 @@ garbage where the workspace is not converted; timing only):
   writes alone.
 - "loadonly": as the library, but each job loads its codes (as the library) and one scale byte a row (near the
   segment's start, not at the library's addresses) and converts and stores nothing: the reads alone.
-  (Run 199, H100, `small` W2 NVFP4 / MXFP8 op ms: noconv 0.124 / 0.123, storeonly 0.136 / 0.137, loadonly 0.132 /
-  0.148, library 0.143 / 0.163: the writes and the reads add up to the whole conversion.)
 
 Measured (RESULTS run 196, H100, `small` W2 NVFP4 op ms): library 0.145, noconv 0.124, nowait 0.195, idle 0.115 (the
 bf16 wgrad 0.112): structure ~3%, flags and waits ~8%, conversion ~17%. "nowait" is no bound: with no wait the
 frontier runs ahead, no converter is held, none drops its read slabs, and the GEMM reads the workspace from DRAM
-before it is converted.
+before it is converted. Run 199 (H100, `small` W2 NVFP4 / MXFP8 op ms): noconv 0.124 / 0.123, storeonly 0.136 / 0.137,
+loadonly 0.132 / 0.148, library 0.143 / 0.163 -- the writes and the reads add up to the whole conversion.
 
 And one variant of the on-chip block-scaled wgrad (mainloop_dequant_wgrad: A converted in the consumers'
 registers, B by the stage workers), forced onto the `small` / e128_a128 rows by the on-chip route:
