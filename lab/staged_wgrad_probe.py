@@ -31,7 +31,8 @@ registers, B by the stage workers), forced onto the `small` / e128_a128 rows by 
 - "bfree": the stage workers and consumer passes convert nothing (B's bf16 stage is garbage; the TMA loads, the
   cluster copies and every barrier stay): the rate of a wgrad whose B arrives in bf16 for free and whose A is
   converted in registers -- what a staged-B / A-in-registers wgrad could reach at best (run 198: `small` W2 NVFP4
-  0.132 ms, 0.86x of its forward; e128_a128 0.463).
+  0.132 ms, 0.86x of its forward; e128_a128 0.463; run 200: `small` W1 NVFP4 0.249-0.250 ms, 0.80x, W1 MXFP8
+  token-major 0.272-0.273, 0.91x).
 
 The staged variants are selected by a `Config.consumer_b_passes` mark (unused by the staged wgrad, but in the
 module's fingerprint):
@@ -40,7 +41,8 @@ module's fingerprint):
     python -m lab.staged_wgrad_probe --shape small          # (GPU) the wgrad rows under each variant, alternated
     ncu ... python -m lab.staged_wgrad_probe --profile noconv "small/wgrad w2 nvfp4"   # one variant for ncu
 
-"bfree" by a `Config.mx_n_parts` mark (unused without mxfp8_wgmma): `bundle_items_onchip`, `main_onchip`.
+"bfree" by a `Config.mx_n_parts` mark (unused without mxfp8_wgmma): `bundle_items_onchip`, `main_onchip`
+(`python -c "from lab import staged_wgrad_probe as p; p.main_onchip('small')"`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from lab import harness
 MARKS = {"noconv": 29, "nowait": 30, "idle": 31, "nodrop": 28, "storeonly": 27, "loadonly": 26}
 SPLITS = ("storeonly", "loadonly")   # the variants that run the jobs' writes or reads alone (and wait as the library)
 ONCHIP_MARK = 4             # mx_n_parts of "bfree"
-ONCHIP_ROWS = ("wgrad w2 nvfp4", "wgrad w2 mxfp8")
+ONCHIP_ROWS = ("wgrad w2 nvfp4", "wgrad w2 mxfp8", "wgrad w1 nvfp4", "wgrad w1 mxfp8 tok")
 ROWS = ("wgrad w2 nvfp4", "wgrad w2 mxfp8", "wgrad w1 nvfp4")
 SHAPES = ("small", "e128_a128")
 
@@ -181,7 +183,7 @@ def change_onchip(label):
 
 
 def bundle_items_onchip() -> list:
-    """The on-chip route's W2 rows on `small` / e128_a128, as the library runs them and as "bfree"."""
+    """The on-chip route's wgrad rows (ONCHIP_ROWS) on `small` / e128_a128, as the library runs them and as "bfree"."""
     from lab import bench_dequant_first as bdf
 
     patch()
@@ -191,7 +193,7 @@ def bundle_items_onchip() -> list:
 
 
 def main_onchip(shape: str) -> None:
-    """(GPU) the W2 rows on chip as the library runs them and as "bfree", alternated, two rounds."""
+    """(GPU) the ONCHIP_ROWS on chip as the library runs them and as "bfree", alternated, two rounds."""
     from benchmarks import bench_moe_ops
     from lab import bench_dequant_first  # noqa: F401  (e128_a128)
 
